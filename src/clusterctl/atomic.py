@@ -1,0 +1,164 @@
+"""Durable file writes and careful reads of state files.
+
+Writes: temp file in the same folder (O_EXCL), write, fsync, rename, fsync the folder. A reader never sees a
+half-written file and a crash never leaves the old one damaged.
+
+Reads of state files: no symlinks followed, regular files only, size capped, and JSON parsed strictly
+(no duplicate keys, no NaN/Infinity, bounded nesting) so a hostile or truncated file gives a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from clusterctl.errors import CannotWrite, IntegrityError, MissingInput
+
+MAX_STATE_BYTES = 8 * 1024 * 1024
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically; on any failure the old file is left as it was."""
+    path = Path(path)
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CannotWrite(f"cannot create folder {folder}: {e.strerror or e}") from None
+    tmp = folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as e:
+        raise CannotWrite(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise CannotWrite(f"cannot write {path}: {e.strerror or e}") from None
+    fsync_dir(folder)
+
+
+def dumps(obj: Any) -> bytes:
+    """The one pretty JSON form of clusterctl's own files (stable key order as given, trailing newline)."""
+    return (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o644) -> None:
+    atomic_write_bytes(path, dumps(obj), mode=mode)
+
+
+def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file") -> bytes:
+    """Read a regular file without following a symlink, refusing anything larger than ``limit``."""
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise MissingInput(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise IntegrityError(f"cannot open {what} {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(f"{what} {path} is not a regular file")
+        if st.st_size > limit:
+            raise IntegrityError(f"{what} {path} is too large ({st.st_size} bytes, limit {limit})")
+        chunks = []
+        total = 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            total += len(b)
+            if total > limit:
+                raise IntegrityError(f"{what} {path} is too large (limit {limit} bytes)")
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON here")
+
+
+def strict_loads(data: bytes | str, *, source: str = "input") -> Any:
+    """Parse JSON strictly: duplicate keys, NaN/Infinity, overflowing floats and deep nesting are errors."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{source} is not UTF-8 text") from None
+    except RecursionError:
+        raise IntegrityError(f"{source} is nested too deeply") from None
+    except json.JSONDecodeError as e:
+        raise IntegrityError(f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:
+        raise IntegrityError(f"{source} is not valid JSON ({e})") from None
+    _reject_inf(obj, source)
+    return obj
+
+
+def _reject_inf(obj: Any, source: str, depth: int = 0) -> None:
+    # json turns 1e400 into inf without calling parse_constant
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, float) and (o != o or o in (float("inf"), float("-inf"))):
+            raise IntegrityError(f"{source} is not valid JSON (a number is out of range)")
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def read_json(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file") -> Any:
+    return strict_loads(read_capped(path, limit=limit, what=what), source=f"{what} {path}")
+
+
+def move_aside(path: str | os.PathLike, reason: str = "corrupt") -> Path:
+    """Move a damaged state file out of the way (never delete it) and return where it went."""
+    path = Path(path)
+    dest = path.with_name(f"{path.name}.{reason}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}")
+    os.replace(path, dest)
+    fsync_dir(path.parent)
+    return dest

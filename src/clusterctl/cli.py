@@ -1,0 +1,5 @@
+"""Placeholder CLI entry; the real Typer app replaces this."""
+
+
+def main() -> None:  # pragma: no cover
+    raise SystemExit("clusterctl: CLI under construction")

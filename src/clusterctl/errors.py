@@ -1,0 +1,115 @@
+"""The one error root of clusterctl.
+
+Every failure a user can cause or meet carries an exit code (after sysexits, see docs/cli.md) and a
+one-line message; the CLI edge prints ``error: <message>`` (plus an optional hint) and exits with it.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    OK = 0
+    FAILED = 1  # failed on at least one host (details in --json)
+    USAGE = 2
+    DATAERR = 65  # bad, tampered or unsigned deployment / manifest / contract
+    NOINPUT = 66  # missing input file
+    UNAVAILABLE = 69  # host unreachable
+    SOFTWARE = 70  # internal error (the only one with a traceback)
+    CANTCREAT = 73  # cannot write output
+    TEMPFAIL = 75  # lock held, deployment busy
+    NOPERM = 77  # authentication or host key rejected
+    CONFIG = 78  # bad configuration, including "does not fit"
+
+
+class ClusterctlError(Exception):
+    """Base error: a one-line message, an exit code and an optional hint."""
+
+    exit_code: Exit = Exit.FAILED
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: Exit | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def to_json(self) -> dict:
+        out = {"error": self.message, "exit_code": int(self.exit_code), "kind": type(self).__name__}
+        if self.hint:
+            out["hint"] = self.hint
+        return out
+
+
+class UsageError(ClusterctlError):
+    exit_code = Exit.USAGE
+
+
+class ConfigError(ClusterctlError):
+    """A bad cluster.toml, model folder or flag combination, or a plan that does not fit."""
+
+    exit_code = Exit.CONFIG
+
+
+class DoesNotFit(ConfigError):
+    def __init__(self, message: str, *, nodes: list[dict] | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.nodes = nodes or []
+
+
+class IntegrityError(ClusterctlError):
+    """A file that is corrupt, tampered with, unsigned, of a newer version, or of the wrong type."""
+
+    exit_code = Exit.DATAERR
+
+
+class MissingInput(ClusterctlError):
+    exit_code = Exit.NOINPUT
+
+
+class CannotWrite(ClusterctlError):
+    exit_code = Exit.CANTCREAT
+
+
+class Busy(ClusterctlError):
+    """A lock is held or the deployment is serving requests."""
+
+    exit_code = Exit.TEMPFAIL
+
+
+class HostUnreachable(ClusterctlError):
+    exit_code = Exit.UNAVAILABLE
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.host = host
+
+
+class AuthRejected(ClusterctlError):
+    """Authentication failed or the host key is unknown / changed."""
+
+    exit_code = Exit.NOPERM
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.host = host
+
+
+class RemoteCommandFailed(ClusterctlError):
+    """A command on a node exited non-zero; carries what is needed to understand it."""
+
+    exit_code = Exit.FAILED
+
+    def __init__(self, message: str, *, host: str, argv: list[str] | None = None,
+                 returncode: int | None = None, stderr_tail: str = "", hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.host = host
+        self.argv = argv or []
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out.update(host=self.host, argv=self.argv, returncode=self.returncode, stderr_tail=self.stderr_tail)
+        return out
