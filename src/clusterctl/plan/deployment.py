@@ -1,0 +1,213 @@
+"""The deployment file (schema version 2): what runs where, signed.
+
+See docs/deployment-file.md. ``plan_hash`` covers only what decides placement (model facts, layer ranges, nodes'
+names and addresses, backend, parallel mode): moving a model folder (path_map), a new timestamp or a new signature
+never changes it. Version 1 files (no path_map: one model path for every node) are migrated in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clusterctl.atomic import dumps, strict_loads
+from clusterctl.errors import IntegrityError
+from clusterctl.plan.fit import RankBytes
+from clusterctl.plan.inventory import Node
+from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
+
+SCHEMA_VERSION = 2
+KIND = "deployment"
+
+
+class ModelRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    model_type: str
+    source_path: str  # the coordinator's copy, used to re-derive the plan
+    facts_hash: str
+    manifest_hash: str | None = None
+    num_layers: int
+    layer_bytes: list[int]
+    shared_bytes: int
+    kv_bytes_per_token_per_layer: int
+
+
+class RankAssignment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rank: int
+    node: str
+    host: str
+    ips: list[str]
+    start_layer: int  # [start_layer, end_layer) in model order; mlx-lm gives rank 0 the last layers
+    end_layer: int
+    layers: int
+    planned: RankBytes
+    usable_bytes: int | None
+
+
+class PlanOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    allocation: Literal["balanced", "proportional", "speed"] = "balanced"
+    backend: Literal["auto", "ring", "jaccl", "mpi"] = "auto"
+    parallel: Literal["pipeline", "tensor"] = "pipeline"
+    context: int = Field(default=4096, ge=1)
+    batch: int = Field(default=1, ge=1)
+    headroom_gb: float = Field(default=0.5, ge=0)
+
+
+class Deployment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[2] = SCHEMA_VERSION
+    type: Literal["deployment"] = KIND
+    deployment_id: str
+    created_at: str
+    cluster: str
+    model: ModelRef
+    nodes: list[Node]
+    ranks: list[RankAssignment]
+    backend: Literal["ring", "jaccl", "mpi"]
+    parallel: Literal["pipeline", "tensor"]
+    allocation: Literal["balanced", "proportional", "speed"]
+    options: PlanOptions
+    path_map: dict[str, str]
+    speeds: dict[str, float] = Field(default_factory=dict)
+    placement: str
+    plan_hash: str
+    warnings: list[str] = Field(default_factory=list)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def rank_of(self, node: str) -> RankAssignment:
+        for r in self.ranks:
+            if r.node == node:
+                return r
+        raise KeyError(node)
+
+
+def canonical(obj) -> bytes:
+    """Canonical JSON for hashing: sorted keys, no spaces, ASCII only, no floats allowed to drift."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def plan_hash(model_facts_hash: str, num_layers: int, nodes: list[Node], ranks: list[tuple[str, int, int]],
+              backend: str, parallel: str) -> str:
+    doc = {
+        "v": 1,
+        "model": {"facts_hash": model_facts_hash, "num_layers": num_layers},
+        "nodes": [{"name": n.name, "host": n.host, "port": n.port, "user": n.user, "ips": sorted(n.ips),
+                   "local": n.is_local} for n in nodes],
+        "ranks": [{"rank": i, "node": node, "start": s, "end": e} for i, (node, s, e) in enumerate(ranks)],
+        "backend": backend,
+        "parallel": parallel,
+    }
+    return hashlib.sha256(canonical(doc)).hexdigest()
+
+
+def placement_signature(ranks: list[RankAssignment]) -> str:
+    """What an operator approves: per-rank node, layer range and planned bytes, as a short hash."""
+    doc = [[r.rank, r.node, r.start_layer, r.end_layer, r.planned.total] for r in ranks]
+    return hashlib.sha256(canonical(doc)).hexdigest()[:12]
+
+
+def placement_lines(ranks: list[RankAssignment]) -> list[str]:
+    return [f"rank {r.rank} {r.node} layers [{r.start_layer}, {r.end_layer}) {r.planned.total} B" for r in ranks]
+
+
+def diff_placement(old: Deployment, new: Deployment) -> list[str]:
+    """Human lines describing how two deployments' placements differ (empty when they match)."""
+    out = []
+    if old.model.facts_hash != new.model.facts_hash:
+        out.append("model: weights or config changed (facts hash differs)")
+    if old.backend != new.backend:
+        out.append(f"backend: {old.backend} -> {new.backend}")
+    if old.parallel != new.parallel:
+        out.append(f"parallel: {old.parallel} -> {new.parallel}")
+    a, b = placement_lines(old.ranks), placement_lines(new.ranks)
+    for i in range(max(len(a), len(b))):
+        x = a[i] if i < len(a) else "(none)"
+        y = b[i] if i < len(b) else "(none)"
+        if x != y:
+            out.append(f"- {x}\n+ {y}")
+    if not out and old.plan_hash != new.plan_hash:
+        out.append("nodes: names or addresses changed")
+    return out
+
+
+# ---- files -----------------------------------------------------------------------------------------------------
+
+def encode(dep: Deployment, key: SigningKey) -> bytes:
+    payload = dumps(dep.model_dump(mode="json"))
+    return sign_payload(payload, KIND, key)
+
+
+class Loaded(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    deployment: Deployment
+    migrated_from: int | None = None
+
+
+def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment file") -> Loaded:
+    """Verify, then parse. Version 1 is migrated in memory (the caller writes it back); newer versions refused."""
+    payload = verify_signed(data, KIND, trusted, source=source)
+    doc = strict_loads(payload, source=source)
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{source} is not a JSON object")
+    if doc.get("type") != KIND:
+        raise IntegrityError(f"{source} is a {doc.get('type')!r} file, not a deployment")
+    version = doc.get("schema_version")
+    migrated_from = None
+    if not isinstance(version, int):
+        raise IntegrityError(f"{source} has no schema_version")
+    if version > SCHEMA_VERSION:
+        raise IntegrityError(f"{source} has schema_version {version}; this clusterctl reads up to {SCHEMA_VERSION}",
+                             hint="upgrade clusterctl (the file was left untouched)")
+    if version == 1:
+        doc = migrate_v1(doc)
+        migrated_from = 1
+    elif version != SCHEMA_VERSION:
+        raise IntegrityError(f"{source} has unknown schema_version {version}")
+    try:
+        dep = Deployment.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise IntegrityError(f"{source}: {loc}: {err['msg']}") from None
+    _check_consistent(dep, source)
+    return Loaded(deployment=dep, migrated_from=migrated_from)
+
+
+def migrate_v1(doc: dict) -> dict:
+    """v1 had one ``model.path`` for every node; v2 has a per-node ``path_map``."""
+    doc = dict(doc)
+    model = dict(doc.get("model") or {})
+    path = model.pop("path", None)
+    model.setdefault("source_path", path or "")
+    doc["model"] = model
+    nodes = doc.get("nodes") or []
+    doc["path_map"] = {n["name"]: (n.get("model_path") or path or "") for n in nodes if isinstance(n, dict)}
+    doc["schema_version"] = SCHEMA_VERSION
+    return doc
+
+
+def _check_consistent(dep: Deployment, source: str) -> None:
+    names = [n.name for n in dep.nodes]
+    if [r.rank for r in dep.ranks] != list(range(len(dep.ranks))):
+        raise IntegrityError(f"{source}: ranks are not numbered 0..N-1")
+    for r in dep.ranks:
+        if r.node not in names:
+            raise IntegrityError(f"{source}: rank {r.rank} names unknown node {r.node!r}")
+        if r.node not in dep.path_map or not dep.path_map[r.node].startswith("/"):
+            raise IntegrityError(f"{source}: path_map has no absolute model path for node {r.node}")
+    expected = plan_hash(dep.model.facts_hash, dep.model.num_layers, dep.nodes,
+                         [(r.node, r.start_layer, r.end_layer) for r in dep.ranks], dep.backend, dep.parallel)
+    if expected != dep.plan_hash:
+        raise IntegrityError(f"{source}: plan_hash does not match its contents")

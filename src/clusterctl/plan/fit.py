@@ -1,0 +1,63 @@
+"""Does each rank's share fit its node? weights + KV cache + headroom vs usable memory.
+
+needed(rank) = bytes of its layers (pipeline) or 1/N of every layer (tensor)
+             + shared bytes (embedding, norm, head: every pipeline rank keeps them)
+             + KV bytes/token/layer x its layers x context x batch
+             + headroom (MLX allocator, activations, the Python process)
+usable(node) = memory_gb x 2^30 x usable_fraction
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from clusterctl.errors import DoesNotFit
+from clusterctl.plan.inventory import GIB, Node
+from clusterctl.plan.model import ModelFacts
+
+DEFAULT_HEADROOM_GB = 0.5
+
+
+class RankBytes(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weights: int
+    kv: int
+    headroom: int
+    total: int
+
+
+def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world: int,
+               context: int, batch: int, headroom_gb: float) -> RankBytes:
+    if parallel == "tensor":
+        weights = -(-sum(facts.layer_bytes) // world) + facts.shared_bytes
+        kv = -(-facts.kv_bytes_per_token_per_layer * facts.num_layers * context * batch // world)
+    else:
+        weights = sum(facts.layer_bytes[start:end]) + facts.shared_bytes
+        kv = facts.kv_bytes_per_token_per_layer * (end - start) * context * batch
+    headroom = int(headroom_gb * GIB)
+    return RankBytes(weights=weights, kv=kv, headroom=headroom, total=weights + kv + headroom)
+
+
+def gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
+    """Raise DoesNotFit naming every node that does not fit, with what it needs and what it has."""
+    bad = []
+    for node, need in zip(nodes, needs):
+        usable = node.usable_bytes
+        if usable is None or need.total > usable:
+            bad.append({"node": node.name, "needs": need.total, "usable": usable, "weights": need.weights,
+                        "kv": need.kv, "headroom": need.headroom})
+    if not bad:
+        return
+    parts = []
+    for b in bad:
+        if b["usable"] is None:
+            parts.append(f"node {b['node']} has no memory_gb")
+        else:
+            parts.append(f"node {b['node']} needs {gib(b['needs'])} (weights {gib(b['weights'])} + KV {gib(b['kv'])} "
+                         f"+ headroom {gib(b['headroom'])}) but has {gib(b['usable'])} usable")
+    raise DoesNotFit("the model does not fit: " + "; ".join(parts), nodes=bad,
+                     hint="add memory_gb, use more nodes, a smaller --context/--batch, or --allocation proportional")

@@ -1,0 +1,232 @@
+"""Model facts from a model folder, without loading weights.
+
+Reads ``config.json`` tolerantly (external file: unknown keys are fine, a nested ``text_config`` is used when the
+top level lacks the text model's fields) and the safetensors headers strictly (8-byte little-endian length, a JSON
+header, offsets that fit the file), giving bytes per layer, bytes of everything else (embedding, norm, head) and
+KV-cache bytes per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from clusterctl.atomic import strict_loads
+from clusterctl.errors import ConfigError, IntegrityError, MissingInput
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8,
+    "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+# mlx-lm 0.32 architectures whose Model has PipelineMixin (rank r runs a contiguous layer range).
+PIPELINE_MODEL_TYPES = frozenset({
+    "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41", "glm4_moe",
+    "glm4_moe_lite", "minimax_m3_vl", "ministral3", "mistral4", "muse_spark", "qwen2", "qwen3_5",
+    "qwen3_moe", "qwen3_next",
+})
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class TensorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    file: str
+
+
+class ModelFacts(BaseModel):
+    """What planning needs to know about a model; derived only from config.json and safetensors headers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    quantization: dict | None = None
+    layer_bytes: list[int]
+    shared_bytes: int  # embedding, final norm, lm_head: every pipeline rank keeps them
+    kv_dtype_bytes: int
+    facts_hash: str  # sha256 over config.json and every safetensors header: changes when the weights change
+    files: list[str]
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.shared_bytes
+
+    @property
+    def pipeline_capable(self) -> bool:
+        return self.model_type in PIPELINE_MODEL_TYPES
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
+    """Return (tensors, raw header bytes, data start offset). Raises IntegrityError on any inconsistency."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise IntegrityError(f"{path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER_BYTES:
+                raise IntegrityError(f"{path}: corrupt safetensors header (header length {n})")
+            if 8 + n > size:
+                raise IntegrityError(f"{path}: truncated safetensors file (header needs {n} bytes, file has {size - 8})")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise MissingInput(f"weights file not found: {path}") from None
+    except OSError as e:
+        raise IntegrityError(f"{path}: cannot read: {e.strerror or e}") from None
+    header = strict_loads(raw.rstrip(b" "), source=f"safetensors header of {path}")
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{path}: corrupt safetensors header (not an object)")
+    data_len = size - 8 - n
+    tensors: dict[str, dict] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = info["dtype"]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise IntegrityError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise IntegrityError(f"{path}: tensor {name!r} has a negative dimension")
+            count *= d
+        if not 0 <= begin <= end or end - begin != count * DTYPE_BYTES[dtype]:
+            raise IntegrityError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match {dtype}{shape}")
+        if end > data_len:
+            raise IntegrityError(f"{path}: truncated safetensors file (tensor {name!r} ends past the end of the file)")
+        tensors[name] = {"dtype": dtype, "shape": shape, "begin": begin, "end": end}
+    return tensors, raw, 8 + n
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            data = strict_loads(index.read_bytes(), source=str(index))
+            weight_map = data["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (KeyError, TypeError, AttributeError):
+            raise IntegrityError(f"{index}: no weight_map") from None
+        for n in names:
+            if not isinstance(n, str) or "/" in n or n.startswith("."):
+                raise IntegrityError(f"{index}: bad file name {n!r} in weight_map")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise MissingInput(f"{folder}: no *.safetensors files and no model.safetensors.index.json")
+    return files
+
+
+def _cfg(config: dict, *keys: str, default=None):
+    for k in keys:
+        if k in config and config[k] is not None:
+            return config[k]
+    return default
+
+
+def read_config(folder: Path) -> tuple[dict, bytes]:
+    path = folder / "config.json"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise MissingInput(f"{folder}: no config.json (is this a model folder?)") from None
+    except OSError as e:
+        raise MissingInput(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        config = json.loads(raw)  # external file: tolerant
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"{path}: not valid JSON") from None
+    if not isinstance(config, dict):
+        raise IntegrityError(f"{path}: not a JSON object")
+    return config, raw
+
+
+def inspect_model(folder: str | os.PathLike) -> ModelFacts:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MissingInput(f"model folder not found: {folder}")
+    config, config_raw = read_config(folder)
+    text = config
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        text = {**config, **config["text_config"]}
+    num_layers = _cfg(text, "num_hidden_layers", "n_layers", "num_layers")
+    hidden = _cfg(text, "hidden_size", "d_model", "dim")
+    heads = _cfg(text, "num_attention_heads", "n_heads")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"{folder}/config.json: num_hidden_layers missing or not a positive integer")
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+        raise ConfigError(f"{folder}/config.json: hidden_size / num_attention_heads missing")
+    kv_heads = _cfg(text, "num_key_value_heads", "n_kv_heads", default=heads)
+    head_dim = _cfg(text, "head_dim", default=hidden // heads)
+    vocab = _cfg(text, "vocab_size", default=0)
+    tie = bool(_cfg(text, "tie_word_embeddings", default=False))
+    quant = _cfg(config, "quantization", "quantization_config")
+
+    digest = hashlib.sha256()
+    digest.update(b"config.json\0" + config_raw)
+    layer_bytes = [0] * num_layers
+    shared = 0
+    dtype_counts: dict[str, int] = {}
+    files = _weight_files(folder)
+    for path in files:
+        tensors, raw, _ = read_safetensors_header(path)
+        digest.update(f"\0{path.name}\0".encode() + raw)
+        for name, t in tensors.items():
+            nbytes = t["end"] - t["begin"]
+            m = _LAYER_RE.search(name)
+            if m:
+                i = int(m.group(1))
+                if i >= num_layers:
+                    raise IntegrityError(f"{path}: tensor {name!r} is for layer {i}, but config.json says {num_layers} layers")
+                layer_bytes[i] += nbytes
+            else:
+                shared += nbytes
+            if t["dtype"] in ("F32", "F16", "BF16"):
+                dtype_counts[t["dtype"]] = dtype_counts.get(t["dtype"], 0) + nbytes
+    if not any(layer_bytes):
+        raise IntegrityError(f"{folder}: no layer tensors found in the safetensors headers")
+    kv_bytes = TORCH_DTYPE_BYTES.get(str(_cfg(text, "torch_dtype", "dtype", default="")), 0)
+    if not kv_bytes:
+        main = max(dtype_counts, key=dtype_counts.get) if dtype_counts else "F16"
+        kv_bytes = DTYPE_BYTES[main]
+    return ModelFacts(
+        name=str(_cfg(config, "_name_or_path", default="") or folder.name),
+        model_type=str(_cfg(text, "model_type", default="unknown")),
+        num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim), vocab_size=int(vocab), tie_word_embeddings=tie,
+        quantization=quant if isinstance(quant, dict) else None,
+        layer_bytes=layer_bytes, shared_bytes=shared, kv_dtype_bytes=kv_bytes,
+        facts_hash=digest.hexdigest(), files=[p.name for p in files],
+    )

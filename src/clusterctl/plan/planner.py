@@ -1,0 +1,94 @@
+"""inventory + model facts + options -> Deployment (unsigned). Pure: same inputs, same plan."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from fractions import Fraction
+
+from clusterctl.errors import ConfigError
+from clusterctl.plan import allocate
+from clusterctl.plan.backend import all_links_fast, choose_backend
+from clusterctl.plan.deployment import (
+    Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash,
+)
+from clusterctl.plan.fit import check_fit, rank_bytes
+from clusterctl.plan.inventory import Cluster, Node
+from clusterctl.plan.model import ModelFacts
+
+
+def _weights(nodes: list[Node], allocation: str) -> list[Fraction]:
+    if allocation == "proportional":
+        missing = [n.name for n in nodes if n.memory_gb is None]
+        if missing:
+            raise ConfigError(f"proportional allocation needs memory_gb for every node; missing on {', '.join(missing)}")
+        # Exact: the decimal text of the float, never its binary rounding.
+        return [Fraction(str(n.memory_gb)) * Fraction(str(n.usable_fraction)) for n in nodes]
+    if allocation == "speed":
+        missing = [n.name for n in nodes if n.speed is None]
+        if missing:
+            raise ConfigError(f"speed allocation needs a measured speed for every node; missing on {', '.join(missing)}",
+                              hint="set speed = <tokens/s> per node, or use --allocation proportional")
+        return [Fraction(str(n.speed)) for n in nodes]
+    raise ConfigError(f"unknown allocation {allocation!r}")
+
+
+def layer_counts(nodes: list[Node], num_layers: int, options: PlanOptions) -> list[int]:
+    if options.parallel == "tensor":
+        if options.allocation != "balanced":
+            raise ConfigError(f"--allocation {options.allocation} is pipeline-only; tensor parallel shards every layer "
+                              "evenly", hint="use --allocation balanced with --parallel tensor")
+        return [num_layers] * len(nodes)
+    if options.allocation == "balanced":
+        return allocate.balanced(num_layers, len(nodes))
+    return allocate.largest_remainder(num_layers, _weights(nodes, options.allocation), [n.name for n in nodes])
+
+
+def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, options: PlanOptions, *,
+                    path_map: dict[str, str] | None = None, now: datetime | None = None) -> Deployment:
+    nodes = cluster.nodes
+    warnings: list[str] = []
+    if options.parallel == "pipeline" and len(nodes) > 1 and not facts.pipeline_capable:
+        raise ConfigError(f"model type {facts.model_type!r} has no pipeline support in mlx-lm",
+                          hint="use --parallel tensor, or a pipeline-capable architecture (e.g. qwen2, qwen3_moe, deepseek_v3)")
+    if options.parallel == "tensor" and len(nodes) > 1 and not all_links_fast(nodes):
+        warnings.append("tensor parallel sends activations every layer: recommended only on known-fast links "
+                        "(thunderbolt/rdma); some pairs have none declared")
+    backend = choose_backend(options.backend, nodes)
+    counts = layer_counts(nodes, facts.num_layers, options)
+    if options.parallel == "tensor":
+        ranges = [(0, facts.num_layers)] * len(nodes)
+    else:
+        ranges = allocate.layer_ranges(counts)
+    needs = [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
+                        batch=options.batch, headroom_gb=options.headroom_gb) for s, e in ranges]
+    check_fit(nodes, needs)
+    ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
+                            planned=need, usable_bytes=n.usable_bytes)
+             for i, (n, (s, e), need) in enumerate(zip(nodes, ranges, needs))]
+    pm = {}
+    for n in nodes:
+        p = (path_map or {}).get(n.name) or n.model_path or (model_path if n.is_local else None)
+        if not p:
+            raise ConfigError(f"node {n.name} has no model_path (its copy of the model)",
+                              hint="set model_path for every remote node in cluster.toml")
+        pm[n.name] = p
+    h = plan_hash(facts.facts_hash, facts.num_layers, nodes, [(r.node, r.start_layer, r.end_layer) for r in ranks],
+                  backend, options.parallel)
+    created = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Deployment(
+        deployment_id=f"{cluster.name}-{h[:10]}",
+        created_at=created,
+        cluster=cluster.name,
+        model=ModelRef(name=facts.name, model_type=facts.model_type, source_path=model_path,
+                       facts_hash=facts.facts_hash, num_layers=facts.num_layers, layer_bytes=facts.layer_bytes,
+                       shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer),
+        nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
+        options=options, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
+        placement=placement_signature(ranks), plan_hash=h, warnings=warnings,
+    )
+
+
+def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:
+    """Recompute a deployment from its own recorded inputs and the model as it is now (for launch/replan checks)."""
+    cluster = Cluster(name=dep.cluster, nodes=dep.nodes)
+    return make_deployment(cluster, facts, dep.model.source_path, dep.options, path_map=dep.path_map)

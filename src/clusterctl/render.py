@@ -1,0 +1,69 @@
+"""All rendering in one place: stdout carries data only (--json), tables and messages go to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_SCHEMA_VERSION = 1
+
+
+@dataclass
+class Output:
+    json: bool = False
+    quiet: bool = False
+    _console: Any = field(default=None, repr=False)
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            # Piped stderr (cron mail, logs) gets a wide fixed width instead of wrapping at 80 columns.
+            width = None if sys.stderr.isatty() else 200
+            self._console = Console(stderr=True, highlight=False, soft_wrap=False, width=width)
+        return self._console
+
+    def data(self, doc: dict) -> None:
+        """The one JSON document of a --json run, on stdout."""
+        doc = {"schema_version": JSON_SCHEMA_VERSION, **doc} if "schema_version" not in doc else doc
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+    def info(self, message: str) -> None:
+        """A human line on stderr; silent with --quiet or --json."""
+        if not self.quiet and not self.json:
+            self.console.print(message)
+
+    def warn(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(f"[yellow]warning:[/yellow] {message}")
+
+    def table(self, table) -> None:
+        if not self.quiet and not self.json:
+            self.console.print(table)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def deployment_table(dep) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
+                    f"{dep.parallel}/{dep.allocation}", title_justify="left", box=None, pad_edge=False)
+    for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):
+        t.add_column(col, justify="right" if col in ("RANK", "LAYERS", "WEIGHTS", "KV", "USED", "USABLE") else "left")
+    for r in dep.ranks:
+        t.add_row(str(r.rank), r.node, r.host, str(r.layers), f"[{r.start_layer}, {r.end_layer})",
+                  human_bytes(r.planned.weights), human_bytes(r.planned.kv), human_bytes(r.planned.total),
+                  human_bytes(r.usable_bytes), dep.path_map.get(r.node, ""))
+    return t

@@ -1,0 +1,104 @@
+"""The operator's state directory: keys, signed deployments, launch manifests, locks.
+
+    <state>/keys/deploy.key        private signing key (0600), keys/deploy.pub
+    <state>/deployments/<id>.json  signed deployment files (every plan ever written)
+    <state>/launches/<job>.json    launch manifests, removed only after verified teardown
+    <state>/locks/                 flock files
+
+``--state-dir``, then env ``CLUSTERCTL_STATE_DIR``, then the platform's user state dir.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped
+from clusterctl.errors import IntegrityError, MissingInput
+from clusterctl.plan.signing import Keyring
+
+ENV_STATE_DIR = "CLUSTERCTL_STATE_DIR"
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get(ENV_STATE_DIR)
+    if env:
+        return Path(env)
+    from platformdirs import user_state_dir
+
+    return Path(user_state_dir("clusterctl", appauthor=False))
+
+
+class StateDir:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root else default_state_dir()
+
+    @property
+    def keyring(self) -> Keyring:
+        return Keyring(self.root / "keys")
+
+    @property
+    def deployments(self) -> Path:
+        return self.root / "deployments"
+
+    @property
+    def launches(self) -> Path:
+        return self.root / "launches"
+
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
+
+    def is_inside(self, path: Path) -> bool:
+        try:
+            path.resolve().relative_to(self.root.resolve())
+            return True
+        except ValueError:
+            return False
+
+    def deployment_path(self, ref: str) -> Path:
+        """A deployment given as a file path or as an id in the state dir."""
+        p = Path(ref)
+        if p.exists() or "/" in ref or ref.endswith(".json"):
+            return p
+        cand = self.deployments / f"{ref}.json"
+        if cand.exists():
+            return cand
+        raise MissingInput(f"no deployment {ref!r}: not a file, and not in {self.deployments}")
+
+    def load_deployment(self, ref: str):
+        """Verify and load a deployment; migrate v1 files in place; move corrupt state files aside."""
+        from clusterctl.plan.deployment import decode, encode
+
+        path = self.deployment_path(ref)
+        data = read_capped(path, what="deployment file")
+        try:
+            loaded = decode(data, self.keyring.public_keys(), source=str(path))
+        except IntegrityError as e:
+            if self.is_inside(path) and _is_damage(e):
+                dest = move_aside(path, "corrupt")
+                e.message += f" (moved aside to {dest})"
+                e.args = (e.message,)
+            raise
+        if loaded.migrated_from is not None:
+            atomic_write_bytes(path, encode(loaded.deployment, self.keyring.signing_key()))
+        return path, loaded
+
+    def save_deployment(self, dep, out: Path | None = None) -> list[Path]:
+        from clusterctl.plan.deployment import encode
+
+        data = encode(dep, self.keyring.signing_key())
+        written = []
+        if out is not None:
+            atomic_write_bytes(out, data)
+            written.append(out)
+        target = self.deployments / f"{dep.deployment_id}.json"
+        if out is None or out.resolve() != target.resolve():
+            atomic_write_bytes(target, data)
+            written.append(target)
+        return written
+
+
+def _is_damage(e: IntegrityError) -> bool:
+    # Corrupt or truncated files are moved aside; a newer-version file is left for the newer clusterctl.
+    return "schema_version" not in e.message and "unknown key" not in e.message

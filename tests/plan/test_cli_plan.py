@@ -1,0 +1,144 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cliutil import run, run_process
+from conftest import THREE, write_cluster
+
+
+@pytest.fixture
+def c3(tmp_path):
+    return write_cluster(tmp_path / "cluster.toml", THREE)
+
+
+def test_plan_json_is_the_only_stdout(c3, model32, state):
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--allocation", "proportional", "--json")
+    assert r.code == 0, r.stderr
+    doc = r.json()
+    assert doc["schema_version"] == 2
+    assert [x["layers"] for x in doc["ranks"]] == [5, 11, 16]
+    assert (state / "deployments" / f"{doc['deployment_id']}.json").exists()
+
+
+def test_plan_table_shows_the_same(c3, model32, state):
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--allocation", "proportional")
+    assert r.code == 0 and r.stdout == ""
+    lines = [line.split() for line in r.stderr.splitlines()]
+    rows = [line for line in lines if line and line[0] in ("0", "1", "2")]
+    assert [row[3] for row in rows] == ["5", "11", "16"]
+    assert "[27," in r.stderr and "[0, 16)" in r.stderr
+
+
+def test_quiet_prints_nothing(c3, model32, state):
+    r = run("plan", "-c", str(c3), "-m", str(model32), "-q")
+    assert r.code == 0 and r.stdout == "" and r.stderr == ""
+
+
+def test_out_writes_signed_file_and_verify(c3, model32, state, tmp_path):
+    out = tmp_path / "dep.json"
+    assert run("plan", "-c", str(c3), "-m", str(model32), "--out", str(out), "-q").code == 0
+    r = run("verify", str(out), "--json")
+    assert r.code == 0 and r.json()["ok"] is True
+    data = bytearray(out.read_bytes())
+    i = data.index(b'"layers": 11') + len('"layers": 1')
+    data[i] = ord("2")
+    out.write_bytes(bytes(data))
+    r = run("verify", str(out))
+    assert r.code == 65
+    assert len(r.stderr.strip().splitlines()) == 1 and "signature does not match" in r.stderr
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 256 KiB tmpfs: a real full disk (needs root and mount)."""
+    d = tmp_path / "small"
+    d.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)], capture_output=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.decode().strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)])
+
+
+def test_full_disk_keeps_old_file(c3, model32, state, tiny_fs):
+    out = tiny_fs / "dep.json"
+    out.write_text("old contents")
+    filler = tiny_fs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 512)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--out", str(out))
+    assert r.code == 73, r.stderr
+    assert "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert out.read_text() == "old contents"
+    assert sorted(p.name for p in tiny_fs.iterdir()) == ["dep.json", "filler"]  # no temp file left behind
+
+
+def test_out_into_a_missing_parent_on_a_file_is_73(c3, model32, state, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--out", str(blocker / "dep.json"))
+    assert r.code == 73 and "cannot" in r.stderr
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--allocation", "weird"], 2, "--allocation: 'weird' is not valid"),
+    (["--backend", "nccl"], 2, "--backend: 'nccl' is not valid"),
+    (["--parallel", "tensor", "--allocation", "proportional"], 78, "pipeline-only"),
+    (["--backend", "jaccl"], 78, "jaccl: node a has no rdma link to node b"),
+    (["--context", "100000000"], 78, "does not fit"),
+])
+def test_refusals(c3, model32, state, args, code, message):
+    r = run("plan", "-c", str(c3), "-m", str(model32), *args)
+    assert r.code == code, r.stderr
+    assert message in r.stderr
+    assert r.stdout == ""
+
+
+def test_missing_inputs_66(tmp_path, model32, state, c3):
+    assert run("plan", "-c", str(tmp_path / "none.toml"), "-m", str(model32)).code == 66
+    assert run("plan", "-c", str(c3), "-m", str(tmp_path / "nomodel")).code == 66
+    assert run("verify", str(tmp_path / "none.json")).code == 66
+
+
+def test_json_error_document(tmp_path, model32, state):
+    r = run("plan", "-c", str(tmp_path / "none.toml"), "-m", str(model32), "--json")
+    doc = r.json()
+    assert r.code == 66 and doc["ok"] is False and doc["exit_code"] == 66 and "schema_version" in doc
+
+
+def test_usage_errors_are_2():
+    r = run("plan", "--no-such-flag")
+    assert r.code == 2
+
+
+def test_version_and_help():
+    from clusterctl import __version__
+
+    r = run("--version")
+    assert r.code == 0 and r.stdout.strip() == f"clusterctl {__version__}"
+    r = run("--help")
+    assert r.code == 0 and "plan" in r.stdout and "verify" in r.stdout
+    r = run("plan", "--help")
+    assert r.code == 0 and "--allocation" in r.stdout
+
+
+def test_verify_does_not_import_mlx_or_numpy(c3, model32, state, tmp_path):
+    out = tmp_path / "d.json"
+    assert run("plan", "-c", str(c3), "-m", str(model32), "--out", str(out), "-q").code == 0
+    code = ("import sys\nfrom clusterctl.cli import main\n"
+            "try:\n    main(['verify', sys.argv[1], '-q'])\nexcept SystemExit as e:\n    code = e.code\n"
+            "heavy = sorted(m for m in ('mlx', 'mlx_lm', 'numpy', 'asyncssh') if m in sys.modules)\n"
+            "print(code, heavy)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                       env={**os.environ, "CLUSTERCTL_STATE_DIR": str(state)})
+    assert p.stdout.strip() == "0 []", p.stderr

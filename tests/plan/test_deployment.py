@@ -1,0 +1,225 @@
+import json
+import os
+from datetime import datetime, timezone
+
+import pytest
+
+from clusterctl.atomic import dumps
+from clusterctl.errors import ConfigError, DoesNotFit, IntegrityError
+from clusterctl.plan.deployment import PlanOptions, decode, encode
+from clusterctl.plan.inventory import parse_cluster
+from clusterctl.plan.model import inspect_model
+from clusterctl.plan.planner import make_deployment, replan_same_inputs
+from clusterctl.plan.signing import Keyring, sign_payload, verify_signed
+from clusterctl.state import StateDir
+
+from modelfiles import make_model
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+def cluster(mem=(64, 128, 192), **extra):
+    nodes = []
+    for i, m in enumerate(mem):
+        n = {"name": "abcdefgh"[i], "memory_gb": m, "host": f"10.0.0.{i + 1}", "ips": [f"10.0.0.{i + 1}"],
+             "model_path": "/models/m"}
+        n.update(extra.get(n["name"], {}))
+        nodes.append(n)
+    return parse_cluster({"cluster": {"name": "lab"}, "node": nodes})
+
+
+@pytest.fixture
+def facts(tmp_path):
+    return inspect_model(make_model(tmp_path / "m32", layers=32, hidden=64))
+
+
+def test_golden_balanced_plan_hash(facts):
+    # Pinned: adding allocation modes, fields or options must never change a balanced plan's hash.
+    dep = make_deployment(cluster(), facts, "/models/m", PlanOptions(allocation="balanced"), now=NOW)
+    assert [(r.start_layer, r.end_layer) for r in dep.ranks] == [(21, 32), (10, 21), (0, 10)]
+    assert dep.plan_hash == GOLDEN_BALANCED
+    assert dep.deployment_id == "lab-" + GOLDEN_BALANCED[:10]
+
+
+GOLDEN_BALANCED = "dcd1153c4c6df5555f021360158431301811ede44cdeadccd03748fe895652b0"
+
+
+def test_proportional_plan(facts):
+    dep = make_deployment(cluster(), facts, "/models/m", PlanOptions(allocation="proportional"), now=NOW)
+    assert [r.layers for r in dep.ranks] == [5, 11, 16]
+    assert [(r.start_layer, r.end_layer) for r in dep.ranks] == [(27, 32), (16, 27), (0, 16)]
+    assert dep.backend == "ring"
+
+
+def test_path_map_does_not_change_the_plan_hash(facts):
+    a = make_deployment(cluster(), facts, "/models/m", PlanOptions(), now=NOW)
+    b = make_deployment(cluster(), facts, "/elsewhere/m", PlanOptions(), path_map={"a": "/x", "b": "/y", "c": "/z"})
+    assert a.plan_hash == b.plan_hash and a.path_map != b.path_map
+
+
+def test_speed_allocation(facts):
+    c = cluster(a={"speed": 10}, b={"speed": 10}, c={"speed": 20})
+    dep = make_deployment(c, facts, "/m", PlanOptions(allocation="speed"))
+    assert [r.layers for r in dep.ranks] == [8, 8, 16]
+    with pytest.raises(ConfigError, match="missing on a, b, c"):
+        make_deployment(cluster(), facts, "/m", PlanOptions(allocation="speed"))
+
+
+def test_does_not_fit_names_node_and_numbers(facts):
+    with pytest.raises(DoesNotFit) as e:
+        make_deployment(cluster(mem=(0.4, 128, 192)), facts, "/m", PlanOptions(context=100_000))
+    msg = e.value.message
+    assert "node a needs" in msg and "usable" in msg and "node b" not in msg
+    assert e.value.exit_code == 78
+
+
+def test_kv_counts_context_and_batch(facts):
+    one = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000, batch=1))
+    four = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000, batch=4))
+    assert four.ranks[0].planned.kv == 4 * one.ranks[0].planned.kv
+    r = one.ranks[0]
+    assert r.planned.kv == facts.kv_bytes_per_token_per_layer * r.layers * 1000
+    # every pipeline rank holds embedding + head
+    assert all(x.planned.weights >= facts.shared_bytes for x in one.ranks)
+
+
+def test_backend_rules(facts):
+    with pytest.raises(ConfigError) as e:
+        make_deployment(cluster(), facts, "/m", PlanOptions(backend="jaccl"))
+    assert "jaccl: node a has no rdma link to node b" in e.value.message
+    links = {
+        "a": {"links": [{"peer": "b", "rdma": True, "device": "rdma_en3"}, {"peer": "c", "rdma": True, "device": "rdma_en4"}]},
+        "b": {"links": [{"peer": "a", "rdma": True, "device": "rdma_en3"}, {"peer": "c", "rdma": True, "device": "rdma_en4"}]},
+        "c": {"links": [{"peer": "a", "rdma": True, "device": "rdma_en3"}, {"peer": "b", "rdma": True, "device": "rdma_en4"}]},
+    }
+    assert make_deployment(cluster(**links), facts, "/m", PlanOptions(backend="auto")).backend == "jaccl"
+    partial = dict(links)
+    partial["c"] = {"links": [{"peer": "a", "rdma": True, "device": "x"}]}  # c -> b unknown: fail closed
+    assert make_deployment(cluster(**partial), facts, "/m", PlanOptions(backend="auto")).backend == "ring"
+    assert make_deployment(cluster(), facts, "/m", PlanOptions(backend="mpi")).backend == "mpi"
+
+
+def test_tensor_parallel_rules(facts):
+    with pytest.raises(ConfigError, match="pipeline-only"):
+        make_deployment(cluster(), facts, "/m", PlanOptions(parallel="tensor", allocation="proportional"))
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions(parallel="tensor"))
+    assert all((r.start_layer, r.end_layer) == (0, 32) for r in dep.ranks)
+    assert any("known-fast links" in w for w in dep.warnings)
+
+
+def test_non_pipeline_model_refused(tmp_path):
+    f = inspect_model(make_model(tmp_path / "llama", layers=8, model_type="llama"))
+    with pytest.raises(ConfigError, match="no pipeline support"):
+        make_deployment(cluster(), f, "/m", PlanOptions())
+
+
+# ---- signing -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def keys(tmp_path):
+    kr = Keyring(tmp_path / "keys")
+    return kr.signing_key(), kr
+
+
+def test_key_created_0600(keys):
+    _, kr = keys
+    assert oct(os.stat(kr.private_path).st_mode & 0o777) == "0o600"
+    assert kr.public_keys()[0].raw == keys[0].public.raw
+    assert "PRIVATE" not in repr(keys[0])
+
+
+def test_roundtrip_and_every_byte_is_covered(facts, keys):
+    sk, kr = keys
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions(), now=NOW)
+    data = encode(dep, sk)
+    assert decode(data, kr.public_keys()).deployment == dep
+    # flip a sample of bytes everywhere in the file: each edit must be refused with exit 65
+    step = max(1, len(data) // 300)
+    for i in range(0, len(data), step):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        with pytest.raises(IntegrityError) as e:
+            decode(bytes(bad), kr.public_keys())
+        assert e.value.exit_code == 65
+
+
+def test_unsigned_unknown_key_and_wrong_type(facts, keys, tmp_path):
+    sk, kr = keys
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions(), now=NOW)
+    payload = dumps(dep.model_dump(mode="json"))
+    with pytest.raises(IntegrityError, match="is not signed"):
+        decode(payload, kr.public_keys())
+    other = Keyring(tmp_path / "other").signing_key()
+    with pytest.raises(IntegrityError, match="unknown key"):
+        decode(encode(dep, other), kr.public_keys())
+    with pytest.raises(IntegrityError, match="no trusted public key"):
+        decode(encode(dep, sk), [])
+    # a validly signed file of another type never passes as a deployment
+    cancel = sign_payload(dumps({"type": "cancel", "deployment_id": dep.deployment_id, "epoch": 1}), "cancel", sk)
+    assert verify_signed(cancel, "cancel", kr.public_keys())
+    with pytest.raises(IntegrityError, match="signature does not match"):
+        decode(cancel, kr.public_keys())
+
+
+def _resign(doc, sk):
+    return sign_payload(dumps(doc), "deployment", sk)
+
+
+def test_v1_migrates_on_disk(facts, tmp_path, monkeypatch):
+    st = StateDir(tmp_path / "state")
+    sk = st.keyring.signing_key()
+    dep = make_deployment(cluster(), facts, "/models/m", PlanOptions(), now=NOW)
+    doc = dep.model_dump(mode="json")
+    doc["schema_version"] = 1
+    del doc["path_map"]
+    doc["model"]["path"] = "/models/m"
+    del doc["model"]["source_path"]
+    for n in doc["nodes"]:
+        n["model_path"] = None
+    f = tmp_path / "old.json"
+    f.write_bytes(_resign(doc, sk))
+    path, loaded = st.load_deployment(str(f))
+    assert loaded.migrated_from == 1
+    assert loaded.deployment.path_map == {"a": "/models/m", "b": "/models/m", "c": "/models/m"}
+    assert loaded.deployment.plan_hash == dep.plan_hash
+    on_disk = json.loads(f.read_bytes())
+    assert on_disk["schema_version"] == 2 and "path_map" in on_disk
+    _, again = st.load_deployment(str(f))
+    assert again.migrated_from is None
+
+
+def test_newer_version_refused_and_kept(facts, tmp_path):
+    st = StateDir(tmp_path / "state")
+    sk = st.keyring.signing_key()
+    doc = make_deployment(cluster(), facts, "/m", PlanOptions(), now=NOW).model_dump(mode="json")
+    doc["schema_version"] = 3
+    st.deployments.mkdir(parents=True)
+    f = st.deployments / "future.json"
+    f.write_bytes(_resign(doc, sk))
+    with pytest.raises(IntegrityError, match="schema_version 3"):
+        st.load_deployment("future")
+    assert f.exists()
+
+
+def test_corrupt_state_file_moved_aside(facts, tmp_path):
+    st = StateDir(tmp_path / "state")
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions(), now=NOW)
+    [p] = st.save_deployment(dep)
+    good = p.read_bytes()
+    p.write_bytes(good[: len(good) // 2])
+    with pytest.raises(IntegrityError, match="moved aside"):
+        st.load_deployment(dep.deployment_id)
+    assert not p.exists()
+    aside = list(st.deployments.glob(f"{p.name}.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == good[: len(good) // 2]
+
+
+def test_replan_detects_changed_model(facts, tmp_path):
+    dep = make_deployment(cluster(), facts, str(tmp_path / "m32"), PlanOptions(), now=NOW)
+    assert replan_same_inputs(dep, facts).plan_hash == dep.plan_hash
+    changed = inspect_model(make_model(tmp_path / "m32b", layers=32, hidden=64, inter=256))
+    from clusterctl.plan.deployment import diff_placement
+
+    new = replan_same_inputs(dep, changed)
+    assert new.plan_hash != dep.plan_hash
+    assert any("facts hash differs" in line for line in diff_placement(dep, new))

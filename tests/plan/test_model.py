@@ -1,0 +1,107 @@
+import json
+import struct
+
+import pytest
+
+from clusterctl.errors import IntegrityError, MissingInput
+from clusterctl.plan.model import inspect_model
+
+from modelfiles import make_model
+
+
+def test_facts_of_a_single_file_model(tmp_path):
+    f = inspect_model(make_model(tmp_path / "m", layers=4, hidden=64, heads=4, kv_heads=2, inter=128, vocab=256))
+    per_layer = 2 * (64 * 64 * 2 + 2 * 32 * 64 + 2 * 128 * 64 + 64 * 128 + 2 * 64)
+    assert f.num_layers == 4 and f.layer_bytes == [per_layer] * 4
+    assert f.shared_bytes == 2 * (256 * 64 * 2 + 64)
+    assert f.kv_bytes_per_token_per_layer == 2 * 2 * 16 * 2
+    assert f.pipeline_capable and not f.tie_word_embeddings
+
+
+def test_sharded_equals_single(tmp_path):
+    a = inspect_model(make_model(tmp_path / "a", layers=6))
+    b = inspect_model(make_model(tmp_path / "b", layers=6, shards=3))
+    assert a.layer_bytes == b.layer_bytes and a.shared_bytes == b.shared_bytes
+    assert len(b.files) == 3
+
+
+def test_quantized_weights_count_scales_and_biases(tmp_path):
+    q = inspect_model(make_model(tmp_path / "q", layers=2, hidden=128, inter=256, quant_bits=4))
+    full = inspect_model(make_model(tmp_path / "f", layers=2, hidden=128, inter=256))
+    assert q.quantization == {"group_size": 64, "bits": 4}
+    assert q.layer_bytes[0] < full.layer_bytes[0] / 2
+
+
+def test_tied_embeddings_have_no_head(tmp_path):
+    t = inspect_model(make_model(tmp_path / "t", tie=True))
+    u = inspect_model(make_model(tmp_path / "u", tie=False))
+    assert t.tie_word_embeddings and t.shared_bytes < u.shared_bytes
+
+
+def _corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncate-header":
+        path.write_bytes(bytes(data[:20]))
+    elif how == "truncate-data":
+        path.write_bytes(bytes(data[:-10]))
+    elif how == "garbage-length":
+        path.write_bytes(struct.pack("<Q", 1 << 60) + bytes(data[8:]))
+    elif how == "bad-json":
+        n = struct.unpack("<Q", data[:8])[0]
+        data[8 + n // 2] = ord("{")
+        path.write_bytes(bytes(data))
+    elif how == "empty":
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how,message", [
+    ("truncate-header", "truncated safetensors file"),
+    ("truncate-data", "ends past the end of the file"),
+    ("garbage-length", "corrupt safetensors header"),
+    ("bad-json", "not valid JSON"),
+    ("empty", "truncated safetensors file"),
+])
+def test_corrupt_headers_are_clear_errors(tmp_path, how, message):
+    m = make_model(tmp_path / "m", layers=2)
+    _corrupt(m / "model.safetensors", how)
+    with pytest.raises(IntegrityError) as e:
+        inspect_model(m)
+    assert message in e.value.message
+
+
+def test_missing_pieces(tmp_path):
+    with pytest.raises(MissingInput):
+        inspect_model(tmp_path / "none")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MissingInput, match="no config.json"):
+        inspect_model(tmp_path / "empty")
+    m = make_model(tmp_path / "m", layers=2)
+    (m / "model.safetensors").unlink()
+    with pytest.raises(MissingInput, match="no \\*.safetensors"):
+        inspect_model(m)
+
+
+def test_layer_beyond_config_is_refused(tmp_path):
+    m = make_model(tmp_path / "m", layers=4)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (m / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(IntegrityError, match="layer 2"):
+        inspect_model(m)
+
+
+def test_text_config_nesting_is_tolerated(tmp_path):
+    m = make_model(tmp_path / "m", layers=3)
+    cfg = json.loads((m / "config.json").read_text())
+    text = {k: cfg.pop(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")}
+    cfg["text_config"] = text
+    cfg["unknown_future_key"] = {"x": 1}
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert inspect_model(m).num_layers == 3
+
+
+def test_facts_hash_changes_with_weights_layout(tmp_path):
+    a = inspect_model(make_model(tmp_path / "a", layers=4))
+    b = inspect_model(make_model(tmp_path / "b", layers=4))
+    c = inspect_model(make_model(tmp_path / "c", layers=4, inter=256))
+    assert a.facts_hash == b.facts_hash != c.facts_hash
