@@ -1,0 +1,328 @@
+"""SshTransport: the Transport of a remote node over asyncssh (the only module importing asyncssh).
+
+One connection per node, opened on first use and reused by every command (SSH multiplexes channels). Commands
+are built by ``transport.shell_command_line`` only; files are read and written by small standard-library Python
+programs on the node, the path always passed as a quoted argv element and the data on stdin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import socket
+from pathlib import Path
+
+import asyncssh
+
+from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, HostUnreachable, IntegrityError,
+                               MissingInput, RemoteCommandFailed)
+from clusterctl.launch import ssh_policy
+from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
+                                         keeper_argv, keeper_env, raise_for_status, shell_command_line)
+
+# sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
+SHORT_CHANNELS = 4
+
+_READ_PROGRAM = r"""
+import os, stat, sys
+path, limit = sys.argv[1], int(sys.argv[2])
+def fail(code, msg):
+    sys.stderr.write(msg + "\n"); sys.exit(code)
+try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+except FileNotFoundError:
+    fail(2, "not found")
+except OSError as e:
+    fail(3, e.strerror or str(e))
+st = os.fstat(fd)
+if not stat.S_ISREG(st.st_mode):
+    fail(4, "not a regular file")
+chunks, total = [], 0
+while True:
+    b = os.read(fd, 1 << 20)
+    if not b:
+        break
+    total += len(b)
+    if total > limit:
+        fail(5, "larger than %d bytes" % limit)
+    chunks.append(b)
+sys.stdout.buffer.write(b"".join(chunks))
+"""
+
+_WRITE_PROGRAM = r"""
+import os, secrets, sys
+path, mode, want = sys.argv[1], int(sys.argv[2], 8), int(sys.argv[3])
+folder = os.path.dirname(path) or "."
+tmp = None
+try:
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".%s.%d.%s.tmp" % (os.path.basename(path), os.getpid(), secrets.token_hex(4)))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        got = 0
+        while True:
+            b = os.read(0, 1 << 20)
+            if not b:
+                break
+            got += len(b)
+            v = memoryview(b)
+            while v:
+                v = v[os.write(fd, v):]
+        if got != want:
+            raise EOFError("got %d of %d bytes" % (got, want))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    tmp = None
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    os.close(dfd)
+except EOFError as e:
+    sys.stderr.write("transfer truncated: %s\n" % e); sys.exit(3)
+except OSError as e:
+    sys.stderr.write((e.strerror or str(e)) + "\n"); sys.exit(2)
+finally:
+    if tmp is not None:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+"""
+
+
+class _PolicyClient(asyncssh.SSHClient):
+    """Routes host keys missing from known_hosts to ssh_policy, remembering why one was refused."""
+
+    def __init__(self, target: SshTarget, known_hosts):
+        self.target = target
+        self.known_hosts = known_hosts
+        self.refusal: ClusterctlError | None = None
+
+    def validate_host_public_key(self, host, addr, port, key) -> bool:
+        try:
+            listed = asyncssh.match_known_hosts(self.known_hosts, host, addr, port if port != 22 else None)
+            host_listed = bool(listed[0] or listed[1] or listed[2])
+            line = key.export_public_key("openssh").decode("ascii", "replace").strip()
+            ssh_policy.judge_unlisted_host_key(self.target, host_listed=host_listed, key_line=line,
+                                               fingerprint=f"{key.get_algorithm()} {key.get_fingerprint()}")
+            return True
+        except ClusterctlError as e:
+            self.refusal = e
+            return False
+        except Exception as e:  # never let a surprise here turn into "trusted"
+            self.refusal = ssh_policy.unknown_host_key_error(self.target, f"an unreadable key ({e})")
+            return False
+
+
+async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
+    """Open a verified connection or raise AuthRejected (77) / HostUnreachable (69) / ConfigError."""
+    kwargs = ssh_policy.asyncssh_connect_kwargs(target)
+    client = _PolicyClient(target, kwargs["known_hosts"])
+    try:
+        conn, _ = await asyncssh.create_connection(lambda: client, **kwargs)
+        return conn
+    except asyncssh.HostKeyNotVerifiable as e:
+        raise client.refusal or ssh_policy.unknown_host_key_error(target, str(e)) from None
+    except asyncssh.PermissionDenied as e:
+        raise ssh_policy.auth_failed_error(target, e.reason or "permission denied") from None
+    except asyncssh.KeyExchangeFailed as e:
+        raise ssh_policy.auth_failed_error(target, f"key exchange failed: {e.reason}") from None
+    except asyncssh.KeyImportError as e:
+        raise ConfigError(f"cannot use ssh key {target.identity_file}: {e}") from None
+    except asyncssh.DisconnectError as e:
+        raise ssh_policy.unreachable_error(target, e.reason or type(e).__name__) from None
+    except socket.gaierror as e:
+        raise ssh_policy.unreachable_error(target, f"cannot resolve {target.host} ({e.strerror or e})") from None
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ssh_policy.unreachable_error(target, f"no answer within {target.connect_timeout:g} s") from None
+    except ConnectionRefusedError:
+        raise ssh_policy.unreachable_error(target, "connection refused") from None
+    except FileNotFoundError as e:
+        raise ConfigError(f"cannot read {e.filename or 'an ssh key or known_hosts file'}: {e.strerror}") from None
+    except OSError as e:
+        raise ssh_policy.unreachable_error(target, e.strerror or str(e)) from None
+
+
+class _SshChannel:
+    def __init__(self, transport: "SshTransport", proc: asyncssh.SSHClientProcess):
+        self.t = transport
+        self.proc = proc
+
+    async def read_stdout(self, n: int) -> bytes:
+        return await self.proc.stdout.read(n)
+
+    async def read_stderr(self, n: int) -> bytes:
+        return await self.proc.stderr.read(n)
+
+    async def write_stdin(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+    async def close_stdin(self) -> None:
+        self.proc.stdin.write_eof()
+
+    async def wait_exit(self) -> int:
+        await self.proc.wait_closed()
+        rc = self.proc.returncode
+        if rc is None:
+            raise self.t._lost("the channel closed without an exit status")
+        return rc if rc >= 0 else 128 - rc
+
+    def abort(self, info: ChildInfo | None) -> None:
+        # Closing the channel closes the keeper's stdin on the node: it stops its group by itself.
+        with contextlib.suppress(Exception):
+            self.proc.close()
+
+
+class SshTransport:
+    """A node reached over SSH. Lazily connected; ``close()`` ends the connection and with it every process
+    this transport started (their keepers see EOF and stop their groups)."""
+
+    is_local = False
+
+    def __init__(self, node: str, target: SshTarget, *, python: str = "python3", keeper_grace: float = 10.0):
+        self.node = node
+        self.target = target
+        self.python = python
+        self.keeper_grace = keeper_grace
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._lock = asyncio.Lock()
+        self._channels = asyncio.Semaphore(SHORT_CHANNELS)
+
+    def __repr__(self) -> str:
+        return f"SshTransport({self.node!r}, {ssh_policy.describe(self.target)})"
+
+    def _lost(self, detail: str) -> HostUnreachable:
+        return HostUnreachable(f"lost the connection to {self.node} ({ssh_policy.describe(self.target)}): {detail}",
+                               host=self.target.host)
+
+    async def connection(self) -> asyncssh.SSHClientConnection:
+        async with self._lock:
+            if self._conn is not None and self._conn.is_closed():
+                self._conn = None
+            if self._conn is None:
+                self._conn = await connect(self.target)
+            return self._conn
+
+    async def _open(self, command: str) -> asyncssh.SSHClientProcess:
+        conn = await self.connection()
+        try:
+            return await conn.create_process(command, encoding=None)
+        except asyncssh.ChannelOpenError as e:
+            raise HostUnreachable(f"{self.node} refused a new ssh session: {e.reason}", host=self.target.host,
+                                  hint="sshd's MaxSessions (default 10) limits sessions per connection") from None
+        except (asyncssh.DisconnectError, OSError) as e:
+            raise self._lost(str(e) or type(e).__name__) from None
+
+    async def _run_line(self, argv: list[str], command: str, *, input: bytes | None, timeout: float | None,
+                        stdin_chunks=None) -> CommandResult:
+        async with self._channels:
+            proc = await self._open(command)
+            try:
+                async with asyncio.timeout(timeout):
+                    if stdin_chunks is not None:
+                        async for chunk in stdin_chunks:
+                            proc.stdin.write(chunk)
+                            await proc.stdin.drain()
+                    elif input:
+                        proc.stdin.write(input)
+                    proc.stdin.write_eof()
+                    out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
+                    await proc.wait_closed()
+            except TimeoutError:
+                proc.close()
+                raise CommandTimedOut(
+                    f"{shlex.join(argv)[:200]} timed out after {timeout:g} s on {self.node}", host=self.node,
+                    argv=list(argv),
+                    hint="the channel was closed; a remote command that does not read stdin may still run") from None
+            except (asyncssh.DisconnectError, asyncssh.BreakReceived, OSError) as e:
+                raise self._lost(str(e) or type(e).__name__) from None
+            finally:
+                proc.close()
+        rc = proc.returncode
+        if rc is None:
+            raise self._lost("the command ended without an exit status")
+        return CommandResult(list(argv), rc if rc >= 0 else 128 - rc, out, err)
+
+    async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
+                  timeout: float | None = None, check: bool = False) -> CommandResult:
+        result = await self._run_line(argv, shell_command_line(argv, env), input=input, timeout=timeout)
+        return raise_for_status(self.node, result) if check else result
+
+    async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+                    grace: float | None = None) -> StartedProcess:
+        check_argv(argv, env)
+        kargv = keeper_argv(self.python, argv, self.keeper_grace if grace is None else grace)
+        # exec: the keeper's parent is sshd's session process, so a dead session shows as a ppid change too
+        proc = await self._open(shell_command_line(kargv, keeper_env(env), exec_=True))
+        sp = StartedProcess(self.node, list(argv), _SshChannel(self, proc))
+        return await sp._begin()
+
+    async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
+        argv = [self.python, "-I", "-c", _READ_PROGRAM, path, str(limit)]
+        result = await self.run(argv)
+        why = result.stderr_tail.splitlines()[-1] if result.stderr_tail else ""
+        if result.returncode == 0:
+            return result.stdout
+        if result.returncode == 2:
+            raise MissingInput(f"file not found on {self.node}: {path}")
+        if result.returncode in (3, 4, 5):
+            raise IntegrityError(f"cannot read {path} on {self.node}: {why}")
+        raise self._program_failed(argv, result, f"cannot read {path} on {self.node}")
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        data = bytes(data)
+        argv = [self.python, "-I", "-c", _WRITE_PROGRAM, path, f"{mode:o}", str(len(data))]
+        result = await self._run_line(argv, shell_command_line(argv), input=data, timeout=None)
+        self._check_write(argv, path, result)
+
+    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:
+        local_path = Path(local_path)
+        try:
+            f = open(local_path, "rb")
+        except FileNotFoundError:
+            raise MissingInput(f"file not found: {local_path}") from None
+        except OSError as e:
+            raise MissingInput(f"cannot read {local_path}: {e.strerror or e}") from None
+        with f:
+            st = os.fstat(f.fileno())
+            mode = (st.st_mode & 0o777) if mode is None else mode
+            argv = [self.python, "-I", "-c", _WRITE_PROGRAM, remote_path, f"{mode:o}", str(st.st_size)]
+
+            async def chunks():
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    yield chunk
+
+            result = await self._run_line(argv, shell_command_line(argv), input=None, timeout=None,
+                                          stdin_chunks=chunks())
+        self._check_write(argv, remote_path, result)
+
+    def _check_write(self, argv: list[str], path: str, result: CommandResult) -> None:
+        if result.returncode == 0:
+            return
+        why = result.stderr_tail.splitlines()[-1] if result.stderr_tail else ""
+        if result.returncode in (2, 3):
+            raise CannotWrite(f"cannot write {path} on {self.node}: {why}")
+        raise self._program_failed(argv, result, f"cannot write {path} on {self.node}")
+
+    def _program_failed(self, argv: list[str], result: CommandResult, what: str) -> RemoteCommandFailed:
+        return RemoteCommandFailed(
+            f"{what}: {self.python} exited with {result.returncode}", host=self.node, argv=argv[:3],
+            returncode=result.returncode, stderr_tail=result.stderr_tail,
+            hint=f"is {self.python!r} a Python 3 interpreter on {self.node}?")
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            with contextlib.suppress(Exception):
+                await conn.wait_closed()

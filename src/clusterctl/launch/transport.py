@@ -1,0 +1,441 @@
+"""The transport seam: run a command, start a long-lived process, read/write a file on one node.
+
+Two implementations share this interface: ``LocalTransport`` (this machine, asyncio subprocesses) and
+``SshTransport`` (``sshnode.py``, asyncssh, one connection per node). Everything above this layer (supervisor,
+sync) talks to ``Transport`` only, so it never builds a shell command or touches asyncssh itself.
+
+Long-lived processes always go through the keeper (``python -m clusterctl.launch.keeper``), locally and over
+SSH alike: the process lives exactly as long as the keeper's stdin stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import shlex
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from clusterctl.atomic import atomic_write_bytes, fsync_dir, read_capped, strict_loads
+from clusterctl.errors import (CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed,
+                               UsageError)
+
+if TYPE_CHECKING:
+    from clusterctl.launch.ssh_policy import SshTarget
+
+TAIL_BYTES = 65536
+STDERR_TAIL_CHARS = 2000
+START_TIMEOUT = 30.0  # the keeper must report its child within this (python start + psutil import on a slow node)
+KILL_WAIT = 5.0
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: list[str]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def stderr_tail(self) -> str:
+        return _tail_text(self.stderr)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandTimedOut(RemoteCommandFailed):
+    """A command did not finish within its timeout (it was killed locally; see docs/ssh.md for remote)."""
+
+
+class ChildInfo(BaseModel):
+    """The keeper's one JSON line: identity of the started child on its node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pid: int
+    pgid: int
+    start_time: float | None
+    boot_id: str | None
+
+
+@runtime_checkable
+class Transport(Protocol):
+    node: str
+    is_local: bool
+    python: str
+
+    async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
+                  timeout: float | None = None, check: bool = False) -> CommandResult: ...
+
+    async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+                    grace: float | None = None) -> "StartedProcess": ...
+
+    async def read_file(self, path: str, *, limit: int = 65536) -> bytes: ...
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None: ...
+
+    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _tail_text(data: bytes, chars: int = STDERR_TAIL_CHARS) -> str:
+    return data[-chars * 2:].decode("utf-8", "replace")[-chars:].strip()
+
+
+def check_argv(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Refuse what cannot be passed faithfully: non-strings, NUL bytes, bad env names."""
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise UsageError(f"a command must be a non-empty list of strings, got {argv!r}")
+    for a in argv:
+        if "\0" in a:
+            raise UsageError(f"a command argument contains a NUL byte: {a!r}")
+    for k, v in (env or {}).items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise UsageError(f"bad environment variable name {k!r}")
+        if not isinstance(v, str) or "\0" in v:
+            raise UsageError(f"bad value for environment variable {k}")
+    if env and ("=" in argv[0] or argv[0].startswith("-")):
+        # `env` would read it as an assignment or an option
+        raise UsageError(f"command name {argv[0]!r} cannot be run with an environment prefix")
+
+
+def shell_command_line(argv: list[str], env: dict[str, str] | None = None, *, exec_: bool = False) -> str:
+    """The one way a remote command line is built: every element through shlex.quote, env as `env K=V`."""
+    check_argv(argv, env)
+    words = ([f"{k}={v}" for k, v in env.items()] if env else [])
+    words = (["env", *words] if env else []) + list(argv)
+    line = " ".join(shlex.quote(w) for w in words)
+    return f"exec {line}" if exec_ else line
+
+
+def keeper_argv(python: str, argv: list[str], grace: float) -> list[str]:
+    return [python, "-m", "clusterctl.launch.keeper", "--grace", f"{grace:g}", "--", *argv]
+
+
+def keeper_env(env: dict[str, str] | None) -> dict[str, str]:
+    # Without a pty Python block-buffers its output; a rank's error would only show up at exit.
+    return {"PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def raise_for_status(node: str, result: CommandResult) -> CommandResult:
+    if result.returncode != 0:
+        raise RemoteCommandFailed(
+            f"{shlex.join(result.argv)[:200]} failed on {node} with exit code {result.returncode}"
+            + (f": {result.stderr_tail.splitlines()[-1]}" if result.stderr_tail else ""),
+            host=node, argv=list(result.argv), returncode=result.returncode, stderr_tail=result.stderr_tail)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- started processes
+
+class _Channel(Protocol):
+    """What StartedProcess needs from a local pipe set or an SSH channel."""
+
+    async def read_stdout(self, n: int) -> bytes: ...
+    async def read_stderr(self, n: int) -> bytes: ...
+    async def write_stdin(self, data: bytes) -> None: ...
+    async def close_stdin(self) -> None: ...
+    async def wait_exit(self) -> int: ...
+    def abort(self, info: ChildInfo | None) -> None: ...
+
+
+class _Tail:
+    def __init__(self, size: int = TAIL_BYTES):
+        self.size = size
+        self.buf = bytearray()
+
+    def add(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > self.size:
+            del self.buf[: len(self.buf) - self.size]
+
+
+class StartedProcess:
+    """A process started through the keeper. Its output is always drained into 64 KiB tail buffers."""
+
+    def __init__(self, node: str, argv: list[str], channel: _Channel):
+        self.node = node
+        self.argv = argv
+        self.info: ChildInfo | None = None
+        self.returncode: int | None = None
+        self._chan = channel
+        self._out = _Tail()
+        self._err = _Tail()
+        self._pumps: list[asyncio.Task] = []
+        self._done: asyncio.Task | None = None
+        self._stdin_closed = False
+
+    @property
+    def stdout_tail(self) -> bytes:
+        return bytes(self._out.buf)
+
+    @property
+    def stderr_tail(self) -> bytes:
+        return bytes(self._err.buf)
+
+    async def _pump(self, read, tail: _Tail) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                chunk = await read(65536)
+                if not chunk:
+                    return
+                tail.add(chunk)
+
+    async def _begin(self, timeout: float = START_TIMEOUT) -> "StartedProcess":
+        self._pumps.append(asyncio.ensure_future(self._pump(self._chan.read_stderr, self._err)))
+        head = b""
+        try:
+            async with asyncio.timeout(timeout):
+                while b"\n" not in head and len(head) < 4096:
+                    chunk = await self._chan.read_stdout(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+        except Exception as e:  # TimeoutError included
+            self._chan.abort(None)
+            await self._settle_pumps()
+            if isinstance(e, ClusterctlError):
+                raise
+            raise RemoteCommandFailed(f"the keeper on {self.node} did not report its child within {timeout:g} s",
+                                      host=self.node, argv=self.argv, stderr_tail=_tail_text(self.stderr_tail)) from None
+        line, nl, rest = head.partition(b"\n")
+        if not nl:
+            rc = await self._exit_after_failure()
+            tail = _tail_text(self.stderr_tail)
+            raise RemoteCommandFailed(
+                f"could not start {self.argv[0]} on {self.node}" + (f": {tail.splitlines()[-1]}" if tail else ""),
+                host=self.node, argv=self.argv, returncode=rc, stderr_tail=tail)
+        try:
+            self.info = ChildInfo.model_validate(strict_loads(line, source=f"keeper report from {self.node}"))
+        except (ValueError, IntegrityError) as e:
+            self._chan.abort(None)
+            await self._settle_pumps()
+            raise IntegrityError(f"unexpected keeper report from {self.node}: {line[:200]!r} ({e})") from None
+        self._out.add(rest)
+        self._pumps.append(asyncio.ensure_future(self._pump(self._chan.read_stdout, self._out)))
+        return self
+
+    async def _exit_after_failure(self) -> int | None:
+        try:
+            async with asyncio.timeout(KILL_WAIT):
+                rc = await self._chan.wait_exit()
+                await self._settle_pumps()
+                return rc
+        except (TimeoutError, ClusterctlError):
+            self._chan.abort(None)
+            return None
+
+    async def _settle_pumps(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await asyncio.gather(*self._pumps, return_exceptions=True)
+        for t in self._pumps:
+            t.cancel()
+
+    async def _finish(self) -> int:
+        rc = await self._chan.wait_exit()
+        await self._settle_pumps()
+        self.returncode = rc
+        return rc
+
+    async def wait(self) -> int:
+        """Wait for the keeper to exit; its status is the child's (128+N for signal N).
+
+        Raises HostUnreachable when the connection to the node was lost before an exit status arrived.
+        """
+        if self._done is None:
+            self._done = asyncio.ensure_future(self._finish())
+        return await asyncio.shield(self._done)
+
+    async def close_stdin(self) -> None:
+        """Ask for a stop: the keeper sends SIGCONT+SIGTERM to the group, waits its grace, then SIGKILL."""
+        if self._stdin_closed:
+            return
+        self._stdin_closed = True
+        with contextlib.suppress(Exception):
+            await self._chan.close_stdin()
+
+    async def kill(self, *, timeout: float = KILL_WAIT) -> None:
+        """Best effort immediate stop: the keeper SIGKILLs the group now; if it does not exit, cut it off."""
+        if not self._stdin_closed:
+            with contextlib.suppress(Exception):
+                await self._chan.write_stdin(b"kill\n")
+            await self.close_stdin()
+        try:
+            async with asyncio.timeout(timeout):
+                await self.wait()
+        except (TimeoutError, ClusterctlError):
+            self._chan.abort(self.info)
+
+
+# ---------------------------------------------------------------------------------------------- local
+
+class _LocalChannel:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def read_stdout(self, n: int) -> bytes:
+        return await self.proc.stdout.read(n)
+
+    async def read_stderr(self, n: int) -> bytes:
+        return await self.proc.stderr.read(n)
+
+    async def write_stdin(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+    async def close_stdin(self) -> None:
+        if not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+        with contextlib.suppress(Exception):
+            await self.proc.stdin.wait_closed()
+
+    async def wait_exit(self) -> int:
+        rc = await self.proc.wait()
+        return rc if rc >= 0 else 128 - rc
+
+    def abort(self, info: ChildInfo | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        if info is not None:
+            _kill_group_if_same(info)
+
+
+def _kill_group_if_same(info: ChildInfo) -> None:
+    # Only signal the group while its leader is the very process the keeper reported (pid reuse).
+    from clusterctl.launch.keeper import process_start_time
+
+    if info.start_time is not None and process_start_time(info.pid) == info.start_time:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(info.pgid, signal.SIGKILL)
+
+
+@dataclass
+class LocalTransport:
+    """Runs on this machine. Same semantics as SshTransport, without a network in between."""
+
+    node: str = "local"
+    python: str = field(default_factory=lambda: sys.executable)
+    keeper_grace: float = 10.0
+    is_local: bool = field(default=True, init=False)
+    _started: list[StartedProcess] = field(default_factory=list, init=False, repr=False)
+
+    async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
+                  timeout: float | None = None, check: bool = False) -> CommandResult:
+        check_argv(argv, env)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, **env} if env else None, start_new_session=True)
+        except OSError as e:
+            result = CommandResult(list(argv), 127, b"", f"{argv[0]}: {e.strerror or e}\n".encode())
+            return raise_for_status(self.node, result) if check else result
+        try:
+            async with asyncio.timeout(timeout):
+                out, err = await proc.communicate(input)
+        except TimeoutError:
+            # Its own session: kill everything the command started, not just the command.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise CommandTimedOut(f"{shlex.join(argv)[:200]} timed out after {timeout:g} s on {self.node}",
+                                  host=self.node, argv=list(argv)) from None
+        result = CommandResult(list(argv), proc.returncode, out, err)
+        return raise_for_status(self.node, result) if check else result
+
+    async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+                    grace: float | None = None) -> StartedProcess:
+        check_argv(argv, env)
+        kargv = keeper_argv(self.python, argv, self.keeper_grace if grace is None else grace)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *kargv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**os.environ, **keeper_env(env)})
+        except OSError as e:
+            raise RemoteCommandFailed(f"cannot run {self.python} on {self.node}: {e.strerror or e}",
+                                      host=self.node, argv=kargv) from None
+        sp = StartedProcess(self.node, list(argv), _LocalChannel(proc))
+        await sp._begin()
+        self._started.append(sp)
+        return sp
+
+    async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
+        try:
+            return await asyncio.to_thread(read_capped, path, limit=limit, what="file")
+        except (MissingInput, IntegrityError) as e:
+            raise type(e)(f"{e.message} (on {self.node})") from None
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        await asyncio.to_thread(atomic_write_bytes, path, bytes(data), mode=mode)
+
+    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:
+        await asyncio.to_thread(_copy_atomic, Path(local_path), Path(remote_path), mode)
+
+    async def close(self) -> None:
+        for sp in self._started:
+            await sp.close_stdin()
+        self._started.clear()
+
+
+def _copy_atomic(src: Path, dest: Path, mode: int | None) -> None:
+    """Stream ``src`` into a temp file beside ``dest``, fsync, rename: big files never sit in memory."""
+    try:
+        fin = open(src, "rb")
+    except FileNotFoundError:
+        raise MissingInput(f"file not found: {src}") from None
+    except OSError as e:
+        raise MissingInput(f"cannot read {src}: {e.strerror or e}") from None
+    with fin:
+        st = os.fstat(fin.fileno())
+        mode = (st.st_mode & 0o777) if mode is None else mode
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.parent / f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise CannotWrite(f"cannot write {dest}: {e.strerror or e}") from None
+        try:
+            with os.fdopen(fd, "wb") as fout:
+                while chunk := fin.read(1 << 20):
+                    fout.write(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, dest)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise CannotWrite(f"cannot write {dest}: {e.strerror or e}") from None
+    fsync_dir(dest.parent)
+
+
+# ---------------------------------------------------------------------------------------------- factory
+
+def make_transport(node_name: str, *, local: bool, target: "SshTarget | None", python: str,
+                   keeper_grace: float = 10.0) -> Transport:
+    """LocalTransport for the coordinator's own node, SshTransport (lazily connected) for the others."""
+    if local:
+        return LocalTransport(node=node_name, python=python, keeper_grace=keeper_grace)
+    if target is None:
+        raise UsageError(f"node {node_name} is not local and has no ssh target")
+    from clusterctl.launch.sshnode import SshTransport  # asyncssh is imported only when a node needs it
+
+    return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
+
+
+__all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "StartedProcess", "LocalTransport",
+           "make_transport", "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status"]
