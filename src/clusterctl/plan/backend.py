@@ -8,26 +8,27 @@
 
 from __future__ import annotations
 
-from itertools import combinations
+from itertools import combinations, islice
+from typing import Iterator
 
 from clusterctl.errors import ConfigError
 from clusterctl.plan.inventory import Node
 
 BACKENDS = ("auto", "ring", "jaccl", "mpi")
+MAX_LISTED = 8
 
 
-def jaccl_blockers(nodes: list[Node]) -> list[str]:
-    out = []
+def jaccl_blockers(nodes: list[Node]) -> Iterator[str]:
+    """Every reason jaccl cannot work, lazily (auto only needs to know whether there is one)."""
     if len(nodes) < 2:
-        out.append("jaccl: needs at least two ranks")
+        yield "jaccl: needs at least two ranks"
     for a, b in combinations(nodes, 2):
         for x, y in ((a, b), (b, a)):
             link = x.link_to(y.name)
             if link is None or not link.rdma:
-                out.append(f"jaccl: node {x.name} has no rdma link to node {y.name}")
+                yield f"jaccl: node {x.name} has no rdma link to node {y.name}"
             elif not link.device:
-                out.append(f"jaccl: node {x.name}'s rdma link to node {y.name} names no device")
-    return out
+                yield f"jaccl: node {x.name}'s rdma link to node {y.name} names no device"
 
 
 def all_links_fast(nodes: list[Node]) -> bool:
@@ -42,11 +43,12 @@ def choose_backend(requested: str, nodes: list[Node]) -> str:
     if requested not in BACKENDS:
         raise ConfigError(f"unknown backend {requested!r} (choose from {', '.join(BACKENDS)})")
     if requested == "auto":
-        return "jaccl" if len(nodes) > 1 and not jaccl_blockers(nodes) else "ring"
+        return "jaccl" if len(nodes) > 1 and next(jaccl_blockers(nodes), None) is None else "ring"
     if requested == "jaccl":
-        blockers = jaccl_blockers(nodes)
+        blockers = list(islice(jaccl_blockers(nodes), MAX_LISTED + 1))
         if blockers:
-            raise ConfigError("backend jaccl cannot work: " + "; ".join(blockers),
+            more = "; and more" if len(blockers) > MAX_LISTED else ""
+            raise ConfigError("backend jaccl cannot work: " + "; ".join(blockers[:MAX_LISTED]) + more,
                               hint="declare rdma links with devices in cluster.toml, or use --backend ring")
     return requested
 
