@@ -1,0 +1,226 @@
+"""The rank entrypoint: ``python -m clusterctl.launch.rank --contract FILE --node NAME``.
+
+Order of events: read the contract (nothing secret on argv) -> fix the environment -> import mlx -> marker
+"loading" -> load only this rank's layers -> marker "ready" -> wait (sleeping, outside any collective) for the
+launcher's gate file -> join the ring and check every peer runs the same job -> marker "serving" (rank 0: HTTP)
+-> step loop until the ranks agree to stop.
+
+Exits: 0 after SIGTERM/SIGINT (or a stop agreed with the other ranks); 1 when forced (second signal, or the
+10 s stop alarm); 65 bad contract; 69 lost contact (ring peer, launcher lease, parent process); 78 config;
+70 internal error (the only case with a traceback). Every failure leaves state "failed" and a one-line error in
+the marker and on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
+from clusterctl.launch.rankspec import RankSpec, load_unsigned_spec
+
+UNSIGNED_ENV = "CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"
+STOP_GRACE_S = 10.0
+GATE_POLL_S = 0.05
+_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _say(msg: str) -> None:
+    try:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _exit_now(code: int) -> None:
+    # os._exit: a ring group's sockets and threads must not be able to hang interpreter shutdown
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class Rank:
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.stopping = threading.Event()
+        self.marker = None
+        self.api = None
+        self._signals = 0
+        self._fatal_lock = threading.Lock()
+
+    # ---- exits
+    def fatal(self, err: ClusterctlError) -> None:
+        with self._fatal_lock:
+            if self.marker is not None:
+                self.marker.update(state="failed", error=err.message, final=True)
+            _say(f"error: {err.message}")
+            _exit_now(int(err.exit_code))
+
+    def _forced(self, why: str) -> None:
+        msg = f"rank {self.spec.rank}: forced exit ({why})"
+        if self.marker is not None:
+            self.marker.update(state="stopping", error=msg, final=True)
+        _say(msg)
+        _exit_now(int(Exit.FAILED))
+
+    def _signal_thread(self) -> None:
+        while True:
+            sig = signal.sigwait(_SIGNALS)
+            self._signals += 1
+            if self._signals > 1:
+                self._forced(f"second signal {signal.Signals(sig).name}")
+            self.stopping.set()
+            if self.api is not None:
+                self.api.state = "stopping"  # new requests get 503 from now on
+            if self.marker is not None:
+                self.marker.update(state="stopping")
+            _say(f"rank {self.spec.rank}: {signal.Signals(sig).name}: stopping")
+            timer = threading.Timer(STOP_GRACE_S, self._forced, args=(f"not stopped within {STOP_GRACE_S:g} s",))
+            timer.daemon = True
+            timer.start()
+
+    def _graceful(self) -> int:
+        self.marker.update(state="stopping")
+        if self.api is not None:
+            self.api.stop()
+        try:
+            import mlx.core as mx
+
+            try:
+                mx.set_wired_limit(0)  # give wired memory back (Metal); harmless elsewhere
+            except (AttributeError, RuntimeError, ValueError):
+                pass
+            mx.clear_cache()
+        except ImportError:
+            pass
+        self.marker.update(state="stopping", final=True)
+        _say(f"rank {self.spec.rank}: stopped")
+        return 0
+
+    # ---- the life of a rank
+    def run(self) -> int:
+        from clusterctl.launch.markers import MarkerWriter
+        from clusterctl.launch.watchdog import Watchdog
+
+        spec = self.spec
+        threading.Thread(target=self._signal_thread, name="signals", daemon=True).start()
+        self.marker = MarkerWriter(spec.marker_path, deployment_id=spec.deployment_id, job_id=spec.job_id,
+                                   nonce=spec.nonce, rank=spec.rank, node=spec.node)
+        self.marker.marker.start_layer, self.marker.marker.end_layer = spec.start_layer, spec.end_layer
+        self.marker.start()
+        Watchdog(rank=spec.rank, on_trip=self.fatal, lease_path=spec.lease_path,
+                 lease_seconds=spec.lease_seconds).start()
+        try:
+            return self._serve()
+        except ClusterctlError as e:
+            self.fatal(e)
+        except RuntimeError as e:
+            from clusterctl.launch.watchdog import peer_loss
+
+            lost = peer_loss(e, spec.rank)
+            if lost is not None:
+                self.fatal(lost)
+            self._crash()
+        except Exception:
+            self._crash()
+        return int(Exit.SOFTWARE)
+
+    def _crash(self) -> None:
+        traceback.print_exc()
+        err = sys.exc_info()[1]
+        self.marker.update(state="failed", final=True,
+                           error=f"rank {self.spec.rank}: internal error: {type(err).__name__}: {err}"[:500])
+        _exit_now(int(Exit.SOFTWARE))
+
+    def _serve(self) -> int:
+        from clusterctl.launch import pipeline
+        from clusterctl.launch.serve import Api, JobQueue, StepLoop, context_length
+
+        spec = self.spec
+        jobs = JobQueue() if spec.rank == 0 else None
+        if spec.rank == 0:
+            self.api = Api(spec, jobs, model_name=Path(spec.model_path).name)
+            self.api.start()
+            if self.stopping.is_set():
+                self.api.state = "stopping"
+        t0 = time.monotonic()
+        model, tokenizer, config = pipeline.load_shard(spec)
+        self.marker.update(state="ready")
+        _say(f"rank {spec.rank}: loaded layers [{spec.start_layer}, {spec.end_layer}) of {spec.num_layers} in "
+             f"{time.monotonic() - t0:.1f} s; waiting for the gate")
+        if self.api is not None and not self.stopping.is_set():
+            self.api.state = "ready"
+        gate = Path(spec.gate_path)
+        while not gate.exists():
+            if self.stopping.wait(GATE_POLL_S):
+                return self._graceful()
+        if self.stopping.is_set():
+            return self._graceful()
+        group = pipeline.join_group(spec)
+        if group is not None:
+            pipeline.verify_group(group, spec)
+        if self.stopping.is_set():
+            return self._graceful()
+        if self.api is not None:
+            self.api.serving(context_length(config))
+            self.marker.update(state="serving", endpoint=self.api.endpoint)
+            _say(f"rank 0: serving at {self.api.endpoint}")
+        else:
+            self.marker.update(state="serving")
+        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker)
+        if self.api is not None and self.stopping.is_set():
+            self.api.state = "stopping"
+        loop.run()
+        return self._graceful()
+
+
+def _read_spec(ns: argparse.Namespace) -> RankSpec:
+    if ns.spec:
+        if os.environ.get(UNSIGNED_ENV) != "1":
+            raise UsageError(f"--spec reads an UNSIGNED spec and needs {UNSIGNED_ENV}=1 (tests only); "
+                             "use --contract")
+        return load_unsigned_spec(ns.spec)
+    try:
+        from clusterctl.launch.contract import load_rank_contract  # provided by the launcher side
+    except ModuleNotFoundError:
+        raise IntegrityError("this clusterctl cannot verify signed rank contracts "
+                             "(clusterctl.launch.contract is missing)") from None
+    if not ns.node:
+        raise UsageError("--contract needs --node NAME (the node this rank runs on)")
+    return load_rank_contract(ns.contract, ns.node)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Block the stop signals before any thread exists (mlx's included): one thread sigwait()s for them, so a
+    # main thread stuck in a collective cannot delay the stop or the forced exit.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    ap = argparse.ArgumentParser(prog="python -m clusterctl.launch.rank", description="one clusterctl rank")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--contract", help="signed rank contract file")
+    src.add_argument("--spec", help=f"UNSIGNED rank spec (needs {UNSIGNED_ENV}=1; tests only)")
+    ap.add_argument("--node", help="this node's name (checked against the contract)")
+    ns = ap.parse_args(argv)
+    try:
+        spec = _read_spec(ns)
+        from clusterctl.launch.pipeline import apply_environment, rank_environment
+
+        apply_environment(rank_environment(spec, dict(os.environ)))
+    except ClusterctlError as e:
+        _say(f"error: {e.message}")
+        return int(e.exit_code)
+    _exit_now(Rank(spec).run())
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""What one rank process is told to do: the payload of a (signed) rank contract.
+
+Layer ranges are in MODEL order. mlx-lm's pipeline is reversed (rank 0 runs the LAST layers, rank N-1 the first,
+activations flow N-1 -> ... -> 0), so a rank's [start_layer, end_layer) must equal what that order gives it;
+``mlx_split`` converts and the validator refuses a contract whose ranges disagree, because mlx-lm cannot run any
+other order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from clusterctl.errors import IntegrityError
+
+# Set by the rank itself from the contract; extra env must not override them.
+RESERVED_ENV = frozenset({"MLX_RANK", "MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE"})
+
+
+def layer_range(layer_counts: list[int], rank: int) -> tuple[int, int]:
+    """[start, end) in model order of ``rank`` under mlx-lm's reversed pipeline order."""
+    start = sum(layer_counts[rank + 1:])
+    return start, start + layer_counts[rank]
+
+
+class RankSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = 1
+    deployment_id: str = Field(min_length=1, max_length=200)
+    job_id: str = Field(min_length=1, max_length=200)
+    nonce: str = Field(min_length=1, max_length=200)
+    node: str = Field(min_length=1, max_length=200)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1024)
+    backend: Literal["ring", "jaccl", "mpi"] = "ring"
+    model_path: str
+    start_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=1)
+    layer_counts: list[int]
+    num_layers: int = Field(ge=1)
+    hostfile: Optional[str] = None
+    http_host: str = "127.0.0.1"
+    http_port: Optional[int] = Field(default=None, ge=0, le=65535)
+    api_key: Optional[SecretStr] = None
+    seed: int = Field(default=0, ge=0, lt=2**31)
+    runtime_dir: str
+    marker_path: str
+    gate_path: str
+    lease_path: Optional[str] = None
+    lease_seconds: float = Field(default=30.0, gt=0, le=3600)
+    embedding_offload: bool = False
+    max_tokens_default: int = Field(default=256, ge=1, le=1 << 20)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RankSpec":
+        if self.schema_version != 1:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (this rank reads 1)")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if len(self.layer_counts) != self.world_size:
+            raise ValueError(f"layer_counts has {len(self.layer_counts)} entries for world_size {self.world_size}")
+        if any(c <= 0 for c in self.layer_counts) or sum(self.layer_counts) != self.num_layers:
+            raise ValueError(f"layer_counts {self.layer_counts} must be positive and sum to {self.num_layers}")
+        want = layer_range(self.layer_counts, self.rank)
+        if (self.start_layer, self.end_layer) != want:
+            raise ValueError(
+                f"rank {self.rank} is given layers [{self.start_layer}, {self.end_layer}) but mlx-lm's pipeline "
+                f"order (rank 0 runs the last layers) gives it [{want[0]}, {want[1]}) for {self.layer_counts}")
+        if self.world_size == 1 and self.hostfile is not None:
+            raise ValueError("a world of one takes no hostfile")
+        if self.world_size > 1 and self.backend in ("ring", "jaccl") and not self.hostfile:
+            raise ValueError(f"backend {self.backend} needs a hostfile")
+        if self.rank == 0 and self.http_port is None:
+            raise ValueError("rank 0 needs http_port")
+        bad = sorted(set(self.env) & RESERVED_ENV)
+        if bad:
+            raise ValueError(f"env may not set {', '.join(bad)} (the rank sets them from the contract)")
+        for k in self.env:
+            if not k or "=" in k or "\0" in k or "\0" in self.env[k]:
+                raise ValueError(f"bad environment variable name {k!r}")
+        return self
+
+    @property
+    def mlx_split(self) -> list[int]:
+        """The ``split`` argument of mlx-lm's ``pipeline(group, split)``: layer counts in rank order."""
+        return list(self.layer_counts)
+
+    def api_key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+
+def parse_rank_spec(obj: object, *, source: str = "rank spec") -> RankSpec:
+    """Validate a decoded spec; errors name the field, never echo values (the api_key could be among them)."""
+    try:
+        return RankSpec.model_validate(obj)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "spec"
+        raise IntegrityError(f"{source} is invalid: {where}: {first.get('msg', 'invalid')}") from None
+
+
+def load_unsigned_spec(path: str | Path) -> RankSpec:
+    """Read an UNSIGNED spec file (tests and development only; the rank gates this behind an env var)."""
+    from clusterctl.atomic import read_json
+
+    return parse_rank_spec(read_json(path, limit=1 << 20, what="rank spec"), source=f"rank spec {path}")

@@ -1,0 +1,589 @@
+"""Rank 0's OpenAI-compatible HTTP API, and the step loop every rank runs.
+
+Sharing: rank 0 shares each request ONCE (a fixed 8-word header all_sum, then the request bytes), then every rank
+runs the same ``pipeline.generate`` call; nothing is shared per token. Every ``every`` tokens the ranks drain the
+in-flight step and all_sum two votes (cancel from rank 0, stop from anyone), so a cancelled stream or a shutdown
+ends within a few tokens on all ranks at the same step. After each request every rank's token digest is compared.
+
+Idle ranks: a rank waiting inside a collective busy-spins a core. So when idle, ranks meet on a shared schedule
+(every 10 ms right after a request, slowing to 100 ms) and SLEEP between meetings instead of waiting in a
+collective for the next request. Every rank derives the schedule from the same header count, so they arrive
+together and the spin lasts microseconds.
+
+Requests are served FIFO, one generation at a time (a bounded queue; 429 when full); tokenization happens in the
+step loop's thread so the tokenizer is never used from two threads.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from clusterctl.errors import ConfigError, IntegrityError
+from clusterctl.launch.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens, generate,
+                                        share_payload, share_words)
+from clusterctl.launch.rankspec import RankSpec
+
+KIND_IDLE, KIND_REQUEST = 0, 1
+MAX_BODY = 4 << 20
+MAX_QUEUE = 64
+MAX_STOPS = 4
+
+
+def idle_interval(ticks_since_request: int) -> float:
+    """Seconds between idle meetings; a pure function of the shared tick count so all ranks agree."""
+    if ticks_since_request < 50:
+        return 0.01
+    if ticks_since_request < 250:
+        return 0.05
+    return 0.1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- jobs
+
+@dataclass
+class Job:
+    """One HTTP request waiting for, or in, generation. ``prepare`` runs in the step loop (tokenizer thread)."""
+
+    id: str
+    kind: str  # "chat" | "completion"
+    prepare: Callable[[Any], GenRequest]
+    stream: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class JobQueue:
+    def __init__(self, limit: int = MAX_QUEUE):
+        self._q: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self.limit = limit
+
+    def put(self, job: Job) -> bool:
+        with self._cv:
+            if len(self._q) >= self.limit:
+                return False
+            self._q.append(job)
+            self._cv.notify()
+            return True
+
+    def pop(self, timeout: float = 0.0) -> Job | None:
+        with self._cv:
+            if not self._q and timeout > 0:
+                self._cv.wait(timeout)
+            return self._q.popleft() if self._q else None
+
+    def drain(self) -> list[Job]:
+        with self._cv:
+            out = list(self._q)
+            self._q.clear()
+            return out
+
+
+# ---------------------------------------------------------------- step loop
+
+class StepLoop:
+    """Runs on the main thread of every rank until the ranks agree to stop."""
+
+    def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
+                 jobs: JobQueue | None = None, marker=None, every: int = 16):
+        self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
+        self.stop, self.jobs, self.marker, self.every = stop, jobs, marker, every
+        self.leader = spec.rank == 0
+        self.world = spec.world_size
+        self.seq = 0
+        self.served = 0
+
+    def run(self) -> None:
+        ticks = 0
+        while True:
+            stop_vote = 1 if self.stop.is_set() else 0
+            job, req = None, None
+            if self.leader and not stop_vote:
+                job = self.jobs.pop(timeout=0.1 if self.world == 1 else 0.0)
+                if job is not None:
+                    req = self._prepare(job)
+                    if req is None:
+                        continue
+            if self.world == 1:
+                if stop_vote:
+                    return
+                if req is not None:
+                    self._serve(req, job)
+                continue
+            payload = req.encode() if req is not None else b""
+            mine = [0] * HEADER_WORDS
+            mine[3] = stop_vote
+            if self.leader:
+                mine[:3] = [MAGIC, KIND_REQUEST if req is not None else KIND_IDLE, len(payload)]
+                mine[4] = self.seq
+            head = share_words(self.group, mine)
+            if head[0] != MAGIC or head[4] != self.seq:
+                raise IntegrityError(f"rank {self.spec.rank}: garbled control header from the ring "
+                                     f"(magic {head[0]:#x}, seq {head[4]} != {self.seq})")
+            self.seq += 1
+            if head[3] > 0:
+                if job is not None:
+                    job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+                return
+            if head[1] == KIND_REQUEST:
+                data = share_payload(self.group, payload if self.leader else None, head[2])
+                self._serve(req if self.leader else GenRequest.decode(data), job)
+                ticks = 0
+                continue
+            time.sleep(idle_interval(ticks))
+            ticks += 1
+
+    def _prepare(self, job: Job) -> GenRequest | None:
+        try:
+            return job.prepare(self.tokenizer)
+        except ApiError as e:
+            job.events.put(("error", e))
+        except Exception as e:  # a template or tokenizer failure is the request's problem, not the rank's
+            job.events.put(("error", ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {e}")))
+        return None
+
+    def _control(self, job: Job | None) -> Callable[[], str | None]:
+        def control() -> str | None:
+            cancel = 1 if (job is not None and job.cancelled.is_set()) else 0
+            stop = 1 if self.stop.is_set() else 0
+            if self.world > 1:
+                cancel, stop = share_words(self.group, [cancel, stop])[:2]
+            if stop:
+                return "shutdown"
+            if cancel:
+                return "cancelled"
+            return None
+
+        return control
+
+    def _serve(self, req: GenRequest, job: Job | None) -> None:
+        if self.marker is not None:
+            self.marker.update(active_requests=[req.id])
+        if job is not None:
+            job.started_at = time.monotonic()
+        emit = (lambda s: job.events.put(("text", s))) if job is not None else None
+        try:
+            result = generate(self.model, self.tokenizer, req, emit=emit, control=self._control(job),
+                              every=self.every, on_step=self.marker.touch_step if self.marker else None)
+            if self.world > 1 and not agree_on_tokens(self.group, self.spec, result.tokens):
+                raise IntegrityError(f"rank {self.spec.rank}: ranks produced different tokens for {req.id}")
+        except Exception as e:
+            if job is not None:
+                job.events.put(("error", ApiError(500, f"generation failed: {str(e).splitlines()[0]}",
+                                                  type="server_error")))
+            if self.world > 1 or not isinstance(e, (ValueError, RuntimeError)):
+                raise  # ranks may now be out of step: the rank must end
+            return
+        finally:
+            if self.marker is not None:
+                self.marker.update(active_requests=[])
+        self.served += 1
+        if job is not None:
+            job.finished_at = time.monotonic()
+            if result.finish_reason == "shutdown":
+                job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+            else:
+                job.events.put(("done", result))
+
+
+# ---------------------------------------------------------------- request parsing
+
+def _num(body: dict, name: str, default, lo=None, hi=None, kind=float):
+    v = body.get(name, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(400, f"{name} must be between {lo} and {hi}", param=name)
+    return kind(v)
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
+    return [s for s in stop if s]
+
+
+class RequestBuilder:
+    """Turns an OpenAI request body into a Job whose ``prepare`` builds the GenRequest."""
+
+    def __init__(self, spec: RankSpec, context: int):
+        self.spec = spec
+        self.context = context
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def _seed(self, body: dict) -> int:
+        if body.get("seed") is not None:
+            return _num(body, "seed", 0, kind=int) & 0x7FFFFFFF
+        with self._lock:
+            self._count += 1
+            return (self.spec.seed * 1_000_003 + self._count) & 0x7FFFFFFF
+
+    def _common(self, body: dict, max_key: str) -> dict:
+        if body.get("n", 1) not in (1, None):
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        max_tokens = body.get(max_key, body.get("max_tokens"))
+        return dict(
+            max_tokens=_num({"max_tokens": max_tokens}, "max_tokens", self.spec.max_tokens_default, 1,
+                            self.context, kind=int),
+            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=_num(body, "top_k", 0, 0, 1 << 20, kind=int),
+            min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+            repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
+                                if body.get("repetition_penalty") is not None else None),
+            seed=self._seed(body),
+            stop=_stops(body),
+        )
+
+    def _check_len(self, tokens: list[int], max_tokens: int) -> None:
+        if not tokens:
+            raise ApiError(400, "the prompt is empty")
+        if len(tokens) + max_tokens > self.context:
+            raise ApiError(400, f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                f"context of {self.context} tokens", code="context_length_exceeded")
+
+    def completion(self, body: dict) -> Job:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        elif not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        params = self._common(body, "max_tokens")
+        job_id = "cmpl-" + secrets.token_hex(12)
+
+        def prepare(tokenizer) -> GenRequest:
+            if isinstance(prompt, str):
+                add = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+                tokens = tokenizer.encode(prompt, add_special_tokens=add)
+            else:
+                vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None
+                if vocab and any(t < 0 or t >= max(vocab, 1) for t in prompt):
+                    raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
+                tokens = list(prompt)
+            self._check_len(tokens, params["max_tokens"])
+            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+
+        return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
+
+    def chat(self, body: dict) -> Job:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        clean = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, "each message needs a role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                content = "".join(texts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise ApiError(400, "message content must be a string", param="messages")
+            clean.append({"role": m["role"], "content": content})
+        params = self._common(body, "max_completion_tokens")
+        job_id = "chatcmpl-" + secrets.token_hex(12)
+
+        def prepare(tokenizer) -> GenRequest:
+            if not getattr(tokenizer, "has_chat_template", True):
+                raise ApiError(400, "this model has no chat template; use /v1/completions")
+            tokens = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+            self._check_len(tokens, params["max_tokens"])
+            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+
+        return Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+
+
+# ---------------------------------------------------------------- HTTP
+
+class Api:
+    """The HTTP side of rank 0. Listens from start-up (so /health can say 503) and serves once ``state`` is
+    "serving"."""
+
+    def __init__(self, spec: RankSpec, jobs: JobQueue, *, model_name: str):
+        self.spec = spec
+        self.jobs = jobs
+        self.model_name = model_name
+        self.state = "loading"
+        self.builder: RequestBuilder | None = None
+        self._key = spec.api_key_value()
+        self._inflight = 0
+        self._lock = threading.Lock()
+        try:
+            self.httpd = ThreadingHTTPServer((spec.http_host, spec.http_port), _handler(self))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {spec.http_host}:{spec.http_port}: {e.strerror or e}") from None
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="http", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        host = self.spec.http_host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def serving(self, context: int) -> None:
+        self.builder = RequestBuilder(self.spec, context)
+        self.state = "serving"
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop taking requests; fail queued ones; give streams in flight a moment to see their last event."""
+        self.state = "stopping"
+        for job in self.jobs.drain():
+            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        if self._key is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self._key.encode())
+
+
+def _handler(api: Api):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "clusterctl"
+        sys_version = ""
+
+        def log_message(self, fmt, *args):  # quiet: no request logs on stderr (prompts are private)
+            pass
+
+        # -- helpers
+        def _json(self, status: int, obj: dict, extra: dict | None = None) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, e: ApiError) -> None:
+            extra = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            if e.status >= 500 or e.status == 429:
+                extra = {**(extra or {}), "Connection": "close"}
+                self.close_connection = True
+            self._json(e.status, e.body(), extra)
+
+        def _sse(self, obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        def _auth(self) -> bool:
+            if api.authorized(self.headers.get("Authorization")):
+                return True
+            self._error(ApiError(401, "invalid or missing API key", type="invalid_request_error",
+                                 code="invalid_api_key"))
+            return False
+
+        # -- routes
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                ok = api.state == "serving"
+                self._json(200 if ok else 503, {"status": "ok" if ok else api.state})
+            elif path in ("/v1/models", "/v1/models/" + api.model_name):
+                if not self._auth():
+                    return
+                card = {"id": api.model_name, "object": "model", "created": 0, "owned_by": "clusterctl"}
+                self._json(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
+            else:
+                self._error(ApiError(404, f"no route {path}", type="not_found_error"))
+
+        def do_POST(self):
+            path = self.path.split("?", 1)[0]
+            if path not in ("/v1/completions", "/v1/chat/completions"):
+                self._drain_body()
+                self._error(ApiError(404, f"no route {path}", type="not_found_error"))
+                return
+            if not self._auth():
+                self._drain_body()
+                return
+            try:
+                body = self._body()
+                if api.state != "serving" or api.builder is None:
+                    raise ApiError(503, f"not serving ({api.state})", type="server_error")
+                job = api.builder.chat(body) if path == "/v1/chat/completions" else api.builder.completion(body)
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
+                    if isinstance(body.get("stream_options") or {}, dict) else False
+                want_ids = bool(body.get("return_token_ids"))
+                if not api.jobs.put(job):
+                    raise ApiError(429, "too many queued requests", type="rate_limit_error")
+            except ApiError as e:
+                self._error(e)
+                return
+            with api._lock:
+                api._inflight += 1
+            try:
+                self._respond(job, include_usage, want_ids)
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                job.cancelled.set()
+                self.close_connection = True
+            finally:
+                with api._lock:
+                    api._inflight -= 1
+
+        def _drain_body(self) -> None:
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = 0
+            if 0 < n <= MAX_BODY:
+                self.rfile.read(n)
+            else:
+                self.close_connection = True
+
+        def _body(self) -> dict:
+            try:
+                n = int(self.headers.get("Content-Length") or -1)
+            except ValueError:
+                n = -1
+            if n < 0:
+                self.close_connection = True
+                raise ApiError(411, "Content-Length is required")
+            if n > MAX_BODY:
+                self.close_connection = True
+                raise ApiError(413, f"request body over {MAX_BODY} bytes")
+            raw = self.rfile.read(n)
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise ApiError(400, "request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object")
+            return body
+
+        def _respond(self, job: Job, include_usage: bool, want_ids: bool) -> None:
+            chat = job.kind == "chat"
+            obj = "chat.completion" if chat else "text_completion"
+            kind, value = job.events.get()
+            if kind == "error":
+                self._error(value)
+                return
+            if not job.stream:
+                text = []
+                while kind == "text":
+                    text.append(value)
+                    kind, value = job.events.get()
+                if kind == "error":
+                    self._error(value)
+                    return
+                result: GenResult = value
+                choice: dict = {"index": 0, "finish_reason": result.finish_reason}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": result.text}
+                else:
+                    choice.update(text=result.text, logprobs=None)
+                if want_ids:
+                    choice["token_ids"] = result.tokens
+                self._json(200, {"id": job.id, "object": obj, "created": job.created, "model": api.model_name,
+                                 "choices": [choice], "usage": _usage(result)})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(delta: str | None, finish: str | None, role: bool = False, extra: dict | None = None):
+                if chat:
+                    d: dict = {}
+                    if role:
+                        d["role"] = "assistant"
+                    if delta is not None:
+                        d["content"] = delta
+                    c = {"index": 0, "delta": d, "finish_reason": finish}
+                else:
+                    c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                c.update(extra or {})
+                out = {"id": job.id, "object": chunk_obj, "created": job.created, "model": api.model_name,
+                       "choices": [c]}
+                if include_usage:
+                    out["usage"] = None
+                self._sse(out)
+
+            if chat:
+                chunk("", None, role=True)
+            while kind == "text":
+                chunk(value, None)
+                kind, value = job.events.get()
+            if kind == "error":
+                self._sse({"error": value.body()["error"]})
+                self._sse("[DONE]")
+                return
+            result = value
+            chunk(None if chat else "", result.finish_reason,
+                  extra={"token_ids": result.tokens} if want_ids else None)
+            if include_usage:
+                self._sse({"id": job.id, "object": chunk_obj, "created": job.created, "model": api.model_name,
+                           "choices": [], "usage": _usage(result)})
+            self._sse("[DONE]")
+
+    return Handler
+
+
+def _usage(r: GenResult) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
+            "total_tokens": r.prompt_tokens + len(r.tokens)}
+
+
+def canary_request() -> dict:
+    """The request a launcher sends to prove tokens flow: POST /v1/completions with this body."""
+    return {"prompt": "ping", "max_tokens": 2, "temperature": 0, "stream": False}
+
+
+def context_length(config: dict) -> int:
+    v = config.get("max_position_embeddings")
+    return int(v) if isinstance(v, int) and v > 0 else 4096

@@ -1,0 +1,190 @@
+"""Test-only: start N real rank processes on this machine, each with its own hostfile on fresh loopback ports.
+
+This stands in for the launcher in rank tests only (the real supervisor belongs to the launcher): it writes
+UNSIGNED specs (``--spec`` behind CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS=1), starts each rank in its own session,
+waits on the markers, creates the gate file, and tears everything down (TERM, then KILL of each process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clusterctl.errors import IntegrityError
+from clusterctl.launch.markers import Marker, read_marker
+from clusterctl.launch.rankspec import layer_range
+
+PY = sys.executable
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class RankCluster:
+    def __init__(self, root: Path, model_path: Path, layer_counts: list[int], *, api_key: str | None = None,
+                 lease_seconds: float | None = None, env: dict | None = None, spec_env: dict | None = None,
+                 overrides: dict | None = None, tag: str = "t"):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.model_path = Path(model_path)
+        self.layer_counts = list(layer_counts)
+        self.world = len(layer_counts)
+        self.api_key = api_key
+        self.env = env or {}
+        self.spec_env = spec_env or {}
+        self.overrides = overrides or {}
+        self.tag = tag
+        ring = free_ports(self.world + 1)
+        self.http_port = ring.pop()
+        self.ring_ports = ring
+        self.gate = self.root / "gate"
+        self.lease = self.root / "job.lease" if lease_seconds else None
+        self.lease_seconds = lease_seconds or 30.0
+        self.procs: list[subprocess.Popen] = []
+        self.num_layers = sum(layer_counts)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def marker_path(self, r: int) -> Path:
+        return self.root / f"dep-rank{r}.json"
+
+    def log_path(self, r: int) -> Path:
+        return self.root / f"rank{r}.log"
+
+    def spec(self, r: int) -> dict:
+        start, end = layer_range(self.layer_counts, r)
+        hostfile = None
+        if self.world > 1:
+            hostfile = str(self.root / f"hostfile-rank{r}.json")
+            Path(hostfile).write_text(json.dumps([[f"127.0.0.1:{p}"] for p in self.ring_ports]))
+        spec = dict(
+            deployment_id="dep", job_id=f"job-{self.tag}", nonce=f"nonce-{self.tag}", node=f"node{r}", rank=r,
+            world_size=self.world, backend="ring", model_path=str(self.model_path), start_layer=start,
+            end_layer=end, layer_counts=self.layer_counts, num_layers=self.num_layers, hostfile=hostfile,
+            http_port=self.http_port if r == 0 else None, api_key=self.api_key if r == 0 else None, seed=7,
+            runtime_dir=str(self.root), marker_path=str(self.marker_path(r)), gate_path=str(self.gate),
+            lease_path=str(self.lease) if self.lease else None, lease_seconds=self.lease_seconds,
+            max_tokens_default=16, env=dict(self.spec_env),
+        )
+        spec.update(self.overrides)
+        return spec
+
+    def start(self, *, ranks: list[int] | None = None) -> "RankCluster":
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith(("MLX_", "JACCL_")):
+                del env[k]
+        env.update(self.env)
+        env["CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        for r in ranks if ranks is not None else range(self.world):
+            path = self.root / f"spec-rank{r}.json"
+            path.write_text(json.dumps(self.spec(r)))
+            log = open(self.log_path(r), "wb")
+            self.procs.append(subprocess.Popen(
+                [PY, "-m", "clusterctl.launch.rank", "--spec", str(path)], env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        return self
+
+    def marker(self, r: int) -> Marker | None:
+        try:
+            return read_marker(self.marker_path(r))
+        except IntegrityError:
+            return None
+
+    def wait_state(self, state: str, timeout: float = 60.0, ranks: list[int] | None = None) -> list[Marker]:
+        deadline = time.monotonic() + timeout
+        ranks = list(range(self.world)) if ranks is None else ranks
+        while True:
+            ms = [self.marker(r) for r in ranks]
+            if all(m is not None and m.state == state for m in ms):
+                return ms
+            for r in ranks:
+                p = self.procs[r]
+                if p.poll() is not None:
+                    raise AssertionError(f"rank {r} exited {p.returncode} waiting for {state}:\n{self.logs(r)}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timeout waiting for {state}: {[m and m.state for m in ms]}\n"
+                                     + "\n".join(self.logs(r) for r in ranks))
+            time.sleep(0.05)
+
+    def open_gate(self) -> None:
+        self.gate.write_text("go\n")
+
+    def up(self, timeout: float = 90.0) -> "RankCluster":
+        self.start()
+        self.wait_state("ready", timeout)
+        self.open_gate()
+        self.wait_state("serving", timeout)
+        return self
+
+    def renew_lease(self, seq: int, duration: float | None = None) -> None:
+        from clusterctl.launch.markers import Lease, write_lease
+
+        write_lease(self.lease, Lease(holder="harness", seq=seq, duration_s=duration or self.lease_seconds))
+
+    def logs(self, r: int) -> str:
+        try:
+            return f"--- rank {r} log ---\n" + self.log_path(r).read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def wait_exit(self, r: int, timeout: float = 30.0) -> int:
+        try:
+            return self.procs[r].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {r} still running after {timeout} s\n{self.logs(r)}") from None
+
+    def signal(self, r: int, sig: int) -> None:
+        self.procs[r].send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> list[int | None]:
+        """TERM every rank, wait, then KILL each process group that is left."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is not None:
+                continue  # reaped: its pid and group id may belong to someone else now
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.returncode for p in self.procs]
+
+    def __enter__(self) -> "RankCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
