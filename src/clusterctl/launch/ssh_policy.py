@@ -240,10 +240,11 @@ def rsync_rsh(target: SshTarget) -> str:
 
 def rsync_remote_operand(target: SshTarget, path: str) -> str:
     """``host:'path'`` for rsync, the path quoted for the remote shell (run rsync with RSYNC_ENV in its env)."""
-    if not path or "\0" in path or "\n" in path or "\r" in path:
+    if not path or "\0" in path:
         raise ConfigError(f"remote path {path!r} cannot be passed to rsync")
     if _GLOB & set(path):
-        # the remote rsync expands wildcards in source names itself, quoting or not
+        # older rsync and openrsync servers expand wildcards in source names themselves, quoted or not
+        # (3.5 does not): refuse rather than copy the wrong files on some nodes
         raise ConfigError(f"remote path {path!r} contains wildcard characters (* ? [ ]) rsync would expand")
     host = f"[{target.host}]" if ":" in target.host else target.host
     return f"{host}:{shlex.quote(path)}"

@@ -21,7 +21,7 @@ from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, HostUn
 from clusterctl.launch import ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
 from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
-                                         keeper_argv, keeper_env, raise_for_status, shell_command_line)
+                                         keeper_argv, keeper_env, raise_for_status, shell_command_line, stop_all)
 
 # sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
 SHORT_CHANNELS = 4
@@ -196,6 +196,7 @@ class SshTransport:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._lock = asyncio.Lock()
         self._channels = asyncio.Semaphore(SHORT_CHANNELS)
+        self._started: list[StartedProcess] = []
 
     def __repr__(self) -> str:
         return f"SshTransport({self.node!r}, {ssh_policy.describe(self.target)})"
@@ -260,11 +261,14 @@ class SshTransport:
     async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
                     grace: float | None = None) -> StartedProcess:
         check_argv(argv, env)
-        kargv = keeper_argv(self.python, argv, self.keeper_grace if grace is None else grace)
+        grace = self.keeper_grace if grace is None else grace
+        kargv = keeper_argv(self.python, argv, grace)
         # exec: the keeper's parent is sshd's session process, so a dead session shows as a ppid change too
         proc = await self._open(shell_command_line(kargv, keeper_env(env), exec_=True))
-        sp = StartedProcess(self.node, list(argv), _SshChannel(self, proc))
-        return await sp._begin()
+        sp = StartedProcess(self.node, list(argv), _SshChannel(self, proc), grace)
+        await sp._begin()
+        self._started = [p for p in self._started if p.returncode is None] + [sp]
+        return sp
 
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
         argv = [self.python, "-I", "-c", _READ_PROGRAM, path, str(limit)]
@@ -320,6 +324,9 @@ class SshTransport:
             hint=f"is {self.python!r} a Python 3 interpreter on {self.node}?")
 
     async def close(self) -> None:
+        """Stop everything started here (stdin EOF, grace, kill), then end the connection."""
+        started, self._started = self._started, []
+        await stop_all(started)
         async with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:

@@ -166,9 +166,10 @@ class _Tail:
 class StartedProcess:
     """A process started through the keeper. Its output is always drained into 64 KiB tail buffers."""
 
-    def __init__(self, node: str, argv: list[str], channel: _Channel):
+    def __init__(self, node: str, argv: list[str], channel: _Channel, grace: float = 10.0):
         self.node = node
         self.argv = argv
+        self.grace = grace
         self.info: ChildInfo | None = None
         self.returncode: int | None = None
         self._chan = channel
@@ -281,6 +282,23 @@ class StartedProcess:
             self._chan.abort(self.info)
 
 
+async def stop_all(started: list[StartedProcess]) -> None:
+    """Close every keeper's stdin and wait for them: each gets its grace, then a forced stop."""
+    live = [sp for sp in started if sp.returncode is None]
+    for sp in live:
+        await sp.close_stdin()
+    if not live:
+        return
+    limit = max(sp.grace for sp in live) + KILL_WAIT * 2
+    waits = [asyncio.ensure_future(sp.wait()) for sp in live]
+    _, pending = await asyncio.wait(waits, timeout=limit)
+    for sp, w in zip(live, waits):
+        if w in pending:
+            await sp.kill()
+        elif not w.cancelled():
+            w.exception()  # a lost connection was already reported to whoever waits; do not warn twice
+
+
 # ---------------------------------------------------------------------------------------------- local
 
 class _LocalChannel:
@@ -360,7 +378,8 @@ class LocalTransport:
     async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
                     grace: float | None = None) -> StartedProcess:
         check_argv(argv, env)
-        kargv = keeper_argv(self.python, argv, self.keeper_grace if grace is None else grace)
+        grace = self.keeper_grace if grace is None else grace
+        kargv = keeper_argv(self.python, argv, grace)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *kargv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -368,9 +387,9 @@ class LocalTransport:
         except OSError as e:
             raise RemoteCommandFailed(f"cannot run {self.python} on {self.node}: {e.strerror or e}",
                                       host=self.node, argv=kargv) from None
-        sp = StartedProcess(self.node, list(argv), _LocalChannel(proc))
+        sp = StartedProcess(self.node, list(argv), _LocalChannel(proc), grace)
         await sp._begin()
-        self._started.append(sp)
+        self._started = [p for p in self._started if p.returncode is None] + [sp]
         return sp
 
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
@@ -386,9 +405,8 @@ class LocalTransport:
         await asyncio.to_thread(_copy_atomic, Path(local_path), Path(remote_path), mode)
 
     async def close(self) -> None:
-        for sp in self._started:
-            await sp.close_stdin()
-        self._started.clear()
+        started, self._started = self._started, []
+        await stop_all(started)
 
 
 def _copy_atomic(src: Path, dest: Path, mode: int | None) -> None:
