@@ -234,7 +234,7 @@ def build(
     path = Path(path).absolute()
     if hidden % heads or heads % kv_heads:
         raise ConfigError(f"hidden={hidden} must divide by heads={heads}, and heads by kv_heads={kv_heads}")
-    if min(layers, hidden, heads, kv_heads, vocab) <= 0:
+    if min(layers, hidden, heads, kv_heads, vocab, intermediate or 1, max_position_embeddings) <= 0:
         raise ConfigError("tiny model sizes must be positive")
     if vocab < 256 + len(SPECIAL_TOKENS):
         raise ConfigError(f"vocab={vocab} is too small for a byte-level tokenizer (at least 259)")
@@ -253,10 +253,11 @@ def build(
         if not ours and not empty:
             raise ConfigError(f"{path} exists and is not a tiny model built by clusterctl; not touching it")
         if ours and not overwrite:
-            raise ConfigError(f"{path} holds a tiny model built with other parameters",
+            raise ConfigError(f"{path} holds a tiny model built with other parameters, or a damaged one",
                               hint="remove it or pass overwrite=True")
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -268,6 +269,28 @@ def build(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _clean_stale(path: Path) -> None:
+    """Remove temp folders left by builds that were killed (their pid is gone)."""
+    for prefix in (f".{path.name}.tmp-", f".{path.name}.old-"):
+        for d in path.parent.glob(prefix + "*"):
+            try:
+                pid = int(d.name[len(prefix):].split("-", 1)[0])
+            except ValueError:
+                continue
+            if not _alive(pid):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _install(tmp: Path, path: Path, params: TinyParams) -> None:

@@ -188,3 +188,43 @@ class RankCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---- the shared tiny model (built once, reused across sessions from the repo's ignored .cache/)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL_DIR = REPO / ".cache" / "tiny-model-test"
+
+
+def tiny_model_path() -> Path:
+    from clusterctl import tinymodel
+
+    return tinymodel.build(TINY_MODEL_DIR)
+
+
+def reference_tokens(model_path: Path, prompt: str, max_tokens: int, *, temperature: float = 0.0,
+                     seed: int = 0) -> list[int]:
+    """One process, plain mlx-lm: the tokens ``mlx_lm.stream_generate`` produces (EOS excluded)."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = _loaded(str(model_path))
+    mx.random.seed(seed)
+    out = []
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+_CACHE: dict = {}
+
+
+def _loaded(path: str):
+    from mlx_lm import load
+
+    if path not in _CACHE:
+        _CACHE[path] = load(path)
+    return _CACHE[path]

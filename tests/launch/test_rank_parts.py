@@ -1,0 +1,196 @@
+"""The rank's pieces without starting a rank: spec validation, environment, markers, lease, stop strings."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from clusterctl.errors import IntegrityError
+from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
+                                       write_lease, write_marker)
+from clusterctl.launch.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
+from clusterctl.launch.rankspec import layer_range, parse_rank_spec
+from clusterctl.launch.serve import idle_interval
+from clusterctl.launch.watchdog import LeaseWatch, peer_loss
+
+
+def spec_dict(**kw) -> dict:
+    d = dict(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=2, model_path="/m",
+             start_layer=2, end_layer=8, layer_counts=[6, 2], num_layers=8, hostfile="/h.json", http_port=8000,
+             runtime_dir="/r", marker_path="/r/m.json", gate_path="/r/gate")
+    d.update(kw)
+    return d
+
+
+# ---- RankSpec
+
+def test_layer_ranges_follow_mlx_lm_reversed_order():
+    assert [layer_range([6, 2], r) for r in range(2)] == [(2, 8), (0, 2)]
+    assert [layer_range([1, 5, 2], r) for r in range(3)] == [(7, 8), (2, 7), (0, 2)]
+    spec = parse_rank_spec(spec_dict())
+    assert spec.mlx_split == [6, 2]
+    parse_rank_spec(spec_dict(rank=1, start_layer=0, end_layer=2, http_port=None))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(start_layer=0, end_layer=6), "pipeline order"),
+    (dict(layer_counts=[6, 1]), "sum to 8"),
+    (dict(layer_counts=[8, 0]), "positive"),
+    (dict(world_size=1, layer_counts=[8], start_layer=0), "no hostfile"),
+    (dict(hostfile=None), "needs a hostfile"),
+    (dict(http_port=None), "http_port"),
+    (dict(env={"MLX_RANK": "1"}), "MLX_RANK"),
+    (dict(rank=2), "outside"),
+    (dict(surprise=1), "surprise"),
+    (dict(schema_version=2), "schema_version"),
+])
+def test_bad_specs_are_integrity_errors(bad, words):
+    with pytest.raises(IntegrityError, match=words):
+        parse_rank_spec(spec_dict(**bad))
+
+
+def test_an_invalid_spec_never_echoes_the_api_key():
+    with pytest.raises(IntegrityError) as e:
+        parse_rank_spec(spec_dict(api_key="sk-very-secret", http_port="not a port"))
+    assert "sk-very-secret" not in str(e.value)
+    spec = parse_rank_spec(spec_dict(api_key="sk-very-secret"))
+    assert "sk-very-secret" not in repr(spec) and spec.api_key_value() == "sk-very-secret"
+
+
+# ---- environment
+
+def test_env_defaults_yield_to_the_operator_and_the_contract_fixes_rank_and_hostfile():
+    spec = parse_rank_spec(spec_dict(env={"JACCL_TIMEOUT_ACTION": "abort"}))
+    env = rank_environment(spec, {"MLX_MAX_OPS_PER_BUFFER": "7", "MLX_RANK": "5", "PATH": "/bin"})
+    assert env["MLX_MAX_OPS_PER_BUFFER"] == "7"  # operator's process env wins over our default
+    assert env["JACCL_TIMEOUT_ACTION"] == "abort"  # contract env wins too
+    assert env["MLX_MAX_MB_PER_BUFFER"] == ENV_DEFAULTS["MLX_MAX_MB_PER_BUFFER"]
+    assert env["JACCL_PROGRESS_TIMEOUT_MS"] == "30000"
+    assert (env["MLX_RANK"], env["MLX_HOSTFILE"], env["PATH"]) == ("0", "/h.json", "/bin")
+
+
+def test_a_world_of_one_gets_no_hostfile_even_if_the_environment_has_one():
+    spec = parse_rank_spec(spec_dict(world_size=1, layer_counts=[8], start_layer=0, hostfile=None))
+    env = rank_environment(spec, {"MLX_HOSTFILE": "/stale.json", "MLX_RANK": "3"})
+    assert "MLX_HOSTFILE" not in env and "MLX_RANK" not in env
+
+
+# ---- markers
+
+def _marker(**kw) -> Marker:
+    d = dict(deployment_id="d", job_id="j", nonce="n", rank=0, node="a", host="h", pid=1, pgid=1,
+             start_time=1.0, boot_id=None, state="ready", heartbeat_at=2.0)
+    d.update(kw)
+    return Marker(**d)
+
+
+def test_marker_roundtrip_and_careful_reads(tmp_path):
+    p = tmp_path / "m.json"
+    write_marker(p, _marker(active_requests=["cmpl-1"]))
+    assert read_marker(p).active_requests == ["cmpl-1"]
+    with pytest.raises(MarkerMissing):
+        read_marker(tmp_path / "absent.json")
+    assert issubclass(MarkerMissing, IntegrityError)
+    full = p.read_bytes()
+    (tmp_path / "trunc.json").write_bytes(full[: len(full) // 2])
+    (tmp_path / "foreign.json").write_text(json.dumps({"type": "lease", "seq": 1}))
+    (tmp_path / "newer.json").write_text(json.dumps({**json.loads(full), "schema_version": 2}))
+    (tmp_path / "big.json").write_bytes(b" " * (65 * 1024))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    os.symlink(p, tmp_path / "link.json")
+    for name, words in [("trunc", "not valid JSON"), ("foreign", "not a rank marker"), ("newer", "newer"),
+                        ("big", "too large"), ("list", "not a JSON object"), ("link", "cannot open")]:
+        with pytest.raises(IntegrityError, match=words):
+            read_marker(tmp_path / f"{name}.json")
+
+
+def test_marker_writer_heartbeats_and_states_only_move_forward(tmp_path):
+    w = MarkerWriter(tmp_path / "m.json", deployment_id="d", job_id="j", nonce="n", rank=1, node="a",
+                     interval=0.1)
+    w.start()
+    try:
+        first = read_marker(w.path)
+        assert (first.pid, first.pgid, first.state) == (os.getpid(), os.getpgid(0), "loading")
+        assert first.start_time > 0
+        time.sleep(0.35)
+        assert read_marker(w.path).heartbeat_at > first.heartbeat_at
+        w.update(state="stopping")
+        w.update(state="serving")
+        assert read_marker(w.path).state == "stopping"
+        w.update(state="failed", error="boom", final=True)
+        w.update(state="stopping", error=None)
+        m = read_marker(w.path)
+        assert (m.state, m.error) == ("failed", "boom")
+    finally:
+        w.stop()
+
+
+# ---- lease, judged on our own monotonic clock
+
+def test_a_lease_that_never_appeared_is_not_stale(tmp_path):
+    w = LeaseWatch(tmp_path / "job.lease", 0.2)
+    time.sleep(0.3)
+    assert w.check() is None
+
+
+def test_a_lease_is_stale_only_when_seq_stops_changing(tmp_path):
+    lease = tmp_path / "job.lease"
+    w = LeaseWatch(lease, 5.0)
+    for seq in range(4):
+        write_lease(lease, Lease(holder="op", seq=seq, duration_s=0.3))
+        os.utime(lease, (0, 0))  # a wall-clock date from 1970 must not matter
+        assert w.check() is None
+        time.sleep(0.15)
+    assert w.check() is None
+    time.sleep(0.35)
+    reason = w.check()
+    assert reason and "not renewed" in reason and "holder op" in reason
+    assert read_lease(lease).seq == 3
+
+
+def test_a_vanished_lease_counts_as_not_renewed_and_the_contract_caps_the_duration(tmp_path):
+    lease = tmp_path / "job.lease"
+    write_lease(lease, Lease(holder="op", seq=1, duration_s=3600))
+    w = LeaseWatch(lease, 0.2)
+    assert w.check() is None
+    lease.unlink()
+    time.sleep(0.3)
+    assert "limit 0.2 s" in w.check()
+
+
+def test_peer_loss_is_recognised():
+    err = peer_loss(RuntimeError("[ring] connection to a peer was lost"), 1)
+    assert err is not None and err.exit_code == 69 and "rank 1" in err.message
+    assert peer_loss(ValueError("x"), 0) is None
+
+
+# ---- the shared request and stop strings
+
+def test_requests_survive_the_byte_round_trip():
+    r = GenRequest(id="x", tokens=[1, 2, 3], max_tokens=4, temperature=0.5, seed=9, stop=["\n\n", "é"])
+    assert GenRequest.decode(r.encode()) == r
+    with pytest.raises(IntegrityError):
+        GenRequest.decode(b'{"id": "x", "evil": 1}')
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("hello E") == ("hello ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("X more") == ("ENX more", False)
+    assert m.feed(" and EN") == (" and ", False)
+    assert m.feed("D tail") == ("", True)
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False)
+    m = StopMatcher(["ab"])
+    assert m.feed("xa") == ("x", False)
+    assert m.flush() == "a"
+
+
+def test_idle_schedule_slows_down_but_stays_responsive():
+    assert idle_interval(0) == 0.01
+    assert idle_interval(10_000) == 0.1
+    assert all(idle_interval(i) <= idle_interval(i + 1) for i in range(1000))

@@ -1,0 +1,253 @@
+"""Rank 0's OpenAI-compatible API, served by one real rank process (world of one) on a fresh loopback port."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from rankharness import RankCluster, reference_tokens, tiny_model_path
+
+KEY = "sk-test-key-123"
+PROMPT = "def main(argv):"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="module")
+def rank(model, tmp_path_factory):
+    c = RankCluster(tmp_path_factory.mktemp("serve"), model, [8], api_key=KEY,
+                    env={"MLX_MAX_OPS_PER_BUFFER": "7"}, spec_env={"JACCL_TIMEOUT_ACTION": "abort"}, tag="serve")
+    c.start()
+    c.wait_state("ready")
+    c.before_gate = _get(c, "/health")
+    time.sleep(0.3)
+    c.still_ready = c.marker(0).state
+    c.open_gate()
+    c.wait_state("serving")
+    yield c
+    c.stop()
+
+
+def _conn(c: RankCluster) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+
+
+def _get(c, path, key=KEY):
+    conn = _conn(c)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    conn.close()
+    return r.status, body
+
+
+def _post(c, path, body, key=KEY, raw=None):
+    conn = _conn(c)
+    data = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=data, headers=headers)
+    r = conn.getresponse()
+    out = r.read()
+    conn.close()
+    return r.status, json.loads(out) if out.startswith(b"{") else out
+
+
+def _sse(c, path, body):
+    """The parsed `data:` events of a streaming response, with the time each arrived."""
+    conn = _conn(c)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    events = []
+    for line in r:
+        line = line.strip()
+        if line.startswith(b"data: "):
+            payload = line[6:].decode()
+            events.append((time.monotonic(), payload if payload == "[DONE]" else json.loads(payload)))
+    conn.close()
+    return events
+
+
+def test_health_is_503_until_the_gate_opens_then_200(rank):
+    assert rank.before_gate == (503, {"status": "ready"})
+    assert rank.still_ready == "ready"
+    assert _get(rank, "/health", key=None) == (200, {"status": "ok"})
+
+
+def test_marker_identity_endpoint_and_effective_env(rank):
+    m = rank.marker(0)
+    p = psutil.Process(rank.procs[0].pid)
+    assert (m.pid, m.pgid, m.rank, m.state) == (p.pid, p.pid, 0, "serving")
+    assert m.start_time == pytest.approx(p.create_time())
+    assert m.endpoint == rank.url and m.nonce == "nonce-serve" and m.error is None
+    assert m.env["MLX_MAX_OPS_PER_BUFFER"] == "7"  # the operator's value beat our default
+    assert m.env["JACCL_TIMEOUT_ACTION"] == "abort"  # so did the contract's
+    assert m.env["MLX_MAX_MB_PER_BUFFER"] == "512" and m.env["JACCL_PROGRESS_TIMEOUT_MS"] == "30000"
+    assert "MLX_HOSTFILE" not in m.env and "MLX_RANK" not in m.env  # a world of one has no hostfile
+    assert all(KEY not in " ".join(psutil.Process(p.pid).cmdline()) for p in rank.procs)
+
+
+def test_api_key_is_required_on_v1_routes(rank):
+    assert _get(rank, "/v1/models", key=None)[0] == 401
+    assert _get(rank, "/v1/models", key="wrong")[0] == 401
+    status, body = _post(rank, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key="wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body = _get(rank, "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == rank.model_path.name
+
+
+def test_greedy_completion_matches_one_process_mlx_lm(rank, model):
+    status, body = _post(rank, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                    "return_token_ids": True})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference_tokens(model, PROMPT, 24)
+    assert choice["finish_reason"] == "length" and body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 24
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 24
+
+
+def test_streaming_completion_equals_the_plain_one_and_reports_usage(rank):
+    req = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    plain = _post(rank, "/v1/completions", req)[1]["choices"][0]["text"]
+    events = _sse(rank, "/v1/completions", {**req, "stream_options": {"include_usage": True}})
+    assert events[-1][1] == "[DONE]"
+    chunks = [e for _, e in events[:-1]]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == plain
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
+
+
+def test_stop_strings_cut_the_text_in_both_modes(rank):
+    req = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0}
+    full = _post(rank, "/v1/completions", req)[1]["choices"][0]["text"]
+    stop = full[12:15]
+    cut = full[:full.index(stop)]
+    body = _post(rank, "/v1/completions", {**req, "stop": [stop]})[1]
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (cut, "stop")
+    events = _sse(rank, "/v1/completions", {**req, "stop": stop})
+    text = "".join(e["choices"][0]["text"] for _, e in events[:-1])
+    assert text == cut and events[-2][1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_client_chat_and_completions_streaming_and_not(rank):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=rank.url + "/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 12
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                              stream=True)
+    parts, finish = [], None
+    for ev in streamed:
+        parts.append(ev.choices[0].delta.content or "")
+        finish = ev.choices[0].finish_reason or finish
+    assert "".join(parts) == chat.choices[0].message.content and finish == "length"
+    comp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+    assert "".join(ev.choices[0].text for ev in streamed) == comp.choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=rank.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_curl_against_rank_0(rank):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    base = ["curl", "-sS", "--noproxy", "*", "-H", f"Authorization: Bearer {KEY}", "-H",
+            "Content-Type: application/json"]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    out = subprocess.run(base + ["-d", body, rank.url + "/v1/completions"], capture_output=True, timeout=60)
+    assert json.loads(out.stdout)["usage"]["completion_tokens"] == 2
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    out = subprocess.run(base + ["-N", "-d", body, rank.url + "/v1/chat/completions"], capture_output=True,
+                         timeout=60)
+    lines = [ln for ln in out.stdout.decode().splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x", "n": 2}, 400, "n=1"),
+    ({"prompt": PROMPT, "max_tokens": 4090}, 400, "context"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": [1, 99999]}, 400, "vocabulary"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"prompt": 3}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(rank, body, status, words):
+    got, err = _post(rank, "/v1/completions", body)
+    assert got == status and words in err["error"]["message"]
+
+
+def test_malformed_bodies_and_routes(rank):
+    assert _post(rank, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert _post(rank, "/v1/chat/completions", {"messages": []})[0] == 400
+    assert _post(rank, "/v1/embeddings", {"input": "x"})[0] == 404
+    assert _get(rank, "/nope")[0] == 404
+
+
+def test_concurrent_requests_are_served_one_at_a_time_in_order_and_never_mixed(rank, model):
+    prompts = ["import os\n", "class Foo(object):", "for i in range(10):"]
+    want = {p: reference_tokens(model, p, 24) for p in prompts}
+    results: dict = {}
+
+    def run(p):
+        events = _sse(rank, "/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0,
+                                                "return_token_ids": True})
+        last = events[-2][1]["choices"][0]
+        text_times = [t for t, e in events[:-1] if e["choices"] and e["choices"][0]["text"]]
+        results[p] = (last["token_ids"], text_times[0], text_times[-1])
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(120)
+    assert {p: r[0] for p, r in results.items()} == want
+    spans = sorted((r[1], r[2]) for r in results.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"generations overlapped: {spans}"
+
+
+def test_a_closed_stream_is_cancelled_within_a_few_tokens(rank):
+    conn = _conn(rank)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    first = json.loads(r.readline().decode()[6:])
+    deadline = time.monotonic() + 10
+    while rank.marker(0).active_requests != [first["id"]]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r.close()  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 5  # 3000 tokens take far longer; a cancel lands within 16 tokens
+    while rank.marker(0).active_requests:
+        assert time.monotonic() < deadline, "the cancelled generation is still running"
+        time.sleep(0.05)
+    status, body = _post(rank, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_sigterm_stops_serving_and_exits_0(rank):
+    rank.signal(0, signal.SIGTERM)
+    assert rank.wait_exit(0, 15) == 0
+    m = rank.marker(0)
+    assert m.state == "stopping" and m.error is None
+    assert "stopped" in rank.logs(0) and "Traceback" not in rank.logs(0)
