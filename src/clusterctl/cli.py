@@ -119,6 +119,169 @@ def verify(
         o.info(f"ok: {path}: deployment {dep.deployment_id}, placement {dep.placement}, signature valid")
 
 
+# ---- launch / teardown / reap / status -----------------------------------------------------------------------
+GraceOpt = Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.", min=0)]
+KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for SSH nodes.",
+                                                       show_default="~/.ssh/known_hosts")]
+AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
+                                            help="Trust an SSH host key seen for the first time (a changed key is still refused).")]
+
+
+def _ssh(known_hosts: Path | None, accept_new: bool):
+    from clusterctl.launch.nodes import SshOptions
+
+    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
+
+
+@app.command()
+def launch(
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id.")],
+    detach: Annotated[bool, typer.Option("--detach", help="Return once ready; `clusterctl teardown` ends it.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for every rank to be ready.", min=1)] = 600,
+    grace: GraceOpt = 10.0,
+    lease: Annotated[Optional[float], typer.Option("--lease", envvar="CLUSTERCTL_LAUNCHER_LEASE",
+                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.", min=1)] = None,
+    host: Annotated[str, typer.Option("--host", help="Address rank 0's HTTP API binds.")] = "127.0.0.1",
+    port: Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).")] = None,
+    api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
+    seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Preflight every node, start one rank per node, wait until all are ready, then supervise them."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.launch.supervisor import LaunchOptions, install_stop_signals, launch as do_launch
+
+    opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
+                         api_key=os.environ.get(api_key_env) or None, seed=seed,
+                         ssh=_ssh(known_hosts, accept_new_host_keys))
+    if lease is not None:
+        opts.lease_seconds = lease
+
+    async def go() -> int:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        running = await do_launch(deployment, _state(state_dir), opts, log=o.info)
+        doc = running.summary()
+        if o.json:
+            o.data(doc)
+        else:
+            print(running.endpoint, flush=True)
+            o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
+                   + ("" if detach else " (Ctrl-C to stop)"))
+        if detach:
+            return 0
+        code = await running.supervise(stop)
+        if running.failure:
+            o.console.print(f"error: {running.failure}")
+        report = running.report
+        if not report.ok:
+            o.console.print("error: teardown could not confirm: " + "; ".join(report.survivors()))
+        else:
+            o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")
+        return code
+
+    code = asyncio.run(go())
+    raise typer.Exit(code)
+
+
+@app.command()
+def teardown(
+    target: Annotated[Optional[str], typer.Argument(help="A deployment id or job id (default: every job).")] = None,
+    grace: GraceOpt = 10.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.launch.teardown import teardown_command
+
+    reports = asyncio.run(teardown_command(_state(state_dir), target, _ssh(known_hosts, accept_new_host_keys),
+                                           grace=grace, log=o.info))
+    ok = all(r.ok for r in reports)
+    if o.json:
+        o.data({"ok": ok, "jobs": [r.to_json() for r in reports]})
+    else:
+        for r in reports:
+            if r.ok:
+                o.info(f"job {r.job_id}: every rank confirmed gone")
+            else:
+                o.console.print(f"error: job {r.job_id}: could not confirm: " + "; ".join(r.survivors())
+                                + " (manifest kept; run teardown again)")
+        if not reports:
+            o.info("nothing to tear down")
+    raise typer.Exit(0 if ok else int(Exit.FAILED))
+
+
+@app.command()
+def reap(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be reaped; signal nothing.")] = False,
+    grace: GraceOpt = 10.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """For cron: reap the ranks of launches whose coordinator died. Silent when there is nothing to do."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.launch.reaper import reap as do_reap
+
+    report = asyncio.run(do_reap(_state(state_dir), _ssh(known_hosts, accept_new_host_keys), grace=grace,
+                                 dry_run=dry_run, log=o.info))
+    if o.json:
+        o.data({"ok": not report.failed and not report.malformed, **report.to_json()})
+    else:
+        for m in report.malformed:
+            o.console.print(f"error: malformed manifest kept, not acted on: {m['manifest']}: {m['error']}")
+        for j in report.reaped:
+            o.info(f"{'would reap' if dry_run else 'reaped'} job {j['job_id']}")
+        for j in report.failed:
+            o.console.print(f"error: job {j['job_id']}: could not confirm every rank gone; manifest kept")
+    raise typer.Exit(int(Exit.FAILED) if report.failed or report.malformed else 0)
+
+
+@app.command()
+def status(
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Show every column.")] = False,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """What runs where, per rank: node, pid, state, layers, heartbeat age, active requests, endpoint."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.launch.status import status as do_status
+
+    doc = asyncio.run(do_status(_state(state_dir), _ssh(known_hosts, accept_new_host_keys)))
+    if o.json:
+        o.data(doc)
+        return
+    from clusterctl.render import status_table
+
+    if not doc["jobs"]:
+        o.info("no launches")
+    for job in doc["jobs"]:
+        o.table(status_table(job, wide=all_))
+    for m in doc["malformed"]:
+        o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
+
+
 # ---- entry --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     # Standalone mode lets Typer handle usage errors (exit 2) and --help; ours are mapped here.

@@ -67,3 +67,42 @@ def deployment_table(dep) -> Any:
                   human_bytes(r.planned.weights), human_bytes(r.planned.kv), human_bytes(r.planned.total),
                   human_bytes(r.usable_bytes), dep.path_map.get(r.node, ""))
     return t
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+STATE_STYLE = {"serving": "green", "ready": "green", "loading": "yellow", "stopping": "yellow", "failed": "red",
+               "unreachable": "red", "no marker": "red"}
+
+
+def status_table(job: dict, *, wide: bool = False) -> Any:
+    from rich.table import Table
+
+    coord = "detached" if job["detached"] else (
+        f"coordinator pid {job['coordinator_pid']}" + ("" if job["coordinator_alive"] else " [red](dead)[/red]"))
+    t = Table(title=f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  {coord}", title_justify="left",
+              box=None, pad_edge=False)
+    cols = ["RANK", "NODE", "HOST", "PID", "STATE", "LAYERS", "HEARTBEAT", "ACTIVE"]
+    if wide:
+        cols += ["ENDPOINT", "ERROR"]
+    for c in cols:
+        t.add_column(c)
+    for r in job["ranks"]:
+        st = r["state"]
+        style = STATE_STYLE.get(st, "")
+        hb = _age(r["heartbeat_age"]) + (" [red]stale[/red]" if r["stale"] else "")
+        layers = f"[{r['layers'][0]}, {r['layers'][1]})" if r["layers"] and r["layers"][0] is not None else "-"
+        row = [str(r["rank"]), r["node"], r["host"], str(r["pid"] or "-"), f"[{style}]{st}[/{style}]" if style else st,
+               layers, hb, str(r["active_requests"])]
+        if wide:
+            row += [r["endpoint"] or "-", r["error"] or ""]
+        t.add_row(*row)
+    return t

@@ -28,7 +28,8 @@ DOMAIN = b"clusterctl-signed/1\0"
 _TAIL = re.compile(
     rb',\n  "signature": \{"alg": "ed25519", "key_id": "([0-9a-f]{16})", "value": "([A-Za-z0-9+/]{86}==)"\}\n\}\n\Z'
 )
-_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]{0,40}$")
+# A type, optionally bound to one node: "rank-contract/<node>" verifies only where that node name is expected.
+_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]{0,40}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$")
 
 
 def _crypto():

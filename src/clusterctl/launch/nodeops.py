@@ -1,0 +1,262 @@
+"""Operations that run ON a node: ``python -m clusterctl.launch.nodeops OP`` with a JSON request on stdin and one
+JSON answer on stdout. The coordinator reaches local and remote nodes the same way, through the transport, so
+the code that signals processes is the same everywhere and always runs next to the processes (and judges ages on
+the node's own clock).
+
+OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
+markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
+files), markers (read a job's markers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MARKER_LIMIT = 64 * 1024
+
+
+def default_runtime_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return os.path.join(xdg, "clusterctl")
+    return f"/tmp/clusterctl-{os.getuid()}"
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": ".".join(map(str, sys.version_info[:3]))}
+    for dist in ("clusterctl", "mlx", "mlx-lm"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _port_free(host: str, port: int) -> bool:
+    # Plain bind without SO_REUSEPORT: ring sockets would bind anyway, so this is what tells a live listener.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+def _model_check(path: str) -> dict:
+    p = Path(path)
+    if not p.is_dir():
+        return {"ok": False, "error": f"model folder {path} does not exist"}
+    missing = [n for n in ("config.json", "model.safetensors.index.json") if not (p / n).is_file()]
+    files = []
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = names
+            missing += [n for n in names if not (p / n).is_file()]
+        except (ValueError, KeyError, TypeError, OSError):
+            return {"ok": False, "error": f"{index} is not a valid index"}
+    if not any(p.glob("tokenizer*")):
+        missing.append("tokenizer.json")
+    if missing:
+        return {"ok": False, "error": f"model folder {path} lacks {', '.join(missing[:5])}"}
+    return {"ok": True, "files": files}
+
+
+def op_probe(req: dict) -> dict:
+    import psutil
+
+    from clusterctl.launch.procs import boot_id
+
+    out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": _versions(),
+           "mem_available": psutil.virtual_memory().available, "mem_total": psutil.virtual_memory().total,
+           "default_runtime_dir": default_runtime_dir()}
+    backend = req.get("backend")
+    if backend:
+        try:
+            import mlx.core as mx
+
+            out["backend_available"] = bool(mx.distributed.is_available(backend))
+        except Exception as e:  # mlx missing or broken: say why
+            out["backend_available"] = False
+            out["mlx_error"] = f"{type(e).__name__}: {e}"[:300]
+    if req.get("model_path"):
+        out["model"] = _model_check(req["model_path"])
+    if req.get("ports"):
+        host = req.get("bind_host", "0.0.0.0")
+        out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
+    rd = req.get("runtime_dir") or default_runtime_dir()
+    try:
+        os.makedirs(rd, mode=0o700, exist_ok=True)
+        test = Path(rd) / f".probe-{os.getpid()}"
+        test.write_bytes(b"x")
+        test.unlink()
+        out["runtime_dir"] = {"path": rd, "ok": True}
+    except OSError as e:
+        out["runtime_dir"] = {"path": rd, "ok": False, "error": e.strerror or str(e)}
+    return out
+
+
+def op_stop(req: dict) -> dict:
+    from clusterctl.launch.procs import Identity, stop
+
+    idents = [Identity.from_dict(d) for d in req.get("targets", [])]
+    results = stop(idents, grace=float(req.get("grace", 10.0)))
+    return {"results": [r.to_json() for r in results]}
+
+
+def _read_json(path: Path) -> dict | None:
+    from clusterctl.atomic import read_json
+    from clusterctl.errors import ClusterctlError
+
+    try:
+        st = os.lstat(path)
+        if st.st_uid != os.getuid():
+            return None  # another user's file: never act on it
+        doc = read_json(path, limit=MARKER_LIMIT, what="marker")
+        return doc if isinstance(doc, dict) else None
+    except (ClusterctlError, OSError):
+        return None
+
+
+def job_markers(runtime_dir: str, job_id: str) -> list[tuple[Path, dict | None]]:
+    folder = Path(runtime_dir)
+    out = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return out
+    prefix = f"{job_id}-rank"
+    for n in names:
+        if n.startswith(prefix) and n.endswith(".json") and n[len(prefix):-5].isdigit():
+            p = folder / n
+            out.append((p, _read_json(p)))
+    return out
+
+
+def op_markers(req: dict) -> dict:
+    now = time.time()
+    out = []
+    for p, doc in job_markers(req["runtime_dir"], req["job_id"]):
+        if doc is None:
+            out.append({"path": str(p), "error": "unreadable or foreign marker"})
+            continue
+        st = os.stat(p)
+        # Ages on this node's own clock: the file's mtime against this node's now.
+        out.append({"path": str(p), "marker": doc, "age": max(0.0, now - st.st_mtime)})
+    return {"markers": out, "time": now}
+
+
+def op_sweep(req: dict) -> dict:
+    """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce."""
+    from clusterctl.launch.procs import Identity, stop
+
+    idents = []
+    seen = set()
+    for _, doc in job_markers(req["runtime_dir"], req["job_id"]):
+        if not doc or doc.get("job_id") != req["job_id"] or doc.get("nonce") != req["nonce"]:
+            continue  # a marker of another job or deployment is never touched
+        try:
+            ident = Identity(pid=int(doc["pid"]), start_time=doc.get("start_time"), nonce=req["nonce"],
+                             pgid=doc.get("pgid"), boot_id=doc.get("boot_id"))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if ident.pid not in seen:
+            seen.add(ident.pid)
+            idents.append(ident)
+    for d in req.get("extra", []):
+        ident = Identity.from_dict(d)
+        if ident.pid not in seen:
+            seen.add(ident.pid)
+            idents.append(ident)
+    results = stop(idents, grace=float(req.get("grace", 10.0)))
+    return {"results": [r.to_json() for r in results]}
+
+
+def op_clean(req: dict) -> dict:
+    """Remove a job's files from the runtime dir (only names that start with the job id)."""
+    folder = Path(req["runtime_dir"])
+    job = req["job_id"]
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {"removed": removed}
+    for n in names:
+        if n.startswith(job + "-rank") or n in (f"{job}.gate", f"{job}.lease"):
+            try:
+                os.unlink(folder / n)
+                removed.append(n)
+            except OSError:
+                pass
+    return {"removed": removed}
+
+
+def op_spawn(req: dict) -> dict:
+    """Start a rank detached from any channel: its own session, output to a log file, stdin from /dev/null."""
+    import psutil
+
+    from clusterctl.launch.procs import boot_id
+
+    env = {**os.environ, **req.get("env", {}), "PYTHONUNBUFFERED": "1"}
+    log = open(req["log_path"], "ab", buffering=0)
+    try:
+        proc = subprocess.Popen(req["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                start_new_session=True, close_fds=True)
+    finally:
+        log.close()
+    return {"pid": proc.pid, "pgid": proc.pid, "start_time": psutil.Process(proc.pid).create_time(),
+            "boot_id": boot_id()}
+
+
+def op_canary(req: dict) -> dict:
+    """A short greedy completion against rank 0, from rank 0's own node (it may listen on loopback only)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": req.get("model", "default"), "prompt": req.get("prompt", "Hello"),
+                       "max_tokens": int(req.get("max_tokens", 2)), "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json"}
+    if req.get("api_key"):
+        headers["Authorization"] = f"Bearer {req['api_key']}"
+    r = urllib.request.Request(req["url"].rstrip("/") + "/v1/completions", data=body, headers=headers)
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(r, timeout=float(req.get("timeout", 60))) as resp:
+            doc = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return {"ok": False, "error": f"canary request failed: {e}"}
+    tokens = (doc.get("usage") or {}).get("completion_tokens", 0)
+    text = ((doc.get("choices") or [{}])[0]).get("text", "")
+    return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
+
+
+OPS = {"probe": op_probe, "stop": op_stop, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
+       "canary": op_canary, "markers": op_markers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] not in OPS:
+        print(f"usage: python -m clusterctl.launch.nodeops {{{','.join(OPS)}}} < request.json", file=sys.stderr)
+        return 2
+    try:
+        req = json.loads(sys.stdin.buffer.read(1 << 20) or b"{}")
+        result = OPS[argv[0]](req)
+    except Exception as e:  # the answer is always one JSON document
+        json.dump({"error": f"{type(e).__name__}: {e}"[:2000]}, sys.stdout)
+        return 1
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

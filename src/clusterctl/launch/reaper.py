@@ -1,0 +1,87 @@
+"""The cron reaper: find launch manifests whose coordinator is dead and reap their ranks like teardown does.
+
+A coordinator is dead when its pid is gone, is a zombie, or now belongs to another process (start time differs),
+or when this host rebooted since. Manifests of live coordinators are left alone; a malformed manifest is reported
+and kept, never acted on. One flock (``locks/reap.lock``) so overlapping cron runs never fight; a per-deployment
+lock is taken before touching a job, so a reap never races a launch or a teardown of the same deployment.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from clusterctl.errors import Busy, ClusterctlError
+from clusterctl.launch.manifest import Coordinator, ManifestStore
+from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
+from clusterctl.locks import Lock, locked
+
+
+def coordinator_alive(c: Coordinator) -> bool:
+    from clusterctl.launch.procs import Identity, boot_id, status_of
+
+    if c.detached:
+        return True  # a detached job has no coordinator to outlive; only `teardown` ends it
+    if c.host != socket.gethostname():
+        return True  # another machine's coordinator: not ours to judge
+    if c.boot_id and boot_id() and c.boot_id != boot_id():
+        return False
+    return status_of(Identity(pid=c.pid, start_time=c.start_time, nonce=None)) in ("alive", "unverifiable")
+
+
+@dataclass
+class ReapReport:
+    reaped: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    malformed: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return not (self.reaped or self.failed or self.malformed)
+
+    def to_json(self) -> dict:
+        return {"dry_run": self.dry_run, "reaped": self.reaped, "failed": self.failed,
+                "malformed": self.malformed, "skipped": self.skipped}
+
+
+async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
+               log=lambda msg: None, held: frozenset[str] = frozenset()) -> ReapReport:
+    """``held``: deployment ids whose lock the caller already holds (a launch reaping its own dead jobs)."""
+    report = ReapReport(dry_run=dry_run)
+    if not state.launches.is_dir():
+        return report  # nothing was ever launched: no key, no lock needed
+    with locked(state.locks / "reap.lock", what="reap"):
+        trusted = state.keyring.public_keys()
+        store = ManifestStore(state.launches, None, trusted)
+        good, bad = store.all()
+        for path, why in bad:
+            report.malformed.append({"manifest": str(path), "error": why})
+        for path, m in good:
+            if coordinator_alive(m.coordinator):
+                continue
+            if dry_run:
+                report.reaped.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "dry_run": True,
+                                      "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
+                continue
+            try:
+                lock = Lock(state.locks / f"deploy-{m.deployment_id}.lock")
+                if m.deployment_id not in held:
+                    lock.acquire(what=f"deployment {m.deployment_id}")
+            except Busy:
+                report.skipped.append({"job_id": m.job_id, "reason": "deployment locked by a launch or teardown"})
+                continue
+            try:
+                store.key = state.keyring.signing_key()
+                log(f"reaping job {m.job_id} (coordinator pid {m.coordinator.pid} is gone)")
+                try:
+                    tr = await teardown_job(m, store, ssh, grace=grace)
+                except ClusterctlError as e:
+                    report.failed.append({"job_id": m.job_id, "error": e.message})
+                    continue
+                (report.reaped if tr.ok else report.failed).append(tr.to_json())
+            finally:
+                lock.release()
+    return report

@@ -1,0 +1,60 @@
+"""What runs where: every launch manifest, and each rank's marker as its node sees it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from clusterctl.errors import ClusterctlError
+from clusterctl.launch.manifest import ManifestStore
+from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.launch.reaper import coordinator_alive
+
+STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
+
+
+async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
+    store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
+    good, bad = store.all() if state.launches.is_dir() else ([], [])
+    jobs = []
+    for path, m in good:
+        alive = coordinator_alive(m.coordinator)
+        ranks = []
+        markers: dict[int, dict] = {}
+        if probe_nodes:
+            hs = handles(m.nodes, ssh)
+            try:
+                dirs = {(r.node, r.runtime_dir) for r in m.ranks}
+
+                async def one(node: str, d: str) -> None:
+                    try:
+                        ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
+                    except ClusterctlError as e:
+                        for r in m.ranks:
+                            if r.node == node:
+                                markers[r.rank] = {"error": e.message}
+                        return
+                    for x in ans.get("markers", []):
+                        doc = x.get("marker") or {}
+                        if isinstance(doc.get("rank"), int):
+                            markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+
+                await asyncio.gather(*(one(n, d) for n, d in dirs))
+            finally:
+                await close_all(hs)
+        for r in m.ranks:
+            info = markers.get(r.rank, {})
+            mk = info.get("marker") or {}
+            age = info.get("age")
+            ranks.append({
+                "rank": r.rank, "node": r.node, "host": r.host, "pid": r.pid,
+                "state": mk.get("state") or ("unreachable" if "error" in info else "no marker"),
+                "layers": [r.start_layer, r.end_layer], "heartbeat_age": age,
+                "stale": age is not None and age > STALE_AFTER,
+                "active_requests": len(mk.get("active_requests") or []),
+                "endpoint": mk.get("endpoint"), "error": info.get("error") or mk.get("error"),
+            })
+        jobs.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "state": m.state,
+                     "endpoint": m.endpoint, "created_at": m.created_at, "coordinator_pid": m.coordinator.pid,
+                     "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
+                     "ranks": ranks})
+    return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}

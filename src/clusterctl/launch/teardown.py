@@ -1,0 +1,173 @@
+"""Verified teardown and the cron reaper.
+
+Teardown of a job: on every node, concurrently, TERM (with CONT) each rank's process group, wait the grace, KILL,
+verify, re-KILL with backoff, then sweep what the job's runtime markers recorded — every process checked by pid,
+start time AND the job's nonce before any signal. Only when every rank is confirmed gone are the node files and the
+launch manifest removed; otherwise the survivors are named (rank, host, pid) and the manifest stays for a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from clusterctl.errors import ClusterctlError, HostUnreachable
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore
+from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
+
+DEFAULT_GRACE = 10.0
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    node: str
+    host: str
+    pid: int | None
+    status: str  # gone | survived | permission-denied | unreachable | not-started
+    detail: str = ""
+
+    @property
+    def confirmed(self) -> bool:
+        return self.status in ("gone", "not-started")
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "node": self.node, "host": self.host, "pid": self.pid, "status": self.status,
+                "detail": self.detail}
+
+
+@dataclass
+class TeardownReport:
+    job_id: str
+    deployment_id: str
+    ranks: list[RankOutcome] = field(default_factory=list)
+    extra: list[dict] = field(default_factory=list)  # other processes of the job found by the sweep
+    manifest_removed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(r.confirmed for r in self.ranks) and all(e["status"] == "gone" for e in self.extra)
+
+    def survivors(self) -> list[str]:
+        out = [f"rank {r.rank} on {r.node} ({r.host}) pid {r.pid}: {r.status}{': ' + r.detail if r.detail else ''}"
+               for r in self.ranks if not r.confirmed]
+        out += [f"pid {e['pid']} on {e['node']}: {e['status']}" for e in self.extra if e["status"] != "gone"]
+        return out
+
+    def to_json(self) -> dict:
+        return {"job_id": self.job_id, "deployment_id": self.deployment_id, "ok": self.ok,
+                "manifest_removed": self.manifest_removed, "ranks": [r.to_json() for r in self.ranks],
+                "extra": self.extra}
+
+
+
+
+async def stop_job(m: LaunchManifest, hs: dict[str, NodeHandle], *, grace: float) -> TeardownReport:
+    report = TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id)
+    by_node: dict[str, list] = {}
+    for r in m.ranks:
+        by_node.setdefault(r.node, []).append(r)
+
+    async def one(node: str, recs: list) -> None:
+        h = hs[node]
+        extra = [{"pid": r.pid, "pgid": r.pgid, "start_time": r.start_time, "nonce": m.nonce, "boot_id": r.boot_id}
+                 for r in recs if r.pid]
+        try:
+            ans = await h.op("sweep", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id, "nonce": m.nonce,
+                                       "grace": grace, "extra": extra}, timeout=grace + 60)
+        except ClusterctlError as e:
+            for r in recs:
+                report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid,
+                                                "unreachable" if r.pid or isinstance(e, HostUnreachable) else "unreachable",
+                                                e.message))
+            return
+        by_pid = {x["pid"]: x for x in ans.get("results", [])}
+        for r in recs:
+            if r.pid is None and r.state == "pending":
+                # never reported a pid: the sweep still stopped anything its marker recorded
+                report.ranks.append(RankOutcome(r.rank, r.node, r.host, None, "not-started"))
+                continue
+            x = by_pid.pop(r.pid, None)
+            if x is None or x["status"] in ("gone", "not-ours"):
+                report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid, "gone",
+                                                x["detail"] if x and x["status"] == "not-ours" else ""))
+            else:
+                report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid, x["status"], x.get("detail", "")))
+        for pid, x in by_pid.items():
+            st = "gone" if x["status"] in ("gone", "not-ours") else x["status"]
+            report.extra.append({"node": node, "pid": pid, "status": st, "detail": x.get("detail", "")})
+
+    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
+    report.ranks.sort(key=lambda r: r.rank)
+    return report
+
+
+async def clean_job(m: LaunchManifest, hs: dict[str, NodeHandle]) -> None:
+    dirs = {(r.node, r.runtime_dir) for r in m.ranks}
+    await asyncio.gather(*(hs[n].op("clean", {"runtime_dir": d, "job_id": m.job_id}) for n, d in dirs),
+                         return_exceptions=True)
+
+
+async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions, *,
+                       grace: float = DEFAULT_GRACE, hs: dict[str, NodeHandle] | None = None) -> TeardownReport:
+    own = hs is None
+    hs = hs or handles(m.nodes, ssh)
+    try:
+        report = await stop_job(m, hs, grace=grace)
+        if report.ok:
+            await clean_job(m, hs)
+            store.remove(m.job_id)
+            report.manifest_removed = True
+        return report
+    finally:
+        if own:
+            await close_all(hs)
+
+
+async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
+                           log=lambda msg: None) -> list[TeardownReport]:
+    """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
+    (SIGTERM, identity-checked), then everything is verified here under the deployment's lock."""
+    import os
+    import signal as _signal
+    import time
+
+    from clusterctl.errors import Busy, MissingInput
+    from clusterctl.launch.procs import Identity, signal_process, status_of
+    from clusterctl.launch.reaper import coordinator_alive
+    from clusterctl.locks import Lock
+
+    trusted = state.keyring.public_keys()
+    store = ManifestStore(state.launches, None, trusted)
+    good, bad = store.all() if state.launches.is_dir() else ([], [])
+    if ref is None:
+        jobs = [m for _, m in good]
+    else:
+        jobs = [m for _, m in good if ref in (m.job_id, m.deployment_id)]
+        if not jobs and not any(ref in str(p) for p, _ in bad):
+            raise MissingInput(f"no launch of {ref!r} in {state.launches}")
+    reports = []
+    for m in jobs:
+        c = m.coordinator
+        if not c.detached and c.pid != os.getpid() and coordinator_alive(c):
+            ident = Identity(pid=c.pid, start_time=c.start_time, nonce=None)
+            log(f"asking coordinator pid {c.pid} of job {m.job_id} to stop")
+            signal_process(ident, _signal.SIGTERM)
+            deadline = time.monotonic() + grace + 60
+            while time.monotonic() < deadline and status_of(ident) == "alive":
+                time.sleep(0.1)
+        lock = Lock(state.locks / f"deploy-{m.deployment_id}.lock")
+        try:
+            lock.acquire(blocking=False, what=f"deployment {m.deployment_id}")
+        except Busy:
+            raise Busy(f"deployment {m.deployment_id} is busy (its coordinator is still stopping or a reap is running)",
+                       hint="try again in a moment") from None
+        try:
+            if not store.path(m.job_id).exists():
+                reports.append(TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True))
+                continue
+            store.key = state.keyring.signing_key()
+            reports.append(await teardown_job(m, store, ssh, grace=grace))
+        finally:
+            lock.release()
+    return reports
