@@ -290,6 +290,25 @@ def test_exit_status_and_error_output_of_a_failing_child(make):
     assert err.returncode == 127 and "/nonexistent/rank" in err.message
 
 
+def test_output_printed_before_the_keeper_report_is_kept_as_output(tmp_path):
+    # A chatty shell rc file on a node prints before the keeper; the report must still be found.
+    chatty = tmp_path / "chatty-python"
+    chatty.write_text(f"#!/bin/sh\necho 'Welcome to node 7'\necho '{{not json'\nexec {PY} \"$@\"\n")
+    chatty.chmod(0o755)
+
+    async def go():
+        t = LocalTransport(node="here", python=str(chatty))
+        try:
+            sp = await t.start(["sh", "-c", "echo child-out; exit 5"])
+            return sp, await sp.wait()
+        finally:
+            await t.close()
+
+    sp, rc = arun(go())
+    assert rc == 5 and sp.info.pid > 0
+    assert sp.stdout_tail == b"Welcome to node 7\n{not json\nchild-out\n"
+
+
 def test_closing_the_transport_stops_what_it_started(make):
     async def go():
         t = make(keeper_grace=3)
@@ -447,6 +466,75 @@ def test_sigkill_of_the_coordinator_kills_the_remote_child(sshd):
         driver.wait(5)
         took = wait_group_dead(info["pgid"], grace + 8)
         print(f"remote child gone {took:.2f} s after SIGKILL of the coordinator (grace {grace} s)")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+NETNS_DRIVER = r"""
+import asyncio, json, sys, time
+from clusterctl.errors import ClusterctlError
+from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.launch.transport import make_transport
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+async def main():
+    targets = [SshTarget.model_validate_json(t) for t in json.loads(sys.argv[1])]
+    ts = [make_transport(f"n{i}", local=False, target=t, python=sys.executable, keeper_grace=1.0)
+          for i, t in enumerate(targets)]
+    addrs = await asyncio.gather(*(t.run(["ip", "-4", "-o", "addr", "show", "eth0"], check=True) for t in ts))
+    say(addrs=[a.stdout.decode() for a in addrs])
+    ghost = targets[0].model_copy(update={"host": sys.argv[2], "connect_timeout": 1.5})
+    t0 = time.monotonic()
+    try:
+        await make_transport("ghost", local=False, target=ghost, python=sys.executable).run(["true"])
+        say(ghost="connected")
+    except ClusterctlError as e:
+        say(ghost=e.exit_code, message=e.message, took=time.monotonic() - t0)
+    sp = await ts[0].start(["sh", "-c", "trap '' TERM; sleep 300"])
+    say(started=sp.info.model_dump())
+    sys.stdin.readline()  # the test cuts the link now
+    t0 = time.monotonic()
+    try:
+        say(wait=await sp.wait())
+    except ClusterctlError as e:
+        say(wait=e.exit_code, message=e.message, took=time.monotonic() - t0)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_separate_hosts_in_namespaces_and_a_cut_link(netns_cluster):
+    cluster = netns_cluster(2, sshd_extra="ClientAliveInterval 1\nClientAliveCountMax 1")
+    targets = [n.target(keepalive_interval=1, keepalive_count_max=1).model_dump_json() for n in cluster.nodes]
+    ghost_ip = cluster.coordinator_ip.rsplit(".", 1)[0] + ".250"
+    driver = subprocess.Popen(cluster.exec_argv([PY, "-c", NETNS_DRIVER, json.dumps(targets), ghost_ip]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def read() -> dict:
+            line = driver.stdout.readline()
+            assert line, driver.stderr.read()
+            return json.loads(line)
+
+        addrs = read()["addrs"]
+        for node, out in zip(cluster.nodes, addrs):
+            assert f"inet {node.ip}/24" in out
+        ghost = read()
+        assert ghost["ghost"] == Exit.UNAVAILABLE, ghost
+        info = read()["started"]
+        assert keeper.group_alive(info["pgid"])
+        cluster.cut(cluster.nodes[0])
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        lost = read()
+        assert lost["wait"] == Exit.UNAVAILABLE and "lost the connection" in lost["message"], lost
+        # On the node, sshd's ClientAlive check ends the session; the keeper sees EOF and stops its group.
+        took = wait_group_dead(info["pgid"], 15)
+        print(f"client noticed the cut in {lost['took']:.1f} s; node-side child gone {took:.1f} s later")
     finally:
         if driver.poll() is None:
             driver.kill()

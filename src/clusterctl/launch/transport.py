@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from clusterctl.atomic import atomic_write_bytes, fsync_dir, read_capped, strict_loads
-from clusterctl.errors import (CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed,
-                               UsageError)
+from clusterctl.errors import (CannotWrite, ClusterctlError, HostUnreachable, IntegrityError, MissingInput,
+                               RemoteCommandFailed, UsageError)
 
 if TYPE_CHECKING:
     from clusterctl.launch.ssh_policy import SshTarget
@@ -197,23 +197,37 @@ class StartedProcess:
 
     async def _begin(self, timeout: float = START_TIMEOUT) -> "StartedProcess":
         self._pumps.append(asyncio.ensure_future(self._pump(self._chan.read_stderr, self._err)))
-        head = b""
+        buf, line = b"", None
         try:
             async with asyncio.timeout(timeout):
-                while b"\n" not in head and len(head) < 4096:
-                    chunk = await self._chan.read_stdout(4096)
+                while line is None:
+                    chunk = await self._chan.read_stdout(65536)
                     if not chunk:
                         break
-                    head += chunk
-        except Exception as e:  # TimeoutError included
+                    buf += chunk
+                    # A chatty shell rc file may print before the keeper does: keep such lines as output.
+                    while line is None and b"\n" in buf:
+                        first, buf = buf.split(b"\n", 1)
+                        if first.startswith(b'{"pid"'):
+                            line = first
+                        else:
+                            self._out.add(first + b"\n")
+                    if len(buf) > TAIL_BYTES:
+                        self._out.add(buf)
+                        buf = b""
+        except Exception as e:
             self._chan.abort(None)
             await self._settle_pumps()
             if isinstance(e, ClusterctlError):
                 raise
-            raise RemoteCommandFailed(f"the keeper on {self.node} did not report its child within {timeout:g} s",
-                                      host=self.node, argv=self.argv, stderr_tail=_tail_text(self.stderr_tail)) from None
-        line, nl, rest = head.partition(b"\n")
-        if not nl:
+            if isinstance(e, TimeoutError):
+                raise RemoteCommandFailed(
+                    f"the keeper on {self.node} did not report its child within {timeout:g} s", host=self.node,
+                    argv=self.argv, stderr_tail=_tail_text(self.stderr_tail)) from None
+            raise HostUnreachable(f"lost {self.node} while starting {self.argv[0]}: {e or type(e).__name__}",
+                                  host=self.node) from None
+        if line is None:
+            self._out.add(buf)
             rc = await self._exit_after_failure()
             tail = _tail_text(self.stderr_tail)
             raise RemoteCommandFailed(
@@ -225,7 +239,7 @@ class StartedProcess:
             self._chan.abort(None)
             await self._settle_pumps()
             raise IntegrityError(f"unexpected keeper report from {self.node}: {line[:200]!r} ({e})") from None
-        self._out.add(rest)
+        self._out.add(buf)
         self._pumps.append(asyncio.ensure_future(self._pump(self._chan.read_stdout, self._out)))
         return self
 
@@ -326,9 +340,12 @@ class _LocalChannel:
         return rc if rc >= 0 else 128 - rc
 
     def abort(self, info: ChildInfo | None) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        # Without a reported child, closing stdin is what makes the keeper stop whatever it started.
+        if not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
         if info is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
             _kill_group_if_same(info)
 
 
