@@ -282,6 +282,68 @@ def status(
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
 
 
+# ---- model / demo -------------------------------------------------------------------------------------------
+@model_app.command("tiny")
+def model_tiny(
+    path: Annotated[Path, typer.Argument(help="Folder to build the model in (reused when it already matches).")],
+    layers: Annotated[int, typer.Option(min=1)] = 8,
+    hidden: Annotated[int, typer.Option(min=8)] = 256,
+    heads: Annotated[int, typer.Option(min=1)] = 4,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", min=1)] = 2,
+    vocab: Annotated[int, typer.Option(min=300)] = 2048,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
+    preset: Annotated[Optional[str], typer.Option(help="'bench' for the ~100M-parameter benchmark model.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a tiny model built with other parameters.")] = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Build a small random-weight qwen2 model with a locally trained tokenizer (no downloads)."""
+    o = _out(json, quiet)
+    from clusterctl import tinymodel
+
+    if preset is not None:
+        presets = {"bench": tinymodel.BENCH_100M}
+        if preset not in presets:
+            from clusterctl.errors import UsageError
+
+            raise UsageError(f"--preset: {preset!r} is not valid (choose from {', '.join(presets) or 'none'})")
+        kw = dict(presets[preset])
+    else:
+        kw = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
+    built = tinymodel.build(path, seed=seed, overwrite=overwrite, **kw)
+    params = tinymodel.parameter_count(built)
+    if o.json:
+        o.data({"path": str(built), "parameters": params})
+    else:
+        o.info(f"tiny model ({params / 1e6:.1f}M parameters) in {built}")
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the model, cluster.toml and runtime dirs go.",
+                                                    show_default="<state-dir>/demo")] = None,
+    prompt: Annotated[str, typer.Option(help="The chat message to send.")] = "Write one line about distributed inference.",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 48,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run the whole job on this machine: tiny model, 2 local ranks, a streamed chat request, verified teardown."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.demo import run_demo
+
+    state = _state(state_dir)
+    res = asyncio.run(run_demo(state, workdir or state.root / "demo", prompt=prompt, max_tokens=max_tokens, out=o))
+    if o.json:
+        o.data({"ok": True, **res.to_json()})
+    else:
+        from clusterctl.render import demo_summary_table
+
+        o.table(demo_summary_table(res))
+
+
 # ---- entry --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     # Standalone mode lets Typer handle usage errors (exit 2) and --help; ours are mapped here.

@@ -41,6 +41,12 @@ class Output:
         if not self.quiet:
             self.console.print(f"[yellow]warning:[/yellow] {message}")
 
+    def stream(self, text: str) -> None:
+        """Streamed answer text: data, so stdout (not with --json, whose stdout is one document)."""
+        if not self.json and not self.quiet:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
     def table(self, table) -> None:
         if not self.quiet and not self.json:
             self.console.print(table)
@@ -105,4 +111,17 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
         if wide:
             row += [r["endpoint"] or "-", r["error"] or ""]
         t.add_row(*row)
+    return t
+
+
+def demo_summary_table(res) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"demo: {res.completion_tokens} tokens in {res.seconds:.2f} s = {res.tokens_per_second:.1f} tok/s, "
+                    f"teardown {'verified' if res.teardown_ok else 'NOT verified'}", title_justify="left", box=None)
+    for c in ("RANK", "NODE", "LAYERS", "RANGE", "PEAK RSS"):
+        t.add_column(c)
+    for r in res.ranks:
+        t.add_row(str(r["rank"]), r["node"], str(r["layers"]), f"[{r['range'][0]}, {r['range'][1]})",
+                  human_bytes(r["peak_rss_bytes"]))
     return t
