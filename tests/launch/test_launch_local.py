@@ -1,0 +1,156 @@
+"""Real launches of real MLX ranks on this machine, driven through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from launchutil import cli, local_cluster, manifests, processes_with_nonce, start_cli, wait_gone, wait_line
+from rankharness import tiny_model_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_path()
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
+
+
+def plan(tmp_path, model, env, mems=(2, 6), extra=None) -> str:
+    c = local_cluster(tmp_path, mems, extra=extra)
+    out = tmp_path / "dep.json"
+    cli("plan", "-c", str(c), "-m", str(model), "--allocation", "proportional", "--context", "512",
+        "-o", str(out), "-q", env=env, check=True)
+    return str(out)
+
+
+def test_detached_launch_status_openai_and_verified_teardown(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    endpoint = doc["endpoint"]
+    [m] = manifests(tmp_path / "state")
+    nonce = m["nonce"]
+    pids = [r["pid"] for r in m["ranks"]]
+    assert sorted(processes_with_nonce(nonce)) == sorted(pids)
+
+    st = cli("status", "--json", env=env)
+    assert st.returncode == 0, st.stderr
+    [job] = json.loads(st.stdout)["jobs"]
+    assert [r["state"] for r in job["ranks"]] == ["serving", "serving"]
+    assert [r["layers"] for r in job["ranks"]] == [[6, 8], [0, 6]]
+    assert all(r["heartbeat_age"] < 5 for r in job["ranks"])
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=endpoint + "/v1", api_key="unused")
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens == 8 and r.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True)
+        if c.choices]
+    assert "".join(pieces) == r.choices[0].message.content
+    curl = subprocess.run(["curl", "-sf", endpoint + "/v1/models"], capture_output=True, text=True)
+    if curl.returncode == 0:
+        assert json.loads(curl.stdout)["data"]
+
+    td = cli("teardown", "--json", env=env)
+    assert td.returncode == 0, td.stderr
+    tdoc = json.loads(td.stdout)
+    assert tdoc["ok"] and [r["status"] for r in tdoc["jobs"][0]["ranks"]] == ["gone", "gone"]
+    assert processes_with_nonce(nonce) == []
+    assert manifests(tmp_path / "state") == []
+    assert not any(p.name.startswith(m["job_id"]) for p in (tmp_path / "run-a").iterdir())
+
+
+def test_foreground_launch_stops_verified_on_sigint(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "180", env=env)
+    try:
+        endpoint = wait_line(proc)
+        assert endpoint.startswith("http://127.0.0.1:")
+        [m] = manifests(tmp_path / "state")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "every rank confirmed gone" in proc.stderr.read()
+    assert processes_with_nonce(m["nonce"]) == []
+    assert manifests(tmp_path / "state") == []
+
+
+def test_sigkilled_coordinator_is_reaped_and_strangers_live(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "180", env=env)
+    stranger = subprocess.Popen(["sleep", "300"])
+    try:
+        wait_line(proc)
+        [m] = manifests(tmp_path / "state")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        r = cli("reap", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert [j["job_id"] for j in doc["reaped"]] == [m["job_id"]]
+        assert wait_gone(processes_with_nonce(m["nonce"]), 15) == []
+        assert manifests(tmp_path / "state") == []
+        assert stranger.poll() is None
+        again = cli("reap", env=env)
+        assert again.returncode == 0 and again.stdout == "" and again.stderr == ""
+    finally:
+        stranger.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_rank_that_fails_while_loading_fails_the_launch_and_nothing_is_left(tmp_path, tiny, env):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    w = broken / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])  # header intact, data cut short: found only when the rank loads it
+    dep = plan(tmp_path, tiny, env, extra={"b": {"model_path": str(broken)}})
+    p = cli("launch", dep, "--timeout", "120", "--json", env=env)
+    assert p.returncode == 1, p.stderr
+    assert "rank 1 on b" in p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False and doc["teardown"]["ok"] is True
+    assert manifests(tmp_path / "state") == []
+    assert not [x for x in psutil.process_iter(["cmdline"]) if "clusterctl.launch.rank" in " ".join(x.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(x.info["cmdline"] or [])]
+
+
+def test_preflight_reports_every_node_at_once(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env, extra={"a": {"model_path": "/nonexistent/a"}, "b": {"model_path": "/nonexistent/b"}})
+    p = cli("launch", dep, "--timeout", "60", env=env)
+    assert p.returncode == 1
+    line = p.stderr.strip().splitlines()[-1]
+    assert "preflight failed on 2 node(s)" in line and "a: model folder /nonexistent/a" in line \
+        and "b: model folder /nonexistent/b" in line
+    assert manifests(tmp_path / "state") == []
+
+
+def test_model_changed_under_the_deployment_is_refused_with_a_diff(tmp_path, tiny, env):
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    dep = plan(tmp_path, model, env)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    p = cli("launch", dep, env=env)
+    assert p.returncode == 65
+    assert "no longer matches its inputs" in p.stderr and "facts hash differs" in p.stderr
