@@ -13,7 +13,7 @@ import pytest
 from clusterctl.ple.residency import PAGE, evict, file_residency
 
 NUMPY = {"F64": "<f8", "I64": "<i8", "U64": "<u8", "F32": "<f4", "I32": "<i4", "U32": "<u4", "F16": "<f2",
-         "BF16": "<u2", "I16": "<i2", "U16": "<u2", "I8": "|i1", "U8": "|u1", "BOOL": "|u1", "F8_E4M3": "|u1"}
+         "BF16": "<u2", "I16": "<i2", "U16": "<u2", "I8": "|i1", "U8": "|u1", "BOOL": "|b1", "F8_E4M3": "|u1"}
 
 
 def random_tensor(rng: np.random.Generator, dtype: str, shape) -> np.ndarray:

@@ -131,8 +131,10 @@ def _nowait(runs: list, window: int, stats: dict) -> bool:
         if n == 0:
             raise TruncatedTensorFile(f"{run.path}: end of file at byte {run.off} inside a tensor "
                                       "(file truncated while open?)")
-        if n > 0 and _HAS_FADVISE:  # partly cached: make sure the rest is on its way too
-            os.posix_fadvise(run.fd, run.off + n, run.total - n, os.POSIX_FADV_WILLNEED)
+        if n > 0:  # partly cached (a real short read): make sure the rest is on its way too
+            stats["partial"] += 1
+            if _HAS_FADVISE:
+                os.posix_fadvise(run.fd, run.off + n, run.total - n, os.POSIX_FADV_WILLNEED)
         pend.append((run, max(n, 0)))
         if len(pend) >= window:
             finish(*pend.popleft())
@@ -208,8 +210,9 @@ def _pool_read(runs: list, threads: int, stats: dict) -> None:
 
 
 def read_runs(runs: list, mode: str, *, window: int = DEFAULT_WINDOW, threads: int = DEFAULT_THREADS) -> dict:
-    """Read every run completely into its buffers. Returns counts: runs that were cached (hits) or not."""
-    stats = {"hits": 0, "misses": 0, "nowait_refused": False}
+    """Read every run completely into its buffers. Returns counts of runs: found cached by the probe (hits),
+    not (misses), partly (partial)."""
+    stats = {"hits": 0, "misses": 0, "partial": 0, "nowait_refused": False}
     if not runs:
         return stats
     runs.sort(key=lambda r: (r.fd, r.off))

@@ -57,7 +57,8 @@ def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray |
 
 def gather(parts: list[Part], *, mode: str, window: int, threads: int, on_recovery) -> dict:
     """Fill every part's output rows. ``on_recovery(shard, faults)`` is called when trusted pages were missing."""
-    counts = {"warm_rows": 0, "cold_rows": 0, "runs": 0, "hits": 0, "cold_bytes": 0, "nowait_refused": False}
+    counts = {"warm_rows": 0, "cold_rows": 0, "runs": 0, "hits": 0, "partial": 0, "cold_bytes": 0,
+              "nowait_refused": False}
     for p in parts:  # before any I/O: a shrunk file must give an error, not a SIGBUS in the mapped copy
         p.shard.check_unchanged()
     cold: list[tuple[Part, np.ndarray, np.ndarray]] = []
@@ -112,6 +113,7 @@ def _cold(cold: list, counts: dict, *, mode: str, window: int, threads: int) -> 
     st = read_runs(runs, mode, window=window, threads=threads)
     counts["runs"] += len(runs)
     counts["hits"] += st["hits"]
+    counts["partial"] += st["partial"]
     counts["nowait_refused"] = st["nowait_refused"]
     counts["cold_bytes"] += sum(r.total for r in runs)
     for out2d, dst, src in dups:

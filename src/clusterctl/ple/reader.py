@@ -64,8 +64,8 @@ class Reader:
         self._closed = False
         self._released = False
         self._shards: dict[str, ShardFile] = {}
-        self._tables: dict[str, Table] = {}
-        self._stats = dict.fromkeys(("calls", "warm_rows", "cold_rows", "runs", "hits", "cold_bytes",
+        self._tables: dict[str, Table | QuantizedTable] = {}  # same names -> same object (usable as keys)
+        self._stats = dict.fromkeys(("calls", "warm_rows", "cold_rows", "runs", "hits", "partial", "cold_bytes",
                                      "recoveries", "recovery_faults"), 0)
         self._log_state: dict[str, list] = {}
         p = Path(path)
@@ -194,12 +194,17 @@ class Reader:
         """``<base>.weight`` with ``<base>.scales`` and (if present) ``<base>.biases``; base may end in .weight."""
         bases = [base] if isinstance(base, str) else list(base)
         bases = [b[: -len(".weight")] if b.endswith(".weight") else b for b in bases]
+        key = "q\0" + "\0".join(bases)
+        q = self._tables.get(key)
+        if q is not None:
+            return q
         weight = self.table([f"{b}.weight" for b in bases])
         scales = self.table([f"{b}.scales" for b in bases])
         biases = None
         if all(f"{b}.biases" in self._map for b in bases):
             biases = self.table([f"{b}.biases" for b in bases])
-        return QuantizedTable(self, weight, scales, biases)
+        q = self._tables[key] = QuantizedTable(self, weight, scales, biases)
+        return q
 
     # -- gathers ------------------------------------------------------------------------------------------------
     def rows(self, name: str, indices, out: np.ndarray | None = None) -> np.ndarray:
@@ -252,7 +257,7 @@ class Reader:
                 with self._lock:
                     s = self._stats
                     s["calls"] += 1
-                    for k in ("warm_rows", "cold_rows", "runs", "hits", "cold_bytes"):
+                    for k in ("warm_rows", "cold_rows", "runs", "hits", "partial", "cold_bytes"):
                         s[k] += c[k]
             return [o for _, _, o in prepared]
         finally:
@@ -305,7 +310,7 @@ class Reader:
 
     def stats(self) -> dict:
         """Counters since open: calls, warm_rows, cold_rows (unique), runs, hits (runs found cached by the
-        probe), cold_bytes, recoveries, recovery_faults; plus the io mode."""
+        probe), partial (runs it found partly cached), cold_bytes, recoveries, recovery_faults; and the io mode."""
         with self._lock:
             return {**self._stats, "io": self.io}
 
