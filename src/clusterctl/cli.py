@@ -178,10 +178,10 @@ def launch(
             return 0
         code = await running.supervise(stop)
         if running.failure:
-            o.console.print(f"error: {running.failure}")
+            o.error(running.failure)
         report = running.report
         if not report.ok:
-            o.console.print("error: teardown could not confirm: " + "; ".join(report.survivors()))
+            o.error("teardown could not confirm: " + "; ".join(report.survivors()))
         else:
             o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")
         return code
@@ -211,15 +211,14 @@ def teardown(
     ok = all(r.ok for r in reports)
     if o.json:
         o.data({"ok": ok, "jobs": [r.to_json() for r in reports]})
-    else:
-        for r in reports:
-            if r.ok:
-                o.info(f"job {r.job_id}: every rank confirmed gone")
-            else:
-                o.console.print(f"error: job {r.job_id}: could not confirm: " + "; ".join(r.survivors())
-                                + " (manifest kept; run teardown again)")
-        if not reports:
-            o.info("nothing to tear down")
+    for r in reports:
+        if r.ok:
+            o.info(f"job {r.job_id}: every rank confirmed gone")
+        else:
+            o.error(f"job {r.job_id}: could not confirm: " + "; ".join(r.survivors())
+                    + " (manifest kept; run teardown again)")
+    if not reports:
+        o.info("nothing to tear down")
     raise typer.Exit(0 if ok else int(Exit.FAILED))
 
 
@@ -243,13 +242,13 @@ def reap(
                                  dry_run=dry_run, log=o.info))
     if o.json:
         o.data({"ok": not report.failed and not report.malformed, **report.to_json()})
-    else:
-        for m in report.malformed:
-            o.console.print(f"error: malformed manifest kept, not acted on: {m['manifest']}: {m['error']}")
-        for j in report.reaped:
-            o.info(f"{'would reap' if dry_run else 'reaped'} job {j['job_id']}")
-        for j in report.failed:
-            o.console.print(f"error: job {j['job_id']}: could not confirm every rank gone; manifest kept")
+    for m in report.malformed:
+        o.error(f"malformed manifest kept, not acted on: {m['manifest']}: {m['error']}")
+    for j in report.reaped:
+        o.info(f"{'would reap' if dry_run else 'reaped'} job {j['job_id']}")
+    for j in report.failed:
+        o.error(f"job {j['job_id']}: could not confirm every rank gone; manifest kept"
+                + (f": {'; '.join(j['survivors'])}" if j.get("survivors") else f": {j.get('error', '')}"))
     raise typer.Exit(int(Exit.FAILED) if report.failed or report.malformed else 0)
 
 

@@ -37,6 +37,10 @@ class Output:
         if not self.quiet and not self.json:
             self.console.print(message)
 
+    def error(self, message: str) -> None:
+        """A failure line on stderr: always shown, --json and --quiet included (cron mails it)."""
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
     def warn(self, message: str) -> None:
         if not self.quiet:
             self.console.print(f"[yellow]warning:[/yellow] {message}")

@@ -56,6 +56,7 @@ class TeardownReport:
 
     def to_json(self) -> dict:
         return {"job_id": self.job_id, "deployment_id": self.deployment_id, "ok": self.ok,
+                "survivors": self.survivors(),
                 "manifest_removed": self.manifest_removed, "ranks": [r.to_json() for r in self.ranks],
                 "extra": self.extra}
 
