@@ -10,7 +10,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from clusterctl.launch import keeper
 
@@ -188,3 +187,17 @@ def test_broken_output_channel_does_not_block_the_child(tmp_path):
 def test_usage_error_without_a_command():
     r = subprocess.run([PY, "-m", "clusterctl.launch.keeper", "--grace", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "no command" in r.stderr
+
+
+def test_kill_group_if_same_checks_identity():
+    k = spawn(["sleep", "60"], grace=30)
+    info = report(k)
+    boot = keeper.boot_id()
+    assert not keeper.kill_group_if_same(info["pid"], info["pgid"], info["start_time"] + 0.01, boot)
+    assert not keeper.kill_group_if_same(info["pid"], info["pgid"], None, boot)
+    if boot is not None:
+        assert not keeper.kill_group_if_same(info["pid"], info["pgid"], info["start_time"], "another-boot")
+    assert keeper.group_alive(info["pgid"]), "a mismatched identity must never be signalled"
+    assert keeper.kill_group_if_same(info["pid"], info["pgid"], info["start_time"], boot)
+    assert k.wait(10) == 128 + signal.SIGKILL
+    wait_dead(info["pgid"], 2)

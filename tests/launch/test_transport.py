@@ -263,13 +263,20 @@ def test_kill_skips_the_grace(make):
             sp = await t.start(["sh", "-c", "trap '' TERM; sleep 60"], grace=30)
             t0 = time.monotonic()
             await sp.kill()
-            return sp, time.monotonic() - t0
+            took = time.monotonic() - t0
+            # Already asked to stop (the keeper is inside its 30 s grace): kill() still ends it now.
+            late = await t.start(["sh", "-c", "trap '' TERM; sleep 60"], grace=30)
+            await late.close_stdin()
+            t0 = time.monotonic()
+            await late.kill()
+            return sp, took, late, time.monotonic() - t0
         finally:
             await t.close()
 
-    sp, took = arun(go())
-    assert sp.returncode == 128 + signal.SIGKILL and took < 10
-    assert not keeper.group_alive(sp.info.pgid)
+    sp, took, late, late_took = arun(go())
+    assert sp.returncode == late.returncode == 128 + signal.SIGKILL
+    assert took < 10 and late_took < 10
+    assert not keeper.group_alive(sp.info.pgid) and not keeper.group_alive(late.info.pgid)
 
 
 def test_exit_status_and_error_output_of_a_failing_child(make):

@@ -69,6 +69,18 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def kill_group_if_same(pid: int, pgid: int, start_time: float | None, boot: str | None) -> bool:
+    """SIGKILL group ``pgid`` only while its leader is still the process reported (same boot, same start
+    time): a pid reused by an unrelated process is never signalled. Returns whether it signalled."""
+    if start_time is None or boot != boot_id() or process_start_time(pid) != start_time:
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

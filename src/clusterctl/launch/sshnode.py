@@ -26,6 +26,12 @@ from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedO
 # sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
 SHORT_CHANNELS = 4
 
+KILL_TIMEOUT = 15.0
+_KILL_PROGRAM = (
+    "import sys; from clusterctl.launch.keeper import kill_group_if_same as k; "
+    "a = sys.argv[1:]; k(int(a[0]), int(a[1]), None if a[2] == 'None' else float(a[2]), "
+    "None if a[3] == 'None' else a[3])")
+
 _READ_PROGRAM = r"""
 import os, stat, sys
 path, limit = sys.argv[1], int(sys.argv[2])
@@ -176,10 +182,14 @@ class _SshChannel:
             raise self.t._lost("the channel closed without an exit status")
         return rc if rc >= 0 else 128 - rc
 
-    def abort(self, info: ChildInfo | None) -> None:
+    def abort(self) -> None:
         # Closing the channel closes the keeper's stdin on the node: it stops its group by itself.
         with contextlib.suppress(Exception):
             self.proc.close()
+
+    async def force_kill(self, info: ChildInfo) -> None:
+        await self.t.run([self.t.python, "-c", _KILL_PROGRAM, str(info.pid), str(info.pgid),
+                          repr(info.start_time), str(info.boot_id)], timeout=KILL_TIMEOUT)
 
 
 class SshTransport:

@@ -115,8 +115,7 @@ def check_argv(argv: list[str], env: dict[str, str] | None = None) -> None:
 def shell_command_line(argv: list[str], env: dict[str, str] | None = None, *, exec_: bool = False) -> str:
     """The one way a remote command line is built: every element through shlex.quote, env as `env K=V`."""
     check_argv(argv, env)
-    words = ([f"{k}={v}" for k, v in env.items()] if env else [])
-    words = (["env", *words] if env else []) + list(argv)
+    words = (["env", *(f"{k}={v}" for k, v in env.items())] if env else []) + list(argv)
     line = " ".join(shlex.quote(w) for w in words)
     return f"exec {line}" if exec_ else line
 
@@ -149,7 +148,8 @@ class _Channel(Protocol):
     async def write_stdin(self, data: bytes) -> None: ...
     async def close_stdin(self) -> None: ...
     async def wait_exit(self) -> int: ...
-    def abort(self, info: ChildInfo | None) -> None: ...
+    def abort(self) -> None: ...  # close our side; the keeper sees EOF and stops its group
+    async def force_kill(self, info: ChildInfo) -> None: ...  # SIGKILL the group now, identity-checked
 
 
 class _Tail:
@@ -216,7 +216,7 @@ class StartedProcess:
                         self._out.add(buf)
                         buf = b""
         except Exception as e:
-            self._chan.abort(None)
+            self._chan.abort()
             await self._settle_pumps()
             if isinstance(e, ClusterctlError):
                 raise
@@ -236,7 +236,7 @@ class StartedProcess:
         try:
             self.info = ChildInfo.model_validate(strict_loads(line, source=f"keeper report from {self.node}"))
         except (ValueError, IntegrityError) as e:
-            self._chan.abort(None)
+            self._chan.abort()
             await self._settle_pumps()
             raise IntegrityError(f"unexpected keeper report from {self.node}: {line[:200]!r} ({e})") from None
         self._out.add(buf)
@@ -250,7 +250,7 @@ class StartedProcess:
                 await self._settle_pumps()
                 return rc
         except (TimeoutError, ClusterctlError):
-            self._chan.abort(None)
+            self._chan.abort()
             return None
 
     async def _settle_pumps(self) -> None:
@@ -289,11 +289,17 @@ class StartedProcess:
             with contextlib.suppress(Exception):
                 await self._chan.write_stdin(b"kill\n")
             await self.close_stdin()
+        else:
+            # The keeper already got EOF and is inside its grace; kill the group from outside.
+            with contextlib.suppress(ClusterctlError):
+                await self._chan.force_kill(self.info)
         try:
             async with asyncio.timeout(timeout):
                 await self.wait()
         except (TimeoutError, ClusterctlError):
-            self._chan.abort(self.info)
+            with contextlib.suppress(ClusterctlError):
+                await self._chan.force_kill(self.info)
+            self._chan.abort()
 
 
 async def stop_all(started: list[StartedProcess]) -> None:
@@ -339,23 +345,14 @@ class _LocalChannel:
         rc = await self.proc.wait()
         return rc if rc >= 0 else 128 - rc
 
-    def abort(self, info: ChildInfo | None) -> None:
-        # Without a reported child, closing stdin is what makes the keeper stop whatever it started.
+    def abort(self) -> None:
         if not self.proc.stdin.is_closing():
             self.proc.stdin.close()
-        if info is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            _kill_group_if_same(info)
 
+    async def force_kill(self, info: ChildInfo) -> None:
+        from clusterctl.launch.keeper import kill_group_if_same
 
-def _kill_group_if_same(info: ChildInfo) -> None:
-    # Only signal the group while its leader is the very process the keeper reported (pid reuse).
-    from clusterctl.launch.keeper import process_start_time
-
-    if info.start_time is not None and process_start_time(info.pid) == info.start_time:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(info.pgid, signal.SIGKILL)
+        kill_group_if_same(info.pid, info.pgid, info.start_time, info.boot_id)
 
 
 @dataclass
