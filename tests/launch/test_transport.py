@@ -443,6 +443,27 @@ def test_eight_nodes_run_concurrently(sshd_factory, tmp_path):
     print(f"8 nodes, connect + barrier command: {took:.2f} s")
 
 
+@pytest.mark.slow
+def test_coordinator_closing_the_channel_stops_the_remote_group(sshd):
+    grace = 1.0
+
+    async def go():
+        t = make_transport("n", local=False, target=sshd.target(), python=PY, keeper_grace=grace)
+        try:
+            sp = await t.start(["sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"])
+            (await t.connection()).close()  # no EOF first: the channel just goes away
+            with pytest.raises(HostUnreachable) as lost:
+                await sp.wait()
+            assert lost.value.exit_code == 69
+            return sp.info.pgid, time.monotonic()
+        finally:
+            await t.close()
+
+    pgid, closed_at = arun(go())
+    wait_group_dead(pgid, grace + 8)
+    print(f"remote group gone {time.monotonic() - closed_at:.2f} s after the channel closed (grace {grace} s)")
+
+
 DRIVER = r"""
 import asyncio, json, sys
 from clusterctl.launch.ssh_policy import SshTarget
