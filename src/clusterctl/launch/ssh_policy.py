@@ -188,7 +188,8 @@ def auth_failed_error(target: SshTarget, detail: str) -> AuthRejected:
     key = f"key {target.identity_file}" if target.identity_file else "the default keys and the ssh agent"
     return AuthRejected(
         f"authentication to {describe(target)} failed with {key} ({detail})", host=target.host,
-        hint="add the public key to ~/.ssh/authorized_keys of that user on the node (docs/ssh.md)")
+        hint=("add the public key to ~/.ssh/authorized_keys of that user on the node; a key with a passphrase "
+              "must be loaded in ssh-agent (docs/ssh.md)"))
 
 
 def unreachable_error(target: SshTarget, detail: str) -> HostUnreachable:
