@@ -310,7 +310,8 @@ def test_fork(table4k, mode, can_evict):
     r.close()
 
 
-def test_partial_eviction_is_noticed_and_recovered(table4k, can_evict, caplog):
+@pytest.mark.parametrize("n_evicted", [5, 400])
+def test_partial_eviction_is_noticed_and_recovered(table4k, can_evict, caplog, n_evicted):
     p, t = table4k
     with Reader(p) as r:
         idx = np.random.default_rng(3).choice(4096, 1024, replace=False)
@@ -319,22 +320,27 @@ def test_partial_eviction_is_noticed_and_recovered(table4k, can_evict, caplog):
         r.rows("t", idx)
         s0 = r.stats()
         assert s0["recoveries"] == 0 and s0["warm_rows"] == 1024
-        # evict the pages of 5 of the rows (0.25% of the gather's pages) while keeping the rest cached
-        r.drop_mappings()
+        # evict the pages of some rows (5 rows: 0.25% of the gather's pages; 400: 39%), keeping the rest cached
+        victims = idx[np.random.default_rng(n_evicted).choice(1024, n_evicted, replace=False)]
+        r.table("t").drop_mappings(victims)
         start = r.info("t").start
-        for i in idx[[100, 400, 700, 900, 1000]]:
-            a = (start + int(i) * 4096) // PAGE * PAGE
-            evict(p, a, 2 * PAGE)
+        for i in victims:
+            evict(p, (start + int(i) * 4096) // PAGE * PAGE, 2 * PAGE)
         res = r.table("t").residency(idx)
         if res == 1.0:
             pytest.skip("the kernel kept the pages (large folios?)")
-        assert res > 0.99
+        assert res < 1.0
         with caplog.at_level(logging.INFO, logger="clusterctl.ple"):
             assert r.rows("t", idx).tobytes() == t[idx].tobytes()
         s1 = r.stats()
-        assert s1["recoveries"] == 1 and s1["recovery_faults"] >= 1
-        assert s1["cold_rows"] > s0["cold_rows"] and s1["hits"] > s0["hits"]  # still-cached rows copied, not re-read
-        assert [m for m in caplog.messages if "major fault" in m and "re-checking residency" in m]
+        assert s1["recoveries"] == 1 and s1["recovery_faults"] >= 1  # noticed, from the fault counter
+        logged = [m for m in caplog.messages if "major fault" in m]
+        assert len(logged) == 1
+        if n_evicted == 5:  # a few faults: taken on the spot, the pages are back, nothing else re-checked
+            assert "read back" in logged[0] and s1["cold_rows"] == s0["cold_rows"]
+        else:  # a large eviction: the rest of the call went the cold way; cached rows copied, not re-read
+            assert "re-checking residency" in logged[0]
+            assert s1["cold_rows"] > s0["cold_rows"] and s1["hits"] > s0["hits"]
         assert r.table("t").residency(idx) == 1.0
         for _ in range(3):
             assert r.rows("t", idx).tobytes() == t[idx].tobytes()

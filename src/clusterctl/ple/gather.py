@@ -2,10 +2,11 @@
 
 Warm = every page of the row was seen resident in the shard's current generation. Those rows are copied from
 the mapping with ``np.take`` (one copy, no syscall per row), in chunks that grow 4, 8, ... 4096 rows; between
-chunks the thread's major-fault counter is read. A major fault means the page cache lost pages we trusted: the
-shard forgets what it saw (a recovery, logged) and the rest of the call goes down the cold path, which probes
-with RWF_NOWAIT and so copies what is still cached instead of re-reading it. Minor faults (cached but not yet
-mapped) do not count, so they never cause re-reads.
+chunks the thread's major-fault counter is read. A major fault means the page cache lost a page we trusted (the
+fault reads it back). A few are taken as they come; a large eviction (>= 8 faults and > 2% of the pages touched)
+makes the shard forget what it saw and sends the rest of the call down the cold path, which probes with
+RWF_NOWAIT and so copies what is still cached instead of re-reading it. Either way it is a recovery, logged with
+its counts. Minor faults (cached but not yet mapped) do not count, so they never cause re-reads.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from clusterctl.ple.coldio import MAX_GAP, build_runs, read_runs
-from clusterctl.ple.residency import major_faults
+from clusterctl.ple.residency import PAGE, major_faults
 from clusterctl.ple.safetensors import TensorEntry
 from clusterctl.ple.shard import ShardFile
 
 FIRST_CHUNK = 4
 MAX_CHUNK = 4096
+# a missed page costs one serial fault (~75 us) on the warm path; re-checking a row on the cold path ~2 us:
+# past ~2% of the pages evicted the cold path is cheaper for the rest of the call
+SWITCH_FAULTS = 8
+SWITCH_FRACTION = 0.02
 
 
 @dataclass(slots=True)
@@ -34,11 +39,17 @@ class Part:
     pos: np.ndarray | None
 
 
-def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray | None) -> tuple[int, int]:
-    """Copy rows from the mapping; stop after the first chunk that took a major fault: (rows done, faults)."""
+def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray | None,
+          pages_per_row: int) -> tuple[int, int, bool]:
+    """Copy rows from the mapping, watching the thread's major faults: (rows done, faults, switched).
+
+    Each major fault is a trusted page the kernel had evicted; the fault itself brings it back. A few are cheaper
+    to take here than re-checking every row, so the gather goes on; once they reach SWITCH_FAULTS and more than
+    SWITCH_FRACTION of the pages touched, the eviction is large: stop, and let the cold path do the rest."""
     n = len(idx)
     a = 0
     step = FIRST_CHUNK
+    faults = 0
     f0 = major_faults()
     while a < n:
         b = min(n, a + step)
@@ -49,14 +60,18 @@ def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray |
             out2d[pos[a:b]] = src[idx[a:b]]
         f1 = major_faults()
         if f1 != f0:
-            return b, f1 - f0
+            faults += f1 - f0
+            f0 = f1
+            if faults >= SWITCH_FAULTS and faults > SWITCH_FRACTION * b * pages_per_row:
+                return b, faults, True
         a = b
         step = min(step * 2, MAX_CHUNK)
-    return n, 0
+    return n, faults, False
 
 
 def gather(parts: list[Part], *, mode: str, window: int, threads: int, on_recovery) -> dict:
-    """Fill every part's output rows. ``on_recovery(shard, faults)`` is called when trusted pages were missing."""
+    """Fill every part's output rows. ``on_recovery(shard, faults, switched)`` is called when trusted pages were
+    missing (switched: so many that the rest of the part went the cold way)."""
     counts = {"warm_rows": 0, "cold_rows": 0, "runs": 0, "hits": 0, "partial": 0, "cold_bytes": 0,
               "nowait_refused": False}
     for p in parts:  # before any I/O: a shrunk file must give an error, not a SIGBUS in the mapped copy
@@ -76,10 +91,10 @@ def gather(parts: list[Part], *, mode: str, window: int, threads: int, on_recove
             sel = np.flatnonzero(seen)
             widx = p.idx[sel]
             wpos = sel if p.pos is None else p.pos[sel]
-        done, faults = _warm(p.shard.view(p.entry), widx, p.out2d, wpos)
+        done, faults, switched = _warm(p.shard.view(p.entry), widx, p.out2d, wpos, (rb + PAGE - 1) // PAGE + 1)
         counts["warm_rows"] += done
         if faults:
-            on_recovery(p.shard, faults)
+            on_recovery(p.shard, faults, switched)
         rest = np.flatnonzero(~seen) if sel is not None else np.empty(0, np.int64)
         if done < len(widx):
             rest = np.concatenate([rest, np.arange(done, n) if sel is None else sel[done:]])

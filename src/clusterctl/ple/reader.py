@@ -263,8 +263,9 @@ class Reader:
         finally:
             self._exit()
 
-    def _recovered(self, shard: ShardFile, faults: int) -> None:
-        shard.forget()
+    def _recovered(self, shard: ShardFile, faults: int, switched: bool) -> None:
+        if switched:
+            shard.forget()
         now = time.monotonic()
         with self._lock:
             self._stats["recoveries"] += 1
@@ -280,7 +281,8 @@ class Reader:
             path, events, nf, first = msg
             if first:
                 log.info("ple: %s: %d major fault(s) in a warm gather: the page cache dropped pages of this file; "
-                         "re-checking residency of its rows from the page cache", path, nf)
+                         "%s", path, nf, "re-checking residency of its rows from the page cache" if switched
+                         else "they were read back")
             else:
                 log.info("ple: %s: %d more residency recoveries (%d major faults) since the last message",
                          path, events, nf)
@@ -305,6 +307,15 @@ class Reader:
         try:
             for s in list(self._shards.values()):
                 s.drop_mappings()
+        finally:
+            self._exit()
+
+    def _drop_mappings(self, table: Table, indices) -> None:
+        self._enter()
+        try:
+            flat = np.arange(table.nrows) if indices is None else as_indices(indices, table.nrows, table.name)[0]
+            for shard, e, local in table._rows_by_part(flat):
+                shard.drop_mappings(e.start + np.unique(local) * e.row_bytes, e.row_bytes)
         finally:
             self._exit()
 

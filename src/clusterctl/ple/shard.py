@@ -123,10 +123,17 @@ class ShardFile:
             res += int(mincore(self.base + p0 * PAGE, (b - a) * PAGE).sum())
         return res, int(pages.size)
 
-    def drop_mappings(self) -> None:
-        """Drop this process's page-table entries (the page cache keeps the data; the kernel may now evict it)."""
-        if hasattr(mmap, "MADV_DONTNEED"):
+    def drop_mappings(self, offs: np.ndarray | None = None, rb: int = 0) -> None:
+        """Drop this process's page-table entries, of every page or of the pages of the rows at ``offs`` (the
+        page cache keeps the data; the kernel may now evict it)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if offs is None:
             self._mm.madvise(mmap.MADV_DONTNEED)
+            return
+        first, last, span = self._pages(offs, rb)
+        for p in np.unique(np.concatenate([first, last]) if span is None else span.ravel()).tolist():
+            self._mm.madvise(mmap.MADV_DONTNEED, p * PAGE, min(PAGE, self.size - p * PAGE))
 
     def close(self) -> None:
         self._views.clear()

@@ -84,6 +84,10 @@ class Table:
         """Fraction of the pages of these rows that are in the page cache now (mincore on just those pages)."""
         return self._reader._residency(self, indices)
 
+    def drop_mappings(self, indices=None) -> None:
+        """Drop this process's page-table entries of the pages of these rows (all rows if None)."""
+        self._reader._drop_mappings(self, indices)
+
     # -- used by Reader._gather_items ----------------------------------------------------------------------------
     def _prepare(self, indices, out):
         flat, ishape = as_indices(indices, self.nrows, self.name)
