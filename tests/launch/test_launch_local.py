@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -154,3 +156,45 @@ def test_model_changed_under_the_deployment_is_refused_with_a_diff(tmp_path, tin
     p = cli("launch", dep, env=env)
     assert p.returncode == 65
     assert "no longer matches its inputs" in p.stderr and "facts hash differs" in p.stderr
+
+
+def test_sigstopped_coordinator_ranks_exit_when_the_lease_expires(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "180", "--lease", "3", env=env)
+    try:
+        wait_line(proc)
+        [m] = manifests(tmp_path / "state")
+        pids = [r["pid"] for r in m["ranks"]]
+        os.kill(proc.pid, signal.SIGSTOP)  # alive but wedged: no more lease renewals
+        assert wait_gone(pids, timeout=30) == [], "ranks outlived a stale lease"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    cli("reap", env=env)
+    assert manifests(tmp_path / "state") == []
+
+
+def test_sigkill_of_the_coordinator_at_random_points_never_leaves_a_rank(tmp_path, tiny, env):
+    """20 times: SIGKILL the coordinator at a random moment of launch or serving, reap once, count survivors."""
+    import random
+
+    rng = random.Random(1234)
+    dep = plan(tmp_path, tiny, env)
+    strangers = [subprocess.Popen(["sleep", "600"]) for _ in range(2)]
+    try:
+        for i in range(20):
+            proc = start_cli("launch", dep, "--timeout", "120", "--grace", "2", env=env)
+            time.sleep(rng.uniform(0.0, 6.0))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            nonces = [m["nonce"] for m in manifests(tmp_path / "state")]
+            r = cli("reap", "--grace", "2", "--json", env=env)
+            assert r.returncode == 0, (i, r.stderr)
+            for n in nonces:
+                assert wait_gone(processes_with_nonce(n), 15) == [], f"iteration {i}: a rank survived"
+            assert manifests(tmp_path / "state") == [], i
+            assert all(s.poll() is None for s in strangers)
+    finally:
+        for s in strangers:
+            s.kill()

@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -412,7 +413,8 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
 
 
 async def _renew_leases(hs, dep, job_id: str, duration: float, seq: int) -> None:
-    body = json.dumps({"holder": f"{os.getpid()}", "seq": seq, "duration_s": duration}).encode()
+    body = json.dumps({"schema_version": 1, "type": "lease", "holder": f"{socket.gethostname()}:{os.getpid()}",
+                       "seq": seq, "duration_s": duration}).encode()
     await asyncio.gather(*(hs[r.node].transport.write_file(hs[r.node].path(f"{job_id}.lease"), body)
                            for r in dep.ranks), return_exceptions=True)
 
