@@ -1,7 +1,7 @@
 """One gather call over any number of tensors and shards: warm rows from memory, the rest by cold reads.
 
 Warm = every page of the row was seen resident in the shard's current generation. Those rows are copied from
-the mapping with ``np.take`` (one copy, no syscall per row), in chunks that grow 4, 8, ... 4096 rows; between
+the mapping with ``np.take`` (one copy, no syscall per row), in chunks that grow 4, 16, ... 4096 rows; between
 chunks the thread's major-fault counter is read. A major fault means the page cache lost a page we trusted (the
 fault reads it back). A few are taken as they come; a large eviction (>= 8 faults and > 2% of the pages touched)
 makes the shard forget what it saw and sends the rest of the call down the cold path, which probes with
@@ -55,7 +55,7 @@ def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray |
         b = min(n, a + step)
         if pos is None:
             # mode="clip": indices are already checked, and "raise" would buffer the output (a second copy)
-            np.take(src, idx[a:b], axis=0, out=out2d[a:b], mode="clip")
+            src.take(idx[a:b], axis=0, out=out2d[a:b], mode="clip")
         else:
             out2d[pos[a:b]] = src[idx[a:b]]
         f1 = major_faults()
@@ -65,7 +65,7 @@ def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray |
             if faults >= SWITCH_FAULTS and faults > SWITCH_FRACTION * b * pages_per_row:
                 return b, faults, True
         a = b
-        step = min(step * 2, MAX_CHUNK)
+        step = min(step * 4, MAX_CHUNK)
     return n, faults, False
 
 
@@ -80,14 +80,16 @@ def gather(parts: list[Part], *, mode: str, window: int, threads: int, on_recove
     for p in parts:
         n = len(p.idx)
         rb = p.entry.row_bytes
-        seen = p.shard.seen(p.entry.start + p.idx * rb, rb)
-        nseen = int(np.count_nonzero(seen))
-        if nseen == 0:
-            cold.append((p, p.idx, np.arange(n) if p.pos is None else p.pos))
-            continue
-        if nseen == n:
+        offs = p.idx * rb
+        offs += p.entry.start
+        if p.shard.all_seen(offs, rb):
+            seen = None
             sel, widx, wpos = None, p.idx, p.pos
         else:
+            seen = p.shard.seen(offs, rb)
+            if not seen.any():
+                cold.append((p, p.idx, np.arange(n) if p.pos is None else p.pos))
+                continue
             sel = np.flatnonzero(seen)
             widx = p.idx[sel]
             wpos = sel if p.pos is None else p.pos[sel]
@@ -95,11 +97,15 @@ def gather(parts: list[Part], *, mode: str, window: int, threads: int, on_recove
         counts["warm_rows"] += done
         if faults:
             on_recovery(p.shard, faults, switched)
-        rest = np.flatnonzero(~seen) if sel is not None else np.empty(0, np.int64)
-        if done < len(widx):
-            rest = np.concatenate([rest, np.arange(done, n) if sel is None else sel[done:]])
-        if rest.size:
-            cold.append((p, p.idx[rest], rest if p.pos is None else p.pos[rest]))
+        if sel is None:
+            if done == n:
+                continue
+            rest = np.arange(done, n)
+        else:
+            rest = np.flatnonzero(~seen)
+            if done < len(widx):
+                rest = np.concatenate([rest, sel[done:]])
+        cold.append((p, p.idx[rest], rest if p.pos is None else p.pos[rest]))
     if cold:
         _cold(cold, counts, mode=mode, window=window, threads=threads)
     return counts

@@ -14,6 +14,7 @@ import resource
 import sys
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_SHIFT = PAGE.bit_length() - 1  # pages are powers of two (4 KiB here, 16 KiB on Apple silicon)
 
 _libc = None
 _mincore = None

@@ -14,8 +14,8 @@ import threading
 
 import numpy as np
 
-from clusterctl.ple.errors import CorruptTensorFile, TensorFileChanged, TensorNotFound
-from clusterctl.ple.residency import PAGE, mincore
+from clusterctl.ple.errors import CorruptTensorFile, TensorFileChanged, TensorNotFound, TruncatedTensorFile
+from clusterctl.ple.residency import PAGE, PAGE_SHIFT, mincore
 from clusterctl.ple.safetensors import TensorEntry, parse_header
 
 
@@ -36,7 +36,10 @@ class ShardFile:
             self.entries, self.metadata = parse_header(fd, path, self.size)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
+            try:
+                self._mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
+            except (ValueError, OSError) as e:  # e.g. the file shrank since the fstat above
+                raise TruncatedTensorFile(f"{path}: cannot map {self.size} bytes ({e}); truncated while opening?") from None
         except BaseException:
             os.close(fd)
             raise
@@ -75,12 +78,22 @@ class ShardFile:
     # -- pages seen resident -------------------------------------------------------------------------------------
     @staticmethod
     def _pages(offs: np.ndarray, rb: int):
-        first = offs // PAGE
-        last = (offs + (rb - 1)) // PAGE
+        first = offs >> PAGE_SHIFT
+        last = (offs + (rb - 1)) >> PAGE_SHIFT
         if rb <= PAGE:
             return first, last, None
         k = int((last - first).max()) + 1
         return first, last, np.minimum(first[:, None] + np.arange(k), last[:, None])
+
+    def all_seen(self, offs: np.ndarray, rb: int) -> bool:
+        """Were all pages of all these rows verified in the current generation? (Entries never exceed it.)"""
+        g = self._gen
+        if rb <= PAGE:
+            first = offs >> PAGE_SHIFT
+            last = offs + (rb - 1)
+            last >>= PAGE_SHIFT
+            return bool(self._seen.take(first).min() == g and self._seen.take(last).min() == g)
+        return bool(self._seen[self._pages(offs, rb)[2]].min() == g)
 
     def seen(self, offs: np.ndarray, rb: int) -> np.ndarray:
         """Per row: were all its pages verified resident in the current generation?"""
