@@ -1,0 +1,103 @@
+"""Signed rank contracts: bound to their node, carrying the signed deployment; ranks refuse anything else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterctl.errors import IntegrityError
+from clusterctl.launch.contract import encode_contract, load_rank_contract
+from clusterctl.plan.deployment import PlanOptions, encode
+from clusterctl.plan.inventory import parse_cluster
+from clusterctl.plan.model import inspect_model
+from clusterctl.plan.planner import make_deployment
+from clusterctl.plan.signing import Keyring
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modelfiles import make_model  # noqa: E402
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model = make_model(tmp_path / "m", layers=8)
+    cluster = parse_cluster({"cluster": {"name": "c"}, "node": [
+        {"name": "a", "memory_gb": 8, "model_path": str(model)},
+        {"name": "b", "memory_gb": 8, "host": "10.0.0.2", "model_path": "/models/on-b"}]})
+    dep = make_deployment(cluster, inspect_model(model), str(model), PlanOptions())
+    kr = Keyring(tmp_path / "keys")
+    key = kr.signing_key()
+    run = tmp_path / "run"
+    (run / "trusted-keys").mkdir(parents=True)
+    (run / "trusted-keys" / "k.pub").write_text(kr.public_keys()[0].to_text())
+    return dep, encode(dep, key), key, run, tmp_path
+
+
+def spec_for(dep, rank: int, run: Path) -> dict:
+    r = dep.ranks[rank]
+    return {"deployment_id": dep.deployment_id, "job_id": "job1", "nonce": "n", "node": r.node, "rank": rank,
+            "world_size": len(dep.ranks), "backend": dep.backend, "model_path": dep.path_map[r.node],
+            "start_layer": r.start_layer, "end_layer": r.end_layer, "layer_counts": [x.layers for x in dep.ranks],
+            "num_layers": dep.model.num_layers, "hostfile": str(run / "h.json"), "http_port": 8000 if rank == 0 else None,
+            "runtime_dir": str(run), "marker_path": str(run / "m.json"), "gate_path": str(run / "g")}
+
+
+def write(run: Path, data: bytes, name: str = "c.contract") -> Path:
+    p = run / name
+    p.write_bytes(data)
+    return p
+
+
+def test_valid_contract_gives_the_path_map_entry(setup):
+    dep, dep_bytes, key, run, _ = setup
+    spec = load_rank_contract(write(run, encode_contract(dep_bytes, spec_for(dep, 1, run), key)), "b")
+    assert spec.model_path == "/models/on-b" and (spec.start_layer, spec.end_layer) == (0, 4)
+
+
+def test_contract_for_another_node_does_not_verify(setup):
+    dep, dep_bytes, key, run, _ = setup
+    p = write(run, encode_contract(dep_bytes, spec_for(dep, 1, run), key))
+    with pytest.raises(IntegrityError, match="signature does not match"):
+        load_rank_contract(p, "a")
+
+
+def test_every_edit_is_refused(setup):
+    dep, dep_bytes, key, run, _ = setup
+    data = encode_contract(dep_bytes, spec_for(dep, 1, run), key)
+    for needle, repl in ((b'"start_layer": 0', b'"start_layer": 1'), (b"/models/on-b", b"/models/on-x")):
+        with pytest.raises(IntegrityError):
+            load_rank_contract(write(run, data.replace(needle, repl, 1)), "b")
+
+
+def test_signed_contract_that_disagrees_with_its_deployment_is_refused(setup):
+    dep, dep_bytes, key, run, _ = setup
+    spec = spec_for(dep, 1, run)
+    spec["model_path"] = "/elsewhere"  # validly signed, but not the deployment's path_map entry
+    with pytest.raises(IntegrityError, match="path_map"):
+        load_rank_contract(write(run, encode_contract(dep_bytes, spec, key)), "b")
+
+
+def test_untrusted_key_and_unsigned(setup, tmp_path):
+    dep, dep_bytes, key, run, _ = setup
+    other = Keyring(tmp_path / "other").signing_key()
+    with pytest.raises(IntegrityError, match="unknown key"):
+        load_rank_contract(write(run, encode_contract(dep_bytes, spec_for(dep, 1, run), other)), "b")
+    with pytest.raises(IntegrityError, match="not signed"):
+        load_rank_contract(write(run, json.dumps({"spec": spec_for(dep, 1, run)}).encode()), "b")
+
+
+@pytest.mark.parametrize("how", ["tampered", "other-node", "missing"])
+def test_the_rank_process_refuses_with_65_and_one_line(setup, how):
+    dep, dep_bytes, key, run, _ = setup
+    data = encode_contract(dep_bytes, spec_for(dep, 1, run), key)
+    if how == "tampered":
+        data = data.replace(b'"rank": 1', b'"rank": 0', 1)
+    p = write(run, data) if how != "missing" else run / "nope.contract"
+    node = "a" if how == "other-node" else "b"
+    r = subprocess.run([sys.executable, "-m", "clusterctl.launch.rank", "--contract", str(p), "--node", node],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == (66 if how == "missing" else 65), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
