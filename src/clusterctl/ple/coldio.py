@@ -6,7 +6,8 @@ Three mechanisms, chosen per platform and overridable:
 
 - ``nowait`` (Linux): ``preadv(RWF_NOWAIT)`` per run copies a cached run at once, or fails with EAGAIN *after
   starting its read* -- a residency probe and a prefetch in one call. Up to ``window`` runs are in flight; the
-  oldest is then completed with a blocking ``preadv`` (which finds its pages arriving).
+  oldest is then completed with a blocking ``preadv`` (which finds its pages arriving). When the first 32 probes
+  find less than a quarter cached, the rest of the call is advised WILLNEED instead (a failed call costs more).
 - ``fadvise`` (Linux/BSD without RWF_NOWAIT): ``posix_fadvise(WILLNEED)`` per run, same window, then ``preadv``.
 - ``pool`` (macOS and anywhere else): a reused pool of threads, each reading one offset-sorted chunk of the runs
   with blocking reads, so ``threads`` reads are in flight and no Python task is made per row.
@@ -29,6 +30,7 @@ MAX_GAP = 8192  # coalesce rows this close: one request instead of two costs les
 MAX_RUN_BYTES = 4 << 20
 DEFAULT_WINDOW = 128  # runs in flight: deep enough for NVMe/virtio queues, below the block layer's 256 tags
 DEFAULT_THREADS = 64
+PROBE_SAMPLE = 32  # probes before deciding a call is mostly cold (< 1/4 cached): then WILLNEED, no failing calls
 
 _HAS_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
@@ -108,40 +110,53 @@ def finish(run: Run, done: int = 0) -> None:
         done += n
 
 
-def _nowait(runs: list, window: int, stats: dict) -> bool:
-    """Returns False if the filesystem refused RWF_NOWAIT (the caller should switch to fadvise)."""
+def _nowait(runs: list, window: int, stats: dict) -> None:
+    """Probe each run with RWF_NOWAIT (copy if cached, else start its read); once PROBE_SAMPLE probes show the call
+    is mostly cold, advise the rest with WILLNEED instead (no failed call per run). Up to ``window`` in flight."""
     pend: deque = deque()
     flag = os.RWF_NOWAIT
-    it = iter(runs)
-    for run in it:
-        try:
-            n = os.preadv(run.fd, run.iov, run.off, flag)
-        except BlockingIOError:
-            n = -1
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                while pend:
+    advise = os.posix_fadvise if _HAS_FADVISE else None
+    probing = True
+    probed = hits = 0
+    for run in runs:
+        if probing:
+            try:
+                n = os.preadv(run.fd, run.iov, run.off, flag)
+            except BlockingIOError:
+                n = -1
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                stats["nowait_refused"] = True
+                probing = False
+                n = None
+            if n is not None:
+                probed += 1
+                if n == run.total:
+                    hits += 1
+                    continue
+                if n == 0:
+                    raise TruncatedTensorFile(f"{run.path}: end of file at byte {run.off} inside a tensor "
+                                              "(file truncated while open?)")
+                if n > 0:  # partly cached (a real short read): make sure the rest is on its way too
+                    stats["partial"] += 1
+                    if advise:
+                        advise(run.fd, run.off + n, run.total - n, os.POSIX_FADV_WILLNEED)
+                pend.append((run, max(n, 0)))
+                if probed == PROBE_SAMPLE and hits * 4 < probed:
+                    probing = False
+                if len(pend) >= window:
                     finish(*pend.popleft())
-                _fadvise([run, *it], window, stats)
-                return False
-            raise
-        if n == run.total:
-            stats["hits"] += 1
-            continue
-        if n == 0:
-            raise TruncatedTensorFile(f"{run.path}: end of file at byte {run.off} inside a tensor "
-                                      "(file truncated while open?)")
-        if n > 0:  # partly cached (a real short read): make sure the rest is on its way too
-            stats["partial"] += 1
-            if _HAS_FADVISE:
-                os.posix_fadvise(run.fd, run.off + n, run.total - n, os.POSIX_FADV_WILLNEED)
-        pend.append((run, max(n, 0)))
+                continue
+        if advise:
+            advise(run.fd, run.off, run.total, os.POSIX_FADV_WILLNEED)
+        pend.append((run, 0))
         if len(pend) >= window:
             finish(*pend.popleft())
-    stats["misses"] += len(runs) - stats["hits"]
+    stats["hits"] += hits
+    stats["misses"] += len(runs) - hits
     while pend:
         finish(*pend.popleft())
-    return True
 
 
 def _fadvise(runs: list, window: int, stats: dict) -> None:
@@ -217,7 +232,7 @@ def read_runs(runs: list, mode: str, *, window: int = DEFAULT_WINDOW, threads: i
         return stats
     runs.sort(key=lambda r: (r.fd, r.off))
     if mode == "nowait":
-        stats["nowait_refused"] = not _nowait(runs, window, stats)
+        _nowait(runs, window, stats)
     elif mode == "fadvise":
         _fadvise(runs, window, stats)
     else:

@@ -1,7 +1,7 @@
 """One gather call over any number of tensors and shards: warm rows from memory, the rest by cold reads.
 
 Warm = every page of the row was seen resident in the shard's current generation. Those rows are copied from
-the mapping with ``np.take`` (one copy, no syscall per row), in chunks that grow 4, 16, ... 4096 rows; between
+the mapping with ``np.take`` (one copy, no syscall per row), in chunks of 16, 256 and 4096 rows; between
 chunks the thread's major-fault counter is read. A major fault means the page cache lost a page we trusted (the
 fault reads it back). A few are taken as they come; a large eviction (>= 8 faults and > 2% of the pages touched)
 makes the shard forget what it saw and sends the rest of the call down the cold path, which probes with
@@ -20,7 +20,7 @@ from clusterctl.ple.residency import PAGE, major_faults
 from clusterctl.ple.safetensors import TensorEntry
 from clusterctl.ple.shard import ShardFile
 
-FIRST_CHUNK = 4
+FIRST_CHUNK = 16
 MAX_CHUNK = 4096
 # a missed page costs one serial fault (~75 us) on the warm path; re-checking a row on the cold path ~2 us:
 # past ~2% of the pages evicted the cold path is cheaper for the rest of the call
@@ -65,7 +65,7 @@ def _warm(src: np.ndarray, idx: np.ndarray, out2d: np.ndarray, pos: np.ndarray |
             if faults >= SWITCH_FAULTS and faults > SWITCH_FRACTION * b * pages_per_row:
                 return b, faults, True
         a = b
-        step = min(step * 4, MAX_CHUNK)
+        step = min(step * 16, MAX_CHUNK)
     return n, faults, False
 
 
