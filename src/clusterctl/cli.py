@@ -76,6 +76,9 @@ def plan(
     batch: Annotated[int, typer.Option(help="KV cache budget: concurrent sequences.", min=1)] = 1,
     headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.", min=0)] = 0.5,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
+    probe: Annotated[bool, typer.Option("--probe", help="Read memory_gb of remote nodes that lack it over SSH.")] = False,
+    known_hosts: Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for --probe.")] = None,
+    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="With --probe: trust a new host key once.")] = False,
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -84,8 +87,16 @@ def plan(
     o = _out(json, quiet)
     from clusterctl.plan.commands import plan_command
 
+    probe_remote = None
+    if probe:
+        from clusterctl.launch.nodes import probe_memory
+
+        def probe_remote(nodes):
+            return probe_memory(nodes, _ssh(known_hosts, accept_new_host_keys))
+
     dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
-                                context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=_state(state_dir))
+                                context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=_state(state_dir),
+                                probe_remote=probe_remote)
     for w in dep.warnings:
         o.warn(w)
     if o.json:

@@ -122,3 +122,17 @@ def test_preflight_reports_version_and_model_problems_over_ssh(tmp_path, sshd, e
     p = cli("launch", str(out), "--known-hosts", str(sshd.known_hosts), env=env)
     assert p.returncode == 1
     assert "preflight failed on 1 node(s): b:" in p.stderr
+
+
+def test_plan_probe_reads_memory_of_a_remote_node(tmp_path, sshd, env):
+    import psutil
+
+    c = ssh_cluster(tmp_path, sshd)
+    c.write_text(c.read_text().replace("memory_gb = 6\n", ""))
+    no = cli("plan", "-c", str(c), "-m", str(tiny_model_path()), "--context", "512", env=env)
+    assert no.returncode == 78 and "node b has no memory_gb" in no.stderr
+    p = cli("plan", "-c", str(c), "-m", str(tiny_model_path()), "--context", "512", "--probe", "--json",
+            "--known-hosts", str(sshd.known_hosts), env=env)
+    assert p.returncode == 0, p.stderr
+    b = json.loads(p.stdout)["nodes"][1]
+    assert abs(b["memory_gb"] - psutil.virtual_memory().total / 2**30) < 0.01

@@ -142,3 +142,12 @@ def test_verify_does_not_import_mlx_or_numpy(c3, model32, state, tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
                        env={**os.environ, "CLUSTERCTL_STATE_DIR": str(state)})
     assert p.stdout.strip() == "0 []", p.stderr
+
+
+def test_local_node_without_memory_gb_reads_this_machine(tmp_path, model32, state):
+    import psutil
+
+    c = write_cluster(tmp_path / "c.toml", "[[node]]\nname = 'solo'\n")
+    r = run("plan", "-c", str(c), "-m", str(model32), "--json")
+    assert r.code == 0, r.stderr
+    assert abs(r.json()["nodes"][0]["memory_gb"] - psutil.virtual_memory().total / 2**30) < 0.01

@@ -126,3 +126,16 @@ def first_error_code(errors: list[BaseException]):
 
 
 __all__ = ["NodeHandle", "SshOptions", "handles", "close_all", "transport_for", "node_python", "IntegrityError"]
+
+
+def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:
+    """Total RAM (GiB) of remote nodes, probed concurrently over SSH (for `plan --probe`)."""
+    async def go() -> dict[str, float]:
+        hs = handles(nodes, ssh)
+        try:
+            answers = await asyncio.gather(*(h.op("probe", {}) for h in hs.values()))
+        finally:
+            await close_all(hs)
+        return {name: round(a["mem_total"] / (1 << 30), 3) for name, a in zip(hs, answers)}
+
+    return asyncio.run(go())

@@ -25,9 +25,30 @@ def plan_options(**kw) -> PlanOptions:
         raise UsageError(f"--{field.replace('_', '-')}: {kw.get(field)!r} is not valid{extra}") from None
 
 
-def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, **options) -> tuple[Deployment, list[Path]]:
+def fill_memory(cluster, probe_remote=None):
+    """Nodes without memory_gb: a local node's RAM is read here; a remote one's through ``probe_remote(nodes)``
+    (an SSH probe, when the operator asked for it). Returns a new Cluster; the pure planner never probes."""
+    missing = [n for n in cluster.nodes if n.memory_gb is None]
+    if not missing:
+        return cluster
+    found: dict[str, float] = {}
+    local = [n for n in missing if n.is_local]
+    if local:
+        import psutil
+
+        total = psutil.virtual_memory().total / (1 << 30)
+        found.update({n.name: round(total, 3) for n in local})
+    remote = [n for n in missing if not n.is_local]
+    if remote and probe_remote is not None:
+        found.update(probe_remote(remote))
+    nodes = [n.model_copy(update={"memory_gb": found[n.name]}) if n.name in found else n for n in cluster.nodes]
+    return cluster.model_copy(update={"nodes": nodes})
+
+
+def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None,
+                 **options) -> tuple[Deployment, list[Path]]:
     opts = plan_options(**options)
-    cluster = load_cluster(cluster_file)
+    cluster = fill_memory(load_cluster(cluster_file), probe_remote)
     facts = inspect_model(model)
     dep = make_deployment(cluster, facts, str(model.resolve()), opts)
     written = state.save_deployment(dep, out)

@@ -55,7 +55,7 @@ def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
     parts = []
     for b in bad:
         if b["usable"] is None:
-            parts.append(f"node {b['node']} has no memory_gb")
+            parts.append(f"node {b['node']} has no memory_gb (set it in cluster.toml, or plan --probe)")
         else:
             parts.append(f"node {b['node']} needs {gib(b['needs'])} (weights {gib(b['weights'])} + KV {gib(b['kv'])} "
                          f"+ headroom {gib(b['headroom'])}) but has {gib(b['usable'])} usable")
