@@ -80,6 +80,10 @@ class StateDir:
                 e.message += f" (moved aside to {dest})"
                 e.args = (e.message,)
             raise
+        dep = loaded.deployment
+        if path.parent.resolve() == self.deployments.resolve() and path.stem != dep.deployment_id:
+            # a validly signed file copied under another deployment's name must not pass as that deployment
+            raise IntegrityError(f"{path} holds deployment {dep.deployment_id}, not {path.stem}")
         if loaded.migrated_from is not None:
             atomic_write_bytes(path, encode(loaded.deployment, self.keyring.signing_key()))
         return path, loaded

@@ -223,3 +223,12 @@ def test_replan_detects_changed_model(facts, tmp_path):
     new = replan_same_inputs(dep, changed)
     assert new.plan_hash != dep.plan_hash
     assert any("facts hash differs" in line for line in diff_placement(dep, new))
+
+
+def test_a_signed_file_under_another_deployments_name_is_refused(facts, tmp_path):
+    st = StateDir(tmp_path / "state")
+    a = make_deployment(cluster(), facts, "/m", PlanOptions(allocation="balanced"), now=NOW)
+    [p] = st.save_deployment(a)
+    (st.deployments / "lab-other.json").write_bytes(p.read_bytes())
+    with pytest.raises(IntegrityError, match="not lab-other"):
+        st.load_deployment("lab-other")
