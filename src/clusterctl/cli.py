@@ -75,6 +75,8 @@ def plan(
     context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1)] = 4096,
     batch: Annotated[int, typer.Option(help="KV cache budget: concurrent sequences.", min=1)] = 1,
     headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.", min=0)] = 0.5,
+    embedding_offload: Annotated[str, typer.Option("--embedding-offload",
+                                                   help="off | on | auto: serve the token embedding from SSD (auto: only when it would not fit).")] = "off",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
     probe: Annotated[bool, typer.Option("--probe", help="Read memory_gb of remote nodes that lack it over SSH.")] = False,
     known_hosts: Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for --probe.")] = None,
@@ -96,7 +98,7 @@ def plan(
 
     dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=_state(state_dir),
-                                probe_remote=probe_remote)
+                                probe_remote=probe_remote, embedding_offload=embedding_offload)
     for w in dep.warnings:
         o.warn(w)
     if o.json:

@@ -232,3 +232,25 @@ def test_a_signed_file_under_another_deployments_name_is_refused(facts, tmp_path
     (st.deployments / "lab-other.json").write_bytes(p.read_bytes())
     with pytest.raises(IntegrityError, match="not lab-other"):
         st.load_deployment("lab-other")
+
+
+def test_embedding_offload_planning(tmp_path):
+    f = inspect_model(make_model(tmp_path / "big-vocab", layers=4, hidden=64, vocab=20000))
+    assert f.embed_bytes == 20000 * 64 * 2
+    c = parse_cluster({"cluster": {"name": "lab"}, "node": [{"name": "a", "memory_gb": 1}]})
+    off = make_deployment(c, f, "/m", PlanOptions(context=16, headroom_gb=0))
+    on = make_deployment(c, f, "/m", PlanOptions(context=16, headroom_gb=0, embedding_offload="on"))
+    assert off.ranks[0].planned.weights - on.ranks[0].planned.weights == f.embed_bytes
+    assert on.embedding_offload and not off.embedding_offload and on.plan_hash == off.plan_hash
+    # auto: only when the table would not fit otherwise
+    assert not make_deployment(c, f, "/m", PlanOptions(context=16, embedding_offload="auto")).embedding_offload
+    need_without = off.ranks[0].planned.total
+    tight = parse_cluster({"cluster": {"name": "lab"}, "node": [
+        {"name": "a", "memory_gb": (need_without - f.embed_bytes // 2) / 2**30, "usable_fraction": 1.0}]})
+    with pytest.raises(DoesNotFit):
+        make_deployment(tight, f, "/m", PlanOptions(context=16, headroom_gb=0))
+    auto = make_deployment(tight, f, "/m", PlanOptions(context=16, headroom_gb=0, embedding_offload="auto"))
+    assert auto.embedding_offload and any("served from SSD" in w for w in auto.warnings)
+    tied = inspect_model(make_model(tmp_path / "tied", layers=4, tie=True))
+    with pytest.raises(ConfigError, match="untied lm_head"):
+        make_deployment(c, tied, "/m", PlanOptions(embedding_offload="on"))

@@ -344,7 +344,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "runtime_dir": h.runtime_dir, "marker_path": rec.marker_path,
                     "gate_path": h.path(f"{job_id}.gate"),
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
-                    "lease_seconds": lease_seconds or 30.0}
+                    "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload}
             await h.transport.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 
         await asyncio.gather(*(prepare(r) for r in dep.ranks))

@@ -34,6 +34,7 @@ class ModelRef(BaseModel):
     layer_bytes: list[int]
     shared_bytes: int
     kv_bytes_per_token_per_layer: int
+    embed_bytes: int = 0
 
 
 class RankAssignment(BaseModel):
@@ -57,6 +58,7 @@ class PlanOptions(BaseModel):
     context: int = Field(default=4096, ge=1)
     batch: int = Field(default=1, ge=1)
     headroom_gb: float = Field(default=0.5, ge=0)
+    embedding_offload: Literal["off", "on", "auto"] = "off"
 
 
 class Deployment(BaseModel):
@@ -79,6 +81,7 @@ class Deployment(BaseModel):
     placement: str
     plan_hash: str
     warnings: list[str] = Field(default_factory=list)
+    embedding_offload: bool = False  # resolved from options.embedding_offload; ranks serve the embedding from SSD
 
     def node(self, name: str) -> Node:
         for n in self.nodes:

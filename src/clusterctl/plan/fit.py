@@ -27,12 +27,14 @@ class RankBytes(BaseModel):
 
 
 def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world: int,
-               context: int, batch: int, headroom_gb: float) -> RankBytes:
+               context: int, batch: int, headroom_gb: float, embedding_offload: bool = False) -> RankBytes:
+    # With embedding offload the token embedding stays on SSD (read row by row by clusterctl.ple).
+    shared = facts.shared_bytes - (facts.embed_bytes if embedding_offload else 0)
     if parallel == "tensor":
-        weights = -(-sum(facts.layer_bytes) // world) + facts.shared_bytes
+        weights = -(-sum(facts.layer_bytes) // world) + shared
         kv = -(-facts.kv_bytes_per_token_per_layer * facts.num_layers * context * batch // world)
     else:
-        weights = sum(facts.layer_bytes[start:end]) + facts.shared_bytes
+        weights = sum(facts.layer_bytes[start:end]) + shared
         kv = facts.kv_bytes_per_token_per_layer * (end - start) * context * batch
     headroom = int(headroom_gb * GIB)
     return RankBytes(weights=weights, kv=kv, headroom=headroom, total=weights + kv + headroom)

@@ -38,6 +38,7 @@ PIPELINE_MODEL_TYPES = frozenset({
 })
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
 
 
 class TensorInfo(BaseModel):
@@ -66,6 +67,7 @@ class ModelFacts(BaseModel):
     quantization: dict | None = None
     layer_bytes: list[int]
     shared_bytes: int  # embedding, final norm, lm_head: every pipeline rank keeps them
+    embed_bytes: int = 0  # the token embedding alone (part of shared_bytes): what embedding offload saves
     kv_dtype_bytes: int
     facts_hash: str  # sha256 over config.json and every safetensors header: changes when the weights change
     files: list[str]
@@ -198,6 +200,7 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
     digest.update(b"config.json\0" + config_raw)
     layer_bytes = [0] * num_layers
     shared = 0
+    embed = 0
     dtype_counts: dict[str, int] = {}
     files = _weight_files(folder)
     for path in files:
@@ -213,6 +216,8 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
                 layer_bytes[i] += nbytes
             else:
                 shared += nbytes
+                if _EMBED_RE.search(name):
+                    embed += nbytes
             if t["dtype"] in ("F32", "F16", "BF16"):
                 dtype_counts[t["dtype"]] = dtype_counts.get(t["dtype"], 0) + nbytes
     if not any(layer_bytes):
@@ -227,6 +232,6 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
         num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=int(kv_heads),
         head_dim=int(head_dim), vocab_size=int(vocab), tie_word_embeddings=tie,
         quantization=quant if isinstance(quant, dict) else None,
-        layer_bytes=layer_bytes, shared_bytes=shared, kv_dtype_bytes=kv_bytes,
+        layer_bytes=layer_bytes, shared_bytes=shared, embed_bytes=embed, kv_dtype_bytes=kv_bytes,
         facts_hash=digest.hexdigest(), files=[p.name for p in files],
     )

@@ -59,8 +59,28 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         ranges = [(0, facts.num_layers)] * len(nodes)
     else:
         ranges = allocate.layer_ranges(counts)
+    offload = options.embedding_offload == "on"
+    if options.embedding_offload != "off" and facts.tie_word_embeddings:
+        if offload:
+            raise ConfigError("--embedding-offload on needs an untied lm_head: this model ties its head to the "
+                              "embedding, so every rank needs the whole table in memory")
+    else:
+        def needs_for(off: bool):
+            return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
+                               batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=off)
+                    for s, e in ranges]
+
+        if options.embedding_offload == "auto":
+            try:
+                check_fit(nodes, needs_for(False))
+            except ConfigError:
+                check_fit(nodes, needs_for(True))  # fits only with the table on SSD: offload it
+                offload = True
+                warnings.append("the token embedding does not fit in memory: it is served from SSD "
+                                "(embedding offload)")
     needs = [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                        batch=options.batch, headroom_gb=options.headroom_gb) for s, e in ranges]
+                        batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=offload)
+             for s, e in ranges]
     check_fit(nodes, needs)
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
                             planned=need, usable_bytes=n.usable_bytes)
@@ -81,10 +101,11 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         cluster=cluster.name,
         model=ModelRef(name=facts.name, model_type=facts.model_type, source_path=model_path,
                        facts_hash=facts.facts_hash, num_layers=facts.num_layers, layer_bytes=facts.layer_bytes,
-                       shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer),
+                       shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer,
+                       embed_bytes=facts.embed_bytes),
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
         options=options, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
-        placement=placement_signature(ranks), plan_hash=h, warnings=warnings,
+        placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
     )
 
 
