@@ -38,7 +38,7 @@ def free_ports(n: int) -> list[int]:
 class RankCluster:
     def __init__(self, root: Path, model_path: Path, layer_counts: list[int], *, api_key: str | None = None,
                  lease_seconds: float | None = None, env: dict | None = None, spec_env: dict | None = None,
-                 overrides: dict | None = None, tag: str = "t"):
+                 overrides: dict | None = None, per_rank: dict[int, dict] | None = None, tag: str = "t"):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.model_path = Path(model_path)
@@ -48,6 +48,7 @@ class RankCluster:
         self.env = env or {}
         self.spec_env = spec_env or {}
         self.overrides = overrides or {}
+        self.per_rank = per_rank or {}
         self.tag = tag
         ring = free_ports(self.world + 1)
         self.http_port = ring.pop()
@@ -84,6 +85,7 @@ class RankCluster:
             max_tokens_default=16, env=dict(self.spec_env),
         )
         spec.update(self.overrides)
+        spec.update(self.per_rank.get(r, {}))
         return spec
 
     def start(self, *, ranks: list[int] | None = None) -> "RankCluster":
@@ -95,6 +97,8 @@ class RankCluster:
         env["CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         for r in ranks if ranks is not None else range(self.world):
+            for stale in (self.gate, self.marker_path(r)):
+                stale.unlink(missing_ok=True)
             path = self.root / f"spec-rank{r}.json"
             path.write_text(json.dumps(self.spec(r)))
             log = open(self.log_path(r), "wb")

@@ -191,6 +191,6 @@ def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
 
 
 def test_idle_schedule_slows_down_but_stays_responsive():
-    assert idle_interval(0) == 0.01
+    assert idle_interval(0) == 0.02
     assert idle_interval(10_000) == 0.1
     assert all(idle_interval(i) <= idle_interval(i + 1) for i in range(1000))

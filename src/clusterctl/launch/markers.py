@@ -179,11 +179,19 @@ class MarkerWriter:
 
 
 def peak_rss_bytes() -> int | None:
+    """This process's peak RSS. Linux: VmHWM of the current address space, because ru_maxrss carries the
+    PARENT's peak across fork+exec (a rank started by a big process would report the parent's size)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (ImportError, OSError):
         return None
-    # Linux reports KiB, macOS bytes
     return int(peak) if os.uname().sysname == "Darwin" else int(peak) * 1024

@@ -55,6 +55,7 @@ class Rank:
         self.stopping = threading.Event()
         self.marker = None
         self.api = None
+        self.watchdog = None
         self._signals = 0
         self._fatal_lock = threading.Lock()
 
@@ -118,8 +119,9 @@ class Rank:
                                    nonce=spec.nonce, rank=spec.rank, node=spec.node)
         self.marker.marker.start_layer, self.marker.marker.end_layer = spec.start_layer, spec.end_layer
         self.marker.start()
-        Watchdog(rank=spec.rank, on_trip=self.fatal, lease_path=spec.lease_path,
-                 lease_seconds=spec.lease_seconds).start()
+        self.watchdog = Watchdog(rank=spec.rank, on_trip=self.fatal, lease_path=spec.lease_path,
+                                 lease_seconds=spec.lease_seconds)
+        self.watchdog.start()
         try:
             return self._serve()
         except ClusterctlError as e:
@@ -141,6 +143,9 @@ class Rank:
         self.marker.update(state="failed", final=True,
                            error=f"rank {self.spec.rank}: internal error: {type(err).__name__}: {err}"[:500])
         _exit_now(int(Exit.SOFTWARE))
+
+    def _join(self, pipeline):
+        return _join_ring(self, pipeline)
 
     def _serve(self) -> int:
         from clusterctl.launch import pipeline
@@ -166,9 +171,7 @@ class Rank:
                 return self._graceful()
         if self.stopping.is_set():
             return self._graceful()
-        group = pipeline.join_group(spec)
-        if group is not None:
-            pipeline.verify_group(group, spec)
+        group = self._join(pipeline)
         if self.stopping.is_set():
             return self._graceful()
         if self.api is not None:
@@ -177,11 +180,31 @@ class Rank:
             _say(f"rank 0: serving at {self.api.endpoint}")
         else:
             self.marker.update(state="serving")
-        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker)
+        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
+                        watchdog=self.watchdog)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         loop.run()
         return self._graceful()
+
+
+def _join_ring(rank: Rank, pipeline):
+    spec = rank.spec
+    if spec.world_size == 1:
+        return None
+    # mlx's init() blocks in connect/accept WITH the GIL held: no Python thread (watchdog, signals) runs until
+    # it returns, and accept never times out. So the kernel enforces the limit: SIGALRM's default action ends
+    # the process (exit by signal 14) if the ring is not joined in time.
+    _say(f"rank {spec.rank}: joining the ring (exit by SIGALRM if not joined within {spec.join_timeout_s:g} s)")
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, spec.join_timeout_s)
+    try:
+        group = pipeline.join_group(spec)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    with rank.watchdog.guard(spec.control_timeout_s, "checking the ring's peers"):
+        pipeline.verify_group(group, spec)
+    return group
 
 
 def _read_spec(ns: argparse.Namespace) -> RankSpec:

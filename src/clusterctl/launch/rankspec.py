@@ -54,6 +54,9 @@ class RankSpec(BaseModel):
     embedding_offload: bool = False
     max_tokens_default: int = Field(default=256, ge=1, le=1 << 20)
     env: dict[str, str] = Field(default_factory=dict)
+    # how long a ring exchange that takes milliseconds when healthy may hang before the rank gives up
+    control_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    join_timeout_s: float = Field(default=120.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RankSpec":

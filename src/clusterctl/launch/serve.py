@@ -6,7 +6,7 @@ in-flight step and all_sum two votes (cancel from rank 0, stop from anyone), so 
 ends within a few tokens on all ranks at the same step. After each request every rank's token digest is compared.
 
 Idle ranks: a rank waiting inside a collective busy-spins a core. So when idle, ranks meet on a shared schedule
-(every 10 ms right after a request, slowing to 100 ms) and SLEEP between meetings instead of waiting in a
+(every 20 ms right after a request, 50 ms for the next ~5 s, then 100 ms) and SLEEP between meetings instead of waiting in a
 collective for the next request. Every rank derives the schedule from the same header count, so they arrive
 together and the spin lasts microseconds.
 
@@ -16,6 +16,7 @@ step loop's thread so the tokenizer is never used from two threads.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import queue
@@ -31,6 +32,7 @@ from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.launch.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens, generate,
                                         share_payload, share_words)
 from clusterctl.launch.rankspec import RankSpec
+from clusterctl.launch.watchdog import PeerLost
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 MAX_BODY = 4 << 20
@@ -40,9 +42,9 @@ MAX_STOPS = 4
 
 def idle_interval(ticks_since_request: int) -> float:
     """Seconds between idle meetings; a pure function of the shared tick count so all ranks agree."""
-    if ticks_since_request < 50:
-        return 0.01
-    if ticks_since_request < 250:
+    if ticks_since_request < 10:
+        return 0.02  # a client's follow-up request usually comes right away
+    if ticks_since_request < 100:
         return 0.05
     return 0.1
 
@@ -107,12 +109,14 @@ class StepLoop:
     """Runs on the main thread of every rank until the ranks agree to stop."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
-                 jobs: JobQueue | None = None, marker=None, every: int = 16):
+                 jobs: JobQueue | None = None, marker=None, watchdog=None, every: int = 16):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.jobs, self.marker, self.every = stop, jobs, marker, every
+        self.watchdog = watchdog
         self.leader = spec.rank == 0
         self.world = spec.world_size
         self.seq = 0
+        self.checkpoints = 0
         self.served = 0
 
     def run(self) -> None:
@@ -134,21 +138,23 @@ class StepLoop:
                 continue
             payload = req.encode() if req is not None else b""
             mine = [0] * HEADER_WORDS
-            mine[3] = stop_vote
+            mine[3], mine[5] = stop_vote, 1
             if self.leader:
                 mine[:3] = [MAGIC, KIND_REQUEST if req is not None else KIND_IDLE, len(payload)]
                 mine[4] = self.seq
-            head = share_words(self.group, mine)
-            if head[0] != MAGIC or head[4] != self.seq:
-                raise IntegrityError(f"rank {self.spec.rank}: garbled control header from the ring "
-                                     f"(magic {head[0]:#x}, seq {head[4]} != {self.seq})")
+            with self._guard("idle meeting"):
+                head = share_words(self.group, mine)
+            self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world,
+                             f"control header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
+                             f"{head[5]} of {self.world} ranks")
             self.seq += 1
             if head[3] > 0:
                 if job is not None:
                     job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
                 return
             if head[1] == KIND_REQUEST:
-                data = share_payload(self.group, payload if self.leader else None, head[2])
+                with self._guard("request exchange"):
+                    data = share_payload(self.group, payload if self.leader else None, head[2])
                 self._serve(req if self.leader else GenRequest.decode(data), job)
                 ticks = 0
                 continue
@@ -164,12 +170,28 @@ class StepLoop:
             job.events.put(("error", ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {e}")))
         return None
 
+    def _guard(self, what: str):
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.guard(self.spec.control_timeout_s, what)
+
+    def _check_ring(self, ok: bool, what: str) -> None:
+        # A broken ring does not always raise: MLX can hand back a stale buffer ("Failing pending tasks"), so
+        # every control collective carries a sequence number and a head count.
+        if not ok:
+            raise PeerLost(f"rank {self.spec.rank}: lost a ring peer or the ring is corrupted ({what})")
+
     def _control(self, job: Job | None) -> Callable[[], str | None]:
         def control() -> str | None:
             cancel = 1 if (job is not None and job.cancelled.is_set()) else 0
             stop = 1 if self.stop.is_set() else 0
             if self.world > 1:
-                cancel, stop = share_words(self.group, [cancel, stop])[:2]
+                self.checkpoints += 1
+                with self._guard("checkpoint"):
+                    got = share_words(self.group, [cancel, stop, 1, self.checkpoints if self.leader else 0])
+                self._check_ring(got[2] == self.world and got[3] == self.checkpoints,
+                                 f"checkpoint {got[3]} (want {self.checkpoints}), {got[2]} of {self.world} ranks")
+                cancel, stop = got[0], got[1]
             if stop:
                 return "shutdown"
             if cancel:
@@ -187,7 +209,9 @@ class StepLoop:
         try:
             result = generate(self.model, self.tokenizer, req, emit=emit, control=self._control(job),
                               every=self.every, on_step=self.marker.touch_step if self.marker else None)
-            if self.world > 1 and not agree_on_tokens(self.group, self.spec, result.tokens):
+            with self._guard("token agreement"):
+                agreed = self.world == 1 or agree_on_tokens(self.group, self.spec, result.tokens)
+            if not agreed:
                 raise IntegrityError(f"rank {self.spec.rank}: ranks produced different tokens for {req.id}")
         except Exception as e:
             if job is not None:

@@ -8,11 +8,12 @@ because the main thread may be stuck inside a collective that a frozen peer will
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from clusterctl.errors import ClusterctlError, Exit
 
@@ -81,7 +82,12 @@ class LeaseWatch:
 
 
 class Watchdog:
-    """Polls the lease and the parent pid; calls ``on_trip(error)`` once and stops."""
+    """Polls the lease, the parent pid and the armed deadline; calls ``on_trip(error)`` once and stops.
+
+    The deadline covers exchanges that finish in milliseconds when the ring is healthy (joining, the idle
+    meetings, checkpoints). MLX's ring may neither raise nor return after a peer dies, so a stuck exchange is
+    the one sign left.
+    """
 
     def __init__(self, *, rank: int, on_trip: Callable[[ClusterctlError], None], lease_path: str | None,
                  lease_seconds: float, interval: float = 0.2):
@@ -90,6 +96,7 @@ class Watchdog:
         self.interval = interval
         self.lease = LeaseWatch(lease_path, lease_seconds) if lease_path else None
         self.ppid = os.getppid()
+        self._deadline: tuple[float, str] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -99,7 +106,19 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    @contextlib.contextmanager
+    def guard(self, seconds: float, what: str) -> Iterator[None]:
+        """Trip with PeerLost if the block does not finish within ``seconds``."""
+        self._deadline = (time.monotonic() + seconds, f"{what} did not finish within {seconds:g} s")
+        try:
+            yield
+        finally:
+            self._deadline = None
+
     def check(self) -> ClusterctlError | None:
+        deadline = self._deadline
+        if deadline is not None and time.monotonic() > deadline[0]:
+            return PeerLost(f"rank {self.rank}: {deadline[1]} (a ring peer is frozen or gone)")
         if os.getppid() != self.ppid:
             return ParentGone(f"rank {self.rank}: parent process {self.ppid} is gone")
         if self.lease is not None:
