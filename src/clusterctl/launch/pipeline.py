@@ -126,9 +126,14 @@ def load_shard(spec: RankSpec):
         if (inner.start_idx, inner.end_idx) != (spec.start_layer, spec.end_layer):
             raise ConfigError(f"mlx-lm placed rank {spec.rank} at [{inner.start_idx}, {inner.end_idx}), "
                               f"the contract says [{spec.start_layer}, {spec.end_layer})")
-        if spec.embedding_offload and spec.rank != spec.world_size - 1:
-            if getattr(model.args, "tie_word_embeddings", True):
-                raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
+    if spec.embedding_offload:
+        if getattr(getattr(model, "args", None), "tie_word_embeddings", True):
+            raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
+        if spec.rank == spec.world_size - 1:  # the rank that embeds tokens reads rows from SSD
+            from clusterctl.launch.offload import install
+
+            install(model, path, config)
+        else:  # the others only receive activations: they need the embedding's output shape, not its rows
             w = inner.embed_tokens.weight
             inner.embed_tokens = _shape_only_embedding(w.shape[1], w.dtype)
     params = tree_flatten(model.parameters())
