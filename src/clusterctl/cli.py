@@ -20,7 +20,7 @@ from clusterctl.render import Output
 app = typer.Typer(
     name="clusterctl",
     help="Serve one LLM across several machines with MLX distributed ranks.\n\n"
-         "Plan a placement, sync the model, launch one rank per node, tear it down verified.",
+         "Plan a placement, launch one rank per node, tear it down verified.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -179,11 +179,24 @@ def launch(
     async def go() -> int:
         stop = asyncio.Event()
         install_stop_signals(stop)
-        running = await do_launch(deployment, _state(state_dir), opts, log=o.info)
+        # Ctrl-C / SIGTERM while ranks load: cancel the launch, which tears down what it started.
+        starting = asyncio.ensure_future(do_launch(deployment, _state(state_dir), opts, log=o.info))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            try:
+                await starting
+            except asyncio.CancelledError:
+                o.error("launch interrupted; everything it started was stopped")
+                return 130
+        stopper.cancel()
+        running = starting.result()
+        stop.clear()
         doc = running.summary()
         if o.json:
             o.data(doc)
-        else:
+        elif not o.quiet:
             print(running.endpoint, flush=True)
             o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
                    + ("" if detach else " (Ctrl-C to stop)"))
@@ -358,27 +371,44 @@ def demo(
 
 # ---- entry --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    # Standalone mode lets Typer handle usage errors (exit 2) and --help; ours are mapped here.
+    args = list(sys.argv[1:] if argv is None else argv)
+    OUT.json = "--json" in args  # so that even a usage error gives a JSON document when one was asked for
+    OUT.quiet = "-q" in args or "--quiet" in args
     try:
-        app(args=argv, prog_name="clusterctl")
+        rc = app(args=args, prog_name="clusterctl", standalone_mode=False)
     except ClusterctlError as e:
         _fail(e)
-    except KeyboardInterrupt:
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
+        if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
+            # Typer's usage errors (unknown flag, bad value): one line, exit 2, like every other error
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            from clusterctl.errors import UsageError
+
+            import re
+
+            msg = re.sub(r" \(Possible options: [^)]*\)", "", e.format_message().replace("\n", " "))
+            _fail(UsageError(msg + where), hint=False)
         # An internal error: the only case with a traceback, and never with local variables.
         traceback.print_exc(file=sys.stderr)
         print(f"error: internal error ({type(e).__name__}); please report it", file=sys.stderr)
         sys.exit(int(Exit.SOFTWARE))
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
-def _fail(e: ClusterctlError) -> None:
+def _fail(e: ClusterctlError, hint: bool = True) -> None:
     if OUT.json:
         OUT.data({"ok": False, **e.to_json()})
-    print(f"error: {e.message}", file=sys.stderr)
-    if e.hint and not OUT.quiet:
-        print(f"hint: {e.hint}", file=sys.stderr)
+    # "lock held" is routine for cron: with --quiet it only shows in the exit code (75)
+    if not (OUT.quiet and e.exit_code == Exit.TEMPFAIL):
+        print(f"error: {e.message}", file=sys.stderr)
+        if hint and e.hint and not OUT.quiet:
+            print(f"hint: {e.hint}", file=sys.stderr)
     sys.exit(int(e.exit_code))
 
 

@@ -33,9 +33,9 @@ class Output:
         sys.stdout.flush()
 
     def info(self, message: str) -> None:
-        """A human line on stderr; silent with --quiet or --json."""
+        """A human line on stderr; silent with --quiet or --json. Never read as markup (paths, remote text)."""
         if not self.quiet and not self.json:
-            self.console.print(message)
+            self.console.print(message, markup=False)
 
     def error(self, message: str) -> None:
         """A failure line on stderr: always shown, --json and --quiet included (cron mails it)."""
@@ -43,7 +43,9 @@ class Output:
 
     def warn(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(f"[yellow]warning:[/yellow] {message}")
+            from rich.text import Text
+
+            self.console.print(Text("warning: ", style="yellow") + Text(message))
 
     def stream(self, text: str) -> None:
         """Streamed answer text: data, so stdout (not with --json, whose stdout is one document)."""
@@ -54,6 +56,13 @@ class Output:
     def table(self, table) -> None:
         if not self.quiet and not self.json:
             self.console.print(table)
+
+
+def esc(value) -> str:
+    """Untrusted text (paths, node output, marker fields) in a table cell: shown literally, never as markup."""
+    from rich.markup import escape
+
+    return escape(str(value))
 
 
 def human_bytes(n: int | None) -> str:
@@ -68,14 +77,14 @@ def human_bytes(n: int | None) -> str:
 def deployment_table(dep) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
-                    f"{dep.parallel}/{dep.allocation}", title_justify="left", box=None, pad_edge=False)
+    t = Table(title=esc(f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
+                        f"{dep.parallel}/{dep.allocation}"), title_justify="left", box=None, pad_edge=False)
     for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):
         t.add_column(col, justify="right" if col in ("RANK", "LAYERS", "WEIGHTS", "KV", "USED", "USABLE") else "left")
     for r in dep.ranks:
-        t.add_row(str(r.rank), r.node, r.host, str(r.layers), f"[{r.start_layer}, {r.end_layer})",
+        t.add_row(str(r.rank), esc(r.node), esc(r.host), str(r.layers), esc(f"[{r.start_layer}, {r.end_layer})"),
                   human_bytes(r.planned.weights), human_bytes(r.planned.kv), human_bytes(r.planned.total),
-                  human_bytes(r.usable_bytes), dep.path_map.get(r.node, ""))
+                  human_bytes(r.usable_bytes), esc(dep.path_map.get(r.node, "")))
     return t
 
 
@@ -98,7 +107,7 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
 
     coord = "detached" if job["detached"] else (
         f"coordinator pid {job['coordinator_pid']}" + ("" if job["coordinator_alive"] else " [red](dead)[/red]"))
-    t = Table(title=f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  {coord}", title_justify="left",
+    t = Table(title=esc(f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  ") + coord, title_justify="left",
               box=None, pad_edge=False)
     cols = ["RANK", "NODE", "HOST", "PID", "STATE", "LAYERS", "HEARTBEAT", "ACTIVE"]
     if wide:
@@ -106,14 +115,14 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
     for c in cols:
         t.add_column(c)
     for r in job["ranks"]:
-        st = r["state"]
+        st = str(r["state"])
         style = STATE_STYLE.get(st, "")
         hb = _age(r["heartbeat_age"]) + (" [red]stale[/red]" if r["stale"] else "")
-        layers = f"[{r['layers'][0]}, {r['layers'][1]})" if r["layers"] and r["layers"][0] is not None else "-"
-        row = [str(r["rank"]), r["node"], r["host"], str(r["pid"] or "-"), f"[{style}]{st}[/{style}]" if style else st,
-               layers, hb, str(r["active_requests"])]
+        layers = esc(f"[{r['layers'][0]}, {r['layers'][1]})") if r["layers"] and r["layers"][0] is not None else "-"
+        row = [str(r["rank"]), esc(r["node"]), esc(r["host"]), str(r["pid"] or "-"),
+               f"[{style}]{esc(st)}[/{style}]" if style else esc(st), layers, hb, str(r["active_requests"])]
         if wide:
-            row += [r["endpoint"] or "-", r["error"] or ""]
+            row += [esc(r["endpoint"] or "-"), esc(r["error"] or "")]
         t.add_row(*row)
     return t
 
@@ -126,6 +135,6 @@ def demo_summary_table(res) -> Any:
     for c in ("RANK", "NODE", "LAYERS", "RANGE", "PEAK RSS"):
         t.add_column(c)
     for r in res.ranks:
-        t.add_row(str(r["rank"]), r["node"], str(r["layers"]), f"[{r['range'][0]}, {r['range'][1]})",
+        t.add_row(str(r["rank"]), esc(r["node"]), str(r["layers"]), esc(f"[{r['range'][0]}, {r['range'][1]})"),
                   human_bytes(r["peak_rss_bytes"]))
     return t

@@ -49,11 +49,11 @@ class StateDir:
     def locks(self) -> Path:
         return self.root / "locks"
 
-    def is_inside(self, path: Path) -> bool:
+    def is_deployment_file(self, path: Path) -> bool:
+        """A file of the state dir's deployments/ folder (the only files a load may move aside)."""
         try:
-            path.resolve().relative_to(self.root.resolve())
-            return True
-        except ValueError:
+            return path.resolve().parent == self.deployments.resolve() and path.suffix == ".json"
+        except OSError:
             return False
 
     def deployment_path(self, ref: str) -> Path:
@@ -71,11 +71,13 @@ class StateDir:
         from clusterctl.plan.deployment import decode, encode
 
         path = self.deployment_path(ref)
+        if path.is_dir():
+            raise MissingInput(f"{path} is a folder, not a deployment file")
         data = read_capped(path, what="deployment file")
         try:
             loaded = decode(data, self.keyring.public_keys(), source=str(path))
         except IntegrityError as e:
-            if self.is_inside(path) and _is_damage(e):
+            if self.is_deployment_file(path) and _is_damage(e):
                 dest = move_aside(path, "corrupt")
                 e.message += f" (moved aside to {dest})"
                 e.args = (e.message,)
@@ -103,6 +105,11 @@ class StateDir:
         return written
 
 
+_DAMAGE = ("is not signed", "malformed signature block", "not valid JSON", "is not a JSON object", "not UTF-8",
+           "nested too deeply")
+
+
 def _is_damage(e: IntegrityError) -> bool:
-    # Corrupt or truncated files are moved aside; a newer-version file is left for the newer clusterctl.
-    return "schema_version" not in e.message and "unknown key" not in e.message
+    """Truncated or garbled files are moved aside. A signature that does not verify (tampering, or a key that
+    was rotated), a newer version or another type is refused but left where it is: it may be valid to someone."""
+    return any(d in e.message for d in _DAMAGE)

@@ -118,7 +118,7 @@ def test_a_peer_from_another_job_on_the_ring_is_refused(model, tmp_path):
             assert len(_error_lines(c, r)) == 1
 
 
-def test_ranks_wait_at_the_gate_asleep_and_stop_there_on_sigterm(model, tmp_path):
+def test_ranks_wait_at_the_gate_asleep_and_stop_there_on_sigterm_or_sigint(model, tmp_path):
     with RankCluster(tmp_path, model, [4, 4], tag="gate") as c:
         c.start()
         c.wait_state("ready")
@@ -129,9 +129,10 @@ def test_ranks_wait_at_the_gate_asleep_and_stop_there_on_sigterm(model, tmp_path
         for b, p in zip(before, procs):
             a = p.cpu_times()
             assert (a.user + a.system) - (b.user + b.system) < 0.3  # polling a file, not spinning in a collective
-        for p in c.procs:
-            p.send_signal(signal.SIGTERM)
+        c.procs[0].send_signal(signal.SIGTERM)
+        c.procs[1].send_signal(signal.SIGINT)
         assert [c.wait_exit(r, 15) for r in range(2)] == [0, 0]
+        assert "SIGINT: stopping" in c.logs(1)
         assert all(c.marker(r).state == "stopping" for r in range(2))
 
 

@@ -105,3 +105,23 @@ def test_facts_hash_changes_with_weights_layout(tmp_path):
     b = inspect_model(make_model(tmp_path / "b", layers=4))
     c = inspect_model(make_model(tmp_path / "c", layers=4, inter=256))
     assert a.facts_hash == b.facts_hash != c.facts_hash
+
+
+@pytest.mark.parametrize("key,value", [("num_key_value_heads", "abc"), ("head_dim", [1]), ("num_hidden_layers", True),
+                                       ("hidden_size", 0)])
+def test_bad_config_values_are_clear_errors(tmp_path, key, value):
+    from clusterctl.errors import ConfigError
+
+    m = make_model(tmp_path / "m", layers=2)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg[key] = value
+    (m / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=key):
+        inspect_model(m)
+
+
+def test_index_that_is_a_folder(tmp_path):
+    m = make_model(tmp_path / "m", layers=2)
+    (m / "model.safetensors.index.json").mkdir()
+    with pytest.raises(IntegrityError, match="not a regular file"):
+        inspect_model(m)

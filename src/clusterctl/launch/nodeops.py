@@ -155,6 +155,23 @@ def op_markers(req: dict) -> dict:
     return {"markers": out, "time": now}
 
 
+def marker_identity(doc: dict, nonce: str):
+    """The process a marker names, or None when its fields are not what a rank writes."""
+    from clusterctl.launch.procs import Identity
+
+    pid, start, pgid, boot = doc.get("pid"), doc.get("start_time"), doc.get("pgid"), doc.get("boot_id")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+        return None
+    if start is not None and (isinstance(start, bool) or not isinstance(start, (int, float))):
+        return None
+    if pgid is not None and (isinstance(pgid, bool) or not isinstance(pgid, int) or pgid <= 1):
+        return None
+    if boot is not None and not isinstance(boot, str):
+        return None
+    return Identity(pid=pid, start_time=float(start) if start is not None else None, nonce=nonce, pgid=pgid,
+                    boot_id=boot)
+
+
 def op_sweep(req: dict) -> dict:
     """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce."""
     from clusterctl.launch.procs import Identity, stop
@@ -164,11 +181,9 @@ def op_sweep(req: dict) -> dict:
     for _, doc in job_markers(req["runtime_dir"], req["job_id"]):
         if not doc or doc.get("job_id") != req["job_id"] or doc.get("nonce") != req["nonce"]:
             continue  # a marker of another job or deployment is never touched
-        try:
-            ident = Identity(pid=int(doc["pid"]), start_time=doc.get("start_time"), nonce=req["nonce"],
-                             pgid=doc.get("pgid"), boot_id=doc.get("boot_id"))
-        except (KeyError, TypeError, ValueError):
-            continue
+        ident = marker_identity(doc, req["nonce"])
+        if ident is None:
+            continue  # a garbled marker names no process we could safely signal
         if ident.pid not in seen:
             seen.add(ident.pid)
             idents.append(ident)

@@ -35,7 +35,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
                         return
                     for x in ans.get("markers", []):
                         doc = x.get("marker") or {}
-                        if isinstance(doc.get("rank"), int):
+                        if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
                             markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
 
                 await asyncio.gather(*(one(n, d) for n, d in dirs))
@@ -43,7 +43,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
                 await close_all(hs)
         for r in m.ranks:
             info = markers.get(r.rank, {})
-            mk = info.get("marker") or {}
+            mk = _clean(info.get("marker") or {})
             age = info.get("age")
             ranks.append({
                 "rank": r.rank, "node": r.node, "host": r.host, "pid": r.pid,
@@ -58,3 +58,14 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
                      "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
                      "ranks": ranks})
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}
+
+
+def _clean(mk: dict) -> dict:
+    """A marker as status shows it: fields of the wrong type are dropped (a garbled file never crashes status)."""
+    out = {}
+    for key, kind in (("state", str), ("endpoint", str), ("error", str)):
+        v = mk.get(key)
+        out[key] = v[:500] if isinstance(v, kind) else None
+    ar = mk.get("active_requests")
+    out["active_requests"] = [str(x) for x in ar] if isinstance(ar, list) else []
+    return out

@@ -237,7 +237,7 @@ def check_inputs_unchanged(dep: Deployment) -> None:
     if new.plan_hash != dep.plan_hash or new.placement != dep.placement:
         diff = diff_placement(dep, new)
         raise IntegrityError(f"deployment {dep.deployment_id} no longer matches its inputs: " + "; ".join(
-            d.replace("\n", " / ") for d in diff), hint="run clusterctl plan again (or clusterctl replan)")
+            d.replace("\n", " / ") for d in diff), hint="run clusterctl plan again")
 
 
 def live_jobs(store: ManifestStore, deployment_id: str | None = None) -> list[LaunchManifest]:
@@ -400,6 +400,8 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         else:
             teardown_note = "" if report.ok else "; teardown could not confirm: " + "; ".join(report.survivors())
         if isinstance(launch_error, (KeyboardInterrupt, asyncio.CancelledError)):
+            if report is not None and not report.ok:
+                raise LaunchFailed("launch interrupted" + teardown_note, teardown=report) from None
             raise
         if isinstance(launch_error, LaunchFailed):
             launch_error.teardown = report

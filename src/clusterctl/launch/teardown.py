@@ -141,12 +141,19 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     trusted = state.keyring.public_keys()
     store = ManifestStore(state.launches, None, trusted)
     good, bad = store.all() if state.launches.is_dir() else ([], [])
-    if ref is None:
-        jobs = [m for _, m in good]
-    else:
-        jobs = [m for _, m in good if ref in (m.job_id, m.deployment_id)]
-        if not jobs and not any(ref in str(p) for p, _ in bad):
+    if ref is not None:
+        good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
+        bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
+        if not good and not bad:
             raise MissingInput(f"no launch of {ref!r} in {state.launches}")
+    if bad:
+        from clusterctl.errors import IntegrityError
+
+        # never act on a manifest we cannot trust, and never pretend there was nothing to do
+        raise IntegrityError("malformed launch manifest(s), kept and not acted on: "
+                             + "; ".join(f"{p}: {why}" for p, why in bad),
+                             hint="inspect the file; stop its ranks by hand if they run, then remove it")
+    jobs = [m for _, m in good]
     reports = []
     for m in jobs:
         c = m.coordinator

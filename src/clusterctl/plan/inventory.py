@@ -24,7 +24,9 @@ _HOST_BAD = re.compile(r"[\s\x00-\x1f\x7f'\"`$;&|<>\\]")
 
 def _check_ip(value: str) -> str:
     """Accept IPv4, IPv6 and link-local IPv6 with a zone id (fe80::1%en10)."""
-    addr, _, zone = value.partition("%")
+    addr, pct, zone = value.partition("%")
+    if pct and not zone:
+        raise ValueError(f"{value!r}: empty zone id")
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
@@ -58,17 +60,18 @@ class Node(BaseModel):
 
     name: str
     host: str = "localhost"
-    port: Annotated[int, Field(ge=1, le=65535)] = 22
+    port: Annotated[int, Field(ge=1, le=65535, strict=True)] = 22
     user: str | None = None
     identity_file: str | None = None
     ips: list[str] = Field(default_factory=list)
-    memory_gb: Annotated[float, Field(gt=0)] | None = None
-    usable_fraction: Annotated[float, Field(gt=0, le=1)] = DEFAULT_USABLE_FRACTION
+    # strict: "8" or true are typos, not numbers; the bounds keep every later product finite
+    memory_gb: Annotated[float, Field(gt=0, le=1_000_000, strict=True, allow_inf_nan=False)] | None = None
+    usable_fraction: Annotated[float, Field(gt=0, le=1, strict=True, allow_inf_nan=False)] = DEFAULT_USABLE_FRACTION
     model_path: str | None = None
     links: list[Link] = Field(default_factory=list)
-    speed: Annotated[float, Field(gt=0)] | None = None
+    speed: Annotated[float, Field(gt=0, le=1e9, strict=True, allow_inf_nan=False)] | None = None
     python: str = "python3"
-    local: bool | None = None
+    local: Annotated[bool, Field(strict=True)] | None = None
     runtime_dir: str | None = None
 
     @field_validator("name")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from clusterctl.atomic import strict_loads
+from clusterctl.atomic import read_capped, strict_loads
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -136,7 +136,7 @@ def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            data = strict_loads(index.read_bytes(), source=str(index))
+            data = strict_loads(read_capped(index, limit=64 << 20, what="weight index"), source=str(index))
             weight_map = data["weight_map"]
             names = sorted(set(weight_map.values()))
         except (KeyError, TypeError, AttributeError):
@@ -149,6 +149,16 @@ def _weight_files(folder: Path) -> list[Path]:
     if not files:
         raise MissingInput(f"{folder}: no *.safetensors files and no model.safetensors.index.json")
     return files
+
+
+def _int_cfg(config: dict, folder: Path, *keys: str, default=None, minimum: int = 0) -> int | None:
+    """An integer field of config.json (true/false, strings and lists are errors, not numbers)."""
+    v = _cfg(config, *keys, default=default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{folder}/config.json: {keys[0]} must be an integer >= {minimum}, not {v!r}"[:300])
+    return v
 
 
 def _cfg(config: dict, *keys: str, default=None):
@@ -183,16 +193,16 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
     text = config
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         text = {**config, **config["text_config"]}
-    num_layers = _cfg(text, "num_hidden_layers", "n_layers", "num_layers")
-    hidden = _cfg(text, "hidden_size", "d_model", "dim")
-    heads = _cfg(text, "num_attention_heads", "n_heads")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ConfigError(f"{folder}/config.json: num_hidden_layers missing or not a positive integer")
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+    num_layers = _int_cfg(text, folder, "num_hidden_layers", "n_layers", "num_layers", minimum=1)
+    hidden = _int_cfg(text, folder, "hidden_size", "d_model", "dim", minimum=1)
+    heads = _int_cfg(text, folder, "num_attention_heads", "n_heads", minimum=1)
+    if num_layers is None:
+        raise ConfigError(f"{folder}/config.json: num_hidden_layers missing")
+    if hidden is None or heads is None:
         raise ConfigError(f"{folder}/config.json: hidden_size / num_attention_heads missing")
-    kv_heads = _cfg(text, "num_key_value_heads", "n_kv_heads", default=heads)
-    head_dim = _cfg(text, "head_dim", default=hidden // heads)
-    vocab = _cfg(text, "vocab_size", default=0)
+    kv_heads = _int_cfg(text, folder, "num_key_value_heads", "n_kv_heads", default=heads, minimum=1)
+    head_dim = _int_cfg(text, folder, "head_dim", default=hidden // heads, minimum=1)
+    vocab = _int_cfg(text, folder, "vocab_size", default=0)
     tie = bool(_cfg(text, "tie_word_embeddings", default=False))
     quant = _cfg(config, "quantization", "quantization_config")
 
