@@ -198,3 +198,41 @@ def test_sigkill_of_the_coordinator_at_random_points_never_leaves_a_rank(tmp_pat
     finally:
         for s in strangers:
             s.kill()
+
+
+def test_ctrl_c_while_ranks_load_tears_down_at_once(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "300", "--grace", "2", env=env)
+    try:
+        deadline = time.monotonic() + 60
+        pids = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            ms = manifests(tmp_path / "state")
+            pids = [r["pid"] for r in ms[0]["ranks"] if r["pid"]] if ms else []
+            time.sleep(0.05)
+        assert len(pids) == 2
+        os.kill(pids[1], signal.SIGSTOP)  # a rank that will never finish loading
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_gone(pids, 10) == []
+    assert manifests(tmp_path / "state") == []
+
+
+def test_teardown_of_a_foreground_job_reports_every_rank(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "180", env=env)
+    try:
+        wait_line(proc)
+        r = cli("teardown", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        ranks = json.loads(r.stdout)["jobs"][0]["ranks"]
+        assert [x["status"] for x in ranks] == ["gone", "gone"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -319,3 +319,58 @@ def test_two_concurrent_reaps_never_fight(state):
     for p in jobs:
         assert p.wait(timeout=5) == -signal.SIGKILL
     assert not list((state / "launches").glob("*.json"))
+
+
+def test_verify_never_moves_a_launch_manifest_or_key(state):
+    nonce = secrets.token_hex(8)
+    p = spawn(nonce)
+    try:
+        m = make_job(state, [p], nonce)
+        path = state / "launches" / f"{m.job_id}.json"
+        r = cli("verify", str(path), env=env_of(state))
+        assert r.returncode == 65 and path.exists()
+        r = cli("verify", str(state / "keys" / "deploy.pub"), env=env_of(state))
+        assert r.returncode != 0 and (state / "keys" / "deploy.pub").exists()
+    finally:
+        p.kill()
+
+
+def test_reap_quiet_is_silent_when_the_lock_is_held(state):
+    (state / "launches").mkdir(parents=True)
+    (state / "locks").mkdir(parents=True)
+    holder = subprocess.Popen(["flock", str(state / "locks" / "reap.lock"), "sleep", "30"])
+    try:
+        time.sleep(0.3)
+        r = cli("reap", "-q", env=env_of(state))
+        assert r.returncode == 75 and r.stdout == "" and r.stderr == ""
+        r = cli("reap", env=env_of(state))
+        assert r.returncode == 75 and "locked" in r.stderr
+    finally:
+        holder.kill()
+
+
+def test_teardown_refuses_malformed_manifests(state):
+    (state / "launches").mkdir(parents=True)
+    (state / "launches" / "j1.json").write_text("{garbage")
+    r = cli("teardown", env=env_of(state))
+    assert r.returncode == 65 and "malformed" in r.stderr
+    r = cli("teardown", "j1", env=env_of(state))
+    assert r.returncode == 65
+    assert cli("teardown", "state", env=env_of(state)).returncode == 66  # no substring matches on paths
+    assert (state / "launches" / "j1.json").exists()
+
+
+def test_a_detached_job_whose_ranks_all_exited_is_reaped(state):
+    nonce = secrets.token_hex(8)
+    p = spawn(nonce)
+    m = make_job(state, [p], nonce, coordinator_pid=os.getpid())
+    st = StateDir(state)
+    m.coordinator.detached = True
+    ManifestStore(st.launches, st.keyring.signing_key(), st.keyring.public_keys()).save(m)
+    r = cli("reap", "--json", env=env_of(state))
+    assert r.returncode == 0 and json.loads(r.stdout)["reaped"] == []  # its rank still runs: left alone
+    p.kill()
+    p.wait()
+    r = cli("reap", "--json", env=env_of(state))
+    assert r.returncode == 0 and [j["job_id"] for j in json.loads(r.stdout)["reaped"]] == [m.job_id]
+    assert not list((state / "launches").glob("*.json"))

@@ -196,6 +196,13 @@ def op_sweep(req: dict) -> dict:
     return {"results": [r.to_json() for r in results]}
 
 
+def op_alive(req: dict) -> dict:
+    """Which of these processes are still ours and running (no signal sent)."""
+    from clusterctl.launch.procs import Identity, status_of
+
+    return {"status": [status_of(Identity.from_dict(d)) for d in req.get("targets", [])]}
+
+
 def op_clean(req: dict) -> dict:
     """Remove a job's files from the runtime dir (only names that start with the job id)."""
     folder = Path(req["runtime_dir"])
@@ -254,7 +261,7 @@ def op_canary(req: dict) -> dict:
     return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
 
 
-OPS = {"probe": op_probe, "stop": op_stop, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
+OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers}
 
 

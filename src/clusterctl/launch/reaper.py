@@ -30,6 +30,40 @@ def coordinator_alive(c: Coordinator) -> bool:
     return status_of(Identity(pid=c.pid, start_time=c.start_time, nonce=None)) in ("alive", "unverifiable")
 
 
+async def ranks_alive(m, ssh: SshOptions) -> bool:
+    """Does any rank of the job still run? Unreachable nodes count as yes (we cannot tell)."""
+    import asyncio
+
+    from clusterctl.launch.nodes import close_all, handles
+
+    by_node: dict[str, list[dict]] = {}
+    for r in m.ranks:
+        if r.pid:
+            by_node.setdefault(r.node, []).append({"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce,
+                                                   "pgid": r.pgid, "boot_id": r.boot_id})
+    if not by_node:
+        return False
+    hs = handles([n for n in m.nodes if n.name in by_node], ssh)
+    try:
+        answers = await asyncio.gather(*(hs[n].op("alive", {"targets": t}, timeout=30) for n, t in by_node.items()),
+                                       return_exceptions=True)
+    finally:
+        await close_all(hs)
+    for a in answers:
+        if isinstance(a, BaseException) or any(st in ("alive", "unverifiable") for st in a.get("status", [])):
+            return True
+    return False
+
+
+async def job_is_live(m, ssh: SshOptions) -> bool:
+    """A job is live while its coordinator is, or (detached) while any of its ranks still runs."""
+    if not coordinator_alive(m.coordinator):
+        return False
+    if m.coordinator.detached:
+        return await ranks_alive(m, ssh)
+    return True
+
+
 @dataclass
 class ReapReport:
     reaped: list[dict] = field(default_factory=list)
@@ -60,7 +94,7 @@ async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run:
         for path, why in bad:
             report.malformed.append({"manifest": str(path), "error": why})
         for path, m in good:
-            if coordinator_alive(m.coordinator):
+            if await job_is_live(m, ssh):
                 continue
             if dry_run:
                 report.reaped.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "dry_run": True,
@@ -75,7 +109,8 @@ async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run:
                 continue
             try:
                 store.key = state.keyring.signing_key()
-                log(f"reaping job {m.job_id} (coordinator pid {m.coordinator.pid} is gone)")
+                log(f"reaping job {m.job_id} (" + ("every rank of the detached job has exited)" if m.coordinator.detached
+                                                   else f"coordinator pid {m.coordinator.pid} is gone)"))
                 try:
                     tr = await teardown_job(m, store, ssh, grace=grace)
                 except ClusterctlError as e:

@@ -240,12 +240,12 @@ def check_inputs_unchanged(dep: Deployment) -> None:
             d.replace("\n", " / ") for d in diff), hint="run clusterctl plan again")
 
 
-def live_jobs(store: ManifestStore, deployment_id: str | None = None) -> list[LaunchManifest]:
-    from clusterctl.launch.reaper import coordinator_alive
+async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | None = None) -> list[LaunchManifest]:
+    from clusterctl.launch.reaper import job_is_live
 
     good, _ = store.all()
     return [m for _, m in good
-            if (deployment_id is None or m.deployment_id == deployment_id) and coordinator_alive(m.coordinator)]
+            if (deployment_id is None or m.deployment_id == deployment_id) and await job_is_live(m, ssh)]
 
 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
@@ -265,7 +265,7 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
         if opts.reap_first:
             with contextlib.suppress(Busy):
                 await reap(state, opts.ssh, grace=opts.grace, log=log, held=frozenset({dep.deployment_id}))
-        running = live_jobs(store, dep.deployment_id)
+        running = await live_jobs(store, opts.ssh, dep.deployment_id)
         if running:
             raise Busy(f"deployment {dep.deployment_id} is already running as job {running[0].job_id}",
                        hint="clusterctl teardown it first")

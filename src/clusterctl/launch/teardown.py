@@ -63,6 +63,33 @@ class TeardownReport:
 
 
 
+def reports_dir(store: ManifestStore):
+    return store.folder.parent / "reports"
+
+
+def save_report(store: ManifestStore, report: TeardownReport) -> None:
+    from clusterctl.atomic import atomic_write_json
+
+    try:
+        atomic_write_json(reports_dir(store) / f"{report.job_id}.json", report.to_json(), mode=0o600)
+    except Exception:
+        pass  # the report is a courtesy; the verified teardown already happened
+
+
+def load_report(store: ManifestStore, m: LaunchManifest) -> TeardownReport | None:
+    from clusterctl.atomic import read_json
+
+    try:
+        doc = read_json(reports_dir(store) / f"{m.job_id}.json", limit=1 << 20, what="teardown report")
+        r = TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True,
+                           extra=list(doc.get("extra") or []))
+        r.ranks = [RankOutcome(int(x["rank"]), str(x["node"]), str(x["host"]), x.get("pid"), str(x["status"]),
+                               str(x.get("detail", ""))) for x in doc.get("ranks") or []]
+        return r
+    except Exception:
+        return None
+
+
 async def stop_job(m: LaunchManifest, hs: dict[str, NodeHandle], *, grace: float) -> TeardownReport:
     report = TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id)
     by_node: dict[str, list] = {}
@@ -117,8 +144,9 @@ async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions,
         report = await stop_job(m, hs, grace=grace)
         if report.ok:
             await clean_job(m, hs)
-            store.remove(m.job_id)
             report.manifest_removed = True
+            save_report(store, report)  # before the manifest goes: whoever asked can still read the outcome
+            store.remove(m.job_id)
         return report
     finally:
         if own:
@@ -172,7 +200,9 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
                        hint="try again in a moment") from None
         try:
             if not store.path(m.job_id).exists():
-                reports.append(TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True))
+                # the coordinator tore it down itself: report what it verified
+                reports.append(load_report(store, m) or TeardownReport(
+                    job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True))
                 continue
             store.key = state.keyring.signing_key()
             reports.append(await teardown_job(m, store, ssh, grace=grace))
