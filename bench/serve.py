@@ -191,7 +191,7 @@ ARM_NAMES = {"a": "mlx_lm.server (1 proc)", "b": "mlx.launch + server --pipeline
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 round of 5 requests per arm; 6/2 arm only for RSS (~2.5 min idle)")
+    ap.add_argument("--quick", action="store_true", help="7M: 1 round of 5 requests per arm; 100M: only the peak RSS of 1 process vs 6/2 (~2 min)")
     ap.add_argument("--rounds", type=int, help="rounds per arm (default 3; --quick 1)")
     ap.add_argument("--requests", type=int, help="measured requests per round (default 2; --quick 5)")
     ap.add_argument("--models", default="7m,100m", help="comma list of 7m, 100m")
@@ -217,14 +217,16 @@ def main() -> int:
                     "b": lambda r, p=path: arm_mlx_launch(p, r, workdir),
                     "c": lambda r, d=dep44, e=env: arm_clusterctl(d, e, r),
                     "c62": lambda r, d=dep62, e=env: arm_clusterctl(d, e, r)}
-            order = ["a", "b", "c"]
+            # quick: the 100M model only for peak RSS (1 process vs 6/2), one warm-up request each
+            rss_only = ns.quick and kind == "100m"
+            order = ["a"] if rss_only else ["a", "b", "c"]
             rs: list[Round] = []
             for i in range(rounds):
-                arms = order[i % 3:] + order[:i % 3]
+                arms = order[i % len(order):] + order[:i % len(order)]
                 if i == 0:
                     arms.insert(1, "c62")
                 for arm in arms:
-                    k = 0 if (arm == "c62" and ns.quick) else n_req  # quick: the 6/2 arm only for its RSS
+                    k = 0 if (ns.quick and (arm == "c62" or rss_only)) else n_req  # quick: RSS only
                     r = run_round(arm, kind, path, ctxs[arm], k, idle=(i == 0), offset=i * n_req)
                     rs.append(r)
                     log(f"{kind} round {i + 1} {ARM_NAMES[arm]}: ready {fmt(r.ready, ' s')}, first token "
