@@ -100,11 +100,13 @@ def arm_mlx_launch(path: Path, r: Round, workdir: Path):
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, TAG_ENV: tag}, start_new_session=True, cwd=str(workdir))
     ranks: dict[int, int] = {}
+    seen: set[int] = set()  # every tagged pid: mlx.launch's pid files name the ranks
     try:
         base = f"http://127.0.0.1:{port}"
         r.ready = wait_http(base, 300, alive=lambda: proc.poll() is None) - t0
         import psutil
 
+        seen.update(tagged(tag))
         for pid in tagged(tag, name_has="mlx_lm.server"):
             with contextlib.suppress(psutil.Error, ValueError, KeyError):  # the launcher has no MLX_RANK
                 ranks[int(psutil.Process(pid).environ()["MLX_RANK"])] = pid
@@ -112,7 +114,7 @@ def arm_mlx_launch(path: Path, r: Round, workdir: Path):
     finally:
         stop_popen(proc, signal.SIGKILL)
         kill_tagged(tag)
-        remove_mlx_launch_leaks(before, {f'[["127.0.0.1:{ring}"], ["127.0.0.1:{ring + 1}"]]'}, set(ranks.values()))
+        remove_mlx_launch_leaks(before, {f'[["127.0.0.1:{ring}"], ["127.0.0.1:{ring + 1}"]]'}, seen)
 
 
 @contextlib.contextmanager
