@@ -116,9 +116,11 @@ def signal_process(ident: Identity, sig: int) -> Status:
 
 
 def _send(ident: Identity, fd: int | None, sig: int) -> None:
+    # Exactly one signal per process: a rank takes a second SIGTERM as "exit now", skipping its clean stop.
     if ident.pgid and ident.pgid == ident.pid:
         try:
-            os.killpg(ident.pgid, sig)  # the whole group the rank leads (what it started too)
+            os.killpg(ident.pgid, sig)  # the whole group the rank leads, the rank included
+            return
         except ProcessLookupError:
             pass
     if fd is not None:

@@ -135,6 +135,10 @@ class Running:
         self.manifest.state = "stopping"
         with contextlib.suppress(ClusterctlError):
             self.store.save(self.manifest)
+        if self.waiters:
+            # Let the keepers finish their own stop first, so no rank gets a second SIGTERM from the sweep
+            # (a second signal means "exit at once" to a rank); the sweep then verifies and catches stragglers.
+            await asyncio.wait([asyncio.shield(t) for t in self.waiters.values()], timeout=self.opts.grace + 5)
         try:
             return await teardown_job(self.manifest, self.store, self.opts.ssh, grace=self.opts.grace, hs=self.hs)
         finally:
