@@ -95,31 +95,19 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> bytes:
 
 
 def stream_chat(base: str, prompt: str, max_tokens: int = 64, timeout: float = 300) -> Stream:
-    """One streamed, greedy chat completion; times the first content chunk and the end of the stream."""
-    req = urllib.request.Request(base.rstrip("/") + "/v1/chat/completions", data=_body(prompt, max_tokens, True),
-                                 headers={"Content-Type": "application/json"})
-    text, tokens, chunks, first = [], 0, 0, None
+    """One streamed, greedy chat completion (clusterctl.demo's client); also times the first content chunk."""
+    from clusterctl.demo import stream_chat as client
+
     t0 = time.monotonic()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            doc = json.loads(data)
-            if doc.get("usage"):
-                tokens = doc["usage"].get("completion_tokens") or tokens
-            for ch in doc.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content") or ""
-                if piece:
-                    if first is None:
-                        first = time.monotonic() - t0
-                    chunks += 1
-                    text.append(piece)
+    first: list[float] = []
+
+    def on_text(_piece: str) -> None:
+        if not first:
+            first.append(time.monotonic() - t0)
+
+    text, tokens, _ = client(base, prompt, max_tokens=max_tokens, on_text=on_text, timeout=timeout)
     total = time.monotonic() - t0
-    return Stream("".join(text), tokens or chunks, total, first if first is not None else total)
+    return Stream(text, tokens, total, first[0] if first else total)
 
 
 def answers_one_token(base: str, timeout: float = 5) -> bool:
