@@ -43,6 +43,23 @@ def layer_counts(nodes: list[Node], num_layers: int, options: PlanOptions) -> li
     return allocate.largest_remainder(num_layers, _weights(nodes, options.allocation), [n.name for n in nodes])
 
 
+def _resolve_offload(mode: str, facts: ModelFacts, nodes: list[Node], needs_for, warnings: list[str]) -> bool:
+    """off: never; on: always (needs an untied head); auto: only when the plan fits with the table on SSD alone."""
+    if mode == "off" or (mode == "auto" and facts.tie_word_embeddings):
+        return False
+    if facts.tie_word_embeddings:
+        raise ConfigError("--embedding-offload on needs an untied lm_head: this model ties its head to the "
+                          "embedding, so every rank needs the whole table in memory")
+    if mode == "on":
+        return True
+    try:
+        check_fit(nodes, needs_for(False))
+        return False
+    except ConfigError:
+        warnings.append("the token embedding does not fit in memory: it is served from SSD (embedding offload)")
+        return True
+
+
 def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, options: PlanOptions, *,
                     path_map: dict[str, str] | None = None, now: datetime | None = None) -> Deployment:
     nodes = cluster.nodes
@@ -59,28 +76,13 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         ranges = [(0, facts.num_layers)] * len(nodes)
     else:
         ranges = allocate.layer_ranges(counts)
-    offload = options.embedding_offload == "on"
-    if options.embedding_offload != "off" and facts.tie_word_embeddings:
-        if offload:
-            raise ConfigError("--embedding-offload on needs an untied lm_head: this model ties its head to the "
-                              "embedding, so every rank needs the whole table in memory")
-    else:
-        def needs_for(off: bool):
-            return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                               batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=off)
-                    for s, e in ranges]
+    def needs_for(off: bool):
+        return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
+                           batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=off)
+                for s, e in ranges]
 
-        if options.embedding_offload == "auto":
-            try:
-                check_fit(nodes, needs_for(False))
-            except ConfigError:
-                check_fit(nodes, needs_for(True))  # fits only with the table on SSD: offload it
-                offload = True
-                warnings.append("the token embedding does not fit in memory: it is served from SSD "
-                                "(embedding offload)")
-    needs = [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                        batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=offload)
-             for s, e in ranges]
+    offload = _resolve_offload(options.embedding_offload, facts, nodes, needs_for, warnings)
+    needs = needs_for(offload)
     check_fit(nodes, needs)
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
                             planned=need, usable_bytes=n.usable_bytes)
