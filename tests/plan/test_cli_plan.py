@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from cliutil import run, run_process
-from conftest import THREE, write_cluster
+from clusters import THREE, write_cluster
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import pytest
 from clusterctl.errors import ConfigError, MissingInput
 from clusterctl.plan.inventory import load_cluster
 
-from conftest import THREE, write_cluster
+from clusters import THREE, write_cluster
 
 
 def test_three_nodes_parse(tmp_path):

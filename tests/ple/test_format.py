@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import random_tensor, write_safetensors
+from stfiles import random_tensor, write_safetensors
 
 from clusterctl.errors import ClusterctlError, IntegrityError, MissingInput
 from clusterctl.ple import (

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import evict_verified, random_tensor, write_safetensors
+from stfiles import make_cold, random_tensor, write_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +70,7 @@ def test_rows_are_numpy_fancy_indexing(io, tmp_path_factory, can_evict):
             idx = _indices(rng, kind, n, nrows)
             for rep in range(2):  # first pass cold (if asked), then the same rows warm from seen pages
                 if cold and rep == 0:
-                    assert evict_verified(r, path)
+                    make_cold(r, path)
                 # fancy indexing with a 1-D array then reshaped: a 0-d index would give a numpy scalar, which
                 # normalizes raw BOOL bytes
                 expect = t[np.atleast_1d(idx).reshape(-1)].reshape(np.shape(idx) + t.shape[1:])
