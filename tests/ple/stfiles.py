@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clusterctl.ple.residency import PAGE, evict, file_residency
+from clusterctl.ple.residency import PAGE, evict, file_pages, file_residency
 
 NUMPY = {"F64": "<f8", "I64": "<i8", "U64": "<u8", "F32": "<f4", "I32": "<i4", "U32": "<u4", "F16": "<f2",
          "BF16": "<u2", "I16": "<i2", "U16": "<u2", "I8": "|i1", "U8": "|u1", "BOOL": "|b1", "F8_E4M3": "|u1"}
@@ -98,22 +98,7 @@ def prime_pages(path, offsets) -> None:
 
 def page_map(path, start: int, row_bytes: int, rows) -> list[str]:
     """Per row, its pages as a string of 1 (resident) and 0 (not), from one mincore over the file."""
-    import mmap
-
-    from clusterctl.ple.residency import mincore
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        try:
-            view = np.frombuffer(mm, dtype=np.uint8)
-            res = mincore(view.ctypes.data, size)
-            del view
-        finally:
-            mm.close()
-    finally:
-        os.close(fd)
+    res = file_pages(path)
     out = []
     for i in rows:
         a = (start + int(i) * row_bytes) // PAGE

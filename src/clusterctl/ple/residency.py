@@ -56,8 +56,8 @@ def major_faults() -> int:
 PER_THREAD_FAULTS = _RUSAGE_WHO != resource.RUSAGE_SELF
 
 
-def file_residency(path: str | os.PathLike) -> tuple[int, int]:
-    """(resident pages, total pages) of a whole file, via a short-lived mapping and one mincore call."""
+def file_pages(path: str | os.PathLike):
+    """Residency of every page of a whole file (a bool ndarray), via a short-lived mapping and one mincore call."""
     import mmap
 
     import numpy as np
@@ -66,7 +66,7 @@ def file_residency(path: str | os.PathLike) -> tuple[int, int]:
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return 0, 0
+            return np.zeros(0, dtype=bool)
         mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         try:
             view = np.frombuffer(mm, dtype=np.uint8)
@@ -74,9 +74,15 @@ def file_residency(path: str | os.PathLike) -> tuple[int, int]:
             del view
         finally:
             mm.close()
-        return int(res.sum()), len(res)
+        return res
     finally:
         os.close(fd)
+
+
+def file_residency(path: str | os.PathLike) -> tuple[int, int]:
+    """(resident pages, total pages) of a whole file."""
+    res = file_pages(path)
+    return int(res.sum()), len(res)
 
 
 def evict(path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
