@@ -158,6 +158,7 @@ def launch(
     port: Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).")] = None,
     api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
     seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
+    verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -172,7 +173,7 @@ def launch(
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
                          api_key=os.environ.get(api_key_env) or None, seed=seed,
-                         ssh=_ssh(known_hosts, accept_new_host_keys))
+                         ssh=_ssh(known_hosts, accept_new_host_keys), verify_model=verify)
     if lease is not None:
         opts.lease_seconds = lease
 
@@ -305,6 +306,71 @@ def status(
         o.table(status_table(job, wide=all_))
     for m in doc["malformed"]:
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
+
+
+# ---- manifest / sync ---------------------------------------------------------------------------------------
+@app.command()
+def manifest(
+    folder: Annotated[Path, typer.Argument(help="A model folder on this machine.")],
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Re-hash every file (the cache is still updated).")] = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Every file of a model folder with its size and SHA-256, and the manifest hash (docs/sync.md)."""
+    o = _out(json, quiet)
+    from clusterctl.sync.manifest import HashCache, build_manifest
+
+    cache = HashCache()
+    m = build_manifest(folder, cache=cache, use_cache=not no_cache)
+    if cache.warning:
+        o.warn(cache.warning)
+    if o.json:
+        o.data(m.model_dump(mode="json"))
+        return
+    from clusterctl.render import human_bytes
+
+    if not o.quiet:
+        print(m.manifest_hash, flush=True)
+    o.info(f"{m.name}: {len(m.files)} file(s), {human_bytes(m.total_bytes)}"
+           + (f"; left out as partial downloads: {', '.join(m.skipped)}" if m.skipped else ""))
+
+
+@app.command()
+def sync(
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id.")],
+    mode: Annotated[str, typer.Option(help="auto | rsync | download (auto: rsync from a verified copy, else download).")] = "auto",
+    url: Annotated[Optional[str], typer.Option("--url", help="HTTP(S) mirror of the model folder, for download mode.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report each node's copy and what would be sent; send nothing.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file on every node instead of trusting their hash caches.")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Nodes synced at the same time.", min=1)] = 4,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Make every node hold the planned model at its own path: compare, send only what differs, verify."""
+    o = _out(json, quiet or (not json and not sys.stdout.isatty()))
+    import asyncio
+
+    from clusterctl.render import SyncView, sync_table
+    from clusterctl.sync.engine import SyncOptions, sync_deployment
+
+    view = SyncView(o)
+    opts = SyncOptions(mode=mode, url=url, dry_run=dry_run, verify=verify, jobs=jobs,
+                       ssh=_ssh(known_hosts, accept_new_host_keys))
+    try:
+        report = asyncio.run(sync_deployment(_state(state_dir), deployment, opts, view))
+    finally:
+        view.close()
+    doc = report.to_json()
+    if o.json:
+        view({"event": "summary", **doc})
+    else:
+        o.table(sync_table(doc))
+        if report.mode:
+            o.info(f"source: {report.source} ({report.mode}): {report.reason}")
+    raise typer.Exit(report.exit_code())
 
 
 # ---- model / demo -------------------------------------------------------------------------------------------

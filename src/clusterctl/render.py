@@ -138,3 +138,81 @@ def demo_summary_table(res) -> Any:
         t.add_row(str(r["rank"]), esc(r["node"]), str(r["layers"]), esc(f"[{r['range'][0]}, {r['range'][1]})"),
                   human_bytes(r["peak_rss_bytes"]))
     return t
+
+
+SYNC_STYLE = {"ok": "green", "missing": "yellow", "partial": "yellow", "stale": "red", "unreachable": "red",
+              "error": "red", "failed": "red", "would-sync": "yellow"}
+
+
+def _styled(value: str | None) -> str:
+    v = value or "-"
+    style = SYNC_STYLE.get(v, "")
+    return f"[{style}]{esc(v)}[/{style}]" if style else esc(v)
+
+
+def sync_table(doc: dict) -> Any:
+    """A sync report (SyncReport.to_json): one row per node, before and after."""
+    from rich.table import Table
+
+    src = f"  from {doc['source']} ({doc['mode']})" if doc.get("source") else ""
+    t = Table(title=esc(f"sync {doc['deployment_id']}  manifest {doc['manifest_hash'][:19]}...{src}"),
+              title_justify="left", box=None, pad_edge=False)
+    for c in ("NODE", "PATH", "BEFORE", "FILES", "BYTES", "AFTER", "DETAIL"):
+        t.add_column(c, justify="right" if c in ("FILES", "BYTES") else "left")
+    for n in doc["nodes"]:
+        t.add_row(esc(n["node"]), esc(n["path"]), _styled(n["state"]), str(n["files_needed"]),
+                  human_bytes(n["bytes_needed"]), _styled(n["result"]), esc(n["error"] or n["detail"] or ""))
+    return t
+
+
+class SyncView:
+    """Renders sync events: JSON lines on stdout (``--json``), Rich progress bars on a terminal, else nothing
+    but errors (cron). Call as ``emit``; ``close()`` when the sync returns."""
+
+    def __init__(self, out: Output):
+        self.out = out
+        self.progress = None
+        self.tasks: dict[str, Any] = {}
+        self.live = not out.json and not out.quiet and sys.stderr.isatty()
+
+    def __call__(self, event: dict) -> None:
+        if self.out.json:
+            sys.stdout.write(json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+            return
+        kind = event["event"]
+        if kind == "error":
+            self._stop_bar(event["node"])
+            self.out.error(f"{event['node']}: {event['error']}")
+            return
+        if not self.live:
+            return
+        if kind == "start":
+            bar = self._bars()
+            self.tasks[event["node"]] = bar.add_task(esc(event["node"]), total=max(1, event["bytes"]))
+        elif kind == "progress" and event["node"] in self.tasks:
+            self._bars().update(self.tasks[event["node"]], completed=event["bytes"])
+        elif kind == "done":
+            self._stop_bar(event["node"], complete=True)
+
+    def _bars(self):
+        if self.progress is None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), TimeRemainingColumn(), console=self.out.console)
+            self.progress.start()
+        return self.progress
+
+    def _stop_bar(self, node: str, complete: bool = False) -> None:
+        if self.progress is not None and node in self.tasks:
+            task = self.tasks.pop(node)
+            if complete:
+                total = self.progress.tasks[[t.id for t in self.progress.tasks].index(task)].total
+                self.progress.update(task, completed=total)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

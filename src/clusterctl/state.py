@@ -3,6 +3,7 @@
     <state>/keys/deploy.key        private signing key (0600), keys/deploy.pub
     <state>/deployments/<id>.json  signed deployment files (every plan ever written)
     <state>/launches/<job>.json    launch manifests, removed only after verified teardown
+    <state>/manifests/<hash>.json  model manifests, named by their manifest hash (docs/sync.md)
     <state>/locks/                 flock files
 
 ``--state-dir``, then env ``CLUSTERCTL_STATE_DIR``, then the platform's user state dir.
@@ -44,6 +45,10 @@ class StateDir:
     @property
     def launches(self) -> Path:
         return self.root / "launches"
+
+    @property
+    def manifests(self) -> Path:
+        return self.root / "manifests"
 
     @property
     def locks(self) -> Path:

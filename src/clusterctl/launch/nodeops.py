@@ -5,7 +5,8 @@ the node's own clock).
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers).
+files), markers (read a job's markers), model_status (is the model copy here the planned one),
+model_prepare (create the folder a sync writes into), fetch (download model files from an HTTP mirror).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 MARKER_LIMIT = 64 * 1024
+REQUEST_LIMIT = 64 << 20  # a model manifest of many files travels in the request
 
 
 def default_runtime_dir() -> str:
@@ -71,6 +73,21 @@ def _model_check(path: str) -> dict:
     return {"ok": True, "files": files}
 
 
+def _copy_state(manifest: dict, path: str, verify: bool) -> dict:
+    """The copy check of preflight: state and counts only (the file lists stay on the node)."""
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.sync.copycheck import check_copy
+    from clusterctl.sync.manifest import HashCache, check_manifest
+
+    try:
+        st = check_copy(check_manifest(manifest, "manifest sent by the coordinator"), path, verify=verify,
+                        cache=HashCache())
+    except ClusterctlError as e:
+        return {"state": "error", "detail": e.message}
+    keep = ("state", "detail", "n_missing", "n_stale", "checked_bytes")
+    return {k: st[k] for k in keep if k in st} | {"first": (st.get("stale") or st.get("missing") or [None])[0]}
+
+
 def op_probe(req: dict) -> dict:
     import psutil
 
@@ -90,6 +107,8 @@ def op_probe(req: dict) -> dict:
             out["mlx_error"] = f"{type(e).__name__}: {e}"[:300]
     if req.get("model_path"):
         out["model"] = _model_check(req["model_path"])
+        if req.get("manifest"):
+            out["model_copy"] = _copy_state(req["manifest"], req["model_path"], bool(req.get("verify")))
     if req.get("ports"):
         host = req.get("bind_host", "0.0.0.0")
         out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
@@ -261,8 +280,60 @@ def op_canary(req: dict) -> dict:
     return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
 
 
+def op_model_status(req: dict) -> dict:
+    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.sync.copycheck)."""
+    from clusterctl.sync.copycheck import check_copy, free_bytes
+    from clusterctl.sync.manifest import HashCache, check_manifest
+
+    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
+    out = check_copy(expected, req["path"], verify=bool(req.get("verify")), cache=HashCache(),
+                     only=req.get("only"))
+    out["free_bytes"] = free_bytes(req["path"])
+    out["rsync"] = _rsync_facts()
+    return out
+
+
+def _rsync_facts() -> dict:
+    """Which rsync runs here as the remote side of a sync: missing, GNU rsync (version), or openrsync."""
+    import shutil
+
+    path = shutil.which("rsync")
+    if not path:
+        return {"path": None}
+    try:
+        first = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"path": path, "version": None}
+    line = (first.splitlines() or [""])[0]
+    return {"path": path, "version": line[:200]}
+
+
+def op_model_prepare(req: dict) -> dict:
+    """Create the model folder (and parents) a sync will write into; report the free space there."""
+    from clusterctl.sync.copycheck import free_bytes
+
+    path = req["path"]
+    if not os.path.isabs(path):
+        return {"error": f"model path {path!r} is not absolute"}
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as e:
+        return {"error": f"cannot create {path}: {e.strerror or e}"}
+    return {"path": path, "free_bytes": free_bytes(path)}
+
+
+def op_fetch(req: dict) -> dict:
+    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.sync.download)."""
+    from clusterctl.sync.download import fetch_files
+    from clusterctl.sync.manifest import check_manifest
+
+    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
+    return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))
+
+
 OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
-       "canary": op_canary, "markers": op_markers}
+       "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
+       "fetch": op_fetch}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m clusterctl.launch.nodeops {{{','.join(OPS)}}} < request.json", file=sys.stderr)
         return 2
     try:
-        req = json.loads(sys.stdin.buffer.read(1 << 20) or b"{}")
+        req = json.loads(sys.stdin.buffer.read(REQUEST_LIMIT) or b"{}")
         result = OPS[argv[0]](req)
     except Exception as e:  # the answer is always one JSON document
         json.dump({"error": f"{type(e).__name__}: {e}"[:2000]}, sys.stdout)

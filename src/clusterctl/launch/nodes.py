@@ -32,24 +32,28 @@ def node_python(node: Node) -> str:
     return node.python
 
 
+def ssh_target(node: Node, ssh: SshOptions):
+    """The SshTarget of a remote node (None for a local one): the one source of its SSH options."""
+    if node.is_local:
+        return None
+    from pydantic import ValidationError
+
+    from clusterctl.errors import ConfigError
+    from clusterctl.launch.ssh_policy import SshTarget
+
+    try:
+        return SshTarget(host=node.host, port=node.port, user=node.user,
+                         identity_file=Path(node.identity_file) if node.identity_file else None,
+                         known_hosts=ssh.known_hosts, accept_new_host_keys=ssh.accept_new_host_keys,
+                         connect_timeout=ssh.connect_timeout)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"node {node.name}: {'.'.join(map(str, err['loc'])) or 'ssh'}: "
+                          f"{err['msg'].removeprefix('Value error, ')}") from None
+
+
 def transport_for(node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) -> Transport:
-    target = None
-    if not node.is_local:
-        from pydantic import ValidationError
-
-        from clusterctl.errors import ConfigError
-        from clusterctl.launch.ssh_policy import SshTarget
-
-        try:
-            target = SshTarget(host=node.host, port=node.port, user=node.user,
-                               identity_file=Path(node.identity_file) if node.identity_file else None,
-                               known_hosts=ssh.known_hosts, accept_new_host_keys=ssh.accept_new_host_keys,
-                               connect_timeout=ssh.connect_timeout)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ConfigError(f"node {node.name}: {'.'.join(map(str, err['loc'])) or 'ssh'}: "
-                              f"{err['msg'].removeprefix('Value error, ')}") from None
-    return make_transport(node.name, local=node.is_local, target=target, python=node_python(node),
+    return make_transport(node.name, local=node.is_local, target=ssh_target(node, ssh), python=node_python(node),
                           keeper_grace=keeper_grace)
 
 

@@ -249,3 +249,17 @@ def rsync_remote_operand(target: SshTarget, path: str) -> str:
         raise ConfigError(f"remote path {path!r} contains wildcard characters (* ? [ ]) rsync would expand")
     host = f"[{target.host}]" if ":" in target.host else target.host
     return f"{host}:{shlex.quote(path)}"
+
+
+def rsync_remote_spec(target: SshTarget, path: str, *, protect_args: bool) -> tuple[list[str], str, dict[str, str]]:
+    """(extra rsync flags, ``host:path`` operand, environment) for a remote path.
+
+    ``protect_args`` (both sides are GNU rsync >= 3.0): ``-s`` sends the path inside rsync's own protocol, so no
+    remote shell ever parses it. Otherwise (macOS openrsync, older rsync) the path is shell-quoted in the operand
+    and RSYNC_ENV keeps a new local rsync from quoting it a second time.
+    """
+    operand = rsync_remote_operand(target, path)  # the same checks either way
+    if protect_args:
+        host = f"[{target.host}]" if ":" in target.host else target.host
+        return ["-s"], f"{host}:{path}", {}
+    return [], operand, dict(RSYNC_ENV)

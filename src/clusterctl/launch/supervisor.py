@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import time
@@ -26,7 +27,7 @@ from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, Integrit
 from clusterctl.launch import hostfile
 from clusterctl.launch.contract import encode_contract
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso, this_coordinator
-from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, first_error_code, handles
+from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, SshOptions, close_all, first_error_code, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, TeardownReport, teardown_job
 from clusterctl.launch.transport import StartedProcess
 from clusterctl.locks import Lock
@@ -67,6 +68,7 @@ class LaunchOptions:
     canary: bool = True
     ssh: SshOptions = field(default_factory=SshOptions)
     check_model: bool = True
+    verify_model: bool = False  # preflight re-hashes every byte of each node's model copy
     reap_first: bool = True
 
 
@@ -178,15 +180,38 @@ def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
     return errors, warnings
 
 
-async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str, list[int]]) -> list[str]:
-    """Probe every node concurrently; raise one error naming every failure on every node. Returns warnings."""
+def copy_problem(copy: dict, path: str, dep_ref: str) -> str | None:
+    """One line for a node whose model copy is not the planned one (None when it is), naming the fix."""
+    state = copy.get("state")
+    if state == "ok":
+        return None
+    if state == "error":
+        return f"cannot check the model copy at {path}: {copy.get('detail')}"
+    counts = {"missing": f"{copy.get('n_missing', 0)} file(s) missing", "stale": f"{copy.get('n_stale', 0)} file(s) differ"}
+    what = ", ".join(counts[k] for k in ("stale", "missing") if copy.get(f"n_{k}"))
+    first = f", e.g. {copy['first']}" if copy.get("first") else ""
+    return (f"model copy at {path} is {state} ({what or copy.get('detail', 'not the planned model')}{first}); "
+            f"run `clusterctl sync {dep_ref}`")
+
+
+async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str, list[int]], *,
+                    manifest=None, verify: bool = False, dep_ref: str | None = None) -> list[str]:
+    """Probe every node concurrently; raise one error naming every failure on every node. Returns warnings.
+
+    With ``manifest`` each node also compares its copy of the model with it (sizes and cached hashes; every
+    byte re-hashed with ``verify``). When copies are the only problem the exit code is 69 (unavailable).
+    """
     warnings: list[str] = []
+    copy_only: dict[str, bool] = {}
+    mdoc = manifest.model_dump(mode="json") if manifest is not None else None
 
     async def one(h: NodeHandle) -> list[str]:
         rank = dep.rank_of(h.name)
+        path = dep.path_map[h.name]
         probe = await h.op("probe", {"backend": dep.backend if len(dep.ranks) > 1 else None,
-                                     "model_path": dep.path_map[h.name], "runtime_dir": h.runtime_dir,
-                                     "ports": ports.get(h.name, [])})
+                                     "model_path": path, "runtime_dir": h.runtime_dir,
+                                     "ports": ports.get(h.name, []), "manifest": mdoc, "verify": verify},
+                           timeout=NODEOP_TIMEOUT if not verify else 3600.0)
         h.probe = probe
         h.runtime_dir = probe["runtime_dir"]["path"]
         errs, warns = _version_problems(probe, h.name)
@@ -195,7 +220,10 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
             errs.append(f"mlx cannot use the {dep.backend} backend here"
                         + (f" ({probe['mlx_error']})" if probe.get("mlx_error") else ""))
         model = probe.get("model", {})
-        if not model.get("ok"):
+        copy = copy_problem(probe["model_copy"], path, dep_ref or dep.deployment_id) if "model_copy" in probe else None
+        if copy:
+            errs.append(copy)  # names the fix; the folder check below would only repeat part of it
+        elif not model.get("ok"):
             errs.append(model.get("error", "model check failed"))
         need = rank.planned.weights + rank.planned.kv
         if probe.get("mem_available", 0) < need:
@@ -204,6 +232,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
             errs.append(f"ports already in use: {', '.join(map(str, probe['ports_busy']))}")
         if not probe["runtime_dir"]["ok"]:
             errs.append(f"runtime dir {probe['runtime_dir']['path']} is not writable: {probe['runtime_dir'].get('error')}")
+        copy_only[h.name] = errs == [copy] if copy else False
         return errs
 
     results = await asyncio.gather(*(one(h) for h in hs.values()), return_exceptions=True)
@@ -215,7 +244,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
             errors.append(res)
             problems.append(f"{h.name}: {res.message}")
         elif res:
-            errors.append(ClusterctlError(""))
+            errors.append(ClusterctlError(res[0], exit_code=Exit.UNAVAILABLE if copy_only.get(h.name) else Exit.FAILED))
             problems.extend(f"{h.name}: {p}" for p in res)
     if problems:
         code = first_error_code(errors) if all(isinstance(e, ClusterctlError) and e.message for e in errors) \
@@ -260,8 +289,12 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
     if dep.parallel != "pipeline":
         raise ConfigError(f"deployment {dep.deployment_id} is tensor parallel; this clusterctl's rank runtime serves "
                           "pipeline deployments only", hint="plan with --parallel pipeline")
+    manifest = None
     if opts.check_model:
+        from clusterctl.sync.planned import planned_manifest
+
         check_inputs_unchanged(dep)
+        manifest = planned_manifest(state, dep)
     key = state.keyring.signing_key()
     store = ManifestStore(state.launches, key, state.keyring.public_keys())
     lock = Lock(state.locks / f"deploy-{dep.deployment_id}.lock").acquire(what=f"deployment {dep.deployment_id}")
@@ -273,13 +306,15 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
         if running:
             raise Busy(f"deployment {dep.deployment_id} is already running as job {running[0].job_id}",
                        hint="clusterctl teardown it first")
-        return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log)
+        return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log, manifest=manifest,
+                                    dep_ref=shlex.quote(dep_ref))
     except BaseException:
         lock.release()
         raise
 
 
-async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log) -> Running:
+async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, *, manifest=None,
+                         dep_ref: str | None = None) -> Running:
     world = len(dep.ranks)
     job_id = f"{dep.deployment_id}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
     nonce = secrets.token_hex(16)
@@ -294,7 +329,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
     port_req = {r.node: ([ring_ports[r.rank]] if world > 1 else []) + ([http_port] if r.rank == 0 else [])
                 for r in dep.ranks}
     try:
-        warnings = await preflight(dep, hs, port_req)
+        warnings = await preflight(dep, hs, port_req, manifest=manifest, verify=opts.verify_model, dep_ref=dep_ref)
     except BaseException:
         await close_all(hs)
         raise

@@ -51,5 +51,10 @@ def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, pr
     cluster = fill_memory(load_cluster(cluster_file), probe_remote)
     facts = inspect_model(model)
     dep = make_deployment(cluster, facts, str(model.resolve()), opts)
+    # the content every node's copy must match (launch preflight and `clusterctl sync` check it)
+    from clusterctl.sync.planned import manifest_of_folder
+
+    manifest = manifest_of_folder(state, model, name=dep.model.name)
+    dep.model = dep.model.model_copy(update={"manifest_hash": manifest.manifest_hash})
     written = state.save_deployment(dep, out)
     return dep, written
