@@ -359,8 +359,21 @@ def sync(
     view = SyncView(o)
     opts = SyncOptions(mode=mode, url=url, dry_run=dry_run, verify=verify, jobs=jobs,
                        ssh=_ssh(known_hosts, accept_new_host_keys))
+    async def go():
+        # Ctrl-C or SIGTERM (cron's timeout): stop rsync cleanly so its partial file is kept for the next run
+        import signal
+
+        loop, me = asyncio.get_running_loop(), asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, me.cancel)
+        return await sync_deployment(_state(state_dir), deployment, opts, view)
+
     try:
-        report = asyncio.run(sync_deployment(_state(state_dir), deployment, opts, view))
+        report = asyncio.run(go())
+    except asyncio.CancelledError:
+        view.close()
+        o.error("sync interrupted; complete files are kept and the next sync resumes partial ones")
+        raise typer.Exit(130)
     finally:
         view.close()
     doc = report.to_json()
