@@ -167,6 +167,10 @@ def test_verify_finds_what_the_quick_check_trusts(tmp_path, sshd, tiny, have_rsy
     w.write_bytes(bytes(data))
     os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, time and inode: only a re-hash can tell
     assert node_states(bed.sync("--dry-run"))["b"] == "ok"
+    launch = cli("launch", bed.dep, "--detach", "--verify", "--known-hosts", str(sshd.known_hosts), "--timeout", "60",
+                 env=bed.env)
+    assert launch.returncode == 69, launch.stderr
+    assert f"b: model copy at {bed.path_b} is stale (1 file(s) differ, e.g. tokenizer.json)" in launch.stderr
     p = bed.sync("--verify")
     assert p.returncode == 0 and node_states(p)["b"] == "stale"
     assert same_tree(bed.path_b, tiny)

@@ -204,7 +204,7 @@ class _Progress:
             self.emit({"event": "progress", "node": self.node, "bytes": min(done, self.total), "total": self.total})
 
 
-async def stage_from_node(h: NodeHandle, path: str, manifest: Manifest, state, ssh: SshOptions,
+async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state, ssh: SshOptions,
                           opts: SyncOptions, emit: Emit) -> str:
     """Pull the whole model from a node holding a verified copy into <state>/staging/<hash>/, verified here."""
     from clusterctl.sync.copycheck import check_copy
@@ -213,9 +213,10 @@ async def stage_from_node(h: NodeHandle, path: str, manifest: Manifest, state, s
     folder.mkdir(parents=True, exist_ok=True)
     files = [f.path for f in manifest.files]
     progress = _Progress(emit, f"staging from {h.name}", manifest.total_bytes)
-    emit({"event": "start", "node": f"staging from {h.name}", "source": f"{h.name}:{path}", "mode": "rsync",
+    emit({"event": "start", "node": f"staging from {h.name}", "source": f"{h.name}:{ns.path}", "mode": "rsync",
           "files": len(files), "bytes": manifest.total_bytes})
-    res = await run_rsync(Endpoint(path, ssh_target(h.node, ssh), gnu_version(h.probe.get("rsync_version"))),
+    remote = ssh_target(h.node, ssh)
+    res = await run_rsync(Endpoint(ns.path, remote, gnu_version(ns.rsync.get("version"))) if remote else Endpoint(ns.path),
                           Endpoint(str(folder)), files, progress=progress, protect_args=opts.protect_args)
     if res.error:
         raise SyncFailed(f"staging the model from node {h.name} failed: {res.error}")
@@ -323,9 +324,8 @@ async def _sync(state, dep, manifest: Manifest, hs: dict[str, NodeHandle], opts:
             n.result = "would-sync"
         return report
     if src.node is not None:
-        h = hs[src.node]
-        h.probe["rsync_version"] = next(n.rsync.get("version") for n in nodes if n.node == src.node)
-        src.folder = await stage_from_node(h, dep.path_map[src.node], manifest, state, opts.ssh, opts, emit)
+        holder = next(n for n in nodes if n.node == src.node)
+        src.folder = await stage_from_node(hs[src.node], holder, manifest, state, opts.ssh, opts, emit)
     gate = asyncio.Semaphore(opts.jobs)
 
     async def one(n: NodeSync) -> None:
