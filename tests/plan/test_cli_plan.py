@@ -151,3 +151,23 @@ def test_local_node_without_memory_gb_reads_this_machine(tmp_path, model32, stat
     r = run("plan", "-c", str(c), "-m", str(model32), "--json")
     assert r.code == 0, r.stderr
     assert abs(r.json()["nodes"][0]["memory_gb"] - psutil.virtual_memory().total / 2**30) < 0.01
+
+
+def test_plan_records_the_model_manifest(c3, model32, state):
+    from clusterctl.sync.manifest import build_manifest, load_manifest
+
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--json")
+    assert r.code == 0, r.stderr
+    digest = r.json()["model"]["manifest_hash"]
+    assert digest == build_manifest(model32, use_cache=False).manifest_hash
+    stored = load_manifest(state / "manifests", digest)
+    assert stored is not None and {f.path for f in stored.files} == {p.name for p in model32.iterdir()}
+
+
+def test_plan_refuses_a_model_folder_whose_files_live_elsewhere(c3, model32, state, tmp_path):
+    outside = tmp_path / "blob"
+    outside.write_text("{}")
+    (model32 / "tokenizer.json").symlink_to(outside)  # absolute target: not the same file on another node
+    r = run("plan", "-c", str(c3), "-m", str(model32))
+    assert r.code == 65 and "absolute target" in r.stderr and "cp -rL" in r.stderr
+    assert not (state / "deployments").exists() or not list((state / "deployments").iterdir())

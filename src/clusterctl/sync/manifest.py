@@ -45,6 +45,10 @@ class ManifestRefused(ClusterctlError):
 
     exit_code = Exit.DATAERR
 
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "copy the model into a plain folder with the links resolved "
+                                               "(`cp -rL SRC DEST`) and use that one (docs/sync.md)")
+
 
 class FileHash(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
