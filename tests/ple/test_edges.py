@@ -179,7 +179,13 @@ def test_partial_probe_short_reads_are_completed(tmp_path, rng, mode, can_evict)
             assert s["cold_rows"] == len(rows) and s["runs"] == len(rows)
             if mode == "nowait":
                 assert s["hits"] + s["partial"] == len(rows), s  # every probe found its cached first page
-            assert r.table("t").residency(idx) == 1.0
+            # The rows are now the reader's warm rows: the next gather copies them from the mapping, no cold read.
+            # (Not asserted through mincore: once, in 500 runs with both cores busy and no memory pressure at all,
+            # 71 of the 2052 pages just read were no longer resident when checked; the kernel promises nothing.)
+            assert r.rows("t", idx).tobytes() == t[idx].tobytes()
+            s2 = r.stats()
+            if s2["recoveries"] == s["recoveries"]:  # (pages dropped meanwhile would be a logged recovery)
+                assert s2["cold_rows"] == s["cold_rows"] and s2["warm_rows"] == s["warm_rows"] + len(idx), s2
             partial += s["partial"]
         if mode != "nowait" or partial:
             break
@@ -357,13 +363,16 @@ def test_partial_eviction_is_noticed_and_recovered(table4k, can_evict, caplog, n
         else:  # a large eviction: the rest of the call went the cold way; cached rows copied, not re-read
             assert "re-checking residency" in logged[0]
             assert s1["cold_rows"] > s0["cold_rows"] and s1["hits"] > s0["hits"]
-        assert r.table("t").residency(idx) == 1.0
+        kept = r.table("t").residency(idx) == 1.0
         for _ in range(3):
             assert r.rows("t", idx).tobytes() == t[idx].tobytes()
         s2 = r.stats()
-        assert s2["recoveries"] == 1
         r.rows("t", idx)
-        assert r.stats()["cold_rows"] == s2["cold_rows"]  # back to pure memory gathers
+        kept = kept and r.table("t").residency(idx) == 1.0
+        if kept:  # the kernel kept every page (it need not: see test_partial_probe_short_reads_are_completed)
+            assert s2["recoveries"] == 1
+            assert r.stats()["cold_rows"] == s2["cold_rows"]  # back to pure memory gathers
+        # else: pages dropped behind our back were one more recovery each, and the bytes were exact (above)
 
 
 def test_cached_but_unmapped_pages_cause_no_rereads(table4k, can_evict):
