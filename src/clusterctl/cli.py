@@ -221,6 +221,8 @@ def launch(
 def teardown(
     target: Annotated[Optional[str], typer.Argument(help="A deployment id or job id (default: every job).")] = None,
     grace: GraceOpt = 10.0,
+    force: Annotated[bool, typer.Option("--force", help="Stop even while ranks report requests in flight.")] = False,
+    drain: Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.", min=0)] = 0.0,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -234,7 +236,7 @@ def teardown(
     from clusterctl.launch.teardown import teardown_command
 
     reports = asyncio.run(teardown_command(_state(state_dir), target, _ssh(known_hosts, accept_new_host_keys),
-                                           grace=grace, log=o.info))
+                                           grace=grace, force=force, drain=drain, log=o.info))
     ok = all(r.ok for r in reports)
     if o.json:
         o.data({"ok": ok, "jobs": [r.to_json() for r in reports]})

@@ -237,3 +237,69 @@ def test_teardown_of_a_foreground_job_reports_every_rank(tmp_path, tiny, env):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_teardown_refuses_a_busy_deployment_drains_and_a_gone_client_cancels(tmp_path, tiny, env):
+    import http.client
+
+    c = local_cluster(tmp_path, (4, 4))
+    dep = str(tmp_path / "dep.json")
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    endpoint = json.loads(p.stdout)["endpoint"]
+    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        # a long non-streaming request: its client waits, the ranks generate
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0}),
+            headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 30
+        while True:
+            [job] = json.loads(cli("status", "--json", env=env).stdout)["jobs"]
+            if job["activity"] == "busy" and all(r["active_request_ids"] for r in job["ranks"]):
+                break
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        rid = job["ranks"][0]["active_request_ids"][0]
+        assert [r["active_request_ids"] for r in job["ranks"]] == [[rid], [rid]]
+
+        refused = cli("teardown", env=env)
+        assert refused.returncode == 75, refused.stderr
+        assert "is busy: rank 0 on a: 1 active request(s); rank 1 on b: 1 active request(s)" in refused.stderr
+        assert "--force" in refused.stderr
+        short = cli("teardown", "--drain", "0.5", env=env)
+        assert short.returncode == 75 and "after draining 0.5 s" in short.stderr
+        assert len(manifests(tmp_path / "state")) == 1  # nothing was touched
+
+        conn.close()  # the client goes away: the request is cancelled on every rank at a step boundary
+        t0 = time.monotonic()
+        td = cli("teardown", "--drain", "30", "--json", env=env)
+        assert td.returncode == 0, td.stderr
+        assert time.monotonic() - t0 < 20  # far less than 3000 tokens would take
+        assert json.loads(td.stdout)["ok"] and manifests(tmp_path / "state") == []
+    finally:
+        conn.close()
+        cli("teardown", "--force", env=env)
+
+
+def test_teardown_force_stops_a_busy_deployment(tmp_path, tiny, env):
+    import http.client
+
+    c = local_cluster(tmp_path, (4, 4))
+    dep = str(tmp_path / "dep.json")
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: ")  # generating
+    td = cli("teardown", "--force", "--json", env=env)
+    assert td.returncode == 0, td.stderr
+    assert json.loads(td.stdout)["ok"] and manifests(tmp_path / "state") == []
+    conn.close()

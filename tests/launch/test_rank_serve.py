@@ -245,6 +245,34 @@ def test_a_closed_stream_is_cancelled_within_a_few_tokens(rank):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
+def test_a_non_streaming_client_that_leaves_cancels_its_request_and_a_queued_one_is_dropped(rank):
+    def start(body):
+        conn = _conn(rank)
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        return conn
+
+    long = start({"prompt": PROMPT, "max_tokens": 3000, "temperature": 0})
+    deadline = time.monotonic() + 10
+    while not rank.marker(0).active_requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    queued = start({"prompt": "x", "max_tokens": 3000, "temperature": 0})  # waits behind the first
+    while len(rank.marker(0).active_requests) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)
+    queued.close()  # leaves while queued: it must never start
+    long.close()  # leaves after 1 s of generation: cancelled at the next step boundary
+    t0 = time.monotonic()
+    while rank.marker(0).active_requests:
+        assert time.monotonic() - t0 < 5, f"still active: {rank.marker(0).active_requests}"
+        time.sleep(0.05)
+    status, body = _post(rank, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert time.monotonic() - t0 < 8  # served at once, not after 2 x 3000 tokens
+
+
 def test_sigterm_stops_serving_and_exits_0(rank):
     rank.signal(0, signal.SIGTERM)
     assert rank.wait_exit(0, 15) == 0

@@ -149,12 +149,14 @@ class Rank:
 
     def _serve(self) -> int:
         from clusterctl.launch import pipeline
-        from clusterctl.launch.serve import Api, JobQueue, StepLoop, context_length
+        from clusterctl.launch.serve import ActiveSet, Api, JobQueue, StepLoop, context_length
 
         spec = self.spec
         jobs = JobQueue() if spec.rank == 0 else None
+        marker = self.marker
+        active = ActiveSet(lambda ids: marker.update(active_requests=ids))  # one set: HTTP and step loop
         if spec.rank == 0:
-            self.api = Api(spec, jobs, model_name=Path(spec.model_path).name)
+            self.api = Api(spec, jobs, model_name=Path(spec.model_path).name, active=active)
             self.api.start()
             if self.stopping.is_set():
                 self.api.state = "stopping"
@@ -181,7 +183,7 @@ class Rank:
         else:
             self.marker.update(state="serving")
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
-                        watchdog=self.watchdog)
+                        watchdog=self.watchdog, active=active)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         loop.run()

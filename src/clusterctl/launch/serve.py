@@ -38,6 +38,7 @@ KIND_IDLE, KIND_REQUEST = 0, 1
 MAX_BODY = 4 << 20
 MAX_QUEUE = 64
 MAX_STOPS = 4
+CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
 
 
 def idle_interval(ticks_since_request: int) -> float:
@@ -76,6 +77,43 @@ class Job:
     finished_at: float | None = None
 
 
+class ActiveSet:
+    """The request ids a rank is working on, published in its marker (the evidence quiescence reads).
+
+    On rank 0 a request counts from the moment the API accepts it (queued) until both its HTTP response and its
+    generation are over; on the other ranks while they generate it. Holders are counted, so the HTTP thread and
+    the step loop each add and remove their own hold."""
+
+    def __init__(self, publish: Callable[[list[str]], None] | None = None):
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._publish = publish
+
+    def add(self, rid: str) -> None:
+        with self._lock:
+            self._held[rid] = self._held.get(rid, 0) + 1
+            ids = list(self._held)
+        self._emit(ids)
+
+    def remove(self, rid: str) -> None:
+        with self._lock:
+            n = self._held.get(rid, 0) - 1
+            if n > 0:
+                self._held[rid] = n
+            else:
+                self._held.pop(rid, None)
+            ids = list(self._held)
+        self._emit(ids)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    def _emit(self, ids: list[str]) -> None:
+        if self._publish is not None:
+            self._publish(ids)
+
+
 class JobQueue:
     def __init__(self, limit: int = MAX_QUEUE):
         self._q: deque[Job] = deque()
@@ -109,9 +147,13 @@ class StepLoop:
     """Runs on the main thread of every rank until the ranks agree to stop."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
-                 jobs: JobQueue | None = None, marker=None, watchdog=None, every: int = 16):
+                 jobs: JobQueue | None = None, marker=None, watchdog=None, every: int = 16,
+                 active: ActiveSet | None = None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.jobs, self.marker, self.every = stop, jobs, marker, every
+        if active is None:
+            active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
+        self.active = active
         self.watchdog = watchdog
         self.leader = spec.rank == 0
         self.world = spec.world_size
@@ -126,6 +168,9 @@ class StepLoop:
             job, req = None, None
             if self.leader and not stop_vote:
                 job = self.jobs.pop(timeout=0.1 if self.world == 1 else 0.0)
+                if job is not None and job.cancelled.is_set():  # its client left while it was queued
+                    job.events.put(("error", ApiError(499, "request cancelled", type="cancelled")))
+                    continue
                 if job is not None:
                     req = self._prepare(job)
                     if req is None:
@@ -201,8 +246,7 @@ class StepLoop:
         return control
 
     def _serve(self, req: GenRequest, job: Job | None) -> None:
-        if self.marker is not None:
-            self.marker.update(active_requests=[req.id])
+        self.active.add(req.id)
         if job is not None:
             job.started_at = time.monotonic()
         emit = (lambda s: job.events.put(("text", s))) if job is not None else None
@@ -221,8 +265,7 @@ class StepLoop:
                 raise  # ranks may now be out of step: the rank must end
             return
         finally:
-            if self.marker is not None:
-                self.marker.update(active_requests=[])
+            self.active.remove(req.id)
         self.served += 1
         if job is not None:
             job.finished_at = time.monotonic()
@@ -362,9 +405,10 @@ class Api:
     """The HTTP side of rank 0. Listens from start-up (so /health can say 503) and serves once ``state`` is
     "serving"."""
 
-    def __init__(self, spec: RankSpec, jobs: JobQueue, *, model_name: str):
+    def __init__(self, spec: RankSpec, jobs: JobQueue, *, model_name: str, active: ActiveSet | None = None):
         self.spec = spec
         self.jobs = jobs
+        self.active = active or ActiveSet()
         self.model_name = model_name
         self.state = "loading"
         self.builder: RequestBuilder | None = None
@@ -481,7 +525,9 @@ def _handler(api: Api):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
                     if isinstance(body.get("stream_options") or {}, dict) else False
                 want_ids = bool(body.get("return_token_ids"))
+                api.active.add(job.id)
                 if not api.jobs.put(job):
+                    api.active.remove(job.id)
                     raise ApiError(429, "too many queued requests", type="rate_limit_error")
             except ApiError as e:
                 self._error(e)
@@ -496,6 +542,39 @@ def _handler(api: Api):
             finally:
                 with api._lock:
                     api._inflight -= 1
+                api.active.remove(job.id)
+
+        _poll_at = 0.0
+
+        def _client_gone(self) -> bool:
+            """The client closed its side (EOF or reset) while we wait: it will never read the answer."""
+            import select
+            import socket
+
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                if not readable:
+                    return False
+                return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+
+        def _next(self, job: Job):
+            """The job's next event; a client that went away meanwhile cancels it (at the next step boundary,
+            on every rank) and the wait goes on until the step loop lets go of the job."""
+            while True:
+                now = time.monotonic()
+                if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
+                    self._poll_at = now + CLIENT_POLL_S
+                    if not job.cancelled.is_set() and self._client_gone():
+                        job.cancelled.set()
+                        self.close_connection = True
+                try:
+                    return job.events.get(timeout=CLIENT_POLL_S)
+                except queue.Empty:
+                    pass
 
         def _drain_body(self) -> None:
             try:
@@ -530,15 +609,18 @@ def _handler(api: Api):
         def _respond(self, job: Job, include_usage: bool, want_ids: bool) -> None:
             chat = job.kind == "chat"
             obj = "chat.completion" if chat else "text_completion"
-            kind, value = job.events.get()
+            kind, value = self._next(job)
             if kind == "error":
-                self._error(value)
+                if not job.cancelled.is_set():
+                    self._error(value)
                 return
             if not job.stream:
                 text = []
                 while kind == "text":
                     text.append(value)
-                    kind, value = job.events.get()
+                    kind, value = self._next(job)
+                if job.cancelled.is_set():
+                    return  # the client is gone: nobody to answer
                 if kind == "error":
                     self._error(value)
                     return
@@ -582,7 +664,7 @@ def _handler(api: Api):
                 chunk("", None, role=True)
             while kind == "text":
                 chunk(value, None)
-                kind, value = job.events.get()
+                kind, value = self._next(job)
             if kind == "error":
                 self._sse({"error": value.body()["error"]})
                 self._sse("[DONE]")

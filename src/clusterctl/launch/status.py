@@ -12,35 +12,43 @@ from clusterctl.launch.reaper import coordinator_alive
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
 
+async def job_markers(m, ssh: SshOptions) -> dict[int, dict]:
+    """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
+    a rank missing from the answer has no marker. Ages are judged on each node's own clock."""
+    markers: dict[int, dict] = {}
+    hs = handles(m.nodes, ssh)
+    try:
+        dirs = {(r.node, r.runtime_dir) for r in m.ranks}
+
+        async def one(node: str, d: str) -> None:
+            try:
+                ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
+            except ClusterctlError as e:
+                for r in m.ranks:
+                    if r.node == node:
+                        markers[r.rank] = {"error": e.message}
+                return
+            for x in ans.get("markers", []):
+                doc = x.get("marker") or {}
+                if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
+                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+
+        await asyncio.gather(*(one(n, d) for n, d in dirs))
+    finally:
+        await close_all(hs)
+    return markers
+
+
 async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
+    from clusterctl.launch.quiescence import judge
+
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     jobs = []
     for path, m in good:
         alive = coordinator_alive(m.coordinator)
         ranks = []
-        markers: dict[int, dict] = {}
-        if probe_nodes:
-            hs = handles(m.nodes, ssh)
-            try:
-                dirs = {(r.node, r.runtime_dir) for r in m.ranks}
-
-                async def one(node: str, d: str) -> None:
-                    try:
-                        ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
-                    except ClusterctlError as e:
-                        for r in m.ranks:
-                            if r.node == node:
-                                markers[r.rank] = {"error": e.message}
-                        return
-                    for x in ans.get("markers", []):
-                        doc = x.get("marker") or {}
-                        if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
-                            markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
-
-                await asyncio.gather(*(one(n, d) for n, d in dirs))
-            finally:
-                await close_all(hs)
+        markers = await job_markers(m, ssh) if probe_nodes else {}
         for r in m.ranks:
             info = markers.get(r.rank, {})
             mk = _clean(info.get("marker") or {})
@@ -51,12 +59,14 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
                 "layers": [r.start_layer, r.end_layer], "heartbeat_age": age,
                 "stale": age is not None and age > STALE_AFTER,
                 "active_requests": len(mk.get("active_requests") or []),
+                "active_request_ids": mk.get("active_requests") or [],
                 "endpoint": mk.get("endpoint"), "error": info.get("error") or mk.get("error"),
             })
+        q = judge(m, markers) if probe_nodes else None
         jobs.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "state": m.state,
                      "endpoint": m.endpoint, "created_at": m.created_at, "coordinator_pid": m.coordinator.pid,
                      "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
-                     "ranks": ranks})
+                     "activity": q["state"] if q else None, "ranks": ranks})
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}
 
 
@@ -67,5 +77,5 @@ def _clean(mk: dict) -> dict:
         v = mk.get(key)
         out[key] = v[:500] if isinstance(v, kind) else None
     ar = mk.get("active_requests")
-    out["active_requests"] = [str(x) for x in ar] if isinstance(ar, list) else []
+    out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
     return out

@@ -154,9 +154,13 @@ async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions,
 
 
 async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
-                           log=lambda msg: None) -> list[TeardownReport]:
+                           force: bool = False, drain: float = 0.0, log=lambda msg: None) -> list[TeardownReport]:
     """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
-    (SIGTERM, identity-checked), then everything is verified here under the deployment's lock."""
+    (SIGTERM, identity-checked), then everything is verified here under the deployment's lock.
+
+    A job whose ranks report requests in flight (quiescence ``busy``) is not touched unless ``force``;
+    ``drain`` seconds let it go idle first. Unknown activity (a rank unreachable or stale) does not block a
+    teardown: stopping broken deployments is what teardown is for."""
     import os
     import signal as _signal
     import time
@@ -182,6 +186,8 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
                              + "; ".join(f"{p}: {why}" for p, why in bad),
                              hint="inspect the file; stop its ranks by hand if they run, then remove it")
     jobs = [m for _, m in good]
+    if not force:
+        await refuse_busy(jobs, ssh, drain=drain, log=log)
     reports = []
     for m in jobs:
         c = m.coordinator
@@ -209,3 +215,23 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
         finally:
             lock.release()
     return reports
+
+
+async def refuse_busy(jobs, ssh: SshOptions, *, drain: float = 0.0, log=lambda msg: None) -> None:
+    """Raise Busy (exit 75) naming the ranks' active requests when any job is busy (after ``drain`` s)."""
+    import asyncio
+
+    from clusterctl.errors import Busy
+    from clusterctl.launch.quiescence import describe, quiescence, wait_idle
+
+    if drain > 0:
+        log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
+        answers = await asyncio.gather(*(wait_idle(m, ssh, drain) for m in jobs))
+    else:
+        answers = await asyncio.gather(*(quiescence(m, ssh) for m in jobs))
+    busy = [q for q in answers if q["state"] == "busy"]
+    if busy:
+        q = busy[0]
+        waited = f" after draining {drain:g} s" if drain > 0 else ""
+        raise Busy(f"job {q['job_id']} is busy{waited}: {describe(q)}",
+                   hint="wait for the requests to finish (--drain SECONDS), cancel them, or stop anyway with --force")

@@ -1,0 +1,66 @@
+"""Is a deployment idle? One answer, from what the ranks themselves report (docs/launch.md, "Quiescence").
+
+Evidence per rank is its marker as its node sees it: the request ids it holds (rank 0: accepted, queued or
+generating; the others: generating) and the age of its heartbeat on that node's clock. A rank is ``busy`` when a
+fresh marker lists requests, ``idle`` when a fresh marker lists none, and ``unknown`` when its marker is missing,
+unreadable, stale or its node cannot be reached. The deployment is busy when any rank is, else unknown when any
+rank is, else idle: missing evidence is never read as idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.status import STALE_AFTER, _clean, job_markers
+
+
+def judge(m, markers: dict[int, dict], *, stale_after: float = STALE_AFTER) -> dict:
+    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``status.job_markers`` returns)."""
+    ranks = []
+    for r in m.ranks:
+        info = markers.get(r.rank)
+        if info is None:
+            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": "no marker", "active": []})
+            continue
+        if "error" in info:
+            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": info["error"], "active": []})
+            continue
+        mk = _clean(info.get("marker") or {})
+        age = info.get("age")
+        active = mk["active_requests"]
+        if not isinstance(age, (int, float)) or age > stale_after:
+            why = f"heartbeat {age:.1f} s old" if isinstance(age, (int, float)) else "no heartbeat age"
+            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": why, "active": active})
+        else:
+            ranks.append({"rank": r.rank, "node": r.node, "state": "busy" if active else "idle", "why": None,
+                          "active": active})
+    states = {x["state"] for x in ranks}
+    overall = "busy" if "busy" in states else "unknown" if "unknown" in states else "idle"
+    return {"state": overall, "job_id": m.job_id, "deployment_id": m.deployment_id, "ranks": ranks}
+
+
+def describe(q: dict) -> str:
+    """One line: which ranks hold how many requests, or why it is not known."""
+    parts = []
+    for x in q["ranks"]:
+        if x["state"] == "busy":
+            parts.append(f"rank {x['rank']} on {x['node']}: {len(x['active'])} active request(s)")
+        elif x["state"] == "unknown":
+            parts.append(f"rank {x['rank']} on {x['node']}: unknown ({x['why']})")
+    return "; ".join(parts) or "every rank idle"
+
+
+async def quiescence(m, ssh: SshOptions) -> dict:
+    return judge(m, await job_markers(m, ssh))
+
+
+async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5) -> dict:
+    """Poll until launch ``m`` is not busy or ``seconds`` have passed; the last answer."""
+    deadline = time.monotonic() + seconds
+    while True:
+        q = await quiescence(m, ssh)
+        if q["state"] != "busy" or time.monotonic() >= deadline:
+            return q
+        await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
