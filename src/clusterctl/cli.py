@@ -252,6 +252,46 @@ def teardown(
 
 
 @app.command()
+def cancel(
+    target: Annotated[str, typer.Argument(help="A deployment file, deployment id or job id.")],
+    request: Annotated[Optional[list[str]], typer.Option("--request", "-r", help="A request id to cancel (repeatable).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Cancel every request in flight or queued.")] = False,
+    wait: Annotated[float, typer.Option("--wait", help="Wait up to S seconds for every rank to ack.", min=0)] = 0.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Cancel requests on a running deployment (at the ranks' next step boundary; the ranks stay up)."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.errors import UsageError
+    from clusterctl.launch.cancel import CancelNotAcked, cancel_command
+
+    if bool(request) == all_:
+        raise UsageError("say which requests: --request ID (repeatable) or --all")
+    try:
+        results = asyncio.run(cancel_command(_state(state_dir), target, _ssh(known_hosts, accept_new_host_keys),
+                                             requests=None if all_ else list(request), wait=wait))
+    except CancelNotAcked as e:
+        if not o.json:
+            raise
+        o.data({"ok": False, **e.to_json(), "jobs": e.results})
+        o.error(e.message)
+        raise typer.Exit(int(e.exit_code))
+    if o.json:
+        o.data({"ok": True, "jobs": results})
+        return
+    for r in results:
+        what = "every request" if r["requests"] is None else ", ".join(r["requests"])
+        acked = f"; acked by all {len(r['acks'])} rank(s) in {r['seconds']:.2f} s" if r["waited"] else ""
+        hit = f"; cancelled {', '.join(r['cancelled'])}" if r["cancelled"] else ""
+        o.info(f"job {r['job_id']}: cancel epoch {r['epoch']} for {what}{acked}{hit}")
+
+
+@app.command()
 def reap(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be reaped; signal nothing.")] = False,
     grace: GraceOpt = 10.0,

@@ -111,7 +111,7 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
               box=None, pad_edge=False)
     cols = ["RANK", "NODE", "HOST", "PID", "STATE", "LAYERS", "HEARTBEAT", "ACTIVE"]
     if wide:
-        cols += ["ENDPOINT", "ERROR"]
+        cols += ["REQUESTS", "CANCEL EPOCH", "ENDPOINT", "ERROR"]
     for c in cols:
         t.add_column(c)
     for r in job["ranks"]:
@@ -122,7 +122,10 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
         row = [str(r["rank"]), esc(r["node"]), esc(r["host"]), str(r["pid"] or "-"),
                f"[{style}]{esc(st)}[/{style}]" if style else esc(st), layers, hb, str(r["active_requests"])]
         if wide:
-            row += [esc(r["endpoint"] or "-"), esc(r["error"] or "")]
+            ids = r.get("active_request_ids") or []
+            row += [esc(", ".join(ids[:3]) + (f" +{len(ids) - 3}" if len(ids) > 3 else "") or "-"),
+                    str(r.get("cancel_epoch") if r.get("cancel_epoch") is not None else "-"),
+                    esc(r["endpoint"] or "-"), esc(r["error"] or "")]
         t.add_row(*row)
     return t
 

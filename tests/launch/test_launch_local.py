@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -303,3 +304,110 @@ def test_teardown_force_stops_a_busy_deployment(tmp_path, tiny, env):
     assert td.returncode == 0, td.stderr
     assert json.loads(td.stdout)["ok"] and manifests(tmp_path / "state") == []
     conn.close()
+
+
+def _stream(host, port, body):
+    """Start a streaming completion; returns (connection, response, first event)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def _events(r):
+    out = []
+    for line in r:
+        line = line.strip()
+        if line.startswith(b"data: "):
+            data = line[6:].decode()
+            out.append(data if data == "[DONE]" else json.loads(data))
+            if data == "[DONE]":
+                break
+    return out
+
+
+def test_cancel_one_request_by_cancel_file_the_other_is_untouched(tmp_path, tiny, env):
+    import threading
+
+    c = local_cluster(tmp_path, (4, 4))
+    dep = str(tmp_path / "dep.json")
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
+    try:
+        b_body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        conn, r = _stream(host, port, b_body)
+        alone = [e for e in _events(r) if isinstance(e, dict) and e["choices"] and e["choices"][0].get("token_ids")]
+        conn.close()
+        want = alone[-1]["choices"][0]["token_ids"]
+        assert len(want) == 40
+
+        conn_a, ra = _stream(host, port, {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0})
+        first = json.loads(ra.readline().decode()[6:])
+        a_id = first["id"]
+        got_b: list = []
+
+        def run_b():  # queued behind A (one generation at a time): its headers come when it starts
+            conn_b, rb = _stream(host, port, b_body)
+            got_b.extend(_events(rb))
+            conn_b.close()
+
+        tb = threading.Thread(target=run_b)
+        tb.start()
+        deadline = time.monotonic() + 20
+        while len(json.loads(cli("status", "--json", env=env).stdout)["jobs"][0]["ranks"][0]
+                   ["active_request_ids"]) < 2:
+            assert time.monotonic() < deadline, "B was never queued"
+            time.sleep(0.1)
+
+        t0 = time.monotonic()
+        cn = cli("cancel", dep, "--request", a_id, "--wait", "20", "--json", env=env)
+        assert cn.returncode == 0, cn.stderr
+        [res] = json.loads(cn.stdout)["jobs"]
+        assert res["all_acked"] and res["cancelled"] == [a_id], cn.stdout
+        epoch = res["epoch"]
+        assert {k: a["epoch"] for k, a in res["acks"].items()} == {"0": epoch, "1": epoch}
+        rest = _events(ra)
+        assert time.monotonic() - t0 < 20  # 3000 tokens would take minutes here
+        finals = [e for e in rest if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]]
+        assert finals and finals[-1]["choices"][0]["finish_reason"] == "cancelled" and rest[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in rest)  # ended cleanly, not as an error
+        tb.join(60)
+        b_final = [e for e in got_b if isinstance(e, dict) and e["choices"] and e["choices"][0].get("token_ids")]
+        assert b_final and b_final[-1]["choices"][0]["token_ids"] == want  # B: same tokens as alone
+        conn_a.close()
+
+        # an idle deployment acks a cancel of everything; a consumed epoch is never applied twice
+        again = cli("cancel", dep, "--all", "--wait", "20", "--json", env=env)
+        assert again.returncode == 0, again.stderr
+        [res2] = json.loads(again.stdout)["jobs"]
+        assert res2["epoch"] == epoch + 1 and res2["all_acked"] and res2["cancelled"] == []
+        [job] = json.loads(cli("status", "--json", env=env).stdout)["jobs"]
+        assert [r["cancel_epoch"] for r in job["ranks"]] == [epoch + 1, epoch + 1]
+
+        # a corrupt cancel file on rank 0's node is ignored (logged once); serving goes on
+        [m] = manifests(tmp_path / "state")
+        rd0 = m["ranks"][0]["runtime_dir"]
+        cancel_file = Path(rd0) / f"{m['deployment_id']}-cancel.json"
+        cancel_file.write_text('{"schema_version": 1, "type": "cancel", "epoch": ')
+        time.sleep(2.5)
+        conn, r = _stream(host, port, b_body)
+        again_b = [e for e in _events(r) if isinstance(e, dict) and e["choices"] and e["choices"][0].get("token_ids")]
+        conn.close()
+        assert again_b[-1]["choices"][0]["token_ids"] == want
+        log = "".join(q.read_text(errors="replace") for q in Path(rd0).glob(f"{m['job_id']}-rank0*.log"))
+        assert log.count("ignoring cancel file") == 1, log[-2000:]
+
+        bad = cli("cancel", dep, env=env)
+        assert bad.returncode == 2 and "--request ID" in bad.stderr
+        assert cli("cancel", "no-such-job", "--all", env=env).returncode == 66
+    finally:
+        cli("teardown", "--force", env=env)
+    assert manifests(tmp_path / "state") == []
+    # the job's ack files went with it; the garbled cancel file names no job, so nothing may remove it
+    assert [q.name for q in Path(rd0).glob(f"{m['deployment_id']}-*.json")] == [cancel_file.name]

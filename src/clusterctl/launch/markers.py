@@ -49,6 +49,7 @@ class Marker(BaseModel):
     state: State
     endpoint: Optional[str] = None
     active_requests: list[str] = Field(default_factory=list)
+    cancel_epoch: Optional[int] = None  # the newest cancel epoch this rank acked (docs/launch.md, "Cancel")
     last_step_at: Optional[float] = None
     heartbeat_at: float  # this node's wall clock; compare only with the same node's clock
     error: Optional[str] = None

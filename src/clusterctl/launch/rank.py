@@ -182,8 +182,20 @@ class Rank:
             _say(f"rank 0: serving at {self.api.endpoint}")
         else:
             self.marker.update(state="serving")
+        from clusterctl.launch.cancelfile import CancelWatch, write_ack
+
+        cancels = CancelWatch(spec.runtime_dir, spec.deployment_id, spec.job_id, log=_say) if spec.rank == 0 else None
+
+        def on_ack(epoch: int, applied: list[str]) -> None:
+            try:
+                write_ack(spec.runtime_dir, spec.deployment_id, spec.job_id, spec.rank, epoch, applied)
+            except ClusterctlError as e:
+                _say(f"rank {spec.rank}: cannot write the cancel ack: {e.message}")
+            marker.update(cancel_epoch=epoch)
+            _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
+
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
-                        watchdog=self.watchdog, active=active)
+                        watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         loop.run()

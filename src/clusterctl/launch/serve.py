@@ -73,6 +73,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    gone: threading.Event = field(default_factory=threading.Event)  # the client left: nobody reads the answer
     started_at: float | None = None
     finished_at: float | None = None
 
@@ -134,6 +135,14 @@ class JobQueue:
                 self._cv.wait(timeout)
             return self._q.popleft() if self._q else None
 
+    def cancel(self, ids: list[str] | None) -> list[str]:
+        """Mark queued jobs cancelled (all when ``ids`` is None); the step loop ends them when it pops them."""
+        with self._cv:
+            hit = [j for j in self._q if ids is None or j.id in ids]
+        for j in hit:
+            j.cancelled.set()
+        return [j.id for j in hit]
+
     def drain(self) -> list[Job]:
         with self._cv:
             out = list(self._q)
@@ -148,12 +157,18 @@ class StepLoop:
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  jobs: JobQueue | None = None, marker=None, watchdog=None, every: int = 16,
-                 active: ActiveSet | None = None):
+                 active: ActiveSet | None = None, cancels=None,
+                 on_ack: Callable[[int, list[str]], None] | None = None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.jobs, self.marker, self.every = stop, jobs, marker, every
         if active is None:
             active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
         self.active = active
+        self.cancels, self.on_ack = cancels, on_ack  # rank 0 reads the cancel file; every rank acks
+        self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each control collective
+        self.acked = 0
+        self.applied: dict[int, list[str]] = {}
+        self.current: Job | None = None
         self.watchdog = watchdog
         self.leader = spec.rank == 0
         self.world = spec.world_size
@@ -167,9 +182,11 @@ class StepLoop:
             stop_vote = 1 if self.stop.is_set() else 0
             job, req = None, None
             if self.leader and not stop_vote:
+                self._apply_cancels()
                 job = self.jobs.pop(timeout=0.1 if self.world == 1 else 0.0)
-                if job is not None and job.cancelled.is_set():  # its client left while it was queued
-                    job.events.put(("error", ApiError(499, "request cancelled", type="cancelled")))
+                if job is not None and job.cancelled.is_set():  # cancelled while queued: never started
+                    job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled",
+                                                      prompt_tokens=0)))
                     continue
                 if job is not None:
                     req = self._prepare(job)
@@ -187,12 +204,14 @@ class StepLoop:
             if self.leader:
                 mine[:3] = [MAGIC, KIND_REQUEST if req is not None else KIND_IDLE, len(payload)]
                 mine[4] = self.seq
+                mine[6] = self.epoch
             with self._guard("idle meeting"):
                 head = share_words(self.group, mine)
             self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world,
                              f"control header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                              f"{head[5]} of {self.world} ranks")
             self.seq += 1
+            self._ack(head[6])
             if head[3] > 0:
                 if job is not None:
                     job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
@@ -215,6 +234,32 @@ class StepLoop:
             job.events.put(("error", ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {e}")))
         return None
 
+    def _apply_cancels(self) -> None:
+        """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
+        travels with the next control collective. A world of one acks at once."""
+        if self.cancels is None:
+            return
+        doc = self.cancels.poll()
+        if doc is None:
+            return
+        applied = []
+        cur = self.current
+        if cur is not None and (doc.requests is None or cur.id in doc.requests):
+            cur.cancelled.set()
+            applied.append(cur.id)
+        if self.jobs is not None:
+            applied += self.jobs.cancel(doc.requests)
+        self.epoch = doc.epoch
+        self.applied[doc.epoch] = applied
+        if self.world == 1:
+            self._ack(doc.epoch)
+
+    def _ack(self, epoch: int) -> None:
+        if epoch > self.acked:
+            self.acked = epoch
+            if self.on_ack is not None:
+                self.on_ack(epoch, self.applied.pop(epoch, []))
+
     def _guard(self, what: str):
         if self.watchdog is None:
             return contextlib.nullcontext()
@@ -228,15 +273,20 @@ class StepLoop:
 
     def _control(self, job: Job | None) -> Callable[[], str | None]:
         def control() -> str | None:
+            if self.leader:
+                self._apply_cancels()
             cancel = 1 if (job is not None and job.cancelled.is_set()) else 0
             stop = 1 if self.stop.is_set() else 0
             if self.world > 1:
                 self.checkpoints += 1
+                lead = self.leader
                 with self._guard("checkpoint"):
-                    got = share_words(self.group, [cancel, stop, 1, self.checkpoints if self.leader else 0])
+                    got = share_words(self.group, [cancel, stop, 1, self.checkpoints if lead else 0,
+                                                   self.epoch if lead else 0])
                 self._check_ring(got[2] == self.world and got[3] == self.checkpoints,
                                  f"checkpoint {got[3]} (want {self.checkpoints}), {got[2]} of {self.world} ranks")
                 cancel, stop = got[0], got[1]
+                self._ack(got[4])
             if stop:
                 return "shutdown"
             if cancel:
@@ -247,6 +297,7 @@ class StepLoop:
 
     def _serve(self, req: GenRequest, job: Job | None) -> None:
         self.active.add(req.id)
+        self.current = job
         if job is not None:
             job.started_at = time.monotonic()
         emit = (lambda s: job.events.put(("text", s))) if job is not None else None
@@ -265,6 +316,7 @@ class StepLoop:
                 raise  # ranks may now be out of step: the rank must end
             return
         finally:
+            self.current = None
             self.active.remove(req.id)
         self.served += 1
         if job is not None:
@@ -537,6 +589,7 @@ def _handler(api: Api):
             try:
                 self._respond(job, include_usage, want_ids)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                job.gone.set()
                 job.cancelled.set()
                 self.close_connection = True
             finally:
@@ -568,7 +621,8 @@ def _handler(api: Api):
                 now = time.monotonic()
                 if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
                     self._poll_at = now + CLIENT_POLL_S
-                    if not job.cancelled.is_set() and self._client_gone():
+                    if not job.gone.is_set() and self._client_gone():
+                        job.gone.set()
                         job.cancelled.set()
                         self.close_connection = True
                 try:
@@ -611,7 +665,7 @@ def _handler(api: Api):
             obj = "chat.completion" if chat else "text_completion"
             kind, value = self._next(job)
             if kind == "error":
-                if not job.cancelled.is_set():
+                if not job.gone.is_set():
                     self._error(value)
                 return
             if not job.stream:
@@ -619,7 +673,7 @@ def _handler(api: Api):
                 while kind == "text":
                     text.append(value)
                     kind, value = self._next(job)
-                if job.cancelled.is_set():
+                if job.gone.is_set():
                     return  # the client is gone: nobody to answer
                 if kind == "error":
                     self._error(value)
@@ -666,6 +720,8 @@ def _handler(api: Api):
                 chunk(value, None)
                 kind, value = self._next(job)
             if kind == "error":
+                if job.gone.is_set():
+                    return  # an aborted request is never reported as a server error: nobody is there
                 self._sse({"error": value.body()["error"]})
                 self._sse("[DONE]")
                 return

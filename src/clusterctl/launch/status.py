@@ -59,7 +59,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
                 "layers": [r.start_layer, r.end_layer], "heartbeat_age": age,
                 "stale": age is not None and age > STALE_AFTER,
                 "active_requests": len(mk.get("active_requests") or []),
-                "active_request_ids": mk.get("active_requests") or [],
+                "active_request_ids": mk.get("active_requests") or [], "cancel_epoch": mk.get("cancel_epoch"),
                 "endpoint": mk.get("endpoint"), "error": info.get("error") or mk.get("error"),
             })
         q = judge(m, markers) if probe_nodes else None
@@ -76,6 +76,8 @@ def _clean(mk: dict) -> dict:
     for key, kind in (("state", str), ("endpoint", str), ("error", str)):
         v = mk.get(key)
         out[key] = v[:500] if isinstance(v, kind) else None
+    ce = mk.get("cancel_epoch")
+    out["cancel_epoch"] = ce if isinstance(ce, int) and not isinstance(ce, bool) else None
     ar = mk.get("active_requests")
     out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
     return out
