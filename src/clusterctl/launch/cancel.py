@@ -1,13 +1,13 @@
 """`clusterctl cancel`: cancel requests on a running deployment through cancel files (launch/cancelfile.py).
 
-The coordinator writes the cancel file on rank 0's node first (its answer is the epoch), then on every other
-node of the job with at least that epoch; with ``wait`` it reads the ranks' acks until each one has consumed
-the epoch. Nothing here touches a collective: the ranks apply the cancel at their own next step boundary.
+The coordinator reads the job's cancel files on its nodes, writes one with a larger epoch on every node, and with
+``wait`` reads the ranks' acks until each one has consumed that epoch. Nothing here touches a collective: the ranks apply the cancel at their own next step boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from clusterctl.errors import ClusterctlError, Exit, MissingInput
 from clusterctl.launch.manifest import ManifestStore
 from clusterctl.launch.nodes import SshOptions, close_all, handles
 
-ACK_POLL = 0.2
+ACK_POLL = 0.05
 
 
 class CancelNotAcked(ClusterctlError):
@@ -38,31 +38,37 @@ def resolve_jobs(state, target: str) -> list:
 
 
 async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: float) -> dict:
+    """Write the job's cancel file on each of its nodes, then (``wait``) read every rank's ack until each has
+    consumed the new epoch. Reads and writes go straight through the transport (no node operation to start)."""
+    from pydantic import ValidationError
+
+    from clusterctl.launch.cancelfile import CancelAck, CancelFile, ack_path, cancel_path
+
     hs = handles(m.nodes, ssh)
     t0 = time.monotonic()
     try:
-        lead = m.ranks[0]
-        req = {"deployment_id": m.deployment_id, "job_id": m.job_id, "requests": requests}
-        epoch = (await hs[lead.node].op("cancel", {**req, "runtime_dir": lead.runtime_dir}, timeout=30))["epoch"]
-        others = sorted({(r.node, r.runtime_dir) for r in m.ranks} - {(lead.node, lead.runtime_dir)})
-        await asyncio.gather(*(hs[n].op("cancel", {**req, "runtime_dir": d, "min_epoch": epoch}, timeout=30)
-                               for n, d in others))
-        acks: dict[int, dict | None] = {r.rank: None for r in m.ranks}
         places = sorted({(r.node, r.runtime_dir) for r in m.ranks})
+        found = await asyncio.gather(*(hs[n].read_json(str(cancel_path(d, m.deployment_id))) for n, d in places))
+        epochs = [doc.get("epoch") for doc in found if doc]
+        epoch = 1 + max([e for e in epochs if isinstance(e, int) and not isinstance(e, bool)] or [0])
+        doc = CancelFile(deployment_id=m.deployment_id, job_id=m.job_id, epoch=epoch, requests=requests,
+                         created_at=time.time())
+        data = json.dumps(doc.model_dump(mode="json"), indent=2).encode() + b"\n"
+        await asyncio.gather(*(hs[n].transport.write_file(str(cancel_path(d, m.deployment_id)), data, mode=0o600)
+                               for n, d in places))
+        acks: dict[int, dict | None] = {r.rank: None for r in m.ranks}
         deadline = t0 + wait
         while wait > 0:
-            async def one(node: str, d: str) -> None:
-                ranks = [r.rank for r in m.ranks if (r.node, r.runtime_dir) == (node, d)]
+            async def one(r) -> None:
+                got = await hs[r.node].read_json(str(ack_path(r.runtime_dir, m.deployment_id, r.rank)))
                 try:
-                    ans = await hs[node].op("acks", {"runtime_dir": d, "deployment_id": m.deployment_id,
-                                                     "job_id": m.job_id, "ranks": ranks}, timeout=30)
-                except ClusterctlError:
+                    ack = CancelAck.model_validate(got) if got else None
+                except ValidationError:
                     return
-                for k, ack in ans.get("acks", {}).items():
-                    if isinstance(ack, dict) and isinstance(ack.get("epoch"), int) and ack["epoch"] >= epoch:
-                        acks[int(k)] = ack
+                if ack and ack.job_id == m.job_id and ack.rank == r.rank and ack.epoch >= epoch:
+                    acks[r.rank] = ack.model_dump(mode="json")
 
-            await asyncio.gather(*(one(n, d) for n, d in places))
+            await asyncio.gather(*(one(r) for r in m.ranks if acks[r.rank] is None))
             if all(a is not None for a in acks.values()) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(ACK_POLL)

@@ -1,8 +1,8 @@
 """Cancel files and their acks: how an operator cancels requests on a running deployment (docs/launch.md).
 
 ``clusterctl cancel`` writes ``<runtime_dir>/<deployment>-cancel.json`` on every node of the job (atomically):
-a new, larger epoch and the request ids to cancel (or all). Rank 0 reads it (at most once a second, from its
-step loop), cancels the matching requests, and sends the epoch to every rank inside the next control
+a new, larger epoch and the request ids to cancel (or all). Rank 0 looks at it (a stat every 0.2 s at most, a read
+when it changed, from its step loop), cancels the matching requests, and sends the epoch to every rank inside the next control
 collective, so all ranks apply it at the same step boundary and none leaves a collective early. Each rank then
 writes ``<deployment>-rank<r>-ack.json`` with the epoch it received. An epoch already consumed is ignored; a
 corrupt or foreign file (another job, another user) is logged once and ignored.
@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clusterctl.errors import ClusterctlError
 
-CHECK_EVERY = 1.0
-EPOCH_MAX = 2**31 - 1  # travels in an int32 control word
+CHECK_EVERY = 0.2  # a stat of one file; read only when it changed
+EPOCH_MAX = 2**31 - 1  # travels in an int32 control word (one cancel a second for 68 years)
 
 
 class CancelFile(BaseModel):
@@ -73,25 +73,6 @@ def read_ack(path: str | os.PathLike) -> CancelAck:
     return _read(Path(path), CancelAck)
 
 
-def write_cancel(runtime_dir: str, deployment_id: str, job_id: str, requests: list[str] | None,
-                 min_epoch: int = 1) -> int:
-    """Write a new cancel file; its epoch is larger than the one there (and at least ``min_epoch``)."""
-    from clusterctl.atomic import atomic_write_json
-
-    path = cancel_path(runtime_dir, deployment_id)
-    try:
-        prev = read_cancel(path).epoch
-    except (ClusterctlError, OSError):
-        prev = 0
-    epoch = max(prev + 1, min_epoch)
-    if epoch > EPOCH_MAX:
-        epoch = 1  # practically never (2^31 cancels); ranks started after this reset see 1 as new
-    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=requests,
-                     created_at=time.time())
-    atomic_write_json(path, doc.model_dump(mode="json"), mode=0o600)
-    return epoch
-
-
 def write_ack(runtime_dir: str, deployment_id: str, job_id: str, rank: int, epoch: int, applied: list[str]) -> None:
     from clusterctl.atomic import atomic_write_json
 
@@ -101,8 +82,8 @@ def write_ack(runtime_dir: str, deployment_id: str, job_id: str, rank: int, epoc
 
 
 class CancelWatch:
-    """Rank 0's reader of its node's cancel file: ``poll()`` returns a cancel of this job with a new epoch, at
-    most once a second (a stat when nothing changed)."""
+    """Rank 0's reader of its node's cancel file: ``poll()`` returns a cancel of this job with a new epoch. It
+    looks at most every CHECK_EVERY seconds, and then only stats the file unless it changed."""
 
     def __init__(self, runtime_dir: str, deployment_id: str, job_id: str, *, log: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic, every: float = CHECK_EVERY):

@@ -5,8 +5,7 @@ the node's own clock).
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers), cancel (write a job's cancel file), acks (read its ranks' cancel acks),
-model_status (is the model copy here the planned one),
+files), markers (read a job's markers), model_status (is the model copy here the planned one),
 model_prepare (create the folder a sync writes into), fetch (download model files from an HTTP mirror).
 """
 
@@ -285,32 +284,6 @@ def op_canary(req: dict) -> dict:
     return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
 
 
-def op_cancel(req: dict) -> dict:
-    """Write this node's cancel file for a job (clusterctl.launch.cancelfile); returns the epoch written."""
-    from clusterctl.launch.cancelfile import write_cancel
-
-    os.makedirs(req["runtime_dir"], mode=0o700, exist_ok=True)
-    epoch = write_cancel(req["runtime_dir"], req["deployment_id"], req["job_id"], req.get("requests"),
-                         int(req.get("min_epoch", 1)))
-    return {"epoch": epoch}
-
-
-def op_acks(req: dict) -> dict:
-    """The cancel acks of the given ranks of a job on this node: {rank: ack} (missing or foreign: absent)."""
-    from clusterctl.errors import ClusterctlError
-    from clusterctl.launch.cancelfile import ack_path, read_ack
-
-    out = {}
-    for r in req.get("ranks", []):
-        try:
-            ack = read_ack(ack_path(req["runtime_dir"], req["deployment_id"], int(r)))
-        except (ClusterctlError, OSError):
-            continue
-        if ack.job_id == req["job_id"] and ack.rank == int(r):
-            out[str(r)] = ack.model_dump(mode="json")
-    return {"acks": out}
-
-
 def op_model_status(req: dict) -> dict:
     """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.sync.copycheck)."""
     from clusterctl.sync.copycheck import check_copy, free_bytes
@@ -364,7 +337,6 @@ def op_fetch(req: dict) -> dict:
 
 OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
-       "cancel": op_cancel, "acks": op_acks,
        "fetch": op_fetch}
 
 

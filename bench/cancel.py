@@ -1,0 +1,106 @@
+"""Benchmark (issue 9): cancel latency through cancel files, on a real 2-rank local deployment.
+
+Run: .venv/bin/python bench/cancel.py [--runs N]   (default 20)
+
+Per run: a streaming greedy completion of up to 3000 tokens starts; once its first token has arrived,
+`clusterctl cancel DEP --request ID --wait 30 --json` runs. Measured from the moment the command is spawned:
+  to acks      the command returned with every rank's ack (its own process start-up included)
+  to final     the client received the chunk with finish_reason "cancelled"
+The command is a fresh Python process each time (typer, pydantic, asyncssh imports): most of the figure is that
+start-up, which the "bare start-up" row (`clusterctl --version`) shows for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PY, REPO, fmt, machine_note, model, say, table  # noqa: E402
+
+CLUSTERCTL = [PY, "-m", "clusterctl"]
+
+
+def run(args, env, timeout=300) -> subprocess.CompletedProcess:
+    p = subprocess.run([*CLUSTERCTL, *args], capture_output=True, text=True, env={**os.environ, **env},
+                       timeout=timeout, stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise SystemExit(f"clusterctl {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+    return p
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=20)
+    a = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-cancel-", dir=REPO / "bench" / "out" if (REPO / "bench" / "out").is_dir()
+                                 else None))
+    env = {"CLUSTERCTL_STATE_DIR": str(root / "state"), "CLUSTERCTL_CACHE_DIR": str(root / "cache")}
+    try:
+        cluster = root / "cluster.toml"
+        nodes = "".join(f'[[node]]\nname = "{n}"\nlocal = true\nmemory_gb = 4\nruntime_dir = "{root}/run-{n}"\n'
+                        for n in "ab")
+        cluster.write_text('[cluster]\nname = "bench"\n' + nodes)
+        dep = root / "dep.json"
+        run(["plan", "-c", str(cluster), "-m", str(model("7m")), "--context", "4096", "-o", str(dep), "-q"], env)
+        out = json.loads(run(["launch", str(dep), "--detach", "--json"], env).stdout)
+        host, port = out["endpoint"].removeprefix("http://").rsplit(":", 1)
+        acks, finals, bare = [], [], []
+        for i in range(a.runs):
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            conn.request("POST", "/v1/completions", body=json.dumps(
+                {"prompt": f"def main_{i}(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
+                headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            rid = json.loads(r.readline().decode()[6:])["id"]
+            final_at: list[float] = []
+
+            def read() -> None:
+                for line in r:
+                    if line.startswith(b"data: {") and b'"finish_reason": "cancelled"' in line:
+                        final_at.append(time.monotonic())
+                    if line.startswith(b"data: [DONE]"):
+                        return
+
+            t = threading.Thread(target=read)
+            t.start()
+            t0 = time.monotonic()
+            res = json.loads(run(["cancel", str(dep), "--request", rid, "--wait", "30", "--json"], env).stdout)
+            acks.append(time.monotonic() - t0)
+            t.join(60)
+            conn.close()
+            if not final_at or not res["jobs"][0]["all_acked"]:
+                raise SystemExit(f"run {i}: the request was not cancelled cleanly: {res}")
+            finals.append(final_at[0] - t0)
+            t1 = time.monotonic()
+            run(["--version"], env)
+            bare.append(time.monotonic() - t1)
+        rows = [[name, fmt(statistics.median(xs), " s", 3), fmt(p95(xs), " s", 3), fmt(max(xs), " s", 3)]
+                for name, xs in (("cancel -> every rank acked (command returned)", acks),
+                                 ("cancel -> client got finish_reason cancelled", finals),
+                                 ("bare start-up: clusterctl --version", bare))]
+        say(f"bench/cancel.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  runs {a.runs}")
+        say(table(rows, ["from spawning `clusterctl cancel`", "median", "p95", "max"]))
+        say("goal (issue 9): < 1 s p95")
+    finally:
+        subprocess.run([*CLUSTERCTL, "teardown", "--force", "-q"], env={**os.environ, **env}, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
