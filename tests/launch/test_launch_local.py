@@ -240,17 +240,22 @@ def test_teardown_of_a_foreground_job_reports_every_rank(tmp_path, tiny, env):
             proc.kill()
 
 
-def test_teardown_refuses_a_busy_deployment_drains_and_a_gone_client_cancels(tmp_path, tiny, env):
-    import http.client
-
+def launch_for_long_requests(tmp_path, tiny, env) -> tuple[str, str, int]:
+    """A detached 2-rank launch planned for a 4096-token context: (deployment file, host, port)."""
     c = local_cluster(tmp_path, (4, 4))
     dep = str(tmp_path / "dep.json")
     cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
     p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
     assert p.returncode == 0, p.stderr
-    endpoint = json.loads(p.stdout)["endpoint"]
-    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
+    return dep, host, int(port)
+
+
+def test_teardown_refuses_a_busy_deployment_drains_and_a_gone_client_cancels(tmp_path, tiny, env):
+    import http.client
+
+    dep, host, port = launch_for_long_requests(tmp_path, tiny, env)
+    conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
         # a long non-streaming request: its client waits, the ranks generate
         conn.request("POST", "/v1/completions", body=json.dumps(
@@ -288,13 +293,8 @@ def test_teardown_refuses_a_busy_deployment_drains_and_a_gone_client_cancels(tmp
 def test_teardown_force_stops_a_busy_deployment(tmp_path, tiny, env):
     import http.client
 
-    c = local_cluster(tmp_path, (4, 4))
-    dep = str(tmp_path / "dep.json")
-    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
-    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
-    assert p.returncode == 0, p.stderr
-    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    dep, host, port = launch_for_long_requests(tmp_path, tiny, env)
+    conn = http.client.HTTPConnection(host, port, timeout=120)
     conn.request("POST", "/v1/completions", body=json.dumps(
         {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
         headers={"Content-Type": "application/json"})
@@ -333,12 +333,7 @@ def _events(r):
 def test_cancel_one_request_by_cancel_file_the_other_is_untouched(tmp_path, tiny, env):
     import threading
 
-    c = local_cluster(tmp_path, (4, 4))
-    dep = str(tmp_path / "dep.json")
-    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
-    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
-    assert p.returncode == 0, p.stderr
-    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
+    dep, host, port = launch_for_long_requests(tmp_path, tiny, env)
     try:
         b_body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
         conn, r = _stream(host, port, b_body)
