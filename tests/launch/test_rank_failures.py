@@ -28,9 +28,13 @@ def _error_lines(c: RankCluster, r: int) -> list[str]:
     return [ln for ln in log.splitlines() if ln.startswith("error: ")]
 
 
-def _stream_forever(c: RankCluster) -> threading.Thread:
-    """A long streaming request in the background (it ends when the rank dies)."""
+def _stream_forever(c: RankCluster) -> threading.Event:
+    """A long streaming request in the background (it ends when the rank dies); the event is set once its first
+    token has arrived, i.e. once the ranks are generating (the marker lists a request from the moment it is
+    accepted, queued or not)."""
     import http.client
+
+    generating = threading.Event()
 
     def run():
         try:
@@ -39,27 +43,22 @@ def _stream_forever(c: RankCluster) -> threading.Thread:
                 {"prompt": "x = 1", "max_tokens": 3000, "temperature": 0, "stream": True}),
                 headers={"Content-Type": "application/json"})
             r = conn.getresponse()
-            while r.readline():
-                pass
+            while line := r.readline():
+                if line.startswith(b"data: "):
+                    generating.set()
         except OSError:
             pass
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=run, daemon=True).start()
+    return generating
 
 
 def test_a_killed_peer_mid_request_ends_rank_0_with_one_line(model, tmp_path):
     with RankCluster(tmp_path, model, [4, 4], tag="peer") as c:
         c.up()
-        t = _stream_forever(c)
-        deadline = time.monotonic() + 20
-        while not c.marker(0).active_requests:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        assert _stream_forever(c).wait(20), "the request never started"
         c.procs[1].send_signal(signal.SIGKILL)
         assert c.wait_exit(0, 20) == 69
-        t.join(10)
         m = c.marker(0)
         assert m.state == "failed" and "lost a ring peer" in m.error
         lines = _error_lines(c, 0)
