@@ -151,6 +151,17 @@ class Running:
             self.lock.release()
 
 
+PORT_ATTEMPTS = 5
+
+
+class PortsBusy(LaunchFailed):
+    """Preflight found nothing wrong but ports of the chosen block in use: another block may do."""
+
+    def __init__(self, message: str, busy: set[int], **kw):
+        super().__init__(message, **kw)
+        self.busy = busy
+
+
 # ---- preflight ----------------------------------------------------------------------------------------------------
 
 def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
@@ -203,6 +214,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
     """
     warnings: list[str] = []
     copy_only: dict[str, bool] = {}
+    busy_only: dict[str, set[int]] = {}
     mdoc = manifest.model_dump(mode="json") if manifest is not None else None
 
     async def one(h: NodeHandle) -> list[str]:
@@ -233,6 +245,8 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
         if not probe["runtime_dir"]["ok"]:
             errs.append(f"runtime dir {probe['runtime_dir']['path']} is not writable: {probe['runtime_dir'].get('error')}")
         copy_only[h.name] = errs == [copy] if copy else False
+        if probe.get("ports_busy") and len(errs) == 1:
+            busy_only[h.name] = {int(p) for p in probe["ports_busy"]}
         return errs
 
     results = await asyncio.gather(*(one(h) for h in hs.values()), return_exceptions=True)
@@ -246,6 +260,9 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
         elif res:
             errors.append(ClusterctlError(res[0], exit_code=Exit.UNAVAILABLE if copy_only.get(h.name) else Exit.FAILED))
             problems.extend(f"{h.name}: {p}" for p in res)
+    failing = {h.name for h, res in zip(hs.values(), results) if res}
+    if failing and failing == set(busy_only):  # busy ports were the only problem, on every node that had one
+        raise PortsBusy("preflight failed: " + "; ".join(problems), set().union(*busy_only.values()))
     if problems:
         code = first_error_code(errors) if all(isinstance(e, ClusterctlError) and e.message for e in errors) \
             else Exit.FAILED
@@ -320,19 +337,30 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
     nonce = secrets.token_hex(16)
     good, _ = store.all()
     avoid = {p for _, m in good for p in m.ports}
-    block = hostfile.choose_ports(world + 1, avoid)
-    ring_ports, http_port = block[:world], (opts.http_port or block[world])
     nodes = [dep.node(r.node) for r in dep.ranks]
     all_local = all(n.is_local for n in nodes)
     addrs = [hostfile.rank_address(n, all_local=all_local, backend=dep.backend) for n in nodes]
     hs = handles(nodes, opts.ssh, keeper_grace=opts.grace)
-    port_req = {r.node: ([ring_ports[r.rank]] if world > 1 else []) + ([http_port] if r.rank == 0 else [])
-                for r in dep.ranks}
-    try:
-        warnings = await preflight(dep, hs, port_req, manifest=manifest, verify=opts.verify_model, dep_ref=dep_ref)
-    except BaseException:
-        await close_all(hs)
-        raise
+    for attempt in range(PORT_ATTEMPTS):
+        block = hostfile.choose_ports(world + 1, avoid)
+        ring_ports, http_port = block[:world], (opts.http_port or block[world])
+        port_req = {r.node: ([ring_ports[r.rank]] if world > 1 else []) + ([http_port] if r.rank == 0 else [])
+                    for r in dep.ranks}
+        try:
+            warnings = await preflight(dep, hs, port_req, manifest=manifest, verify=opts.verify_model,
+                                       dep_ref=dep_ref)
+            break
+        except PortsBusy as e:
+            # a random block met ports in use (often short-lived client sockets): another block, unless the
+            # operator fixed the HTTP port and that is the one taken
+            if attempt == PORT_ATTEMPTS - 1 or (opts.http_port is not None and opts.http_port in e.busy):
+                await close_all(hs)
+                raise LaunchFailed(e.message, exit_code=Exit.FAILED) from None
+            log(f"ports {', '.join(map(str, sorted(e.busy)))} are in use; choosing another block")
+            avoid |= set(block)
+        except BaseException:
+            await close_all(hs)
+            raise
     for w in warnings:
         log(f"warning: {w}")
 
