@@ -99,6 +99,7 @@ def _age(seconds: float | None) -> str:
 
 
 STATE_STYLE = {"serving": "green", "ready": "green", "loading": "yellow", "stopping": "yellow", "failed": "red",
+               "lost": "red",
                "unreachable": "red", "no marker": "red"}
 
 

@@ -73,6 +73,22 @@ def read_ack(path: str | os.PathLike) -> CancelAck:
     return _read(Path(path), CancelAck)
 
 
+def cancel_everything_here(runtime_dir: str, deployment_id: str, job_id: str) -> int:
+    """A rank's own cancel of every request (the abort stage of the peer-loss ladder): a new epoch in this
+    node's cancel file, which rank 0's step loop then applies like an operator's. Returns the epoch."""
+    from clusterctl.atomic import atomic_write_json
+
+    path = cancel_path(runtime_dir, deployment_id)
+    try:
+        prev = read_cancel(path).epoch
+    except (ClusterctlError, OSError):
+        prev = 0
+    epoch = prev + 1 if prev < EPOCH_MAX else 1
+    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=None, created_at=time.time())
+    atomic_write_json(path, doc.model_dump(mode="json"), mode=0o600)
+    return epoch
+
+
 def write_ack(runtime_dir: str, deployment_id: str, job_id: str, rank: int, epoch: int, applied: list[str]) -> None:
     from clusterctl.atomic import atomic_write_json
 

@@ -21,8 +21,8 @@ from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, MissingInput
 
 MARKER_LIMIT = 64 * 1024
-State = Literal["loading", "ready", "serving", "stopping", "failed"]
-_ORDER = {"loading": 0, "ready": 1, "serving": 2, "stopping": 3, "failed": 4}
+State = Literal["loading", "ready", "serving", "stopping", "lost", "failed"]
+_ORDER = {"loading": 0, "ready": 1, "serving": 2, "stopping": 3, "lost": 4, "failed": 4}
 
 
 class MarkerMissing(IntegrityError):

@@ -14,6 +14,7 @@ the marker and on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -56,6 +57,9 @@ class Rank:
         self.marker = None
         self.api = None
         self.watchdog = None
+        self.responder = None
+        self.prober = None
+        self.loop = None
         self._signals = 0
         self._fatal_lock = threading.Lock()
 
@@ -92,6 +96,8 @@ class Rank:
 
     def _graceful(self) -> int:
         self.marker.update(state="stopping")
+        if self.prober is not None:
+            self.prober.stop()
         if self.api is not None:
             self.api.stop()
         try:
@@ -119,7 +125,7 @@ class Rank:
                                    nonce=spec.nonce, rank=spec.rank, node=spec.node)
         self.marker.marker.start_layer, self.marker.marker.end_layer = spec.start_layer, spec.end_layer
         self.marker.start()
-        self.watchdog = Watchdog(rank=spec.rank, on_trip=self.fatal, lease_path=spec.lease_path,
+        self.watchdog = Watchdog(rank=spec.rank, on_trip=self._tripped, lease_path=spec.lease_path,
                                  lease_seconds=spec.lease_seconds)
         self.watchdog.start()
         try:
@@ -173,6 +179,7 @@ class Rank:
                 return self._graceful()
         if self.stopping.is_set():
             return self._graceful()
+        self._start_responder()
         group = self._join(pipeline)
         if self.stopping.is_set():
             return self._graceful()
@@ -198,8 +205,113 @@ class Rank:
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
+        self.loop = loop
+        self._start_prober(loop)
         loop.run()
         return self._graceful()
+
+    # ---- the peer-loss ladder (launch/peerprobe.py)
+    def _ring_addresses(self) -> list[tuple[str, int]] | None:
+        spec = self.spec
+        if spec.world_size < 2 or spec.backend != "ring" or not spec.hostfile:
+            return None
+        from clusterctl.launch.peerprobe import parse_addr
+
+        try:
+            entries = json.loads(Path(spec.hostfile).read_text())
+            return [parse_addr(e[0]) for e in entries]
+        except (OSError, ValueError, TypeError, IndexError, KeyError):
+            return None
+
+    def _start_responder(self) -> None:
+        from clusterctl.launch.peerprobe import Responder, job_token
+
+        addrs = self._ring_addresses()
+        if addrs is None:
+            return
+        host, port = addrs[self.spec.rank]
+        try:
+            self.responder = Responder(host, port, job_token(self.spec.job_id, self.spec.nonce), self.spec.rank).start()
+        except OSError as e:
+            _say(f"rank {self.spec.rank}: peer probes off: cannot answer probes on udp {host}:{port} ({e.strerror or e})")
+
+    def _start_prober(self, loop) -> None:
+        from clusterctl.launch.peerprobe import Ladder, Prober, job_token, watched_peers
+
+        spec = self.spec
+        addrs = self._ring_addresses()
+        if addrs is None or self.responder is None:
+            return
+        peers = {p: addrs[p] for p in watched_peers(spec.rank, spec.world_size)}
+        ladder = Ladder(tolerance=spec.probe_tolerance, grace=spec.abort_grace_s)
+        window = spec.probe_interval_s * spec.probe_tolerance
+
+        def act(action: str, peer: int) -> None:
+            if self.stopping.is_set():
+                return  # peers leave one by one during a stop; the stop alarm covers a stop that hangs
+            who = f"rank {spec.rank}: peer rank {peer}"
+            if action == "suspect":
+                _say(f"{who} missed {spec.probe_tolerance} probes ({window:g} s): suspect")
+            elif action == "abort":
+                _say(f"{who}: abort stage: cancelling requests in flight at the next step; "
+                     f"re-probing for {spec.abort_grace_s:g} s")
+                if spec.rank == 0:
+                    from clusterctl.launch.cancelfile import cancel_everything_here
+
+                    try:
+                        cancel_everything_here(spec.runtime_dir, spec.deployment_id, spec.job_id)
+                    except (ClusterctlError, OSError) as e:
+                        _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
+            elif action == "recovered":
+                _say(f"{who} answers again: serving goes on")
+            elif action == "lost":
+                self.lost(PeerLost(f"{who} lost: no probe answer for {window + spec.abort_grace_s:g} s "
+                                   f"({spec.probe_tolerance} probes, then {spec.abort_grace_s:g} s of grace)"))
+
+        from clusterctl.launch.watchdog import PeerLost
+
+        self.prober = Prober(peers, job_token(spec.job_id, spec.nonce), spec.rank, ladder,
+                             interval=spec.probe_interval_s, on_action=act).start()
+
+    def _tripped(self, err: ClusterctlError) -> None:
+        """The watchdog's verdict. A stale launcher lease first runs the ladder's abort stage (requests in flight
+        end as cancelled for their clients, on every rank at the same step), then the rank exits."""
+        from clusterctl.launch.watchdog import LeaseExpired
+
+        if isinstance(err, LeaseExpired) and self.loop is not None and self.spec.abort_grace_s > 0:
+            self._abort_stage(self.spec.abort_grace_s)
+        self.fatal(err)
+
+    def _abort_stage(self, timeout: float) -> None:
+        """Cancel every request at the next step boundary and wait (up to ``timeout``) until this rank has
+        applied a new cancel epoch and holds no request. Rank 0 writes the cancel; the epoch reaches the others
+        with the step."""
+        spec, loop = self.spec, self.loop
+        before = loop.acked
+        if spec.rank == 0:
+            from clusterctl.launch.cancelfile import cancel_everything_here
+
+            try:
+                cancel_everything_here(spec.runtime_dir, spec.deployment_id, spec.job_id)
+            except (ClusterctlError, OSError) as e:
+                _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
+                return
+        _say(f"rank {spec.rank}: abort stage: cancelling requests in flight (up to {timeout:g} s)")
+        deadline = time.monotonic() + timeout
+        # applied (a new epoch acked), and the cancelled requests over: generation ended on every rank (tokens
+        # agreed) and, on rank 0, the clients got their last event
+        while (loop.acked <= before or loop.active.ids()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def lost(self, err: ClusterctlError) -> None:
+        """The ladder's last step: marker ``lost``, exit 69 at once, which releases the rank's memory, even with
+        the main thread stuck in a collective with the lost peer. (No mx.clear_cache() first: it waits for the
+        allocator that the stuck collective holds.)"""
+        with self._fatal_lock:
+            if self.marker is not None:
+                self.marker.update(state="lost", error=err.message, final=True)
+            _say(f"error: {err.message}")
+            _exit_now(int(err.exit_code))
 
 
 def _join_ring(rank: Rank, pipeline):

@@ -26,6 +26,7 @@ from clusterctl import __version__
 from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, IntegrityError, RemoteCommandFailed
 from clusterctl.launch import hostfile
 from clusterctl.launch.contract import encode_contract
+from clusterctl.launch.peerprobe import grace_from_env
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso, this_coordinator
 from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, SshOptions, close_all, first_error_code, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, TeardownReport, teardown_job
@@ -411,7 +412,8 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "runtime_dir": h.runtime_dir, "marker_path": rec.marker_path,
                     "gate_path": h.path(f"{job_id}.gate"),
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
-                    "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload}
+                    "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload,
+                    "abort_grace_s": grace_from_env()}
             await h.transport.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 
         await asyncio.gather(*(prepare(r) for r in dep.ranks))

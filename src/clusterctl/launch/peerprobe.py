@@ -1,0 +1,200 @@
+"""The peer-loss ladder: ranks probe each other over UDP and handle a lost peer in stages (docs/rank.md).
+
+Every rank answers probes on UDP at its own ring address and port number (the ring itself is TCP). Rank 0
+probes every peer, the other ranks their ring neighbours, every ``interval`` seconds. A peer that misses
+``tolerance`` probes in a row starts the ladder:
+
+1. ``suspect``: logged.
+2. ``abort``: the rank cancels its in-flight and queued requests at the next step boundary (rank 0 also writes a
+   cancel file, so `status` shows it), then keeps probing for ``grace`` seconds.
+3. ``recovered`` if the peer answers within the grace: serving goes on. Otherwise ``lost``: the rank marks its
+   marker ``lost``, releases memory and exits 69.
+
+With grace 0 the ladder goes from ``suspect`` straight to ``lost``. A probe answer is the probe's own bytes
+echoed with a flag, so a peer that is alive but frozen (SIGSTOP, a hung process) does not answer, and a probe
+of another job (a stale rank on a reused port) is not answered either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+MAGIC = b"CCPR"
+PING, PONG = 1, 2
+_FMT = "!4s8sBHI"  # magic, job token, kind, from rank, sequence
+SIZE = struct.calcsize(_FMT)
+DEFAULT_INTERVAL = 0.5
+DEFAULT_TOLERANCE = 2
+DEFAULT_GRACE = 5.0
+ENV_GRACE = "CLUSTERCTL_PEER_ABORT_GRACE"
+
+
+def job_token(job_id: str, nonce: str) -> bytes:
+    return hashlib.sha256(f"{job_id}\0{nonce}".encode()).digest()[:8]
+
+
+def watched_peers(rank: int, world: int) -> list[int]:
+    """Rank 0 watches everyone; the others their ring neighbours."""
+    if world < 2:
+        return []
+    if rank == 0:
+        return list(range(1, world))
+    return sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
+
+
+def parse_addr(entry: str) -> tuple[str, int]:
+    host, _, port = entry.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# ---- the ladder (pure: time comes in, actions go out) --------------------------------------------------------
+
+@dataclass
+class Ladder:
+    """Per watched peer: consecutive misses, and the abort deadline once the ladder runs."""
+
+    tolerance: int = DEFAULT_TOLERANCE
+    grace: float = DEFAULT_GRACE
+    misses: dict[int, int] = field(default_factory=dict)
+    aborting: dict[int, float] = field(default_factory=dict)  # peer -> deadline
+
+    def observe(self, peer: int, answered: bool, now: float) -> list[str]:
+        """One probe round's result for ``peer``: the ladder's actions, in order ("suspect", "abort",
+        "recovered", "lost")."""
+        if answered:
+            self.misses[peer] = 0
+            if peer in self.aborting:
+                del self.aborting[peer]
+                return ["recovered"]
+            return []
+        self.misses[peer] = self.misses.get(peer, 0) + 1
+        if peer in self.aborting:
+            return ["lost"] if now >= self.aborting[peer] else []
+        if self.misses[peer] >= self.tolerance:
+            if self.grace <= 0:
+                return ["suspect", "lost"]
+            self.aborting[peer] = now + self.grace
+            return ["suspect", "abort"]
+        return []
+
+
+# ---- sockets ----------------------------------------------------------------------------------------------------
+
+class Responder:
+    """Answers this job's probes on UDP ``(host, port)`` from a daemon thread."""
+
+    def __init__(self, host: str, port: int, token: bytes, rank: int):
+        self.token, self.rank = token, rank
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.bind((host, port))
+        self._thread = threading.Thread(target=self._run, name="probe-responder", daemon=True)
+
+    def start(self) -> "Responder":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(64)
+            except OSError:
+                return
+            if len(data) != SIZE:
+                continue
+            magic, token, kind, frm, seq = struct.unpack(_FMT, data)
+            if magic == MAGIC and token == self.token and kind == PING:
+                try:
+                    self.sock.sendto(struct.pack(_FMT, MAGIC, token, PONG, self.rank, seq), addr)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Prober:
+    """Probes the watched peers every ``interval`` s and feeds the ladder; ``on_action(action, peer)``."""
+
+    def __init__(self, peers: dict[int, tuple[str, int]], token: bytes, rank: int, ladder: Ladder, *,
+                 interval: float, on_action: Callable[[str, int], None], clock: Callable[[], float] = time.monotonic):
+        self.peers, self.token, self.rank, self.ladder = peers, token, rank, ladder
+        self.interval, self.on_action, self.clock = interval, on_action, clock
+        self.socks: dict[int, socket.socket] = {}
+        for p, (host, _) in peers.items():
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            self.socks[p] = s
+        self.seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-prober", daemon=True)
+
+    def start(self) -> "Prober":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def round(self) -> dict[int, bool]:
+        """Send one probe to each peer, wait one interval for the answers; {peer: answered}."""
+        import select
+
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        ping = struct.pack(_FMT, MAGIC, self.token, PING, self.rank, self.seq)
+        for p, s in self.socks.items():
+            try:
+                s.sendto(ping, self.peers[p])
+            except OSError:
+                pass  # no route, link down: a miss
+        answered = {p: False for p in self.peers}
+        deadline = self.clock() + self.interval
+        while not all(answered.values()):
+            left = deadline - self.clock()
+            if left <= 0 or self._stop.is_set():
+                break
+            ready, _, _ = select.select(list(self.socks.values()), [], [], left)
+            for s in ready:
+                try:
+                    data = s.recv(64)
+                except OSError:
+                    continue
+                if len(data) != SIZE:
+                    continue
+                magic, token, kind, frm, seq = struct.unpack(_FMT, data)
+                if magic == MAGIC and token == self.token and kind == PONG and seq == self.seq and frm in answered:
+                    answered[frm] = True
+        rest = deadline - self.clock()
+        if rest > 0:
+            self._stop.wait(rest)
+        return answered
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for peer, ok in self.round().items():
+                for action in self.ladder.observe(peer, ok, self.clock()):
+                    self.on_action(action, peer)
+                    if action == "lost":
+                        return
+
+
+def grace_from_env(environ=None) -> float:
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV_GRACE)
+    if raw is None:
+        return DEFAULT_GRACE
+    try:
+        v = float(raw)
+    except ValueError:
+        return DEFAULT_GRACE
+    return v if 0 <= v <= 3600 else DEFAULT_GRACE
