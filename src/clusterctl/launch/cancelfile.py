@@ -73,9 +73,11 @@ def read_ack(path: str | os.PathLike) -> CancelAck:
     return _read(Path(path), CancelAck)
 
 
-def cancel_everything_here(runtime_dir: str, deployment_id: str, job_id: str) -> int:
-    """A rank's own cancel of every request (the abort stage of the peer-loss ladder): a new epoch in this
-    node's cancel file, which rank 0's step loop then applies like an operator's. Returns the epoch."""
+def cancel_here(runtime_dir: str, deployment_id: str, job_id: str, requests: list[str]) -> int:
+    """Rank 0's own cancel of the requests it holds now (the abort stage of the peer-loss ladder and of a stale
+    lease): a new epoch in this node's cancel file, applied by its step loop like an operator's. The ids are
+    named, never "all": the step loop may only get to it after the ring is back, and a request accepted since
+    must not be hit. Returns the epoch."""
     from clusterctl.atomic import atomic_write_json
 
     path = cancel_path(runtime_dir, deployment_id)
@@ -84,7 +86,8 @@ def cancel_everything_here(runtime_dir: str, deployment_id: str, job_id: str) ->
     except (ClusterctlError, OSError):
         prev = 0
     epoch = prev + 1 if prev < EPOCH_MAX else 1
-    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=None, created_at=time.time())
+    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=list(requests),
+                     created_at=time.time())
     atomic_write_json(path, doc.model_dump(mode="json"), mode=0o600)
     return epoch
 

@@ -256,12 +256,7 @@ class Rank:
                 _say(f"{who}: abort stage: cancelling requests in flight at the next step; "
                      f"re-probing for {spec.abort_grace_s:g} s")
                 if spec.rank == 0:
-                    from clusterctl.launch.cancelfile import cancel_everything_here
-
-                    try:
-                        cancel_everything_here(spec.runtime_dir, spec.deployment_id, spec.job_id)
-                    except (ClusterctlError, OSError) as e:
-                        _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
+                    self._cancel_held(loop)
             elif action == "recovered":
                 _say(f"{who} answers again: serving goes on")
             elif action == "lost":
@@ -288,20 +283,26 @@ class Rank:
         with the step."""
         spec, loop = self.spec, self.loop
         before = loop.acked
-        if spec.rank == 0:
-            from clusterctl.launch.cancelfile import cancel_everything_here
-
-            try:
-                cancel_everything_here(spec.runtime_dir, spec.deployment_id, spec.job_id)
-            except (ClusterctlError, OSError) as e:
-                _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
-                return
+        if spec.rank == 0 and not self._cancel_held(loop):
+            return
         _say(f"rank {spec.rank}: abort stage: cancelling requests in flight (up to {timeout:g} s)")
         deadline = time.monotonic() + timeout
         # applied (a new epoch acked), and the cancelled requests over: generation ended on every rank (tokens
         # agreed) and, on rank 0, the clients got their last event
         while (loop.acked <= before or loop.active.ids()) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    def _cancel_held(self, loop) -> bool:
+        """Rank 0: cancel (through its cancel file) every request it holds right now."""
+        from clusterctl.launch.cancelfile import cancel_here
+
+        spec = self.spec
+        try:
+            cancel_here(spec.runtime_dir, spec.deployment_id, spec.job_id, loop.active.ids())
+            return True
+        except (ClusterctlError, OSError) as e:
+            _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
+            return False
 
     def lost(self, err: ClusterctlError) -> None:
         """The ladder's last step: marker ``lost``, exit 69 at once, which releases the rank's memory, even with
