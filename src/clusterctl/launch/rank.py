@@ -191,7 +191,8 @@ class Rank:
             self.marker.update(state="serving")
         from clusterctl.launch.cancelfile import CancelWatch, write_ack
 
-        cancels = CancelWatch(spec.runtime_dir, spec.deployment_id, spec.job_id, log=_say) if spec.rank == 0 else None
+        cancels = CancelWatch(spec.runtime_dir, spec.deployment_id, spec.job_id, log=_say) \
+            if spec.rank == 0 and spec.cancel_checks else None
 
         def on_ack(epoch: int, applied: list[str]) -> None:
             try:
@@ -213,7 +214,7 @@ class Rank:
     # ---- the peer-loss ladder (launch/peerprobe.py)
     def _ring_addresses(self) -> list[tuple[str, int]] | None:
         spec = self.spec
-        if spec.world_size < 2 or spec.backend != "ring" or not spec.hostfile:
+        if spec.world_size < 2 or spec.backend != "ring" or not spec.hostfile or not spec.peer_probes:
             return None
         from clusterctl.launch.peerprobe import parse_addr
 

@@ -61,6 +61,9 @@ class RankSpec(BaseModel):
     probe_interval_s: float = Field(default=0.5, gt=0, le=60)
     probe_tolerance: int = Field(default=2, ge=1, le=100)
     abort_grace_s: float = Field(default=5.0, ge=0, le=3600)
+    # off only to measure what the checks cost (bench/cancel.py); launch always turns them on
+    peer_probes: bool = True
+    cancel_checks: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> "RankSpec":
