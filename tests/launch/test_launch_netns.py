@@ -75,7 +75,7 @@ def test_a_cut_link_shorter_than_the_grace_is_survived_a_longer_one_ends_every_r
 
     cluster = netns_cluster(2)
     env = {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": ":".join(sys.path),
-           "CLUSTERCTL_PEER_ABORT_GRACE": "4"}
+           "CLUSTERCTL_PEER_ABORT_GRACE": "6"}
 
     def cli(*args, timeout=240):
         return subprocess.run(cluster.exec_argv(["env", *[f"{k}={v}" for k, v in env.items()], sys.executable,
@@ -110,8 +110,8 @@ def test_a_cut_link_shorter_than_the_grace_is_survived_a_longer_one_ends_every_r
     [m] = manifests(tmp_path / "state")
     assert ask() == 4
 
-    cluster.cut(cluster.nodes[1])  # 2 s: the probes miss, the ladder starts, the grace (4 s) is not used up
-    time.sleep(2.0)
+    cluster.cut(cluster.nodes[1])  # 3.5 s: 2 probes (1 s each) miss, the ladder starts, the grace (6 s) is not used up
+    time.sleep(3.5)
     cluster.restore(cluster.nodes[1])
     deadline = time.monotonic() + 15
     while "answers again" not in rank_log(0):
