@@ -98,7 +98,7 @@ def main() -> None:
         for i in range(a.runs):
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
             conn.request("POST", "/v1/completions", body=json.dumps(
-                {"prompt": f"def main_{i}(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
+                {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
                 headers={"Content-Type": "application/json"})
             r = conn.getresponse()
             rid = json.loads(r.readline().decode()[6:])["id"]
