@@ -500,12 +500,9 @@ def main(argv: list[str] | None = None) -> None:
             # A command that loaded mlx (demo, model tiny) ends without the interpreter's teardown: mlx's native
             # worker threads made it abort at exit ("terminate called without an active exception", SIGABRT)
             # in 2 of 20 demo runs here, after all the work was done and reported.
-            for f in (sys.stdout, sys.stderr):
-                try:
-                    f.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(code)
+            from clusterctl.hardexit import exit_now
+
+            exit_now(code)
         raise
 
 

@@ -27,14 +27,19 @@ def cluster_toml(tmp: Path, cluster) -> Path:
     return p
 
 
+def ns_cli(cluster, env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The CLI run inside the coordinator's namespace."""
+    return subprocess.run(cluster.exec_argv(["env", *[f"{k}={v}" for k, v in env.items()], sys.executable,
+                                             "-m", "clusterctl", *args]),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
 def test_two_hosts_serve_and_an_unreachable_host_keeps_the_manifest(tmp_path, netns_cluster):
     cluster = netns_cluster(2)
     env = {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": ":".join(sys.path)}
 
     def cli(*args, timeout=240):
-        return subprocess.run(cluster.exec_argv(["env", *[f"{k}={v}" for k, v in env.items()], sys.executable,
-                                                 "-m", "clusterctl", *args]),
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return ns_cli(cluster, env, *args, timeout=timeout)
 
     c = cluster_toml(tmp_path, cluster)
     dep = tmp_path / "dep.json"
@@ -78,9 +83,7 @@ def test_a_cut_link_shorter_than_the_grace_is_survived_a_longer_one_ends_every_r
            "CLUSTERCTL_PEER_ABORT_GRACE": "6"}
 
     def cli(*args, timeout=240):
-        return subprocess.run(cluster.exec_argv(["env", *[f"{k}={v}" for k, v in env.items()], sys.executable,
-                                                 "-m", "clusterctl", *args]),
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return ns_cli(cluster, env, *args, timeout=timeout)
 
     def ask() -> int:
         q = subprocess.run(["ip", "netns", "exec", cluster.nodes[0].netns, "curl", "-sf",

@@ -42,12 +42,9 @@ def _say(msg: str) -> None:
 
 def _exit_now(code: int) -> None:
     # os._exit: a ring group's sockets and threads must not be able to hang interpreter shutdown
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    from clusterctl.hardexit import exit_now
+
+    exit_now(code)
 
 
 class Rank:
