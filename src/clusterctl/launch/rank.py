@@ -61,10 +61,13 @@ class Rank:
         self._fatal_lock = threading.Lock()
 
     # ---- exits
-    def fatal(self, err: ClusterctlError) -> None:
+    def fatal(self, err: ClusterctlError, state: str = "failed") -> None:
+        """Marker ``state`` (``failed``; ``lost`` from the peer-loss ladder) with the reason, then exit at once,
+        even with the main thread stuck in a collective. (No mx.clear_cache() first: it waits for the allocator
+        that a stuck collective holds. The exit releases the rank's memory.)"""
         with self._fatal_lock:
             if self.marker is not None:
-                self.marker.update(state="failed", error=err.message, final=True)
+                self.marker.update(state=state, error=err.message, final=True)
             _say(f"error: {err.message}")
             _exit_now(int(err.exit_code))
 
@@ -235,6 +238,7 @@ class Rank:
 
     def _start_prober(self, loop) -> None:
         from clusterctl.launch.peerprobe import Ladder, Prober, job_token, watched_peers
+        from clusterctl.launch.watchdog import PeerLost
 
         spec = self.spec
         addrs = self._ring_addresses()
@@ -258,10 +262,9 @@ class Rank:
             elif action == "recovered":
                 _say(f"{who} answers again: serving goes on")
             elif action == "lost":
-                self.lost(PeerLost(f"{who} lost: no probe answer for {window + spec.abort_grace_s:g} s "
-                                   f"({spec.probe_tolerance} probes, then {spec.abort_grace_s:g} s of grace)"))
-
-        from clusterctl.launch.watchdog import PeerLost
+                self.fatal(PeerLost(f"{who} lost: no probe answer for {window + spec.abort_grace_s:g} s "
+                                    f"({spec.probe_tolerance} probes, then {spec.abort_grace_s:g} s of grace)"),
+                           state="lost")
 
         self.prober = Prober(peers, job_token(spec.job_id, spec.nonce), spec.rank, ladder,
                              interval=spec.probe_interval_s, on_action=act).start()
@@ -301,16 +304,6 @@ class Rank:
         except (ClusterctlError, OSError) as e:
             _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
             return False
-
-    def lost(self, err: ClusterctlError) -> None:
-        """The ladder's last step: marker ``lost``, exit 69 at once, which releases the rank's memory, even with
-        the main thread stuck in a collective with the lost peer. (No mx.clear_cache() first: it waits for the
-        allocator that the stuck collective holds.)"""
-        with self._fatal_lock:
-            if self.marker is not None:
-                self.marker.update(state="lost", error=err.message, final=True)
-            _say(f"error: {err.message}")
-            _exit_now(int(err.exit_code))
 
 
 def _join_ring(rank: Rank, pipeline):
