@@ -176,7 +176,7 @@ class SyncView:
     def __init__(self, out: Output):
         self.out = out
         self.progress = None
-        self.tasks: dict[str, Any] = {}
+        self.tasks: dict[str, tuple[Any, int]] = {}  # node -> (progress task, total bytes)
         self.live = not out.json and not out.quiet and sys.stderr.isatty()
 
     def __call__(self, event: dict) -> None:
@@ -193,9 +193,10 @@ class SyncView:
             return
         if kind == "start":
             bar = self._bars()
-            self.tasks[event["node"]] = bar.add_task(esc(event["node"]), total=max(1, event["bytes"]))
+            total = max(1, event["bytes"])
+            self.tasks[event["node"]] = (bar.add_task(esc(event["node"]), total=total), total)
         elif kind == "progress" and event["node"] in self.tasks:
-            self._bars().update(self.tasks[event["node"]], completed=event["bytes"])
+            self._bars().update(self.tasks[event["node"]][0], completed=event["bytes"])
         elif kind == "done":
             self._stop_bar(event["node"], complete=True)
 
@@ -211,9 +212,8 @@ class SyncView:
 
     def _stop_bar(self, node: str, complete: bool = False) -> None:
         if self.progress is not None and node in self.tasks:
-            task = self.tasks.pop(node)
+            task, total = self.tasks.pop(node)
             if complete:
-                total = self.progress.tasks[[t.id for t in self.progress.tasks].index(task)].total
                 self.progress.update(task, completed=total)
 
     def close(self) -> None:
