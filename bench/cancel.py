@@ -6,6 +6,7 @@ Per run: a streaming greedy completion of up to 3000 tokens starts; once its fir
 `clusterctl cancel DEP --request ID --wait 30 --json` runs. Measured from the moment the command is spawned:
   to acks      the command returned with every rank's ack (its own process start-up included)
   to final     the client received the chunk with finish_reason "cancelled"
+  inside       the command's own figure: from its reads of the nodes' cancel files to the last ack (the ranks' part)
 The command is a fresh Python process each time (typer, pydantic, asyncssh imports): most of the figure is that
 start-up, which the "bare start-up" row (`clusterctl --version`) shows for comparison.
 
@@ -94,7 +95,7 @@ def main() -> None:
         run(["plan", "-c", str(cluster), "-m", str(model("7m")), "--context", "4096", "-o", str(dep), "-q"], env)
         out = json.loads(run(["launch", str(dep), "--detach", "--json"], env).stdout)
         host, port = out["endpoint"].removeprefix("http://").rsplit(":", 1)
-        acks, finals, bare = [], [], []
+        acks, finals, bare, inside = [], [], [], []
         for i in range(a.runs):
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
             conn.request("POST", "/v1/completions", body=json.dumps(
@@ -116,6 +117,7 @@ def main() -> None:
             t0 = time.monotonic()
             res = json.loads(run(["cancel", str(dep), "--request", rid, "--wait", "30", "--json"], env).stdout)
             acks.append(time.monotonic() - t0)
+            inside.append(res["jobs"][0]["seconds"])
             t.join(60)
             conn.close()
             if not final_at or not res["jobs"][0]["all_acked"]:
@@ -127,6 +129,7 @@ def main() -> None:
         rows = [[name, fmt(statistics.median(xs), " s", 3), fmt(p95(xs), " s", 3), fmt(max(xs), " s", 3)]
                 for name, xs in (("cancel -> every rank acked (command returned)", acks),
                                  ("cancel -> client got finish_reason cancelled", finals),
+                                 ("inside the command: files written -> every ack read", inside),
                                  ("bare start-up: clusterctl --version", bare))]
         say(f"bench/cancel.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  runs {a.runs}")
         say(table(rows, ["from spawning `clusterctl cancel`", "median", "p95", "max"]))

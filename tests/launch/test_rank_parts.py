@@ -13,7 +13,7 @@ from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWrite
                                        write_lease, write_marker)
 from clusterctl.launch.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
 from clusterctl.launch.rankspec import layer_range, parse_rank_spec
-from clusterctl.launch.serve import idle_interval
+from clusterctl.launch.serve import MAX_CHECKPOINT, Cadence, idle_interval
 from clusterctl.launch.watchdog import LeaseWatch, peer_loss
 
 
@@ -194,3 +194,19 @@ def test_idle_schedule_slows_down_but_stays_responsive():
     assert idle_interval(0) == 0.02
     assert idle_interval(10_000) == 0.1
     assert all(idle_interval(i) <= idle_interval(i + 1) for i in range(1000))
+
+
+def test_checkpoints_come_about_every_tenth_of_a_second_at_any_speed():
+    now = [0.0]
+    c = Cadence(target=0.1, clock=lambda: now[0])
+    now[0] += 0.5  # prefill plus the first 4 tokens: a slow start gives a short gap, corrected next time
+    assert c.next_gap(4) == 1
+    now[0] += 1 / 80  # one token at 80 tok/s
+    assert c.next_gap(1) == 8
+    now[0] += 8 / 80
+    assert c.next_gap(8) == 8
+    now[0] += 8 / 4  # the model slowed to 4 tok/s: check every token
+    assert c.next_gap(8) == 1
+    now[0] += 1e-6  # absurdly fast: capped
+    assert c.next_gap(1) == MAX_CHECKPOINT
+    assert c.next_gap(1) == MAX_CHECKPOINT  # no time passed at all

@@ -15,7 +15,7 @@ from clusterctl.errors import ClusterctlError, Exit, MissingInput
 from clusterctl.launch.manifest import ManifestStore
 from clusterctl.launch.nodes import SshOptions, close_all, handles
 
-ACK_POLL = 0.05
+ACK_POLL = 0.02
 
 
 class CancelNotAcked(ClusterctlError):

@@ -283,13 +283,14 @@ class StopMatcher:
 
 
 def generate(model, tokenizer, req: GenRequest, *, emit: Callable[[str], None] | None = None,
-             control: Callable[[], str | None] | None = None, every: int = 16,
+             control: Callable[[], tuple[str | None, int]] | None = None, every: int = 4,
              on_step: Callable[[], None] | None = None) -> GenResult:
     """Run one request with mlx-lm's ``generate_step``; identical on every rank.
 
     Every stop decision (EOS, max_tokens, stop strings) depends only on the tokens, so all ranks stop at the same
-    step. ``control`` is a collective called every ``every`` tokens AFTER draining the in-flight step; it returns
-    a finish reason to end early (cancel, shutdown) or None.
+    step. ``control`` is a collective called first after ``every`` tokens, AFTER draining the in-flight step; it
+    returns a finish reason to end early (cancel, shutdown) or None, and the number of tokens until the next call
+    (the same on every rank: rank 0 decides it and it travels with the collective).
     """
     import mlx.core as mx
     from mlx_lm.generate import generate_step, generation_stream, wired_limit
@@ -306,6 +307,7 @@ def generate(model, tokenizer, req: GenRequest, *, emit: Callable[[str], None] |
     parts: list[str] = []
     finish = "length"
     stopped_by_text = False
+    check_at = max(1, every)
 
     def out(s: str) -> None:
         if s:
@@ -330,12 +332,13 @@ def generate(model, tokenizer, req: GenRequest, *, emit: Callable[[str], None] |
                 if hit:
                     finish, stopped_by_text = "stop", True
                     break
-                if control is not None and (n + 1) % every == 0 and n + 1 < req.max_tokens:
+                if control is not None and n + 1 == check_at and n + 1 < req.max_tokens:
                     mx.synchronize(generation_stream)
-                    verdict = control()
+                    verdict, gap = control()
                     if verdict:
                         finish = verdict
                         break
+                    check_at = n + 1 + max(1, gap)
         finally:
             steps.close()
             mx.synchronize(generation_stream)

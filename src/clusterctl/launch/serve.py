@@ -1,9 +1,12 @@
 """Rank 0's OpenAI-compatible HTTP API, and the step loop every rank runs.
 
 Sharing: rank 0 shares each request ONCE (a fixed 8-word header all_sum, then the request bytes), then every rank
-runs the same ``pipeline.generate`` call; nothing is shared per token. Every ``every`` tokens the ranks drain the
+runs the same ``pipeline.generate`` call; nothing is shared per token. At checkpoints the ranks drain the
 in-flight step and all_sum two votes (cancel from rank 0, stop from anyone), so a cancelled stream or a shutdown
-ends within a few tokens on all ranks at the same step. After each request every rank's token digest is compared.
+ends within a few tokens on all ranks at the same step. Checkpoints come about every CHECKPOINT_S of decoding
+whatever the model's speed (``Cadence``: rank 0 turns the measured token rate into the number of tokens to the
+next checkpoint, and that number travels in the checkpoint words). After each request every rank's token digest
+is compared.
 
 Idle ranks: a rank waiting inside a collective busy-spins a core. So when idle, ranks meet on a shared schedule
 (every 20 ms right after a request, 50 ms for the next ~5 s, then 100 ms) and SLEEP between meetings instead of waiting in a
@@ -39,6 +42,29 @@ MAX_BODY = 4 << 20
 MAX_QUEUE = 64
 MAX_STOPS = 4
 CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
+
+
+CHECKPOINT_S = 0.25  # decoding time between checkpoints: cancel and stop latency vs one pipeline drain each (≈ a token)
+FIRST_CHECKPOINT = 4  # tokens before the first checkpoint of a request (the rate is not known yet)
+MAX_CHECKPOINT = 64
+
+
+class Cadence:
+    """Rank 0: tokens until the next checkpoint, so checkpoints come about every ``target`` seconds at any speed
+    (at 80 tok/s every 20 tokens, at 4 tok/s every token: a checkpoint costs about one token of pipeline
+    overlap, so 0.25 s keeps it near 5% of decoding, measured in bench/cancel.py)."""
+
+    def __init__(self, target: float = CHECKPOINT_S, clock: Callable[[], float] = time.monotonic):
+        self.target, self.clock = target, clock
+        self.t = clock()
+
+    def next_gap(self, tokens: int) -> int:
+        """``tokens`` were decoded since the last call (or since the cadence was made)."""
+        now = self.clock()
+        dt, self.t = now - self.t, now
+        if dt <= 0:
+            return MAX_CHECKPOINT
+        return max(1, min(MAX_CHECKPOINT, int(self.target * tokens / dt)))
 
 
 def idle_interval(ticks_since_request: int) -> float:
@@ -156,11 +182,11 @@ class StepLoop:
     """Runs on the main thread of every rank until the ranks agree to stop."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
-                 jobs: JobQueue | None = None, marker=None, watchdog=None, every: int = 16,
+                 jobs: JobQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
                  on_ack: Callable[[int, list[str]], None] | None = None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
-        self.stop, self.jobs, self.marker, self.every = stop, jobs, marker, every
+        self.stop, self.jobs, self.marker = stop, jobs, marker
         if active is None:
             active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
         self.active = active
@@ -271,27 +297,34 @@ class StepLoop:
         if not ok:
             raise PeerLost(f"rank {self.spec.rank}: lost a ring peer or the ring is corrupted ({what})")
 
-    def _control(self, job: Job | None) -> Callable[[], str | None]:
-        def control() -> str | None:
+    def _control(self, job: Job | None) -> Callable[[], tuple[str | None, int]]:
+        cadence = Cadence()
+        gap = [FIRST_CHECKPOINT]
+
+        def control() -> tuple[str | None, int]:
             if self.leader:
                 self._apply_cancels()
             cancel = 1 if (job is not None and job.cancelled.is_set()) else 0
             stop = 1 if self.stop.is_set() else 0
+            nxt = cadence.next_gap(gap[0])
             if self.world > 1:
                 self.checkpoints += 1
                 lead = self.leader
                 with self._guard("checkpoint"):
                     got = share_words(self.group, [cancel, stop, 1, self.checkpoints if lead else 0,
-                                                   self.epoch if lead else 0])
-                self._check_ring(got[2] == self.world and got[3] == self.checkpoints,
-                                 f"checkpoint {got[3]} (want {self.checkpoints}), {got[2]} of {self.world} ranks")
-                cancel, stop = got[0], got[1]
+                                                   self.epoch if lead else 0, nxt if lead else 0])
+                self._check_ring(got[2] == self.world and got[3] == self.checkpoints
+                                 and 1 <= got[5] <= MAX_CHECKPOINT,
+                                 f"checkpoint {got[3]} (want {self.checkpoints}), {got[2]} of {self.world} ranks, "
+                                 f"next in {got[5]} tokens")
+                cancel, stop, nxt = got[0], got[1], got[5]
                 self._ack(got[4])
+            gap[0] = nxt
             if stop:
-                return "shutdown"
+                return "shutdown", nxt
             if cancel:
-                return "cancelled"
-            return None
+                return "cancelled", nxt
+            return None, nxt
 
         return control
 
@@ -303,7 +336,7 @@ class StepLoop:
         emit = (lambda s: job.events.put(("text", s))) if job is not None else None
         try:
             result = generate(self.model, self.tokenizer, req, emit=emit, control=self._control(job),
-                              every=self.every, on_step=self.marker.touch_step if self.marker else None)
+                              every=FIRST_CHECKPOINT, on_step=self.marker.touch_step if self.marker else None)
             with self._guard("token agreement"):
                 agreed = self.world == 1 or agree_on_tokens(self.group, self.spec, result.tokens)
             if not agreed:
