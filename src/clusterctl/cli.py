@@ -22,7 +22,7 @@ app = typer.Typer(
     help="Serve one LLM across several machines with MLX distributed ranks.\n\n"
          "Plan a placement, launch one rank per node, tear it down verified.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -50,6 +50,29 @@ def _state(state_dir: Path | None):
     from clusterctl.state import StateDir
 
     return StateDir(state_dir)
+
+
+def _complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of what names a deployment: deployment and job ids of the state dir, and deployment
+    files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""
+    import glob
+
+    from clusterctl.state import StateDir
+
+    out: set[str] = set()
+    try:
+        st = StateDir((ctx.params or {}).get("state_dir") or os.environ.get("CLUSTERCTL_STATE_DIR") or None)
+        for folder in (st.deployments, st.launches):
+            if folder.is_dir():
+                out.update(p.stem for p in folder.glob("*.json"))
+        for p in glob.glob(glob.escape(incomplete) + "*"):
+            if os.path.isdir(p):
+                out.add(p.rstrip("/") + "/")
+            elif p.endswith(".json"):
+                out.add(p)
+    except Exception:
+        pass
+    return sorted(x for x in out if x.startswith(incomplete))
 
 
 def _version(value: bool) -> None:
@@ -113,7 +136,8 @@ def plan(
 # ---- verify -------------------------------------------------------------------------------------------------------
 @app.command()
 def verify(
-    file: Annotated[str, typer.Argument(help="A deployment file, or a deployment id in the state dir.")],
+    file: Annotated[str, typer.Argument(help="A deployment file, or a deployment id in the state dir.",
+                                        autocompletion=_complete_targets)],
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -148,7 +172,7 @@ def _ssh(known_hosts: Path | None, accept_new: bool):
 
 @app.command()
 def launch(
-    deployment: Annotated[str, typer.Argument(help="A deployment file or id.")],
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id.", autocompletion=_complete_targets)],
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready; `clusterctl teardown` ends it.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for every rank to be ready.", min=1)] = 600,
     grace: GraceOpt = 10.0,
@@ -195,8 +219,10 @@ def launch(
         running = starting.result()
         stop.clear()
         doc = running.summary()
-        if o.json:
+        if o.json and detach:
             o.data(doc)
+        elif o.json:
+            o.event("ready", doc)  # then one line per later event: docs/cli.md, "launch --json"
         elif not o.quiet:
             print(running.endpoint, flush=True)
             o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
@@ -206,7 +232,12 @@ def launch(
         code = await running.supervise(stop)
         if running.failure:
             o.error(running.failure)
+            if o.json:
+                o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank})
         report = running.report
+        if o.json:
+            o.event("teardown", {**report.to_json(), "reason": "rank_failed" if running.failure else "stopped",
+                                 "exit_code": code})
         if not report.ok:
             o.error("teardown could not confirm: " + "; ".join(report.survivors()))
         else:
@@ -219,7 +250,8 @@ def launch(
 
 @app.command()
 def teardown(
-    target: Annotated[Optional[str], typer.Argument(help="A deployment id or job id (default: every job).")] = None,
+    target: Annotated[Optional[str], typer.Argument(help="A deployment file, deployment id or job id (default: every job).",
+                                                    autocompletion=_complete_targets)] = None,
     grace: GraceOpt = 10.0,
     force: Annotated[bool, typer.Option("--force", help="Stop even while ranks report requests in flight.")] = False,
     drain: Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.", min=0)] = 0.0,
@@ -253,7 +285,8 @@ def teardown(
 
 @app.command()
 def cancel(
-    target: Annotated[str, typer.Argument(help="A deployment file, deployment id or job id.")],
+    target: Annotated[str, typer.Argument(help="A deployment file, deployment id or job id.",
+                                          autocompletion=_complete_targets)],
     request: Annotated[Optional[list[str]], typer.Option("--request", "-r", help="A request id to cancel (repeatable).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Cancel every request in flight or queued.")] = False,
     wait: Annotated[float, typer.Option("--wait", help="Wait up to S seconds for every rank to ack.", min=0)] = 0.0,
@@ -323,6 +356,8 @@ def reap(
 
 @app.command()
 def status(
+    target: Annotated[Optional[str], typer.Argument(help="Only this deployment: its file, deployment id or job id.",
+                                                    autocompletion=_complete_targets)] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Show every column.")] = False,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
@@ -336,14 +371,14 @@ def status(
 
     from clusterctl.launch.status import status as do_status
 
-    doc = asyncio.run(do_status(_state(state_dir), _ssh(known_hosts, accept_new_host_keys)))
+    doc = asyncio.run(do_status(_state(state_dir), _ssh(known_hosts, accept_new_host_keys), ref=target))
     if o.json:
         o.data(doc)
         return
     from clusterctl.render import status_table
 
     if not doc["jobs"]:
-        o.info("no launches")
+        o.info(f"no launches of {target}" if target else "no launches")
     for job in doc["jobs"]:
         o.table(status_table(job, wide=all_))
     for m in doc["malformed"]:
@@ -379,7 +414,7 @@ def manifest(
 
 @app.command()
 def sync(
-    deployment: Annotated[str, typer.Argument(help="A deployment file or id.")],
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id.", autocompletion=_complete_targets)],
     mode: Annotated[str, typer.Option(help="auto | rsync | download (auto: rsync from a verified copy, else download).")] = "auto",
     url: Annotated[Optional[str], typer.Option("--url", help="HTTP(S) mirror of the model folder, for download mode.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report each node's copy and what would be sent; send nothing.")] = False,

@@ -32,6 +32,12 @@ class Output:
         sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         sys.stdout.flush()
 
+    def event(self, name: str, doc: dict) -> None:
+        """One JSON line on stdout (a foreground `launch --json` follows the job with these)."""
+        sys.stdout.write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, "event": name, **doc},
+                                    ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
     def info(self, message: str) -> None:
         """A human line on stderr; silent with --quiet or --json. Never read as markup (paths, remote text)."""
         if not self.quiet and not self.json:

@@ -14,7 +14,7 @@ from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWrite
 from clusterctl.launch.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
 from clusterctl.launch.rankspec import layer_range, parse_rank_spec
 from clusterctl.launch.serve import MAX_CHECKPOINT, Cadence, idle_interval
-from clusterctl.launch.watchdog import LeaseWatch, peer_loss
+from clusterctl.launch.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
 
 def spec_dict(**kw) -> dict:
@@ -210,3 +210,15 @@ def test_checkpoints_come_about_every_tenth_of_a_second_at_any_speed():
     now[0] += 1e-6  # absurdly fast: capped
     assert c.next_gap(1) == MAX_CHECKPOINT
     assert c.next_gap(1) == MAX_CHECKPOINT  # no time passed at all
+
+
+def test_a_rank_watches_its_keeper_and_a_detached_rank_no_parent(monkeypatch):
+    def check():
+        return Watchdog(rank=0, on_trip=lambda e: None, lease_path=None, lease_seconds=30).check()
+
+    monkeypatch.setenv(KEEPER_PID_ENV, str(os.getppid()))
+    assert check() is None  # started by its keeper, which still runs
+    monkeypatch.setenv(KEEPER_PID_ENV, "1" if os.getppid() != 1 else "2")
+    assert isinstance(check(), ParentGone)  # the keeper is gone (even before the watchdog started)
+    monkeypatch.delenv(KEEPER_PID_ENV)
+    assert check() is None  # detached: whoever spawned it may exit; nothing to watch

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, Exit, MissingInput
 from clusterctl.launch.manifest import ManifestStore
@@ -24,11 +23,9 @@ class CancelNotAcked(ClusterctlError):
 
 def resolve_jobs(state, target: str) -> list:
     """Launch manifests of a job id, a deployment id, or the deployment FILE that `launch` was given."""
-    ref = target
-    p = Path(target)
-    if p.is_file() or target.endswith(".json"):
-        _, loaded = state.load_deployment(target)
-        ref = loaded.deployment.deployment_id
+    from clusterctl.launch.manifest import job_ref
+
+    ref = job_ref(state, target)
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
     good, _ = store.all() if state.launches.is_dir() else ([], [])
     jobs = [m for _, m in good if ref in (m.job_id, m.deployment_id)]
@@ -54,7 +51,7 @@ async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: fl
         doc = CancelFile(deployment_id=m.deployment_id, job_id=m.job_id, epoch=epoch, requests=requests,
                          created_at=time.time())
         data = json.dumps(doc.model_dump(mode="json"), indent=2).encode() + b"\n"
-        await asyncio.gather(*(hs[n].transport.write_file(str(cancel_path(d, m.deployment_id)), data, mode=0o600)
+        await asyncio.gather(*(hs[n].write_file(str(cancel_path(d, m.deployment_id)), data, mode=0o600)
                                for n, d in places))
         acks: dict[int, dict | None] = {r.rank: None for r in m.ranks}
         deadline = t0 + wait

@@ -26,6 +26,7 @@ import time
 
 DEFAULT_GRACE = 10.0
 GRACE_ENV = "CLUSTERCTL_KEEPER_GRACE"
+PID_ENV = "CLUSTERCTL_KEEPER_PID"  # tells the child which parent to watch (launch/watchdog.py)
 KILL_DEADLINE = 5.0  # after SIGKILL, how long to re-send it before reporting a survivor
 POLL = 0.2
 EXIT_CANNOT_START = 127
@@ -172,6 +173,7 @@ class _Keeper:
         signal.signal(signal.SIGTERM, self._on_term)
         env = dict(os.environ)
         env.pop(GRACE_ENV, None)
+        env[PID_ENV] = str(os.getpid())
         try:
             child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True, env=env)

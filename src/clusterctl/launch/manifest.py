@@ -145,3 +145,14 @@ class ManifestStore:
 
     def move_aside(self, path: Path) -> Path:
         return move_aside(path, "malformed")
+
+
+def job_ref(state, target: str) -> str:
+    """What an operator names a running deployment by: a job id, a deployment id, or the deployment FILE that
+    `launch` was given (its signature checked; its deployment id returned)."""
+    import os
+
+    if os.path.isfile(target) or target.endswith(".json"):
+        _, loaded = state.load_deployment(target)
+        return loaded.deployment.deployment_id
+    return target

@@ -1,12 +1,17 @@
-"""Operations that run ON a node: ``python -m clusterctl.launch.nodeops OP`` with a JSON request on stdin and one
-JSON answer on stdout. The coordinator reaches local and remote nodes the same way, through the transport, so
-the code that signals processes is the same everywhere and always runs next to the processes (and judges ages on
-the node's own clock).
+"""Operations that run ON a node. The coordinator reaches local and remote nodes the same way, through the
+transport, so the code that signals processes is the same everywhere and always runs next to the processes (and
+judges ages on the node's own clock).
+
+Two ways in: ``python -m clusterctl.launch.nodeops session`` (what the coordinator uses: one process per node for
+a whole command, JSON lines ``{"id", "op", "req"}`` in and ``{"id", "answer"|"error"}`` out, each request on its
+own thread, so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
+``python -m clusterctl.launch.nodeops OP`` with one JSON request on stdin and one answer on stdout.
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers), model_status (is the model copy here the planned one),
-model_prepare (create the folder a sync writes into), fetch (download model files from an HTTP mirror).
+files), markers (read a job's markers), wait_markers (wait until markers reach a state), read / write (a small
+file; atomic write), model_status (is the model copy here the planned one), model_prepare (create the folder a
+sync writes into), fetch (download model files from an HTTP mirror).
 """
 
 from __future__ import annotations
@@ -335,15 +340,111 @@ def op_fetch(req: dict) -> dict:
     return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))
 
 
+def op_read(req: dict) -> dict:
+    """A small regular file (not through a symlink), base64 in the answer."""
+    import base64
+
+    from clusterctl.atomic import read_capped
+
+    data = read_capped(req["path"], limit=int(req.get("limit", 65536)), what="file")
+    return {"data": base64.b64encode(data).decode()}
+
+
+def op_write(req: dict) -> dict:
+    """Replace a file atomically (temp file, fsync, rename), creating its folder."""
+    import base64
+
+    from clusterctl.atomic import atomic_write_bytes
+
+    data = base64.b64decode(req["data"], validate=True)
+    atomic_write_bytes(req["path"], data, mode=int(req.get("mode", 0o644)))
+    return {"written": len(data)}
+
+
+MARKER_WAIT_POLL = 0.02
+
+
+def op_wait_markers(req: dict) -> dict:
+    """Wait (up to ``timeout`` s) until every marker in ``paths`` is in one of ``states``, or one failed; return
+    them all as they are then. The coordinator long-polls with this instead of reading each marker every poll."""
+    paths = [Path(p) for p in req["paths"]]
+    states = set(req["states"])
+    deadline = time.monotonic() + min(float(req.get("timeout", 1.0)), 30.0)
+    while True:
+        docs = [_read_json(p) for p in paths]
+        if markers_settled(docs, states) or time.monotonic() >= deadline:
+            return {"markers": docs}
+        time.sleep(MARKER_WAIT_POLL)
+
+
+def markers_settled(docs: list[dict | None], states: set[str]) -> bool:
+    """Every marker is in one of ``states``, or one has failed (waiting longer would not help)."""
+    got = [(d or {}).get("state") for d in docs]
+    return all(g in states for g in got) or "failed" in got
+
+
 OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
-       "fetch": op_fetch}
+       "fetch": op_fetch, "read": op_read, "write": op_write, "wait_markers": op_wait_markers}
+
+SESSION_DRAIN_S = 60.0  # after the coordinator went away: how long requests still running may take to finish
+
+
+def session(stdin=None, stdout=None) -> int:
+    """Serve requests, one JSON line each, until stdin ends; each on its own thread, answers in any order."""
+    import threading
+
+    from clusterctl.errors import ClusterctlError
+
+    stdin = stdin or sys.stdin.buffer
+    if stdout is None:
+        # answers go to a private copy of fd 1; fd 1 itself becomes stderr, so nothing an op (or a library it
+        # imports) prints can corrupt the answer stream
+        stdout = os.fdopen(os.dup(1), "wb")
+        os.dup2(2, 1)
+    out_lock = threading.Lock()
+
+    def answer(doc: dict) -> None:
+        line = json.dumps(doc).encode() + b"\n"
+        with out_lock:
+            stdout.write(line)
+            stdout.flush()
+
+    def handle(rid, op: str, req: dict) -> None:
+        try:
+            answer({"id": rid, "answer": OPS[op](req)})
+        except ClusterctlError as e:
+            answer({"id": rid, "error": e.message, "kind": type(e).__name__})
+        except Exception as e:  # the answer is always a JSON line
+            answer({"id": rid, "error": f"{type(e).__name__}: {e}"[:2000]})
+
+    running: list[threading.Thread] = []
+    while line := stdin.readline(REQUEST_LIMIT + 1):
+        msg = None
+        try:
+            msg = json.loads(line)
+            rid, op, req = msg["id"], msg["op"], msg.get("req") or {}
+            if op not in OPS or not isinstance(req, dict):
+                raise ValueError(f"unknown op {op!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            answer({"id": msg.get("id") if isinstance(msg, dict) else None, "error": f"bad request: {e}"[:500]})
+            continue
+        t = threading.Thread(target=handle, args=(rid, op, req), daemon=True)
+        t.start()
+        running = [x for x in running if x.is_alive()] + [t]
+    deadline = time.monotonic() + SESSION_DRAIN_S
+    for t in running:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["session"]:
+        return session()
     if len(argv) != 1 or argv[0] not in OPS:
-        print(f"usage: python -m clusterctl.launch.nodeops {{{','.join(OPS)}}} < request.json", file=sys.stderr)
+        print(f"usage: python -m clusterctl.launch.nodeops {{session,{','.join(OPS)}}} < request.json",
+              file=sys.stderr)
         return 2
     try:
         req = json.loads(sys.stdin.buffer.read(REQUEST_LIMIT) or b"{}")

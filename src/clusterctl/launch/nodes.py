@@ -1,19 +1,29 @@
-"""One handle per node for the coordinator: its transport, its runtime dir, and node operations over it."""
+"""One handle per node for the coordinator: its transport, its runtime dir, and node operations over it.
+
+Node operations (clusterctl.launch.nodeops) go through one ``OpSession`` per node and command: one process on the
+node (one SSH channel, one Python start-up) answers every request of a launch, a teardown or a sync, concurrently.
+Small files of a remote node are read and written through the same session; a local node's directly.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import ClusterctlError, IntegrityError, RemoteCommandFailed
-from clusterctl.launch.transport import Transport, make_transport
+from clusterctl.errors import CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed
+from clusterctl.launch.transport import CommandTimedOut, Pipe, Transport, make_transport
 from clusterctl.plan.inventory import Node
 
 NODEOP_TIMEOUT = 120.0
+SESSION_CLOSE_WAIT = 2.0  # after stdin EOF: the node's session ends at once unless a request is still running
+MARKER_POLL = 0.02  # a local node's markers, read in-process
+_KINDS = {"MissingInput": MissingInput, "IntegrityError": IntegrityError, "CannotWrite": CannotWrite}
 
 
 @dataclass
@@ -57,42 +67,149 @@ def transport_for(node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) ->
                           keeper_grace=keeper_grace)
 
 
+class OpSession:
+    """The coordinator's end of ``python -m clusterctl.launch.nodeops session`` on one node: requests by id,
+    answers matched as they arrive, any number in flight. When the process ends every waiting request fails
+    with the last line it wrote to stderr."""
+
+    def __init__(self, node: str, pipe: Pipe, argv: list[str]):
+        self.node, self.pipe, self.argv = node, pipe, argv
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ids = 0
+        self.ended: str | None = None
+        self.stderr = bytearray()
+        self.readers = [asyncio.ensure_future(self._answers()), asyncio.ensure_future(self._errors())]
+
+    async def _errors(self) -> None:
+        while chunk := await self.pipe.read_stderr(65536):
+            self.stderr += chunk
+            del self.stderr[:-8192]
+
+    async def _answers(self) -> None:
+        try:
+            while line := await self.pipe.readline():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                fut = self.pending.pop(msg.get("id"), None) if isinstance(msg, dict) else None
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except Exception as e:  # a broken pipe or connection ends the session like EOF does
+            self.ended = f"{type(e).__name__}: {e}"
+        await asyncio.wait([self.readers[1]], timeout=1.0)
+        tail = self.stderr.decode("utf-8", "replace").strip().splitlines()
+        self.ended = self.ended or (tail[-1] if tail else "the node's session ended")
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(self._failed(self.ended))
+        self.pending.clear()
+
+    def _failed(self, why: str) -> RemoteCommandFailed:
+        return RemoteCommandFailed(f"node {self.node}: node operations failed: {why}", host=self.node,
+                                   argv=self.argv, stderr_tail=self.stderr.decode("utf-8", "replace")[-2000:])
+
+    @property
+    def alive(self) -> bool:
+        return self.ended is None
+
+    async def call(self, op: str, req: dict, timeout: float | None) -> dict:
+        if self.ended is not None:
+            raise self._failed(self.ended)
+        self.ids += 1
+        rid = self.ids
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        try:
+            self.pipe.write(json.dumps({"id": rid, "op": op, "req": req}).encode() + b"\n")
+            await self.pipe.drain()
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            raise CommandTimedOut(f"{op} timed out after {timeout:g} s on {self.node}", host=self.node,
+                                  argv=[*self.argv, op],
+                                  hint="the operation may still be running on the node") from None
+        except (BrokenPipeError, ConnectionError) as e:
+            raise self._failed(str(e) or type(e).__name__) from None
+        finally:
+            self.pending.pop(rid, None)
+
+    async def close(self) -> None:
+        self.pipe.close_stdin()
+        try:
+            async with asyncio.timeout(SESSION_CLOSE_WAIT):
+                await self.pipe.wait()
+        except TimeoutError:
+            self.pipe.kill()  # a request still running there (the node finishes it on its own, up to a minute)
+        for t in self.readers:
+            t.cancel()
+
+
 @dataclass
 class NodeHandle:
     node: Node
     transport: Transport
     runtime_dir: str | None = None
     probe: dict = field(default_factory=dict)
+    _session: OpSession | None = field(default=None, init=False, repr=False)
+    _opening: asyncio.Lock | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.node.name
 
+    async def session(self) -> OpSession:
+        """This node's op session, started on first use (and again if the last one ended)."""
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._session is None or not self._session.alive:
+                argv = [self.transport.python, "-m", "clusterctl.launch.nodeops", "session"]
+                self._session = OpSession(self.name, await self.transport.open_pipe(argv), argv)
+            return self._session
+
     async def op(self, op: str, req: dict, *, timeout: float = NODEOP_TIMEOUT) -> dict:
         """Run one node operation (clusterctl.launch.nodeops) and return its JSON answer."""
-        argv = [self.transport.python, "-m", "clusterctl.launch.nodeops", op]
-        result = await self.transport.run(argv, input=json.dumps(req).encode(), timeout=timeout)
-        try:
-            doc = json.loads(result.stdout or b"null")
-        except ValueError:
-            doc = None
+        sess = await self.session()
+        msg = await sess.call(op, req, timeout)
+        if "error" in msg:
+            kind = _KINDS.get(msg.get("kind"))
+            if kind is not None:
+                raise kind(f"{msg['error']} (on {self.name})")
+            raise RemoteCommandFailed(f"node {self.name}: {op} failed: {msg['error']}", host=self.name,
+                                      argv=[*sess.argv, op])
+        doc = msg.get("answer")
         if not isinstance(doc, dict):
-            tail = result.stderr_tail.splitlines()[-1] if result.stderr_tail else f"exit code {result.returncode}"
-            raise RemoteCommandFailed(f"node {self.name}: {op} failed: {tail}", host=self.name, argv=argv,
-                                      returncode=result.returncode, stderr_tail=result.stderr_tail)
+            raise RemoteCommandFailed(f"node {self.name}: {op} failed: no answer", host=self.name,
+                                      argv=[*sess.argv, op])
         if "error" in doc and len(doc) == 1:
-            raise RemoteCommandFailed(f"node {self.name}: {op} failed: {doc['error']}", host=self.name, argv=argv,
-                                      returncode=result.returncode, stderr_tail=result.stderr_tail)
+            raise RemoteCommandFailed(f"node {self.name}: {op} failed: {doc['error']}", host=self.name,
+                                      argv=[*sess.argv, op])
         return doc
 
     def path(self, name: str) -> str:
         assert self.runtime_dir, "runtime dir not resolved yet"
         return os.path.join(self.runtime_dir, name)
 
+    async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
+        if self.transport.is_local:
+            return await self.transport.read_file(path, limit=limit)
+        import base64
+
+        return base64.b64decode((await self.op("read", {"path": path, "limit": limit}))["data"])
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Replace a file on the node atomically."""
+        if self.transport.is_local:
+            return await self.transport.write_file(path, data, mode=mode)
+        import base64
+
+        await self.op("write", {"path": path, "data": base64.b64encode(bytes(data)).decode(), "mode": mode})
+
     async def read_json(self, path: str, *, limit: int = 65536) -> dict | None:
         """A small JSON file on the node, or None when it is missing or unreadable (never raises for that)."""
         try:
-            data = await self.transport.read_file(path, limit=limit)
+            data = await self.read_file(path, limit=limit)
         except ClusterctlError:
             return None
         try:
@@ -101,7 +218,26 @@ class NodeHandle:
             return None
         return doc if isinstance(doc, dict) else None
 
+    async def wait_markers(self, paths: list[str], states: set[str], timeout: float) -> list[dict | None]:
+        """The markers at ``paths`` once all are in ``states`` or one failed, or as they are after ``timeout``."""
+        if not self.transport.is_local:
+            ans = await self.op("wait_markers", {"paths": paths, "states": sorted(states), "timeout": timeout},
+                                timeout=timeout + 30.0)
+            return [d if isinstance(d, dict) else None for d in ans["markers"]]
+        from clusterctl.launch.nodeops import _read_json, markers_settled
+
+        deadline = time.monotonic() + timeout
+        while True:
+            docs = [_read_json(Path(p)) for p in paths]
+            if markers_settled(docs, states) or time.monotonic() >= deadline:
+                return docs
+            await asyncio.sleep(MARKER_POLL)
+
     async def close(self) -> None:
+        sess, self._session = self._session, None
+        if sess is not None:
+            with contextlib.suppress(Exception):
+                await sess.close()
         try:
             await self.transport.close()
         except Exception:

@@ -52,15 +52,16 @@ def describe(q: dict) -> str:
     return "; ".join(parts) or "every rank idle"
 
 
-async def quiescence(m, ssh: SshOptions) -> dict:
-    return judge(m, await job_markers(m, ssh))
+async def quiescence(m, ssh: SshOptions, hs=None) -> dict:
+    """``hs``: node handles to reuse (their sessions stay open); without, opened and closed here."""
+    return judge(m, await job_markers(m, ssh, hs))
 
 
-async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5) -> dict:
+async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> dict:
     """Poll until launch ``m`` is not busy or ``seconds`` have passed; the last answer."""
     deadline = time.monotonic() + seconds
     while True:
-        q = await quiescence(m, ssh)
+        q = await quiescence(m, ssh, hs)
         if q["state"] != "busy" or time.monotonic() >= deadline:
             return q
         await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))

@@ -192,6 +192,44 @@ class _SshChannel:
                           repr(info.start_time), str(info.boot_id)], timeout=KILL_TIMEOUT)
 
 
+class _SshPipe:
+    def __init__(self, transport: "SshTransport", proc: asyncssh.SSHClientProcess):
+        self.transport, self.proc = transport, proc
+
+    def write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+
+    async def drain(self) -> None:
+        try:
+            await self.proc.stdin.drain()
+        except (asyncssh.DisconnectError, asyncssh.BreakReceived, OSError) as e:
+            raise self.transport._lost(str(e) or type(e).__name__) from None
+
+    async def readline(self) -> bytes:
+        try:
+            return await self.proc.stdout.readline()
+        except (asyncssh.DisconnectError, asyncssh.BreakReceived, OSError):
+            return b""
+
+    async def read_stderr(self, n: int) -> bytes:
+        try:
+            return await self.proc.stderr.read(n)
+        except (asyncssh.DisconnectError, asyncssh.BreakReceived, OSError):
+            return b""
+
+    def close_stdin(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.stdin.write_eof()
+
+    async def wait(self) -> int | None:
+        with contextlib.suppress(asyncssh.DisconnectError, OSError):
+            await self.proc.wait_closed()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.close()
+
+
 class SshTransport:
     """A node reached over SSH. Lazily connected; ``close()`` ends the connection and with it every process
     this transport started (their keepers see EOF and stop their groups)."""
@@ -279,6 +317,10 @@ class SshTransport:
         await sp._begin()
         self._started = [p for p in self._started if p.returncode is None] + [sp]
         return sp
+
+    async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _SshPipe:
+        check_argv(argv, env)
+        return _SshPipe(self, await self._open(shell_command_line(argv, env, exec_=True)))
 
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
         argv = [self.python, "-I", "-c", _READ_PROGRAM, path, str(limit)]

@@ -12,11 +12,13 @@ from clusterctl.launch.reaper import coordinator_alive
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
 
-async def job_markers(m, ssh: SshOptions) -> dict[int, dict]:
+async def job_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
     """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
-    a rank missing from the answer has no marker. Ages are judged on each node's own clock."""
+    a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
+    handles to reuse (left open); without, opened and closed here."""
     markers: dict[int, dict] = {}
-    hs = handles(m.nodes, ssh)
+    own = hs is None
+    hs = hs or handles(m.nodes, ssh)
     try:
         dirs = {(r.node, r.runtime_dir) for r in m.ranks}
 
@@ -35,20 +37,28 @@ async def job_markers(m, ssh: SshOptions) -> dict[int, dict]:
 
         await asyncio.gather(*(one(n, d) for n, d in dirs))
     finally:
-        await close_all(hs)
+        if own:
+            await close_all(hs)
     return markers
 
 
-async def status(state, ssh: SshOptions, *, probe_nodes: bool = True) -> dict:
+async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None) -> dict:
+    """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
+    concurrently."""
+    from clusterctl.launch.manifest import job_ref
     from clusterctl.launch.quiescence import judge
 
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
     good, bad = store.all() if state.launches.is_dir() else ([], [])
+    if ref is not None:
+        ref = job_ref(state, ref)
+        good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
+        bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
+    all_markers = await asyncio.gather(*(job_markers(m, ssh) for _, m in good)) if probe_nodes else [{}] * len(good)
     jobs = []
-    for path, m in good:
+    for (path, m), markers in zip(good, all_markers):
         alive = coordinator_alive(m.coordinator)
         ranks = []
-        markers = await job_markers(m, ssh) if probe_nodes else {}
         for r in m.ranks:
             info = markers.get(r.rank, {})
             mk = _clean(info.get("marker") or {})

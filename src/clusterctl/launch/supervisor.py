@@ -36,7 +36,7 @@ from clusterctl.plan.deployment import Deployment, diff_placement
 
 ENV_LEASE = "CLUSTERCTL_LAUNCHER_LEASE"
 DEFAULT_LEASE = 30.0
-POLL = 0.25
+POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
 
 
 class LaunchFailed(ClusterctlError):
@@ -85,6 +85,7 @@ class Running:
     opts: LaunchOptions
     lease_task: asyncio.Task | None = None
     failure: str | None = None
+    failed_rank: dict | None = None  # the rank whose exit ended supervision: rank, node, exit_code, detail
     waiters: dict[int, asyncio.Task] = field(default_factory=dict)  # one wait() per foreground rank
 
     def watch(self, rank: int, p: StartedProcess) -> None:
@@ -121,6 +122,8 @@ class Running:
                     tail = p.stderr_tail.decode("utf-8", "replace").strip().splitlines()
                     self.failure = (f"rank {r} on {self.manifest.ranks[r].node} exited with code {rc}"
                                     + (f": {tail[-1]}" if tail else ""))
+                    self.failed_rank = {"rank": r, "node": self.manifest.ranks[r].node, "exit_code": rc,
+                                        "detail": tail[-1] if tail else ""}
                     code = int(Exit.FAILED)
         finally:
             stopper.cancel()
@@ -399,9 +402,9 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
 
         async def prepare(r) -> None:
             h, rec = hs[r.node], records[r.rank]
-            await h.transport.write_file(h.path(f"trusted-keys/{pub.key_id}.pub"), pub.to_text().encode())
+            await h.write_file(h.path(f"trusted-keys/{pub.key_id}.pub"), pub.to_text().encode())
             if hostfiles:
-                await h.transport.write_file(rec.hostfile_path, json.dumps(hostfiles[r.rank]).encode())
+                await h.write_file(rec.hostfile_path, json.dumps(hostfiles[r.rank]).encode())
             counts = [x.layers for x in dep.ranks]
             spec = {"deployment_id": dep.deployment_id, "job_id": job_id, "nonce": nonce, "node": r.node,
                     "rank": r.rank, "world_size": world, "backend": dep.backend,
@@ -414,7 +417,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
                     "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload,
                     "abort_grace_s": grace_from_env()}
-            await h.transport.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
+            await h.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 
         await asyncio.gather(*(prepare(r) for r in dep.ranks))
         if lease_seconds:
@@ -444,7 +447,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         await _wait_markers(run, dep, {"ready", "serving"}, opts.timeout, "load and become ready")
         for r in dep.ranks:
             records[r.rank].state = "ready"
-        await asyncio.gather(*(hs[r.node].transport.write_file(hs[r.node].path(f"{job_id}.gate"), b"open\n")
+        await asyncio.gather(*(hs[r.node].write_file(hs[r.node].path(f"{job_id}.gate"), b"open\n")
                                for r in dep.ranks))
         await _wait_markers(run, dep, {"serving"}, opts.timeout, "start serving", only_rank=0)
         m0 = await rank0.read_json(records[0].marker_path)
@@ -486,7 +489,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
 async def _renew_leases(hs, dep, job_id: str, duration: float, seq: int) -> None:
     body = json.dumps({"schema_version": 1, "type": "lease", "holder": f"{socket.gethostname()}:{os.getpid()}",
                        "seq": seq, "duration_s": duration}).encode()
-    await asyncio.gather(*(hs[r.node].transport.write_file(hs[r.node].path(f"{job_id}.lease"), body)
+    await asyncio.gather(*(hs[r.node].write_file(hs[r.node].path(f"{job_id}.lease"), body)
                            for r in dep.ranks), return_exceptions=True)
 
 
@@ -511,7 +514,16 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited with code {p.returncode} before it was ready"
                                    + (f": {tail[-1]}" if tail else ""),
                                    ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:])}])
-        docs = await asyncio.gather(*(run.hs[r.node].read_json(run.manifest.ranks[r.rank].marker_path) for r in ranks))
+        # one long poll per node (answers as soon as its markers are there, or one failed); a foreground rank
+        # that exits is noticed within one poll
+        by_node: dict[str, list] = {}
+        for r in ranks:
+            by_node.setdefault(r.node, []).append(r)
+        wait = max(0.05, min(POLL, deadline - time.monotonic()))
+        got = await asyncio.gather(*(run.hs[n].wait_markers([run.manifest.ranks[r.rank].marker_path for r in rs],
+                                                             states, wait) for n, rs in by_node.items()))
+        found = {r.rank: d for rs, docs in zip(by_node.values(), got) for r, d in zip(rs, docs)}
+        docs = [found[r.rank] for r in ranks]
         pending = []
         for r, doc in zip(ranks, docs):
             st = (doc or {}).get("state", "starting")
@@ -526,7 +538,6 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
         if time.monotonic() > deadline:
             raise LaunchFailed(f"timed out after {timeout:g} s waiting for ranks to {what}: " + ", ".join(
                 f"rank {r.rank} on {r.node} is {last.get(r.rank)}" for r in pending))
-        await asyncio.sleep(POLL)
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -161,19 +161,14 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     A job whose ranks report requests in flight (quiescence ``busy``) is not touched unless ``force``;
     ``drain`` seconds let it go idle first. Unknown activity (a rank unreachable or stale) does not block a
     teardown: stopping broken deployments is what teardown is for."""
-    import os
-    import signal as _signal
-    import time
-
-    from clusterctl.errors import Busy, MissingInput
-    from clusterctl.launch.procs import Identity, signal_process, status_of
-    from clusterctl.launch.reaper import coordinator_alive
-    from clusterctl.locks import Lock
+    from clusterctl.errors import MissingInput
+    from clusterctl.launch.manifest import job_ref
 
     trusted = state.keyring.public_keys()
     store = ManifestStore(state.launches, None, trusted)
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is not None:
+        ref = job_ref(state, ref)
         good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
         bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
         if not good and not bad:
@@ -186,8 +181,25 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
                              + "; ".join(f"{p}: {why}" for p, why in bad),
                              hint="inspect the file; stop its ranks by hand if they run, then remove it")
     jobs = [m for _, m in good]
-    if not force:
-        await refuse_busy(jobs, ssh, drain=drain, log=log)
+    hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
+    try:
+        if not force:
+            await refuse_busy(jobs, ssh, drain=drain, log=log, hs_of=hs_of)
+        return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
+    finally:
+        await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
+
+
+async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:
+    import os
+    import signal as _signal
+    import time
+
+    from clusterctl.errors import Busy
+    from clusterctl.launch.procs import Identity, signal_process, status_of
+    from clusterctl.launch.reaper import coordinator_alive
+    from clusterctl.locks import Lock
+
     reports = []
     for m in jobs:
         c = m.coordinator
@@ -211,24 +223,25 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
                     job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True))
                 continue
             store.key = state.keyring.signing_key()
-            reports.append(await teardown_job(m, store, ssh, grace=grace))
+            reports.append(await teardown_job(m, store, ssh, grace=grace, hs=hs_of[m.job_id]))
         finally:
             lock.release()
     return reports
 
 
-async def refuse_busy(jobs, ssh: SshOptions, *, drain: float = 0.0, log=lambda msg: None) -> None:
-    """Raise Busy (exit 75) naming the ranks' active requests when any job is busy (after ``drain`` s)."""
-    import asyncio
-
+async def refuse_busy(jobs, ssh: SshOptions, *, drain: float = 0.0, log=lambda msg: None,
+                      hs_of: dict | None = None) -> None:
+    """Raise Busy (exit 75) naming the ranks' active requests when any job is busy (after ``drain`` s).
+    ``hs_of``: node handles per job id to reuse."""
     from clusterctl.errors import Busy
     from clusterctl.launch.quiescence import describe, quiescence, wait_idle
 
+    hs_of = hs_of or {}
     if drain > 0:
         log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
-        answers = await asyncio.gather(*(wait_idle(m, ssh, drain) for m in jobs))
+        answers = await asyncio.gather(*(wait_idle(m, ssh, drain, hs=hs_of.get(m.job_id)) for m in jobs))
     else:
-        answers = await asyncio.gather(*(quiescence(m, ssh) for m in jobs))
+        answers = await asyncio.gather(*(quiescence(m, ssh, hs_of.get(m.job_id)) for m in jobs))
     busy = [q for q in answers if q["state"] == "busy"]
     if busy:
         q = busy[0]

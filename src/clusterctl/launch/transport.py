@@ -1,11 +1,12 @@
-"""The transport seam: run a command, start a long-lived process, read/write a file on one node.
+"""The transport seam: run a command, start a long-lived process, open a pipe, read/write a file on one node.
 
 Two implementations share this interface: ``LocalTransport`` (this machine, asyncio subprocesses) and
 ``SshTransport`` (``sshnode.py``, asyncssh, one connection per node). Everything above this layer (supervisor,
 sync) talks to ``Transport`` only, so it never builds a shell command or touches asyncssh itself.
 
 Long-lived processes always go through the keeper (``python -m clusterctl.launch.keeper``), locally and over
-SSH alike: the process lives exactly as long as the keeper's stdin stays open.
+SSH alike: the process lives exactly as long as the keeper's stdin stays open. A pipe (``open_pipe``) is a
+command whose stdin and stdout the caller keeps, line by line: the node-op session (``nodes.OpSession``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
+PIPE_LINE_LIMIT = 256 << 20  # one answer line of a pipe (a node op's answer; REQUEST_LIMIT is 64 MiB)
 START_TIMEOUT = 30.0  # the keeper must report its child within this (python start + psutil import on a slow node)
 KILL_WAIT = 5.0
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -86,7 +88,21 @@ class Transport(Protocol):
 
     async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None: ...
 
+    async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> "Pipe": ...
+
     async def close(self) -> None: ...
+
+
+class Pipe(Protocol):
+    """A running command's stdin (ours to write, then close) and stdout (lines); stderr read separately."""
+
+    def write(self, data: bytes) -> None: ...
+    async def drain(self) -> None: ...
+    async def readline(self) -> bytes: ...  # b"" at the end
+    async def read_stderr(self, n: int) -> bytes: ...  # b"" at the end
+    def close_stdin(self) -> None: ...
+    async def wait(self) -> int | None: ...
+    def kill(self) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -355,6 +371,34 @@ class _LocalChannel:
         kill_group_if_same(info.pid, info.pgid, info.start_time, info.boot_id)
 
 
+class _LocalPipe:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    def write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+
+    async def drain(self) -> None:
+        await self.proc.stdin.drain()
+
+    async def readline(self) -> bytes:
+        return await self.proc.stdout.readline()
+
+    async def read_stderr(self, n: int) -> bytes:
+        return await self.proc.stderr.read(n)
+
+    def close_stdin(self) -> None:
+        if not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+
+    async def wait(self) -> int | None:
+        return await self.proc.wait()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+
 @dataclass
 class LocalTransport:
     """Runs on this machine. Same semantics as SshTransport, without a network in between."""
@@ -418,6 +462,19 @@ class LocalTransport:
     async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:
         await asyncio.to_thread(_copy_atomic, Path(local_path), Path(remote_path), mode)
 
+    async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _LocalPipe:
+        check_argv(argv, env)
+        try:
+            # its own session: a Ctrl-C in the operator's terminal reaches the coordinator, which may still need
+            # this pipe to tear down what it started
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, **env} if env else None, start_new_session=True, limit=PIPE_LINE_LIMIT)
+        except OSError as e:
+            raise RemoteCommandFailed(f"cannot run {argv[0]} on {self.node}: {e.strerror or e}", host=self.node,
+                                      argv=list(argv)) from None
+        return _LocalPipe(proc)
+
     async def close(self) -> None:
         started, self._started = self._started, []
         await stop_all(started)
@@ -469,5 +526,5 @@ def make_transport(node_name: str, *, local: bool, target: "SshTarget | None", p
     return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
 
 
-__all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "StartedProcess", "LocalTransport",
+__all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "Pipe", "StartedProcess", "LocalTransport",
            "make_transport", "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status"]

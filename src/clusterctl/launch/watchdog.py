@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.launch.keeper import PID_ENV as KEEPER_PID_ENV
 
 
 class PeerLost(ClusterctlError):
@@ -95,7 +96,10 @@ class Watchdog:
         self.on_trip = on_trip
         self.interval = interval
         self.lease = LeaseWatch(lease_path, lease_seconds) if lease_path else None
-        self.ppid = os.getppid()
+        # A rank under a keeper watches that keeper (a keeper gone before this line counts too); a detached rank
+        # has no parent to watch: whoever spawned it may exit at any time, that is what detached means.
+        keeper = os.environ.get(KEEPER_PID_ENV, "")
+        self.ppid = int(keeper) if keeper.isdigit() else None
         self._deadline: tuple[float, str] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
@@ -119,7 +123,7 @@ class Watchdog:
         deadline = self._deadline
         if deadline is not None and time.monotonic() > deadline[0]:
             return PeerLost(f"rank {self.rank}: {deadline[1]} (a ring peer is frozen or gone)")
-        if os.getppid() != self.ppid:
+        if self.ppid is not None and os.getppid() != self.ppid:
             return ParentGone(f"rank {self.rank}: parent process {self.ppid} is gone")
         if self.lease is not None:
             reason = self.lease.check()
