@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -229,18 +230,58 @@ def test_ctrl_c_while_ranks_load_tears_down_at_once(tmp_path, tiny, env):
 
 
 def test_teardown_of_a_foreground_job_reports_every_rank(tmp_path, tiny, env):
+    # the deployment FILE names the job for status and teardown; a foreground `launch --json` follows the job
+    # with one JSON line per event
     dep = plan(tmp_path, tiny, env)
-    proc = start_cli("launch", dep, "--timeout", "180", env=env)
+    proc = start_cli("launch", dep, "--timeout", "180", "--json", env=env)
     try:
-        wait_line(proc)
-        r = cli("teardown", "--json", env=env)
+        ready = json.loads(wait_line(proc))
+        assert ready["event"] == "ready" and ready["endpoint"].startswith("http://127.0.0.1:")
+        assert [r["state"] for r in ready["ranks"]] == ["ready", "ready"]
+        [job] = json.loads(cli("status", dep, "--json", env=env, check=True).stdout)["jobs"]
+        assert job["job_id"] == ready["job_id"]
+        assert json.loads(cli("status", "some-other-deployment", "--json", env=env, check=True).stdout)["jobs"] == []
+        r = cli("teardown", dep, "--json", env=env)
         assert r.returncode == 0, r.stderr
         ranks = json.loads(r.stdout)["jobs"][0]["ranks"]
         assert [x["status"] for x in ranks] == ["gone", "gone"]
         assert proc.wait(timeout=30) == 0
+        [last] = [json.loads(x) for x in proc.stdout.read().splitlines()]
+        assert last["event"] == "teardown" and last["reason"] == "stopped" and last["exit_code"] == 0
+        assert last["job_id"] == ready["job_id"] and [x["status"] for x in last["ranks"]] == ["gone", "gone"]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_rank_lost_under_a_foreground_launch_is_an_event(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    proc = start_cli("launch", dep, "--timeout", "180", "--json", env=env)
+    try:
+        ready = json.loads(wait_line(proc))
+        victim = ready["ranks"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        events = [json.loads(x) for x in proc.stdout.read().splitlines()]
+        assert [e["event"] for e in events] == ["rank_failed", "teardown"], events
+        assert events[0]["rank"] == 1 and events[0]["node"] == victim["node"] and events[0]["exit_code"] == 128 + signal.SIGKILL
+        assert events[1]["reason"] == "rank_failed" and events[1]["ok"] and events[1]["exit_code"] == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert manifests(tmp_path / "state") == []
+
+
+def test_shell_completion_offers_deployments_and_jobs(tmp_path, tiny, env):
+    dep = plan(tmp_path, tiny, env)
+    dep_id = json.loads(Path(dep).read_text())["deployment_id"]
+    comp = {**env, "_CLUSTERCTL_COMPLETE": "complete_bash", "COMP_WORDS": "clusterctl teardown ", "COMP_CWORD": "2"}
+    out = subprocess.run([sys.executable, "-m", "clusterctl"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **comp}, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert "dep.json" in words and dep_id in words  # a file here, and the id from the state dir
+    assert "--install-completion" in cli("--help", env=env).stdout
 
 
 def launch_for_long_requests(tmp_path, tiny, env) -> tuple[str, str, int]:

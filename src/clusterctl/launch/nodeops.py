@@ -423,9 +423,11 @@ def session(stdin=None, stdout=None) -> int:
         msg = None
         try:
             msg = json.loads(line)
-            rid, op, req = msg["id"], msg["op"], msg.get("req") or {}
-            if op not in OPS or not isinstance(req, dict):
+            rid, op, req = msg["id"], msg["op"], msg.get("req", {})
+            if op not in OPS:
                 raise ValueError(f"unknown op {op!r}")
+            if not isinstance(req, dict):
+                raise ValueError(f"the request of {op} is not a JSON object")
         except (ValueError, KeyError, TypeError) as e:
             answer({"id": msg.get("id") if isinstance(msg, dict) else None, "error": f"bad request: {e}"[:500]})
             continue

@@ -121,16 +121,19 @@ class OpSession:
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         try:
-            self.pipe.write(json.dumps({"id": rid, "op": op, "req": req}).encode() + b"\n")
-            await self.pipe.drain()
+            try:
+                self.pipe.write(json.dumps({"id": rid, "op": op, "req": req}).encode() + b"\n")
+                await self.pipe.drain()
+            except (BrokenPipeError, ConnectionError) as e:
+                # the process is gone: its stderr says why better than the broken pipe does
+                await asyncio.wait([self.readers[0]], timeout=2.0)
+                raise self._failed(self.ended or str(e) or type(e).__name__) from None
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(fut)
         except TimeoutError:
             raise CommandTimedOut(f"{op} timed out after {timeout:g} s on {self.node}", host=self.node,
                                   argv=[*self.argv, op],
                                   hint="the operation may still be running on the node") from None
-        except (BrokenPipeError, ConnectionError) as e:
-            raise self._failed(str(e) or type(e).__name__) from None
         finally:
             self.pending.pop(rid, None)
 
@@ -140,7 +143,11 @@ class OpSession:
             async with asyncio.timeout(SESSION_CLOSE_WAIT):
                 await self.pipe.wait()
         except TimeoutError:
-            self.pipe.kill()  # a request still running there (the node finishes it on its own, up to a minute)
+            # a request still running there: end our side now (over SSH the node finishes it on its own)
+            self.pipe.kill()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SESSION_CLOSE_WAIT):
+                    await self.pipe.wait()
         for t in self.readers:
             t.cancel()
 

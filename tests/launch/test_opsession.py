@@ -1,0 +1,121 @@
+"""The node-op session (nodeops ``session`` + nodes.OpSession): one process per node answers every request of a
+command, concurrently, over a local pipe and over a real sshd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterctl.errors import CannotWrite, MissingInput, RemoteCommandFailed
+from clusterctl.launch.nodes import NodeHandle
+from clusterctl.launch.transport import CommandTimedOut, LocalTransport, make_transport
+from clusterctl.plan.inventory import Node
+
+PY = sys.executable
+
+
+@pytest.fixture(params=["local", "ssh"])
+def handle(request):
+    """A NodeHandle of either kind, built inside the running event loop."""
+    if request.param == "local":
+        return lambda: NodeHandle(Node(name="here", local=True), LocalTransport(node="here", python=PY))
+    sshd = request.getfixturevalue("sshd")
+    node = Node(name="n1", host="127.0.0.1", port=sshd.port)
+    return lambda: NodeHandle(node, make_transport("n1", local=False, target=sshd.target(), python=PY))
+
+
+def sessions_of(pid: int) -> int:
+    import psutil
+
+    me = psutil.Process(pid)
+    return sum(1 for p in psutil.process_iter(["cmdline"])
+               if (p.info["cmdline"] or [])[-2:] == ["clusterctl.launch.nodeops", "session"] and p.pid != me.pid)
+
+
+def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
+    marker = tmp_path / "job-rank0.json"
+
+    async def go():
+        h = handle()
+        try:
+            before = sessions_of(os.getpid())
+            slow = asyncio.ensure_future(h.wait_markers([str(marker)], {"serving"}, 5.0))
+            await asyncio.sleep(0.3)
+            # the long poll is still waiting; other requests on the same session answer meanwhile
+            t0 = time.monotonic()
+            await h.write_file(str(tmp_path / "sub" / "f.bin"), b"\x00\x01data", mode=0o600)
+            assert await h.read_file(str(tmp_path / "sub" / "f.bin")) == b"\x00\x01data"
+            probe = await h.op("probe", {})
+            assert probe["hostname"] and time.monotonic() - t0 < 4.0
+            assert not slow.done()
+            assert sessions_of(os.getpid()) - before == 1  # every request went through one process
+            marker.write_text(json.dumps({"state": "serving", "rank": 0}))
+            [doc] = await slow
+            assert doc["state"] == "serving"
+        finally:
+            await h.close()
+        assert oct((tmp_path / "sub" / "f.bin").stat().st_mode & 0o777) == "0o600"
+
+    asyncio.run(go())
+
+
+def test_errors_keep_their_kind_and_the_session_survives_them(handle, tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o500)
+
+    async def go():
+        h = handle()
+        try:
+            with pytest.raises(MissingInput, match="not found"):
+                await h.read_file(str(tmp_path / "nope"))
+            if os.geteuid() != 0:  # root writes anywhere
+                with pytest.raises(CannotWrite):
+                    await h.write_file(str(tmp_path / "ro" / "x"), b"x")
+            with pytest.raises(RemoteCommandFailed, match="unknown op"):
+                await h.op("no_such_op", {})
+            with pytest.raises(RemoteCommandFailed, match="clean failed"):
+                await h.op("clean", {})  # a request missing its fields: the op's own error, one line
+            with pytest.raises(CommandTimedOut):
+                await h.op("wait_markers", {"paths": [str(tmp_path / "m.json")], "states": ["serving"],
+                                            "timeout": 3}, timeout=0.3)
+            assert (await h.op("markers", {"runtime_dir": str(tmp_path), "job_id": "j"}))["markers"] == []
+        finally:
+            await h.close()
+
+    asyncio.run(go())
+
+
+def test_a_node_without_a_working_python_fails_every_request_with_its_reason(tmp_path):
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 'no module named clusterctl' >&2\nexit 1\n")
+    fake.chmod(0o755)
+
+    async def go():
+        h = NodeHandle(Node(name="here", local=True), LocalTransport(node="here", python=str(fake)))
+        try:
+            with pytest.raises(RemoteCommandFailed, match="no module named clusterctl"):
+                await h.op("probe", {})
+        finally:
+            await h.close()
+
+    asyncio.run(go())
+
+
+def test_the_session_answers_bad_lines_and_ends_at_eof():
+    import subprocess
+
+    lines = [{"id": 1, "op": "read", "req": {"path": "/proc/self/status", "limit": 1 << 20}}, "not json",
+             {"id": 2, "op": "probe", "req": []}]
+    p = subprocess.run([PY, "-m", "clusterctl.launch.nodeops", "session"], timeout=60, capture_output=True,
+                       input="".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode())
+    assert p.returncode == 0
+    answers = [json.loads(x) for x in p.stdout.splitlines()]
+    by_id = {a["id"]: a for a in answers}
+    assert "data" in by_id[1]["answer"]
+    assert "bad request" in by_id[None]["error"] and "not a JSON object" in by_id[2]["error"]
+    assert len(answers) == 3
