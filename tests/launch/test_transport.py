@@ -21,8 +21,8 @@ from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit,
                                MissingInput, RemoteCommandFailed, UsageError)
 from clusterctl.launch import keeper
 from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.transport import (CommandTimedOut, LocalTransport, Transport, make_transport,
-                                         shell_command_line)
+from clusterctl.launch.nodes import make_transport
+from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Transport, shell_command_line
 
 from fixtures_ssh import free_port, keygen, public_key
 
@@ -467,7 +467,7 @@ def test_coordinator_closing_the_channel_stops_the_remote_group(sshd):
 DRIVER = r"""
 import asyncio, json, sys
 from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.transport import make_transport
+from clusterctl.launch.nodes import make_transport
 
 async def main():
     t = make_transport("n", local=False, target=SshTarget.model_validate_json(sys.argv[1]), python=sys.executable,
@@ -504,7 +504,7 @@ NETNS_DRIVER = r"""
 import asyncio, json, sys, time
 from clusterctl.errors import ClusterctlError
 from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.transport import make_transport
+from clusterctl.launch.nodes import make_transport
 
 def say(**kw):
     print(json.dumps(kw), flush=True)

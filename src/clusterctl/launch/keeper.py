@@ -26,7 +26,7 @@ import time
 
 DEFAULT_GRACE = 10.0
 GRACE_ENV = "CLUSTERCTL_KEEPER_GRACE"
-PID_ENV = "CLUSTERCTL_KEEPER_PID"  # tells the child which parent to watch (launch/watchdog.py)
+PID_ENV = "CLUSTERCTL_KEEPER_PID"  # tells the child which parent to watch (launch/rank/watchdog.py)
 KILL_DEADLINE = 5.0  # after SIGKILL, how long to re-send it before reporting a survivor
 POLL = 0.2
 EXIT_CANNOT_START = 127

@@ -156,3 +156,16 @@ def job_ref(state, target: str) -> str:
         _, loaded = state.load_deployment(target)
         return loaded.deployment.deployment_id
     return target
+
+
+def coordinator_alive(c: Coordinator) -> bool:
+    """Is the coordinator that wrote a launch manifest still running (judged on this machine only)?"""
+    from clusterctl.launch.procs import Identity, boot_id, status_of
+
+    if c.detached:
+        return True  # a detached job has no coordinator to outlive; only `teardown` ends it
+    if c.host != socket.gethostname():
+        return True  # another machine's coordinator: not ours to judge
+    if c.boot_id and boot_id() and c.boot_id != boot_id():
+        return False
+    return status_of(Identity(pid=c.pid, start_time=c.start_time, nonce=None)) in ("alive", "unverifiable")

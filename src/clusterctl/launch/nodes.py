@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterctl.errors import CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed
-from clusterctl.launch.transport import CommandTimedOut, Pipe, Transport, make_transport
+from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Pipe, Transport
 from clusterctl.plan.inventory import Node
 
 NODEOP_TIMEOUT = 120.0
@@ -60,6 +60,19 @@ def ssh_target(node: Node, ssh: SshOptions):
         err = e.errors()[0]
         raise ConfigError(f"node {node.name}: {'.'.join(map(str, err['loc'])) or 'ssh'}: "
                           f"{err['msg'].removeprefix('Value error, ')}") from None
+
+
+def make_transport(node_name: str, *, local: bool, target, python: str, keeper_grace: float = 10.0) -> Transport:
+    """LocalTransport for the coordinator's own node, SshTransport (lazily connected) for the others."""
+    if local:
+        return LocalTransport(node=node_name, python=python, keeper_grace=keeper_grace)
+    if target is None:
+        from clusterctl.errors import UsageError
+
+        raise UsageError(f"node {node_name} is not local and has no ssh target")
+    from clusterctl.launch.sshnode import SshTransport  # asyncssh is imported only when a node needs it
+
+    return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
 
 
 def transport_for(node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) -> Transport:
@@ -272,7 +285,7 @@ def first_error_code(errors: list[BaseException]):
     return codes.pop() if len(codes) == 1 else Exit.FAILED
 
 
-__all__ = ["NodeHandle", "SshOptions", "handles", "close_all", "transport_for", "node_python", "IntegrityError"]
+__all__ = ["NodeHandle", "SshOptions", "handles", "close_all", "transport_for", "make_transport", "node_python", "IntegrityError"]
 
 
 def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:

@@ -12,12 +12,57 @@ from __future__ import annotations
 import asyncio
 import time
 
-from clusterctl.launch.nodes import SshOptions
-from clusterctl.launch.status import STALE_AFTER, _clean, job_markers
+from clusterctl.errors import ClusterctlError
+from clusterctl.launch.nodes import SshOptions, close_all, handles
+
+STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
+
+
+async def job_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
+    """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
+    a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
+    handles to reuse (left open); without, opened and closed here."""
+    markers: dict[int, dict] = {}
+    own = hs is None
+    hs = hs or handles(m.nodes, ssh)
+    try:
+        dirs = {(r.node, r.runtime_dir) for r in m.ranks}
+
+        async def one(node: str, d: str) -> None:
+            try:
+                ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
+            except ClusterctlError as e:
+                for r in m.ranks:
+                    if r.node == node:
+                        markers[r.rank] = {"error": e.message}
+                return
+            for x in ans.get("markers", []):
+                doc = x.get("marker") or {}
+                if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
+                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+
+        await asyncio.gather(*(one(n, d) for n, d in dirs))
+    finally:
+        if own:
+            await close_all(hs)
+    return markers
+
+
+def clean_marker(mk: dict) -> dict:
+    """A marker as status shows it: fields of the wrong type are dropped (a garbled file never crashes status)."""
+    out = {}
+    for key, kind in (("state", str), ("endpoint", str), ("error", str)):
+        v = mk.get(key)
+        out[key] = v[:500] if isinstance(v, kind) else None
+    ce = mk.get("cancel_epoch")
+    out["cancel_epoch"] = ce if isinstance(ce, int) and not isinstance(ce, bool) else None
+    ar = mk.get("active_requests")
+    out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
+    return out
 
 
 def judge(m, markers: dict[int, dict], *, stale_after: float = STALE_AFTER) -> dict:
-    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``status.job_markers`` returns)."""
+    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``job_markers`` returns)."""
     ranks = []
     for r in m.ranks:
         info = markers.get(r.rank)
@@ -27,7 +72,7 @@ def judge(m, markers: dict[int, dict], *, stale_after: float = STALE_AFTER) -> d
         if "error" in info:
             ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": info["error"], "active": []})
             continue
-        mk = _clean(info.get("marker") or {})
+        mk = clean_marker(info.get("marker") or {})
         age = info.get("age")
         active = mk["active_requests"]
         if not isinstance(age, (int, float)) or age > stale_after:

@@ -57,7 +57,7 @@ class RankSpec(BaseModel):
     # how long a ring exchange that takes milliseconds when healthy may hang before the rank gives up
     control_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     join_timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    # the peer-loss ladder (launch/peerprobe.py): probe every interval, act after tolerance misses, grace to return
+    # the peer-loss ladder (launch/rank/peerprobe.py): probe every interval, act after tolerance misses, grace to return
     probe_interval_s: float = Field(default=1.0, gt=0, le=60)
     probe_tolerance: int = Field(default=2, ge=1, le=100)
     abort_grace_s: float = Field(default=5.0, ge=0, le=3600)

@@ -8,26 +8,15 @@ lock is taken before touching a job, so a reap never races a launch or a teardow
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.launch.manifest import Coordinator, ManifestStore
+from clusterctl.launch.manifest import ManifestStore, coordinator_alive
 from clusterctl.launch.nodes import SshOptions
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, locked
 
 
-def coordinator_alive(c: Coordinator) -> bool:
-    from clusterctl.launch.procs import Identity, boot_id, status_of
-
-    if c.detached:
-        return True  # a detached job has no coordinator to outlive; only `teardown` ends it
-    if c.host != socket.gethostname():
-        return True  # another machine's coordinator: not ours to judge
-    if c.boot_id and boot_id() and c.boot_id != boot_id():
-        return False
-    return status_of(Identity(pid=c.pid, start_time=c.start_time, nonce=None)) in ("alive", "unverifiable")
 
 
 async def ranks_alive(m, ssh: SshOptions) -> bool:

@@ -4,50 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from clusterctl.errors import ClusterctlError
-from clusterctl.launch.manifest import ManifestStore
-from clusterctl.launch.nodes import SshOptions, close_all, handles
-from clusterctl.launch.reaper import coordinator_alive
-
-STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
-
-
-async def job_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
-    """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
-    a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
-    handles to reuse (left open); without, opened and closed here."""
-    markers: dict[int, dict] = {}
-    own = hs is None
-    hs = hs or handles(m.nodes, ssh)
-    try:
-        dirs = {(r.node, r.runtime_dir) for r in m.ranks}
-
-        async def one(node: str, d: str) -> None:
-            try:
-                ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
-            except ClusterctlError as e:
-                for r in m.ranks:
-                    if r.node == node:
-                        markers[r.rank] = {"error": e.message}
-                return
-            for x in ans.get("markers", []):
-                doc = x.get("marker") or {}
-                if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
-                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
-
-        await asyncio.gather(*(one(n, d) for n, d in dirs))
-    finally:
-        if own:
-            await close_all(hs)
-    return markers
-
+from clusterctl.launch.manifest import ManifestStore, coordinator_alive, job_ref
+from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, job_markers, judge
 
 async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
     concurrently."""
-    from clusterctl.launch.manifest import job_ref
-    from clusterctl.launch.quiescence import judge
-
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is not None:
@@ -61,7 +24,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
         ranks = []
         for r in m.ranks:
             info = markers.get(r.rank, {})
-            mk = _clean(info.get("marker") or {})
+            mk = clean_marker(info.get("marker") or {})
             age = info.get("age")
             ranks.append({
                 "rank": r.rank, "node": r.node, "host": r.host, "pid": r.pid,
@@ -78,16 +41,3 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                      "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
                      "activity": q["state"] if q else None, "ranks": ranks})
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}
-
-
-def _clean(mk: dict) -> dict:
-    """A marker as status shows it: fields of the wrong type are dropped (a garbled file never crashes status)."""
-    out = {}
-    for key, kind in (("state", str), ("endpoint", str), ("error", str)):
-        v = mk.get(key)
-        out[key] = v[:500] if isinstance(v, kind) else None
-    ce = mk.get("cancel_epoch")
-    out["cancel_epoch"] = ce if isinstance(ce, int) and not isinstance(ce, bool) else None
-    ar = mk.get("active_requests")
-    out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
-    return out

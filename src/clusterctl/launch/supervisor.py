@@ -26,7 +26,7 @@ from clusterctl import __version__
 from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, IntegrityError, RemoteCommandFailed
 from clusterctl.launch import hostfile
 from clusterctl.launch.contract import encode_contract
-from clusterctl.launch.peerprobe import grace_from_env
+from clusterctl.launch.rank.peerprobe import grace_from_env
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso, this_coordinator
 from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, SshOptions, close_all, first_error_code, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, TeardownReport, teardown_job

@@ -197,7 +197,7 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
 
     from clusterctl.errors import Busy
     from clusterctl.launch.procs import Identity, signal_process, status_of
-    from clusterctl.launch.reaper import coordinator_alive
+    from clusterctl.launch.manifest import coordinator_alive
     from clusterctl.locks import Lock
 
     reports = []

@@ -1,7 +1,8 @@
 """The transport seam: run a command, start a long-lived process, open a pipe, read/write a file on one node.
 
 Two implementations share this interface: ``LocalTransport`` (this machine, asyncio subprocesses) and
-``SshTransport`` (``sshnode.py``, asyncssh, one connection per node). Everything above this layer (supervisor,
+``SshTransport`` (``sshnode.py``, asyncssh, one connection per node; it builds on this module, never the other
+way round: ``nodes.make_transport`` picks one). Everything above this layer (supervisor,
 sync) talks to ``Transport`` only, so it never builds a shell command or touches asyncssh itself.
 
 Long-lived processes always go through the keeper (``python -m clusterctl.launch.keeper``), locally and over
@@ -21,16 +22,13 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
 from clusterctl.atomic import atomic_write_bytes, fsync_dir, read_capped, strict_loads
 from clusterctl.errors import (CannotWrite, ClusterctlError, HostUnreachable, IntegrityError, MissingInput,
                                RemoteCommandFailed, UsageError)
-
-if TYPE_CHECKING:
-    from clusterctl.launch.ssh_policy import SshTarget
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
@@ -512,19 +510,5 @@ def _copy_atomic(src: Path, dest: Path, mode: int | None) -> None:
     fsync_dir(dest.parent)
 
 
-# ---------------------------------------------------------------------------------------------- factory
-
-def make_transport(node_name: str, *, local: bool, target: "SshTarget | None", python: str,
-                   keeper_grace: float = 10.0) -> Transport:
-    """LocalTransport for the coordinator's own node, SshTransport (lazily connected) for the others."""
-    if local:
-        return LocalTransport(node=node_name, python=python, keeper_grace=keeper_grace)
-    if target is None:
-        raise UsageError(f"node {node_name} is not local and has no ssh target")
-    from clusterctl.launch.sshnode import SshTransport  # asyncssh is imported only when a node needs it
-
-    return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
-
-
 __all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "Pipe", "StartedProcess", "LocalTransport",
-           "make_transport", "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status"]
+           "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status"]

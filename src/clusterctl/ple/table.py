@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -15,8 +15,14 @@ from clusterctl.ple.gather import Part
 from clusterctl.ple.safetensors import TensorEntry
 from clusterctl.ple.shard import ShardFile
 
-if TYPE_CHECKING:
-    from clusterctl.ple.reader import Reader
+
+class RowSource(Protocol):
+    """What a table needs from the reader that made it (``reader.Reader``): the reader's batched, accounted
+    reads. Named here so this module does not import the reader, which imports it."""
+
+    def _gather_items(self, items: list) -> list[np.ndarray]: ...
+    def _residency(self, table: "Table", indices) -> float: ...
+    def _drop_mappings(self, table: "Table", indices) -> None: ...
 
 
 def as_indices(indices, nrows: int, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -39,7 +45,7 @@ def as_indices(indices, nrows: int, what: str) -> tuple[np.ndarray, tuple[int, .
 class Table:
     """Rows of one logical 2-D (or N-D, rows along axis 0) table served from safetensors files."""
 
-    def __init__(self, reader: Reader, parts: list[tuple[ShardFile, TensorEntry]]):
+    def __init__(self, reader: RowSource, parts: list[tuple[ShardFile, TensorEntry]]):
         if not parts:
             raise ValueError("a table needs at least one tensor")
         e0 = parts[0][1]
@@ -140,7 +146,7 @@ class QuantizedRows(NamedTuple):
 class QuantizedTable:
     """An MLX-style quantized table: ``<base>.weight`` (U32 packed), ``<base>.scales``, ``<base>.biases``."""
 
-    def __init__(self, reader: Reader, weight: Table, scales: Table, biases: Table | None):
+    def __init__(self, reader: RowSource, weight: Table, scales: Table, biases: Table | None):
         for t in (scales, biases):
             if t is not None and t.nrows != weight.nrows:
                 raise CorruptTensorFile(f"{t.name} has {t.nrows} rows but {weight.name} has {weight.nrows}")

@@ -32,10 +32,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.launch.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens, generate,
+from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens, generate,
                                         share_payload, share_words)
 from clusterctl.launch.rankspec import RankSpec
-from clusterctl.launch.watchdog import PeerLost
+from clusterctl.launch.rank.watchdog import PeerLost
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 MAX_BODY = 4 << 20

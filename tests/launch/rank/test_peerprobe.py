@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from clusterctl.launch.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, grace_from_env, job_token,
+from clusterctl.launch.rank.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, grace_from_env, job_token,
                                          watched_peers)
 
 

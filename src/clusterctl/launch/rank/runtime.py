@@ -117,7 +117,7 @@ class Rank:
     # ---- the life of a rank
     def run(self) -> int:
         from clusterctl.launch.markers import MarkerWriter
-        from clusterctl.launch.watchdog import Watchdog
+        from clusterctl.launch.rank.watchdog import Watchdog
 
         spec = self.spec
         threading.Thread(target=self._signal_thread, name="signals", daemon=True).start()
@@ -133,7 +133,7 @@ class Rank:
         except ClusterctlError as e:
             self.fatal(e)
         except RuntimeError as e:
-            from clusterctl.launch.watchdog import peer_loss
+            from clusterctl.launch.rank.watchdog import peer_loss
 
             lost = peer_loss(e, spec.rank)
             if lost is not None:
@@ -154,8 +154,8 @@ class Rank:
         return _join_ring(self, pipeline)
 
     def _serve(self) -> int:
-        from clusterctl.launch import pipeline
-        from clusterctl.launch.serve import ActiveSet, Api, JobQueue, StepLoop, context_length
+        from clusterctl.launch.rank import pipeline
+        from clusterctl.launch.rank.serve import ActiveSet, Api, JobQueue, StepLoop, context_length
 
         spec = self.spec
         jobs = JobQueue() if spec.rank == 0 else None
@@ -211,12 +211,12 @@ class Rank:
         loop.run()
         return self._graceful()
 
-    # ---- the peer-loss ladder (launch/peerprobe.py)
+    # ---- the peer-loss ladder (launch/rank/peerprobe.py)
     def _ring_addresses(self) -> list[tuple[str, int]] | None:
         spec = self.spec
         if spec.world_size < 2 or spec.backend != "ring" or not spec.hostfile or not spec.peer_probes:
             return None
-        from clusterctl.launch.peerprobe import parse_addr
+        from clusterctl.launch.rank.peerprobe import parse_addr
 
         try:
             entries = json.loads(Path(spec.hostfile).read_text())
@@ -225,7 +225,7 @@ class Rank:
             return None
 
     def _start_responder(self) -> None:
-        from clusterctl.launch.peerprobe import Responder, job_token
+        from clusterctl.launch.rank.peerprobe import Responder, job_token
 
         addrs = self._ring_addresses()
         if addrs is None:
@@ -237,8 +237,8 @@ class Rank:
             _say(f"rank {self.spec.rank}: peer probes off: cannot answer probes on udp {host}:{port} ({e.strerror or e})")
 
     def _start_prober(self, loop) -> None:
-        from clusterctl.launch.peerprobe import Ladder, Prober, job_token, watched_peers
-        from clusterctl.launch.watchdog import PeerLost
+        from clusterctl.launch.rank.peerprobe import Ladder, Prober, job_token, watched_peers
+        from clusterctl.launch.rank.watchdog import PeerLost
 
         spec = self.spec
         addrs = self._ring_addresses()
@@ -272,7 +272,7 @@ class Rank:
     def _tripped(self, err: ClusterctlError) -> None:
         """The watchdog's verdict. A stale launcher lease first runs the ladder's abort stage (requests in flight
         end as cancelled for their clients, on every rank at the same step), then the rank exits."""
-        from clusterctl.launch.watchdog import LeaseExpired
+        from clusterctl.launch.rank.watchdog import LeaseExpired
 
         if isinstance(err, LeaseExpired) and self.loop is not None and self.spec.abort_grace_s > 0:
             self._abort_stage(self.spec.abort_grace_s)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         spec = _read_spec(ns)
-        from clusterctl.launch.pipeline import apply_environment, rank_environment
+        from clusterctl.launch.rank.pipeline import apply_environment, rank_environment
 
         apply_environment(rank_environment(spec, dict(os.environ)))
     except ClusterctlError as e:

@@ -11,10 +11,10 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
                                        write_lease, write_marker)
-from clusterctl.launch.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
+from clusterctl.launch.rank.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
 from clusterctl.launch.rankspec import layer_range, parse_rank_spec
-from clusterctl.launch.serve import MAX_CHECKPOINT, Cadence, idle_interval
-from clusterctl.launch.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
+from clusterctl.launch.rank.serve import MAX_CHECKPOINT, Cadence, idle_interval
+from clusterctl.launch.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
 
 def spec_dict(**kw) -> dict:

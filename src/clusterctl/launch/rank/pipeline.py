@@ -130,7 +130,7 @@ def load_shard(spec: RankSpec):
         if getattr(getattr(model, "args", None), "tie_word_embeddings", True):
             raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
         if spec.rank == spec.world_size - 1:  # the rank that embeds tokens reads rows from SSD
-            from clusterctl.launch.offload import install
+            from clusterctl.launch.rank.offload import install
 
             install(model, path, config)
         else:  # the others only receive activations: they need the embedding's output shape, not its rows
