@@ -70,6 +70,7 @@ class Sample:
     leaked_files: int = 0
     split: dict = field(default_factory=dict)
     sessions: int | None = None  # ssh sessions opened on the nodes during the whole arm
+    conns: tuple | None = None  # clusterctl: (launch connections, launch channels, teardown conns, teardown chans)
     error: str | None = None
 
 
@@ -125,10 +126,14 @@ def sessions(nodes: SshNodes, n: int) -> int:
     return sum(d.log_text().count("Starting session:") for d in nodes.daemons[:n])
 
 
+def connections(nodes: SshNodes, n: int) -> int:
+    return sum(d.log_text().count("Accepted publickey") for d in nodes.daemons[:n])
+
+
 def run_clusterctl(root: Path, nodes: SshNodes, n: int, dep: Path, env: dict) -> Sample:
     s = Sample("clusterctl", n)
     state = Path(env["CLUSTERCTL_STATE_DIR"])
-    s0 = sessions(nodes, n)
+    s0, c0 = sessions(nodes, n), connections(nodes, n)
     t0 = time.monotonic()
     w = Watcher(state, t0)
     w.start()
@@ -151,9 +156,11 @@ def run_clusterctl(root: Path, nodes: SshNodes, n: int, dep: Path, env: dict) ->
         if t is not None:
             sp[name], last = t - last, t
     s.split = sp
+    s1, c1 = sessions(nodes, n), connections(nodes, n)
     t1 = time.monotonic()
     td = clusterctl("teardown", "--known-hosts", kh, env=env, timeout=120)
     t_td = time.monotonic() - t1
+    s.conns = ((c1 - c0) / n, (s1 - s0) / n, (connections(nodes, n) - c1) / n, (sessions(nodes, n) - s1) / n)
     left = with_env("CLUSTERCTL_NONCE", nonce) if nonce else []
     s.sessions = sessions(nodes, n) - s0
     if td.returncode != 0 or left:
@@ -335,9 +342,13 @@ def report(samples: list[Sample], plan_s: dict, repeats: int, elapsed: float) ->
     rows = []
     for n in RANKS:
         ss = [s for s in pick("clusterctl", n) if s.split]
+        per = [s.conns for s in ss if s.conns]
         rows.append([str(n), *(fmt(med(s.split.get(p) for s in ss)) for p in phases),
-                     fmt(med(s.sessions for s in ss), digits=0)])
-    say(table(rows, ["ranks", *phases, "ssh sessions/job"]))
+                     fmt(med(s.sessions for s in ss), digits=0),
+                     *(fmt(med(c[i] for c in per), digits=1) for i in range(4))])
+    say(table(rows, ["ranks", *phases, "ssh sessions/job", "launch conns/node", "launch chans/node",
+                     "teardown conns/node", "teardown chans/node"]))
+    say("goal (issue 10): 1 connection per node and <= 3 channels per node per launch")
     say("")
     say(f"teardown: signal/command -> no rank left (median; 'never' = ranks still alive after {LEFT_CAP:g} s)")
     rows = []

@@ -23,20 +23,35 @@ PY = sys.executable
 
 @pytest.fixture(params=["local", "ssh"])
 def handle(request):
-    """A NodeHandle of either kind, built inside the running event loop."""
+    """A NodeHandle of either kind, built inside the running event loop; ``.root`` is the process the node's
+    sessions descend from (this test process, or the sshd)."""
     if request.param == "local":
-        return lambda: NodeHandle(Node(name="here", local=True), LocalTransport(node="here", python=PY))
+        def local():
+            h = NodeHandle(Node(name="here", local=True), LocalTransport(node="here", python=PY))
+            h.root = os.getpid()
+            return h
+        return local
     sshd = request.getfixturevalue("sshd")
     node = Node(name="n1", host="127.0.0.1", port=sshd.port)
-    return lambda: NodeHandle(node, make_transport("n1", local=False, target=sshd.target(), python=PY))
+
+    def remote():
+        h = NodeHandle(node, make_transport("n1", local=False, target=sshd.target(), python=PY))
+        h.root = sshd.proc.pid
+        return h
+    return remote
 
 
-def sessions_of(pid: int) -> int:
+def sessions_under(root: int) -> int:
+    """Node-op session processes descending from ``root`` (other tests' sessions elsewhere are not counted)."""
     import psutil
 
-    me = psutil.Process(pid)
-    return sum(1 for p in psutil.process_iter(["cmdline"])
-               if (p.info["cmdline"] or [])[-2:] == ["clusterctl.launch.nodeops", "session"] and p.pid != me.pid)
+    n = 0
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            n += (p.cmdline() or [])[-2:] == ["clusterctl.launch.nodeops", "session"]
+        except psutil.Error:
+            pass  # ended meanwhile
+    return n
 
 
 def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
@@ -45,7 +60,7 @@ def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
     async def go():
         h = handle()
         try:
-            before = sessions_of(os.getpid())
+            before = sessions_under(h.root)
             slow = asyncio.ensure_future(h.wait_markers([str(marker)], {"serving"}, 5.0))
             await asyncio.sleep(0.3)
             # the long poll is still waiting; other requests on the same session answer meanwhile
@@ -55,7 +70,7 @@ def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
             probe = await h.op("probe", {})
             assert probe["hostname"] and time.monotonic() - t0 < 4.0
             assert not slow.done()
-            assert sessions_of(os.getpid()) - before == 1  # every request went through one process
+            assert sessions_under(h.root) - before == 1  # every request went through one process
             marker.write_text(json.dumps({"state": "serving", "rank": 0}))
             [doc] = await slow
             assert doc["state"] == "serving"

@@ -9,7 +9,7 @@ own thread, so one SSH channel and one Python start-up serve every step of a lau
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers), wait_markers (wait until markers reach a state), read / write (a small
+files), markers (read a job's markers), warm (import what the next requests need), wait_markers (wait until markers reach a state), read / write (a small
 file; atomic write), model_status (is the model copy here the planned one), model_prepare (create the folder a
 sync writes into), fetch (download model files from an HTTP mirror).
 """
@@ -361,6 +361,26 @@ def op_write(req: dict) -> dict:
     return {"written": len(data)}
 
 
+WARM_MODULES = frozenset({"psutil", "mlx.core"})
+
+
+def op_warm(req: dict) -> dict:
+    """Import modules the next requests will need (while the coordinator is busy with its own checks)."""
+    import importlib
+
+    done, failed = [], {}
+    for name in req.get("modules", []):
+        if name not in WARM_MODULES:
+            failed[str(name)[:100]] = "not a module this op imports"
+            continue
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as e:  # preflight's probe reports it properly
+            failed[name] = f"{type(e).__name__}: {e}"[:300]
+    return {"imported": done, "failed": failed}
+
+
 MARKER_WAIT_POLL = 0.02
 
 
@@ -385,7 +405,8 @@ def markers_settled(docs: list[dict | None], states: set[str]) -> bool:
 
 OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
-       "fetch": op_fetch, "read": op_read, "write": op_write, "wait_markers": op_wait_markers}
+       "fetch": op_fetch, "read": op_read, "write": op_write, "wait_markers": op_wait_markers,
+       "warm": op_warm}
 
 SESSION_DRAIN_S = 60.0  # after the coordinator went away: how long requests still running may take to finish
 

@@ -310,15 +310,25 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
     if dep.parallel != "pipeline":
         raise ConfigError(f"deployment {dep.deployment_id} is tensor parallel; this clusterctl's rank runtime serves "
                           "pipeline deployments only", hint="plan with --parallel pipeline")
-    manifest = None
-    if opts.check_model:
-        from clusterctl.sync.planned import planned_manifest
+    # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
+    # deployment, the model and the other launches: preflight then finds them ready. Nothing on a node changes.
+    hs = handles([dep.node(r.node) for r in dep.ranks], opts.ssh, keeper_grace=opts.grace)
+    warming = asyncio.ensure_future(_warm(hs, dep))
+    try:
+        manifest = None
+        if opts.check_model:
+            from clusterctl.sync.planned import planned_manifest
 
-        check_inputs_unchanged(dep)
-        manifest = planned_manifest(state, dep)
-    key = state.keyring.signing_key()
-    store = ManifestStore(state.launches, key, state.keyring.public_keys())
-    lock = Lock(state.locks / f"deploy-{dep.deployment_id}.lock").acquire(what=f"deployment {dep.deployment_id}")
+            # in a thread: the event loop meanwhile drives the nodes' SSH handshakes
+            await asyncio.to_thread(check_inputs_unchanged, dep)
+            manifest = await asyncio.to_thread(planned_manifest, state, dep)
+        key = state.keyring.signing_key()
+        store = ManifestStore(state.launches, key, state.keyring.public_keys())
+        lock = Lock(state.locks / f"deploy-{dep.deployment_id}.lock").acquire(what=f"deployment {dep.deployment_id}")
+    except BaseException:
+        warming.cancel()
+        await close_all(hs)
+        raise
     try:
         if opts.reap_first:
             with contextlib.suppress(Busy):
@@ -327,14 +337,24 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
         if running:
             raise Busy(f"deployment {dep.deployment_id} is already running as job {running[0].job_id}",
                        hint="clusterctl teardown it first")
-        return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log, manifest=manifest,
+        await asyncio.gather(warming, return_exceptions=True)
+        return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log, hs, manifest=manifest,
                                     dep_ref=shlex.quote(dep_ref))
     except BaseException:
+        warming.cancel()
+        await close_all(hs)
         lock.release()
         raise
 
 
-async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, *, manifest=None,
+async def _warm(hs: dict[str, NodeHandle], dep: Deployment) -> None:
+    """Start every node's session and import there what preflight and the ranks' start need; a failure here is
+    left for preflight to report (one error naming every node)."""
+    modules = ["psutil"] + (["mlx.core"] if len(dep.ranks) > 1 else [])
+    await asyncio.gather(*(h.op("warm", {"modules": modules}) for h in hs.values()), return_exceptions=True)
+
+
+async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
                          dep_ref: str | None = None) -> Running:
     world = len(dep.ranks)
     job_id = f"{dep.deployment_id}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
@@ -344,7 +364,6 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
     nodes = [dep.node(r.node) for r in dep.ranks]
     all_local = all(n.is_local for n in nodes)
     addrs = [hostfile.rank_address(n, all_local=all_local, backend=dep.backend) for n in nodes]
-    hs = handles(nodes, opts.ssh, keeper_grace=opts.grace)
     for attempt in range(PORT_ATTEMPTS):
         block = hostfile.choose_ports(world + 1, avoid)
         ring_ports, http_port = block[:world], (opts.http_port or block[world])
