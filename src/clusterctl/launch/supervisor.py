@@ -264,8 +264,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
         elif res:
             errors.append(ClusterctlError(res[0], exit_code=Exit.UNAVAILABLE if copy_only.get(h.name) else Exit.FAILED))
             problems.extend(f"{h.name}: {p}" for p in res)
-    failing = {h.name for h, res in zip(hs.values(), results) if res}
-    if failing and failing == set(busy_only):  # busy ports were the only problem, on every node that had one
+    if busy_only:  # busy ports, a node's only problem: another block first, then whatever else is wrong
         raise PortsBusy("preflight failed: " + "; ".join(problems), set().union(*busy_only.values()))
     if problems:
         code = first_error_code(errors) if all(isinstance(e, ClusterctlError) and e.message for e in errors) \
