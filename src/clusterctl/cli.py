@@ -96,7 +96,9 @@ def plan(
     backend: Annotated[str, typer.Option(help="auto | ring | jaccl | mpi.")] = "auto",
     parallel: Annotated[str, typer.Option(help="pipeline | tensor.")] = "pipeline",
     context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1)] = 4096,
-    batch: Annotated[int, typer.Option(help="KV cache budget: concurrent sequences.", min=1)] = 1,
+    batch: Annotated[Optional[int], typer.Option(
+        help="Batch slots: requests decoded together, each with a KV cache of --context tokens "
+             "(default: as many as fit, up to 8; a number that does not fit is refused).", min=1)] = None,
     headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.", min=0)] = 0.5,
     embedding_offload: Annotated[str, typer.Option("--embedding-offload",
                                                    help="off | on | auto: serve the token embedding from SSD (auto: only when it would not fit).")] = "off",
@@ -182,6 +184,7 @@ def launch(
     port: Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).")] = None,
     api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
     seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot; beyond them rank 0 answers 429 with Retry-After.", min=0, max=65536)] = 64,
     verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
@@ -196,7 +199,7 @@ def launch(
     from clusterctl.launch.supervisor import LaunchOptions, install_stop_signals, launch as do_launch
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
-                         api_key=os.environ.get(api_key_env) or None, seed=seed,
+                         api_key=os.environ.get(api_key_env) or None, seed=seed, max_queue=max_queue,
                          ssh=_ssh(known_hosts, accept_new_host_keys), verify_model=verify)
     if lease is not None:
         opts.lease_seconds = lease

@@ -84,7 +84,9 @@ def deployment_table(dep) -> Any:
     from rich.table import Table
 
     t = Table(title=esc(f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
-                        f"{dep.parallel}/{dep.allocation}"), title_justify="left", box=None, pad_edge=False)
+                        f"{dep.parallel}/{dep.allocation}  batch {dep.options.batch}"
+                        + (f" of {dep.slots} slots that fit" if dep.slots is not None else "")
+                        + f" x {dep.options.context} tokens"), title_justify="left", box=None, pad_edge=False)
     for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):
         t.add_column(col, justify="right" if col in ("RANK", "LAYERS", "WEIGHTS", "KV", "USED", "USABLE") else "left")
     for r in dep.ranks:

@@ -66,6 +66,7 @@ class LaunchOptions:
     http_port: int | None = None
     api_key: str | None = None
     seed: int = 0
+    max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
     canary: bool = True
     ssh: SshOptions = field(default_factory=SshOptions)
     check_model: bool = True
@@ -434,7 +435,8 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "gate_path": h.path(f"{job_id}.gate"),
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
                     "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload,
-                    "abort_grace_s": grace_from_env()}
+                    "abort_grace_s": grace_from_env(), "max_batch": dep.options.batch or 1,
+                    "max_queue": opts.max_queue}
             await h.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 
         await asyncio.gather(*(prepare(r) for r in dep.ranks))

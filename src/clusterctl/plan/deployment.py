@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Optional, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,7 +56,7 @@ class PlanOptions(BaseModel):
     backend: Literal["auto", "ring", "jaccl", "mpi"] = "auto"
     parallel: Literal["pipeline", "tensor"] = "pipeline"
     context: int = Field(default=4096, ge=1)
-    batch: int = Field(default=1, ge=1)
+    batch: Optional[int] = Field(default=None, ge=1)  # None: as many slots as fit, up to DEFAULT_BATCH
     headroom_gb: float = Field(default=0.5, ge=0)
     embedding_offload: Literal["off", "on", "auto"] = "off"
 
@@ -82,6 +82,7 @@ class Deployment(BaseModel):
     plan_hash: str
     warnings: list[str] = Field(default_factory=list)
     embedding_offload: bool = False  # resolved from options.embedding_offload; ranks serve the embedding from SSD
+    slots: Optional[int] = None  # how many batch slots (sequences of options.context tokens) fit on every rank
 
     def node(self, name: str) -> Node:
         for n in self.nodes:

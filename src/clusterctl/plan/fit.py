@@ -16,6 +16,7 @@ from clusterctl.plan.inventory import GIB, Node
 from clusterctl.plan.model import ModelFacts
 
 DEFAULT_HEADROOM_GB = 0.5
+DEFAULT_BATCH = 8  # batch slots a plan reserves when --batch is not given (fewer when fewer fit)
 
 
 class RankBytes(BaseModel):
@@ -38,6 +39,20 @@ def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world:
         kv = facts.kv_bytes_per_token_per_layer * (end - start) * context * batch
     headroom = int(headroom_gb * GIB)
     return RankBytes(weights=weights, kv=kv, headroom=headroom, total=weights + kv + headroom)
+
+
+def slots_that_fit(nodes: list[Node], one_slot: list[RankBytes]) -> int | None:
+    """How many batch slots fit on every rank, given each rank's bytes planned for ONE slot (KV grows linearly
+    with the slots; weights and headroom do not). None when a node's memory is unknown."""
+    best = None
+    for node, need in zip(nodes, one_slot):
+        usable = node.usable_bytes
+        if usable is None:
+            return None
+        room = usable - need.weights - need.headroom
+        n = room // need.kv if need.kv > 0 else 1 << 20
+        best = n if best is None else min(best, n)
+    return max(0, best if best is not None else 0)
 
 
 def gib(n: int | None) -> str:

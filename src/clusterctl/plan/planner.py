@@ -11,7 +11,7 @@ from clusterctl.plan.backend import all_links_fast, choose_backend
 from clusterctl.plan.deployment import (
     Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash,
 )
-from clusterctl.plan.fit import check_fit, rank_bytes
+from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, rank_bytes, slots_that_fit
 from clusterctl.plan.inventory import Cluster, Node
 from clusterctl.plan.model import ModelFacts
 
@@ -76,12 +76,15 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         ranges = [(0, facts.num_layers)] * len(nodes)
     else:
         ranges = allocate.layer_ranges(counts)
-    def needs_for(off: bool):
+    def needs_for(off: bool, batch: int | None = None):
         return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                           batch=options.batch, headroom_gb=options.headroom_gb, embedding_offload=off)
+                           batch=batch or options.batch or 1, headroom_gb=options.headroom_gb, embedding_offload=off)
                 for s, e in ranges]
 
     offload = _resolve_offload(options.embedding_offload, facts, nodes, needs_for, warnings)
+    slots = slots_that_fit(nodes, needs_for(offload, 1))
+    if options.batch is None:  # as many slots as fit, up to the default (at least one: check_fit says if not)
+        options = options.model_copy(update={"batch": max(1, min(DEFAULT_BATCH, slots if slots is not None else 1))})
     needs = needs_for(offload)
     check_fit(nodes, needs)
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
@@ -108,6 +111,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
         options=options, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
+        slots=slots,
     )
 
 

@@ -201,7 +201,9 @@ def test_malformed_bodies_and_routes(rank):
     assert _get(rank, "/nope")[0] == 404
 
 
-def test_concurrent_requests_are_served_one_at_a_time_in_order_and_never_mixed(rank, model):
+def test_concurrent_requests_are_decoded_together_and_never_mixed(rank, model):
+    """Three streams at once share the batch (their generations overlap in time), and each gets exactly the
+    tokens it gets alone."""
     prompts = ["import os\n", "class Foo(object):", "for i in range(10):"]
     want = {p: reference_tokens(model, p, 24) for p in prompts}
     results: dict = {}
@@ -221,7 +223,7 @@ def test_concurrent_requests_are_served_one_at_a_time_in_order_and_never_mixed(r
         t.join(120)
     assert {p: r[0] for p, r in results.items()} == want
     spans = sorted((r[1], r[2]) for r in results.values())
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"generations overlapped: {spans}"
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), f"generations never overlapped: {spans}"
 
 
 def test_a_closed_stream_is_cancelled_within_a_few_tokens(rank):

@@ -158,7 +158,7 @@ class Rank:
         from clusterctl.launch.rank.serve import ActiveSet, Api, JobQueue, StepLoop, context_length
 
         spec = self.spec
-        jobs = JobQueue() if spec.rank == 0 else None
+        jobs = JobQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
         marker = self.marker
         active = ActiveSet(lambda ids: marker.update(active_requests=ids))  # one set: HTTP and step loop
         if spec.rank == 0:

@@ -1,20 +1,24 @@
 """Rank 0's OpenAI-compatible HTTP API, and the step loop every rank runs.
 
-Sharing: rank 0 shares each request ONCE (a fixed 8-word header all_sum, then the request bytes), then every rank
-runs the same ``pipeline.generate`` call; nothing is shared per token. At checkpoints the ranks drain the
-in-flight step and all_sum two votes (cancel from rank 0, stop from anyone), so a cancelled stream or a shutdown
-ends within a few tokens on all ranks at the same step. Checkpoints come about every CHECKPOINT_S of decoding
-whatever the model's speed (``Cadence``: rank 0 turns the measured token rate into the number of tokens to the
-next checkpoint, and that number travels in the checkpoint words). After each request every rank's token digest
-is compared.
+Batching: concurrent requests are decoded together (``launch/rank/batch.py``: continuous batching on mlx-lm's
+``BatchGenerator``, at most ``max_batch`` = the plan's batch slots). The ranks meet between runs of steps: one
+8-word all_sum (and, when the batch changes, the changes' bytes: the requests that join, the ids that leave),
+so the decision of which requests are in each step travels with the step and nothing is shared per token.
+A new request's prompt is processed in the first step after the meeting that admits it; a request that finishes
+(EOS, max_tokens, a stop string: all decided from the tokens, so on every rank at the same step) leaves at once,
+its tokens are compared across ranks, and the next meeting can give its slot to a waiting request. Meetings
+come about every CHECKPOINT_S of decoding whatever the model's speed (``Cadence``: rank 0 turns the measured
+step rate into the number of steps to the next meeting, and that number travels in the header). Cancels and
+shutdowns are voted at meetings, so they land within a meeting interval on all ranks at the same step.
 
 Idle ranks: a rank waiting inside a collective busy-spins a core. So when idle, ranks meet on a shared schedule
 (every 20 ms right after a request, 50 ms for the next ~5 s, then 100 ms) and SLEEP between meetings instead of waiting in a
 collective for the next request. Every rank derives the schedule from the same header count, so they arrive
 together and the spin lasts microseconds.
 
-Requests are served FIFO, one generation at a time (a bounded queue; 429 when full); tokenization happens in the
-step loop's thread so the tokenizer is never used from two threads.
+Admission: rank 0 holds at most ``max_batch`` requests in the batch and ``max_queue`` waiting for a slot;
+beyond that it answers 429 with Retry-After. Tokenization happens in the step loop's thread so the tokenizer is
+never used from two threads.
 """
 
 from __future__ import annotations
@@ -32,16 +36,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens, generate,
+from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens,
                                         share_payload, share_words)
 from clusterctl.launch.rankspec import RankSpec
 from clusterctl.launch.rank.watchdog import PeerLost
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 MAX_BODY = 4 << 20
-MAX_QUEUE = 64
 MAX_STOPS = 4
 CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (the batch frees a slot whenever a request finishes)
 
 
 CHECKPOINT_S = 0.25  # decoding time between checkpoints: cancel and stop latency vs one pipeline drain each (≈ a token)
@@ -78,9 +82,10 @@ def idle_interval(ticks_since_request: int) -> float:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -142,7 +147,7 @@ class ActiveSet:
 
 
 class JobQueue:
-    def __init__(self, limit: int = MAX_QUEUE):
+    def __init__(self, limit: int = 64):
         self._q: deque[Job] = deque()
         self._cv = threading.Condition()
         self.limit = limit
@@ -179,7 +184,14 @@ class JobQueue:
 # ---------------------------------------------------------------- step loop
 
 class StepLoop:
-    """Runs on the main thread of every rank until the ranks agree to stop."""
+    """Runs on the main thread of every rank until the ranks agree to stop.
+
+    A loop of meetings and steps. At a meeting (one 8-word all_sum, and the changes' bytes when there are any)
+    rank 0 says which requests join the batch and which leave it (cancelled or disconnected), how many steps
+    come before the next meeting, and the newest cancel epoch; anyone can vote to stop. Then every rank applies
+    the same changes and runs the same steps of the same batch. A request that finishes ends the run of steps
+    early (its tokens are compared across ranks, its client gets the answer, and a waiting request can take
+    its slot at once)."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  jobs: JobQueue | None = None, marker=None, watchdog=None,
@@ -191,65 +203,189 @@ class StepLoop:
             active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
         self.active = active
         self.cancels, self.on_ack = cancels, on_ack  # rank 0 reads the cancel file; every rank acks
-        self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each control collective
+        self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each meeting
         self.acked = 0
         self.applied: dict[int, list[str]] = {}
-        self.current: Job | None = None
+        self.inflight: dict[str, Job] = {}  # rank 0: the jobs in the batch, by request id
         self.watchdog = watchdog
         self.leader = spec.rank == 0
         self.world = spec.world_size
         self.seq = 0
         self.checkpoints = 0
         self.served = 0
+        self.batch = None
 
     def run(self) -> None:
-        ticks = 0
-        while True:
-            stop_vote = 1 if self.stop.is_set() else 0
-            job, req = None, None
-            if self.leader and not stop_vote:
-                self._apply_cancels()
-                job = self.jobs.pop(timeout=0.1 if self.world == 1 else 0.0)
-                if job is not None and job.cancelled.is_set():  # cancelled while queued: never started
-                    job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled",
-                                                      prompt_tokens=0)))
-                    continue
-                if job is not None:
-                    req = self._prepare(job)
-                    if req is None:
-                        continue
-            if self.world == 1:
-                if stop_vote:
+        from clusterctl.launch.rank.batch import Batch
+
+        self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+        cadence, gap, ticks = Cadence(), FIRST_CHECKPOINT, 0
+        try:
+            while True:
+                stopping, gap = self._meet(gap)
+                if stopping:
                     return
-                if req is not None:
-                    self._serve(req, job)
-                continue
-            payload = req.encode() if req is not None else b""
-            mine = [0] * HEADER_WORDS
-            mine[3], mine[5] = stop_vote, 1
-            if self.leader:
-                mine[:3] = [MAGIC, KIND_REQUEST if req is not None else KIND_IDLE, len(payload)]
-                mine[4] = self.seq
-                mine[6] = self.epoch
-            with self._guard("idle meeting"):
-                head = share_words(self.group, mine)
-            self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world,
-                             f"control header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
-                             f"{head[5]} of {self.world} ranks")
-            self.seq += 1
-            self._ack(head[6])
-            if head[3] > 0:
-                if job is not None:
-                    job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
-                return
-            if head[1] == KIND_REQUEST:
-                with self._guard("request exchange"):
-                    data = share_payload(self.group, payload if self.leader else None, head[2])
-                self._serve(req if self.leader else GenRequest.decode(data), job)
+                if not self.batch:
+                    if self.world > 1:
+                        time.sleep(idle_interval(ticks))
+                    ticks += 1
+                    cadence, gap = Cadence(), FIRST_CHECKPOINT
+                    continue
                 ticks = 0
+                steps = self._steps(gap)
+                # a world of one meets itself for free: after every step (new requests join at once)
+                gap = 1 if self.world == 1 else cadence.next_gap(steps) if self.leader else gap
+        finally:
+            self.batch.close()
+
+    # -- a meeting
+
+    def _meet(self, gap: int) -> tuple[bool, int]:
+        """Agree on the batch's next changes; returns (stop, steps until the next meeting)."""
+        stop_vote = 1 if self.stop.is_set() else 0
+        adds: list[tuple[GenRequest, Job]] = []
+        drops: list[str] = []
+        if self.leader and not stop_vote:
+            self._apply_cancels()
+            drops = [rid for rid, j in self.inflight.items() if j.cancelled.is_set()]
+            adds = self._take(self.batch.room + len(drops))
+        payload = json.dumps({"add": [r.__dict__ for r, _ in adds], "drop": drops},
+                             separators=(",", ":")).encode() if adds or drops else b""
+        if self.world == 1:
+            if stop_vote:
+                self._end_all(adds)
+                return True, gap
+            self._apply(adds, drops)
+            return False, gap
+        mine = [0] * HEADER_WORDS
+        mine[3], mine[5] = stop_vote, 1
+        if self.leader:
+            mine[0:3] = [MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload)]
+            mine[4], mine[6], mine[7] = self.seq, self.epoch, gap
+        self.checkpoints += 1 if self.batch else 0
+        with self._guard("meeting" if self.batch else "idle meeting"):
+            head = share_words(self.group, mine)
+        self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world
+                         and 1 <= head[7] <= MAX_CHECKPOINT,
+                         f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
+                         f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
+        self.seq += 1
+        self._ack(head[6])
+        if head[3] > 0:
+            self._end_all(adds)
+            return True, gap
+        if head[2] > 0:
+            with self._guard("batch changes"):
+                data = share_payload(self.group, payload if self.leader else None, head[2])
+            if not self.leader:
+                adds, drops = self._decode_changes(data)
+        self._apply(adds, drops)
+        return False, head[7]
+
+    def _take(self, room: int) -> list[tuple[GenRequest, Job | None]]:
+        """Rank 0: queued jobs for the free slots, tokenized (the tokenizer lives on this thread)."""
+        out: list[tuple[GenRequest, Job | None]] = []
+        while len(out) < room:
+            wait = 0.1 if self.world == 1 and not self.batch and not out else 0.0
+            job = self.jobs.pop(timeout=wait) if self.jobs is not None else None
+            if job is None:
+                break
+            if job.cancelled.is_set():  # cancelled while queued: never started
+                job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
                 continue
-            time.sleep(idle_interval(ticks))
-            ticks += 1
+            req = self._prepare(job)
+            if req is not None:
+                out.append((req, job))
+        return out
+
+    @staticmethod
+    def _decode_changes(data: bytes) -> tuple[list, list[str]]:
+        from clusterctl.atomic import strict_loads
+
+        doc = strict_loads(data, source="shared batch changes")
+        if not isinstance(doc, dict) or set(doc) != {"add", "drop"} or not isinstance(doc["drop"], list) \
+                or not isinstance(doc["add"], list) or not all(isinstance(d, str) for d in doc["drop"]):
+            raise IntegrityError("shared batch changes have an unexpected shape")
+        return [(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"]
+
+    def _apply(self, adds: list, drops: list[str]) -> None:
+        for rid in drops:
+            res = self.batch.drop(rid, "cancelled")
+            job = self.inflight.pop(rid, None)
+            if res is not None:
+                self.active.remove(rid)
+            if job is not None:
+                self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
+        for req, job in adds:
+            emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
+            self.batch.add(req, emit)
+            self.active.add(req.id)
+            if job is not None:
+                job.started_at = time.monotonic()
+                self.inflight[req.id] = job
+
+    def _end_all(self, adds: list) -> None:
+        """The ranks stop: every request in the batch (and any just taken from the queue) gets a 503."""
+        for rid in self.batch.ids():
+            self.batch.drop(rid, "shutdown")
+            self.active.remove(rid)
+        jobs = list(self.inflight.values()) + [j for _, j in adds if j is not None]
+        self.inflight.clear()
+        for job in jobs:
+            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+
+    # -- steps
+
+    def _steps(self, gap: int) -> int:
+        """Up to ``gap`` steps of the batch, fewer when a request finishes; then the step in flight is drained
+        (the next meeting is a collective of its own). Returns the number of steps run."""
+        import mlx.core as mx
+
+        n, done = 0, []
+        try:
+            while n < gap and self.batch and not done:
+                done = self.batch.step()
+                n += 1
+                if self.marker is not None:
+                    self.marker.touch_step()
+            mx.synchronize(self.batch.gen.stream)
+            if done:
+                with self._guard("token agreement"):
+                    flat = [t for _, r in done for t in (*r.tokens, -1)]
+                    agreed = self.world == 1 or agree_on_tokens(self.group, self.spec, flat)
+                if not agreed:
+                    raise IntegrityError(f"rank {self.spec.rank}: ranks produced different tokens for "
+                                         f"{', '.join(rid for rid, _ in done)}")
+        except Exception as e:
+            self._fail_all(e, [rid for rid, _ in done])
+            if self.world > 1 or not isinstance(e, (ValueError, RuntimeError)):
+                raise  # ranks may now be out of step: the rank must end
+            from clusterctl.launch.rank.batch import Batch
+
+            self.batch.close()
+            self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+            return n
+        for rid, res in done:
+            self.active.remove(rid)
+            self.served += 1
+            job = self.inflight.pop(rid, None)
+            if job is not None:
+                self._finish(job, res)
+        return n
+
+    def _fail_all(self, e: Exception, finished: list[str]) -> None:
+        err = ApiError(500, f"generation failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                       type="server_error")
+        for rid in [*self.batch.ids(), *finished]:
+            self.active.remove(rid)
+            job = self.inflight.pop(rid, None)
+            if job is not None:
+                job.events.put(("error", err))
+
+    @staticmethod
+    def _finish(job: Job, res: GenResult) -> None:
+        job.finished_at = time.monotonic()
+        job.events.put(("done", res))
 
     def _prepare(self, job: Job) -> GenRequest | None:
         try:
@@ -262,17 +398,17 @@ class StepLoop:
 
     def _apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
-        travels with the next control collective. A world of one acks at once."""
+        travels with the next meeting. A world of one acks at once."""
         if self.cancels is None:
             return
         doc = self.cancels.poll()
         if doc is None:
             return
         applied = []
-        cur = self.current
-        if cur is not None and (doc.requests is None or cur.id in doc.requests):
-            cur.cancelled.set()
-            applied.append(cur.id)
+        for rid, job in list(self.inflight.items()):
+            if doc.requests is None or rid in doc.requests:
+                job.cancelled.set()
+                applied.append(rid)
         if self.jobs is not None:
             applied += self.jobs.cancel(doc.requests)
         self.epoch = doc.epoch
@@ -293,71 +429,9 @@ class StepLoop:
 
     def _check_ring(self, ok: bool, what: str) -> None:
         # A broken ring does not always raise: MLX can hand back a stale buffer ("Failing pending tasks"), so
-        # every control collective carries a sequence number and a head count.
+        # every meeting carries a sequence number and a head count.
         if not ok:
             raise PeerLost(f"rank {self.spec.rank}: lost a ring peer or the ring is corrupted ({what})")
-
-    def _control(self, job: Job | None) -> Callable[[], tuple[str | None, int]]:
-        cadence = Cadence()
-        gap = [FIRST_CHECKPOINT]
-
-        def control() -> tuple[str | None, int]:
-            if self.leader:
-                self._apply_cancels()
-            cancel = 1 if (job is not None and job.cancelled.is_set()) else 0
-            stop = 1 if self.stop.is_set() else 0
-            nxt = cadence.next_gap(gap[0])
-            if self.world > 1:
-                self.checkpoints += 1
-                lead = self.leader
-                with self._guard("checkpoint"):
-                    got = share_words(self.group, [cancel, stop, 1, self.checkpoints if lead else 0,
-                                                   self.epoch if lead else 0, nxt if lead else 0])
-                self._check_ring(got[2] == self.world and got[3] == self.checkpoints
-                                 and 1 <= got[5] <= MAX_CHECKPOINT,
-                                 f"checkpoint {got[3]} (want {self.checkpoints}), {got[2]} of {self.world} ranks, "
-                                 f"next in {got[5]} tokens")
-                cancel, stop, nxt = got[0], got[1], got[5]
-                self._ack(got[4])
-            gap[0] = nxt
-            if stop:
-                return "shutdown", nxt
-            if cancel:
-                return "cancelled", nxt
-            return None, nxt
-
-        return control
-
-    def _serve(self, req: GenRequest, job: Job | None) -> None:
-        self.active.add(req.id)
-        self.current = job
-        if job is not None:
-            job.started_at = time.monotonic()
-        emit = (lambda s: job.events.put(("text", s))) if job is not None else None
-        try:
-            result = generate(self.model, self.tokenizer, req, emit=emit, control=self._control(job),
-                              every=FIRST_CHECKPOINT, on_step=self.marker.touch_step if self.marker else None)
-            with self._guard("token agreement"):
-                agreed = self.world == 1 or agree_on_tokens(self.group, self.spec, result.tokens)
-            if not agreed:
-                raise IntegrityError(f"rank {self.spec.rank}: ranks produced different tokens for {req.id}")
-        except Exception as e:
-            if job is not None:
-                job.events.put(("error", ApiError(500, f"generation failed: {str(e).splitlines()[0]}",
-                                                  type="server_error")))
-            if self.world > 1 or not isinstance(e, (ValueError, RuntimeError)):
-                raise  # ranks may now be out of step: the rank must end
-            return
-        finally:
-            self.current = None
-            self.active.remove(req.id)
-        self.served += 1
-        if job is not None:
-            job.finished_at = time.monotonic()
-            if result.finish_reason == "shutdown":
-                job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
-            else:
-                job.events.put(("done", result))
 
 
 # ---------------------------------------------------------------- request parsing
@@ -498,7 +572,8 @@ class Api:
         self.state = "loading"
         self.builder: RequestBuilder | None = None
         self._key = spec.api_key_value()
-        self._inflight = 0
+        self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
+        self.capacity = spec.max_batch + spec.max_queue
         self._lock = threading.Lock()
         try:
             self.httpd = ThreadingHTTPServer((spec.http_host, spec.http_port), _handler(self))
@@ -531,6 +606,20 @@ class Api:
             time.sleep(0.02)
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def admit(self, job: Job) -> None:
+        """Take a request if the batch and the queue behind it have room; else 429 (raised as ApiError)."""
+        with self._lock:
+            if self._inflight >= self.capacity:
+                raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
+                                    "waiting", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+            self._inflight += 1
+        self.active.add(job.id)
+        if not self.jobs.put(job):
+            self.active.remove(job.id)
+            with self._lock:
+                self._inflight -= 1
+            raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
 
     def authorized(self, header: str | None) -> bool:
         if self._key is None:
@@ -565,6 +654,8 @@ def _handler(api: Api):
             if e.status >= 500 or e.status == 429:
                 extra = {**(extra or {}), "Connection": "close"}
                 self.close_connection = True
+            if e.retry_after is not None:
+                extra = {**(extra or {}), "Retry-After": str(e.retry_after)}
             self._json(e.status, e.body(), extra)
 
         def _sse(self, obj: dict | str) -> None:
@@ -610,15 +701,10 @@ def _handler(api: Api):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
                     if isinstance(body.get("stream_options") or {}, dict) else False
                 want_ids = bool(body.get("return_token_ids"))
-                api.active.add(job.id)
-                if not api.jobs.put(job):
-                    api.active.remove(job.id)
-                    raise ApiError(429, "too many queued requests", type="rate_limit_error")
+                api.admit(job)
             except ApiError as e:
                 self._error(e)
                 return
-            with api._lock:
-                api._inflight += 1
             try:
                 self._respond(job, include_usage, want_ids)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
