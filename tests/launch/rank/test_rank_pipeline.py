@@ -73,6 +73,61 @@ def test_openai_streaming_chat_through_the_pipeline(cluster):
     assert "".join(parts) == plain.choices[0].message.content
 
 
+BATCH_PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x", "for i in range(10):\n    print(i)\n",
+                 "The quick brown fox jumps over the lazy dog. " * 3, "#", "while True:", "return None  # done"]
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_concurrent_requests_are_batched_and_each_matches_one_process(cluster, model, n):
+    """n clients at once, prompts and lengths all different: every answer is token-identical to the same request
+    served by one plain mlx-lm process, and (n > 1) the generations ran at the same time."""
+    import threading
+
+    jobs = [(BATCH_PROMPTS[i], 12 + 5 * i) for i in range(n)]
+    want = {p: reference_tokens(model, p, m) for p, m in jobs}
+    got, spans, errors = {}, {}, []
+
+    def run(p, m):
+        try:
+            got[p], spans[p] = _stream_ids(cluster, prompt=p, max_tokens=m, temperature=0, return_token_ids=True)
+        except Exception as e:  # surfaced below with the prompt
+            errors.append((p, repr(e)))
+
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert got == want
+    if n > 1:  # served one after another, the last would see its first token after the first had finished
+        first_done = min(end for _, end in spans.values())
+        assert all(first < first_done for first, _ in spans.values()), spans
+
+
+def _stream_ids(c, **body) -> tuple[list[int], tuple[float, float]]:
+    """A streaming completion: (token ids, (time of the first text, time of the last event))."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    first, ids = None, None
+    for line in r:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        ch = json.loads(line[6:])["choices"][0]
+        if first is None and ch.get("text"):
+            first = time.monotonic()
+        if ch.get("finish_reason"):
+            ids = ch["token_ids"]
+    end = time.monotonic()
+    conn.close()
+    return ids, (first if first is not None else end, end)
+
+
 def test_idle_followers_sleep_instead_of_spinning(cluster):
     procs = [psutil.Process(p.pid) for p in cluster.procs]
     time.sleep(0.5)  # let the idle schedule slow down

@@ -281,3 +281,44 @@ def test_sigterm_stops_serving_and_exits_0(rank):
     m = rank.marker(0)
     assert m.state == "stopping" and m.error is None
     assert "stopped" in rank.logs(0) and "Traceback" not in rank.logs(0)
+
+
+def test_past_the_batch_and_the_queue_requests_get_429_with_retry_after(model, tmp_path):
+    """max_batch 2, max_queue 1: two streams decode, a third waits, a fourth is refused with 429 + Retry-After;
+    when one stream's client leaves, the waiting one takes its slot."""
+    c = RankCluster(tmp_path, model, [8], api_key=KEY, overrides={"max_batch": 2, "max_queue": 1}, tag="busy")
+    with c.up():
+        body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+        streams = []
+        for _ in range(3):
+            conn = _conn(c)
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+            streams.append(conn)
+            time.sleep(0.2)
+        first = [s.getresponse() for s in streams[:2]]
+        assert all(r.status == 200 and r.readline().startswith(b"data: ") for r in first)
+        deadline = time.monotonic() + 10
+        while len(c.marker(0).active_requests) < 3:  # two in the batch, one accepted and waiting
+            assert time.monotonic() < deadline, c.marker(0).active_requests
+            time.sleep(0.05)
+        status, out = _post(c, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 429 and out["error"]["type"] == "rate_limit_error", out
+        conn = _conn(c)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 4}),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        assert r.status == 429 and r.getheader("Retry-After") == "1"
+        r.read()
+        conn.close()
+        waiting = streams[2]
+        waiting.sock.settimeout(0.5)
+        with pytest.raises((TimeoutError, OSError)):
+            waiting.getresponse()  # no slot yet: not even the headers
+        first[0].close()
+        streams[0].close()  # that client leaves: its request is dropped from the batch
+        waiting.sock.settimeout(20)
+        r = waiting.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        for s in streams[1:]:
+            s.close()
