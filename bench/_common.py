@@ -105,7 +105,7 @@ def stream_chat(base: str, prompt: str, max_tokens: int = 64, timeout: float = 3
         if not first:
             first.append(time.monotonic() - t0)
 
-    text, tokens, _ = client(base, prompt, max_tokens=max_tokens, on_text=on_text, timeout=timeout)
+    text, tokens, _ = client(base, prompt, max_tokens=max_tokens, on_text=on_text, timeout=timeout, model=None)
     total = time.monotonic() - t0
     return Stream(text, tokens, total, first[0] if first else total)
 

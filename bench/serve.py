@@ -1,7 +1,8 @@
-"""Benchmark (issue 3): tokens/s through the HTTP API, cold start to first token, and peak RSS per rank,
-clusterctl side by side with mlx-lm's own server and with mlx.launch, in one run.
+"""Benchmark (issues 3, 11): tokens/s through the HTTP API, alone and with concurrent clients, time to first
+token, cold start, and peak RSS per rank, clusterctl side by side with mlx-lm's own server and with mlx.launch,
+in one run.
 
-Run: .venv/bin/python bench/serve.py [--quick] [--rounds N] [--requests N] [--models 7m,100m]
+Run: .venv/bin/python bench/serve.py [--quick] [--rounds N] [--requests N] [--clients 1,4,8] [--models 7m,100m]
 
 Arms (only one arm's processes are alive at a time; the order rotates every round; medians reported):
   a  mlx_lm.server     1 process: `python -m mlx_lm.server --model PATH --port P` (mlx-lm's own server)
@@ -14,7 +15,10 @@ Arms (only one arm's processes are alive at a time; the order rotates every roun
 Per arm and round: start -> ready (a, b: a 1-token request answers; c: `launch --detach` returned, which already
 includes a canary) -> a fresh streamed request (its first token = cold start; it is also the warm-up) -> N
 streamed greedy requests of 64 new tokens (distinct prompts, the same list for every arm) -> idle CPU over 2 s
-(first round) -> peak RSS -> stop. tok/s = completion tokens / (request sent -> end of stream).
+(first round) -> for each concurrency C in --clients: C streaming clients at once, each sending --per-client
+requests one after another (distinct prompts) -> peak RSS -> stop. tok/s = completion tokens / (request sent ->
+end of stream); with C clients, aggregate tok/s = all completion tokens / (first request sent -> last stream
+ended), and time to first token is per request (sent -> first content chunk), p50/p95 over all of them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Round:
     idle: float | None = None
     rss: list = field(default_factory=list)  # per rank: (rank, layers, marker peak, VmHWM)
     markers: dict = field(default_factory=dict)  # clusterctl: rank -> marker file
+    loads: dict = field(default_factory=dict)  # clients -> (aggregate tok/s, [time to first token], errors)
     error: str | None = None
 
 
@@ -151,7 +156,46 @@ def marker_peak(path: str) -> int | None:
     return None
 
 
-def run_round(arm: str, kind: str, path: Path, ctx, n_requests: int, *, idle: bool, offset: int) -> Round:
+def concurrent_load(base: str, clients: int, per_client: int, offset: int) -> tuple[float, list[float], int]:
+    """``clients`` threads, each streaming ``per_client`` requests one after another: (aggregate tok/s, the time
+    to first token of every request, failed requests)."""
+    import threading
+
+    got: list = []
+    errors = [0]
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(per_client):
+            k = (offset + i * per_client + j) % len(PROMPTS)
+            try:
+                st = stream_chat(base, PROMPTS[k], MAX_TOKENS)
+            except Exception:  # counted: a refused or broken request is a result too
+                with lock:
+                    errors[0] += 1
+                continue
+            with lock:
+                got.append(st)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    wall = time.monotonic() - t0
+    return sum(s.tokens for s in got) / wall if wall > 0 else 0.0, [s.first for s in got], errors[0]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def run_round(arm: str, kind: str, path: Path, ctx, n_requests: int, *, idle: bool, offset: int,
+              clients: tuple[int, ...] = (), per_client: int = 2) -> Round:
     r = Round(arm, kind)
     try:
         with ctx(r) as (t0, base, pids, layers, all_pids):
@@ -162,8 +206,9 @@ def run_round(arm: str, kind: str, path: Path, ctx, n_requests: int, *, idle: bo
                 r.streams.append((k, stream_chat(base, PROMPTS[k], MAX_TOKENS)))
             if idle:
                 r.idle = idle_cores(all_pids, 2.0)
-            else:
-                time.sleep(1.2)  # let the marker heartbeat (<= 1 s) carry the peak after the last request
+            for c in clients:
+                r.loads[c] = concurrent_load(base, c, per_client, offset)
+            time.sleep(1.2)  # let the marker heartbeat (<= 1 s) carry the peak after the last request
             markers = r.markers
             r.rss = [(rank, layers.get(rank, "?"), marker_peak(markers[rank]) if rank in markers else None,
                       vm_hwm(pid)) for rank, pid in sorted(pids.items())]
@@ -197,7 +242,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, help="rounds per arm (default 3; --quick 1)")
     ap.add_argument("--requests", type=int, help="measured requests per round (default 2; --quick 5)")
     ap.add_argument("--models", default="7m,100m", help="comma list of 7m, 100m")
+    ap.add_argument("--clients", default="1,4,8", help="concurrent streaming clients to measure (comma list)")
+    ap.add_argument("--per-client", type=int, default=2, help="requests each concurrent client sends in turn")
     ns = ap.parse_args()
+    clients = tuple(int(c) for c in ns.clients.split(",") if c.strip())
     rounds = ns.rounds or (1 if ns.quick else 3)
     n_req = ns.requests or (5 if ns.quick else 2)
     kinds = [k.strip() for k in ns.models.split(",") if k.strip()]
@@ -229,7 +277,8 @@ def main() -> int:
                     arms.insert(1, "c62")
                 for arm in arms:
                     k = 0 if (ns.quick and (arm == "c62" or rss_only)) else n_req  # quick: RSS only
-                    r = run_round(arm, kind, path, ctxs[arm], k, idle=(i == 0), offset=i * n_req)
+                    r = run_round(arm, kind, path, ctxs[arm], k, idle=(i == 0), offset=i * n_req,
+                                  clients=() if (arm == "c62" or rss_only) else clients, per_client=ns.per_client)
                     rs.append(r)
                     log(f"{kind} round {i + 1} {ARM_NAMES[arm]}: ready {fmt(r.ready, ' s')}, first token "
                         f"{fmt(r.cold_first, ' s')}, tok/s {fmt(med(s.tok_s for _, s in r.streams), digits=1)}"
@@ -279,12 +328,35 @@ def report(results: dict[str, list[Round]], plans: dict, elapsed: float) -> None
                              fmt(hwm and hwm / 2**20, digits=0), ratio(best, single)])
         say("peak RSS per rank (MiB; marker = clusterctl's peak_rss_bytes, VmHWM = /proc/PID/status)")
         say(table(rows, ["arm", "rank", "layers", "marker peak", "VmHWM", "vs 1 process"]))
+        concurrency_report(by, kind)
         same = identical_outputs(rs)
         say(f"greedy outputs identical across arms, prompt by prompt: {same}")
         for r in rs:
             if r.error:
                 say(f"error: {ARM_NAMES[r.arm]}: {r.error}")
     say(f"(total {elapsed:.0f} s)")
+
+
+def concurrency_report(by: dict, kind: str) -> None:
+    cs = sorted({c for v in by.values() for r in v for c in r.loads})
+    if not cs:
+        return
+    agg = {(a, c): med(r.loads[c][0] for r in v if c in r.loads) for a, v in by.items() for c in cs}
+    rows = []
+    for a in ("a", "b", "c"):
+        for c in cs:
+            firsts = [x for r in by[a] if c in r.loads for x in r.loads[c][1]]
+            errs = sum(r.loads[c][2] for r in by[a] if c in r.loads)
+            rows.append([ARM_NAMES[a], str(c), fmt(agg[(a, c)], digits=1), fmt(pct(firsts, 0.5)),
+                         fmt(pct(firsts, 0.95)), str(len(firsts)), str(errs)])
+    say(f"concurrent streaming clients ({kind}; aggregate tok/s = median over rounds; first token over all requests)")
+    say(table(rows, ["arm", "clients", "aggregate tok/s", "first token p50 s", "p95 s", "requests", "failed"]))
+    for c in cs:
+        say(f"  {c} client(s): c/a = {ratio(agg[('c', c)], agg[('a', c)])} (goal >= 0.85x)   "
+            f"c/b = {ratio(agg[('c', c)], agg[('b', c)])} (goal >= 1.8x)")
+    if 1 in cs and max(cs) > 1:
+        top = max(cs)
+        say(f"  clusterctl {top} clients / 1 client = {ratio(agg[('c', top)], agg[('c', 1)])} (goal >= 3x at 8)")
 
 
 def identical_outputs(rs: list[Round]) -> str:

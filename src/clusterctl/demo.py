@@ -63,10 +63,15 @@ class DemoResult:
 
 
 def stream_chat(endpoint: str, prompt: str, *, max_tokens: int, on_text=lambda s: None,
-                api_key: str | None = None, timeout: float = 120) -> tuple[str, int, float]:
-    """POST a streaming chat completion and read its server-sent events; returns (text, tokens, seconds)."""
-    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": prompt}], "stream": True,
-                       "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}).encode()
+                api_key: str | None = None, timeout: float = 120, model: str | None = "default"
+                ) -> tuple[str, int, float]:
+    """POST a streaming chat completion and read its server-sent events; returns (text, tokens, seconds).
+    ``model`` None leaves the field out (mlx_lm.server then serves its --model instead of loading that name)."""
+    doc = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+           "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}
+    if model is None:
+        del doc["model"]
+    body = json.dumps(doc).encode()
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"

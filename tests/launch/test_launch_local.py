@@ -490,3 +490,33 @@ def test_a_port_block_in_use_is_replaced_by_another(tmp_path, tiny, env, monkeyp
         td = cli("teardown", "--force", env=env)
     assert td.returncode == 0, td.stderr
     assert manifests(tmp_path / "state") == []
+
+
+def test_the_plans_batch_slots_and_the_launch_queue_bound_what_rank_0_takes(tmp_path, tiny, env):
+    """plan --batch 2 and launch --max-queue 0 reach the ranks through the signed contracts: two streams are
+    decoded together, a third request is refused with 429 and Retry-After."""
+    import http.client
+
+    c = local_cluster(tmp_path, (2, 6))
+    dep = tmp_path / "dep.json"
+    out = cli("plan", "-c", str(c), "-m", str(tiny), "--context", "512", "--batch", "2", "-o", str(dep),
+              "--json", env=env, check=True)
+    assert json.loads(out.stdout)["options"]["batch"] == 2 and json.loads(out.stdout)["slots"] >= 2
+    p = cli("launch", str(dep), "--detach", "--json", "--max-queue", "0", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    host, port = json.loads(p.stdout)["endpoint"].rsplit("/", 1)[-1].rsplit(":", 1)
+    try:
+        body = {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0}
+        streams = [_stream(host, port, body) for _ in range(2)]
+        assert all(r.readline().startswith(b"data: ") for _, r in streams)  # both decoding at once
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "max_tokens": 4}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 429 and r.getheader("Retry-After") == "1", r.read()
+        conn.close()
+        for s, _ in streams:
+            s.close()
+    finally:
+        td = cli("teardown", "--force", "--json", env=env)
+        assert td.returncode == 0, td.stderr

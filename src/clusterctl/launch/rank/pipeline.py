@@ -1,5 +1,5 @@
-"""Inside one rank: environment, loading only this rank's layers, joining the group, and the generation call
-that every rank runs identically.
+"""Inside one rank: environment, loading only this rank's layers, joining the group, the control collectives and
+the shared request (the batch that every rank decodes identically is in batch.py).
 
 Nothing here imports mlx at module level: the environment must be final before mlx is first imported.
 
@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.launch.rankspec import RankSpec
@@ -280,74 +280,3 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-def generate(model, tokenizer, req: GenRequest, *, emit: Callable[[str], None] | None = None,
-             control: Callable[[], tuple[str | None, int]] | None = None, every: int = 4,
-             on_step: Callable[[], None] | None = None) -> GenResult:
-    """Run one request with mlx-lm's ``generate_step``; identical on every rank.
-
-    Every stop decision (EOS, max_tokens, stop strings) depends only on the tokens, so all ranks stop at the same
-    step. ``control`` is a collective called first after ``every`` tokens, AFTER draining the in-flight step; it
-    returns a finish reason to end early (cancel, shutdown) or None, and the number of tokens until the next call
-    (the same on every rank: rank 0 decides it and it travels with the collective).
-    """
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step, generation_stream, wired_limit
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-    mx.random.seed(req.seed)
-    sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-    processors = make_logits_processors(repetition_penalty=req.repetition_penalty) \
-        if req.repetition_penalty else None
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
-    stops = StopMatcher(req.stop)
-    tokens: list[int] = []
-    parts: list[str] = []
-    finish = "length"
-    stopped_by_text = False
-    check_at = max(1, every)
-
-    def out(s: str) -> None:
-        if s:
-            parts.append(s)
-            if emit is not None:
-                emit(s)
-
-    with wired_limit(model, [generation_stream]):
-        steps = generate_step(mx.array(req.tokens, dtype=mx.int32), model, max_tokens=req.max_tokens,
-                              sampler=sampler, logits_processors=processors)
-        try:
-            for n, (tok, _) in enumerate(steps):
-                if on_step is not None:
-                    on_step()
-                if tok in eos:
-                    finish = "stop"
-                    break
-                tokens.append(tok)
-                detok.add_token(tok)
-                text, hit = stops.feed(detok.last_segment)
-                out(text)
-                if hit:
-                    finish, stopped_by_text = "stop", True
-                    break
-                if control is not None and n + 1 == check_at and n + 1 < req.max_tokens:
-                    mx.synchronize(generation_stream)
-                    verdict, gap = control()
-                    if verdict:
-                        finish = verdict
-                        break
-                    check_at = n + 1 + max(1, gap)
-        finally:
-            steps.close()
-            mx.synchronize(generation_stream)
-    if not stopped_by_text:
-        detok.finalize()
-        text, hit = stops.feed(detok.last_segment)
-        out(text)
-        if hit:
-            finish = "stop"
-        else:
-            out(stops.flush())
-    return GenResult(tokens=tokens, text="".join(parts), finish_reason=finish, prompt_tokens=len(req.tokens))
