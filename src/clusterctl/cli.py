@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from clusterctl import __version__
-from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.errors import ClusterctlError, Exit, UsageError
 from clusterctl.render import Output
 
 app = typer.Typer(
@@ -196,7 +196,7 @@ def launch(
     o = _out(json, quiet)
     import asyncio
 
-    from clusterctl.launch.supervisor import LaunchOptions, install_stop_signals, launch as do_launch
+    from clusterctl.launch.supervisor import LaunchOptions, launch as do_launch
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
                          api_key=os.environ.get(api_key_env) or None, seed=seed, max_queue=max_queue,
@@ -204,51 +204,59 @@ def launch(
     if lease is not None:
         opts.lease_seconds = lease
 
-    async def go() -> int:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-        # Ctrl-C / SIGTERM while ranks load: cancel the launch, which tears down what it started.
-        starting = asyncio.ensure_future(do_launch(deployment, _state(state_dir), opts, log=o.info))
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            try:
-                await starting
-            except asyncio.CancelledError:
-                o.error("launch interrupted; everything it started was stopped")
-                return 130
-        stopper.cancel()
-        running = starting.result()
-        stop.clear()
-        doc = running.summary()
-        if o.json and detach:
-            o.data(doc)
-        elif o.json:
-            o.event("ready", doc)  # then one line per later event: docs/cli.md, "launch --json"
-        elif not o.quiet:
-            print(running.endpoint, flush=True)
-            o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
-                   + ("" if detach else " (Ctrl-C to stop)"))
-        if detach:
-            return 0
-        code = await running.supervise(stop)
-        if running.failure:
-            o.error(running.failure)
-            if o.json:
-                o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank})
-        report = running.report
-        if o.json:
-            o.event("teardown", {**report.to_json(), "reason": "rank_failed" if running.failure else "stopped",
-                                 "exit_code": code})
-        if not report.ok:
-            o.error("teardown could not confirm: " + "; ".join(report.survivors()))
-        else:
-            o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")
-        return code
-
-    code = asyncio.run(go())
+    code = asyncio.run(_run_launch(o, lambda: do_launch(deployment, _state(state_dir), opts, log=o.info), detach))
     raise typer.Exit(code)
+
+
+async def _run_launch(o, start, detach: bool, *, ready_extra: dict | None = None) -> int:
+    """Start a launch (``start()`` -> Running), print it ready, and in the foreground supervise it until a stop
+    or a rank failure. Ctrl-C / SIGTERM while ranks load cancels the launch, which tears down what it started."""
+    import asyncio
+
+    from clusterctl.launch.supervisor import install_stop_signals
+
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    starting = asyncio.ensure_future(start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            o.error("launch interrupted; everything it started was stopped")
+            return 130
+    stopper.cancel()
+    running = starting.result()
+    stop.clear()
+    doc = running.summary()
+    if o.json and detach:
+        o.data({**(ready_extra or {}), **doc} if ready_extra else doc)
+    elif o.json:
+        if ready_extra:
+            o.event("replanned", ready_extra)
+        o.event("ready", doc)  # then one line per later event: docs/cli.md, "launch --json"
+    elif not o.quiet:
+        print(running.endpoint, flush=True)
+        o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
+               + ("" if detach else " (Ctrl-C to stop)"))
+    if detach:
+        return 0
+    code = await running.supervise(stop)
+    if running.failure:
+        o.error(running.failure)
+        if o.json:
+            o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank})
+    report = running.report
+    if o.json:
+        o.event("teardown", {**report.to_json(), "reason": "rank_failed" if running.failure else "stopped",
+                             "exit_code": code})
+    if not report.ok:
+        o.error("teardown could not confirm: " + "; ".join(report.survivors()))
+    else:
+        o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")
+    return code
 
 
 @app.command()
@@ -284,6 +292,174 @@ def teardown(
     if not reports:
         o.info("nothing to tear down")
     raise typer.Exit(0 if ok else int(Exit.FAILED))
+
+
+def _path_map(text: str | None) -> dict[str, str] | None:
+    """--path-map "a=/models/x,b=/models/y"; an empty string is an explicit empty map."""
+    if text is None:
+        return None
+    out: dict[str, str] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        node, eq, path = part.partition("=")
+        if not eq or not node or not path.startswith("/"):
+            raise UsageError(f"--path-map: {part!r} is not NODE=/absolute/path")
+        if node in out:
+            raise UsageError(f"--path-map: node {node} given twice")
+        out[node] = path
+    return out
+
+
+@app.command()
+def replan(
+    target: Annotated[Optional[str], typer.Argument(help="The current deployment: file, deployment id or job id (default: the one running).",
+                                                    autocompletion=_complete_targets)] = None,
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="A cluster.toml whose nodes replace the current ones (needed to add a node).")] = None,
+    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None,
+    allocation: Annotated[Optional[str], typer.Option(help="balanced | proportional | speed.")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
+    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1)] = None,
+    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1)] = None,
+    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path).')] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
+    drain: Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.", min=0)] = 0.0,
+    detach: Annotated[Optional[bool], typer.Option("--detach/--foreground", help="How the new job runs (default: as the old one did).", show_default=False)] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the new ranks to be ready.", min=1)] = 600,
+    grace: GraceOpt = 10.0,
+    api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
+    seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot.", min=0, max=65536)] = 64,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Preview a new plan for a running deployment, then drain, stop verified, swap the deployment file and
+    relaunch. Whatever is not given is derived from the current deployment."""
+    o = _out(json, quiet)
+    import asyncio
+
+    from clusterctl.launch import replan as rp
+    from clusterctl.plan.replan import diff_lines
+
+    state = _state(state_dir)
+    ssh = _ssh(known_hosts, accept_new_host_keys)
+    given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("context", context),
+                               ("batch", batch)) if v is not None}
+    node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
+    p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
+                   path_map=_path_map(path_map), to=to)
+
+    async def live() -> list:
+        from clusterctl.launch.manifest import ManifestStore
+        from clusterctl.launch.supervisor import live_jobs
+
+        if not p.jobs:
+            return []
+        return await live_jobs(ManifestStore(state.launches, None, state.keyring.public_keys()), ssh,
+                               p.old.deployment_id)
+
+    p.jobs = asyncio.run(live())
+    doc = p.to_json()
+    if not o.json and not o.quiet:
+        for k, v in p.inputs.get("given", {}).items():
+            print(f"given    {k}: {v}")
+        for k, v in p.inputs.get("derived", {}).items():
+            print(f"derived  {k}: {v}")
+        print(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
+              + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
+        for line in diff_lines(p.diff):
+            print(line)
+    nothing = p.diff["unchanged"] and not p.diff["records_changed"]
+    if nothing:
+        if o.json:
+            o.data({**doc, "action": "unchanged"})
+        o.info("unchanged: the plan and its records are the same; nothing to do")
+        raise typer.Exit(0)
+    if not yes:
+        if not sys.stdin.isatty():
+            if o.json:
+                o.data({**doc, "action": "previewed"})
+            o.info("previewed only (not a terminal): run again with --yes to apply")
+            raise typer.Exit(int(Exit.NOT_APPLIED))
+        if not typer.confirm("apply this replan?", default=False, err=True):
+            if o.json:
+                o.data({**doc, "action": "previewed"})
+            raise typer.Exit(int(Exit.NOT_APPLIED))
+    lock = rp.lock_for(state, p)
+    try:
+        if p.diff["unchanged"]:
+            rp.write_new(state, p)
+            rp.record(state, p, changes=rp.changes_of(p), relaunched=None)
+            if o.json:
+                o.data({**doc, "action": "unchanged"})
+            o.info(f"unchanged plan: {', '.join(p.diff['records_changed'])} updated in {rp.deployment_ref(p)}; "
+                   "no rank was restarted")
+            raise typer.Exit(0)
+        asyncio.run(rp.stop_old(state, p, ssh, grace=grace, drain=drain, log=o.info))
+        rp.write_new(state, p)
+        if not p.jobs:
+            rp.record(state, p, changes=rp.changes_of(p), relaunched=None)
+            if o.json:
+                o.data({**doc, "action": "applied", "job": None})
+            o.info(f"deployment {p.new.deployment_id} is current (it was not running: nothing relaunched)")
+            raise typer.Exit(0)
+        opts = rp.relaunch_options(p, ssh, detach=detach, timeout=timeout, grace=grace,
+                                   api_key=os.environ.get(api_key_env) or None, seed=seed, max_queue=max_queue)
+        from clusterctl.launch.supervisor import launch as do_launch
+
+        async def start():
+            try:
+                running = await do_launch(rp.deployment_ref(p), state, opts, log=o.info)
+            except ClusterctlError as e:
+                rp.record(state, p, changes=rp.changes_of(p), relaunched=None)
+                raise ClusterctlError(f"deployment {p.new.deployment_id} did not launch: {e.message}",
+                                      hint=f"the previous deployment is kept: {rp.way_back(state, p)}",
+                                      exit_code=e.exit_code) from None
+            rp.record(state, p, changes=rp.changes_of(p), relaunched=running.manifest.job_id)
+            lock.release()  # the new job runs: another replan may now follow it
+            return running
+
+        code = asyncio.run(_run_launch(o, start, opts.detach, ready_extra={**doc, "action": "applied"}))
+    finally:
+        lock.release()
+    raise typer.Exit(code)
+
+
+@app.command()
+def history(
+    target: Annotated[Optional[str], typer.Argument(help="A deployment file, deployment id or cluster name (default: every cluster).",
+                                                    autocompletion=_complete_targets)] = None,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Applied replans, oldest first: when, from which deployment to which (plan_hash), and what changed."""
+    o = _out(json, quiet)
+    from clusterctl import history as hist
+
+    state = _state(state_dir)
+    folder = state.root / "history"
+    if target is None:
+        clusters = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    elif (folder / f"{target}.json").exists():
+        clusters = [target]
+    else:
+        _, loaded = state.load_deployment(target)
+        clusters = [loaded.deployment.cluster]
+    out = {c: hist.entries(state, c) for c in clusters}
+    if o.json:
+        o.data({"clusters": [{"cluster": c, "current": (e[-1]["to"] if e else None), "entries": e}
+                             for c, e in out.items()]})
+        return
+    for c, items in out.items():
+        for e in items:
+            kept = (state.deployments / f"{e['from']}.json").exists()
+            print(f"{c}  {e['applied_at']}  {e['from']} ({e['from_hash'][:12]}){'' if kept else ' [file gone]'}"
+                  f" -> {e['to']} ({e['to_hash'][:12]})  {'; '.join(e.get('changes') or [])}")
+    if not any(out.values()):
+        o.info("no replan applied yet")
 
 
 @app.command()

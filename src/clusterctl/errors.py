@@ -13,6 +13,7 @@ class Exit(IntEnum):
     OK = 0
     FAILED = 1  # failed on at least one host (details in --json)
     USAGE = 2
+    NOT_APPLIED = 3  # replan: previewed only (stdin is not a terminal and --yes was not given, or the answer was no)
     DATAERR = 65  # bad, tampered or unsigned deployment / manifest / contract
     NOINPUT = 66  # missing input file
     UNAVAILABLE = 69  # host unreachable

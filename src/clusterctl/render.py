@@ -84,7 +84,7 @@ def deployment_table(dep) -> Any:
     from rich.table import Table
 
     t = Table(title=esc(f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
-                        f"{dep.parallel}/{dep.allocation}  batch {dep.options.batch}"
+                        f"{dep.parallel}/{dep.allocation}  batch {dep.batch_slots}"
                         + (f" of {dep.slots} slots that fit" if dep.slots is not None else "")
                         + f" x {dep.options.context} tokens"), title_justify="left", box=None, pad_edge=False)
     for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):

@@ -501,7 +501,7 @@ def test_the_plans_batch_slots_and_the_launch_queue_bound_what_rank_0_takes(tmp_
     dep = tmp_path / "dep.json"
     out = cli("plan", "-c", str(c), "-m", str(tiny), "--context", "512", "--batch", "2", "-o", str(dep),
               "--json", env=env, check=True)
-    assert json.loads(out.stdout)["options"]["batch"] == 2 and json.loads(out.stdout)["slots"] >= 2
+    assert json.loads(out.stdout)["batch"] == 2 and json.loads(out.stdout)["slots"] >= 2
     p = cli("launch", str(dep), "--detach", "--json", "--max-queue", "0", "--timeout", "180", env=env)
     assert p.returncode == 0, p.stderr
     host, port = json.loads(p.stdout)["endpoint"].rsplit("/", 1)[-1].rsplit(":", 1)

@@ -136,3 +136,36 @@ def test_plan_probe_reads_memory_of_a_remote_node(tmp_path, sshd, env):
     assert p.returncode == 0, p.stderr
     b = json.loads(p.stdout)["nodes"][1]
     assert abs(b["memory_gb"] - psutil.virtual_memory().total / 2**30) < 0.01
+
+
+def test_replan_of_a_foreground_job_over_ssh_relaunches_it_in_the_foreground(tmp_path, sshd, env):
+    """The old job's coordinator is asked to stop (verified), the new split starts on the same nodes, and the
+    replan command becomes the new job's coordinator (Ctrl-C stops it, verified)."""
+    dep = plan(tmp_path, sshd, env)
+    kh = str(sshd.known_hosts)
+    old = start_cli("launch", dep, "--known-hosts", kh, "--timeout", "180", env=env)
+    new = None
+    try:
+        wait_line(old)
+        [m] = manifests(tmp_path / "state")
+        old_pids = [r["pid"] for r in m["ranks"]]
+        assert [(r["start_layer"], r["end_layer"]) for r in m["ranks"]] == [(6, 8), (0, 6)]
+        new = start_cli("replan", dep, "--allocation", "balanced", "--yes", "--json", "--known-hosts", kh,
+                        "--timeout", "180", env=env)
+        first = json.loads(wait_line(new))
+        assert first["event"] == "replanned" and first["given"] == {"allocation": "balanced"}
+        ready = json.loads(new.stdout.readline())  # written right after "replanned", once the new job is ready
+        assert ready["event"] == "ready"
+        assert old.wait(30) == 0  # the old coordinator stopped its ranks, verified, and exited
+        assert wait_gone(old_pids, timeout=10) == []
+        [m2] = manifests(tmp_path / "state")
+        assert m2["job_id"] == ready["job_id"] and not m2["coordinator"]["detached"]
+        assert [(r["start_layer"], r["end_layer"]) for r in m2["ranks"]] == [(4, 8), (0, 4)]
+        new.send_signal(signal.SIGINT)
+        assert new.wait(60) == 0
+        assert processes_with_nonce(m2["nonce"]) == [] and manifests(tmp_path / "state") == []
+    finally:
+        for p in (old, new):
+            if p is not None and p.poll() is None:
+                p.kill()
+        cli("teardown", "--force", "--known-hosts", kh, env=env)

@@ -86,7 +86,7 @@ def test_kv_counts_context_and_batch(facts):
 def test_batch_slots_default_to_as_many_as_fit_up_to_eight_and_more_are_refused(facts):
     kv1 = facts.kv_bytes_per_token_per_layer * 11 * 1000  # rank 0 holds 11 layers of the balanced split
     big = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000))
-    assert big.options.batch == 8 and big.slots is not None and big.slots > 8
+    assert big.batch == 8 and big.options.batch is None and big.slots is not None and big.slots > 8
     assert big.ranks[0].planned.kv == 8 * kv1
     # node a with room for exactly 3 slots (weights + headroom + 3 x KV, a few bytes spare)
     r = big.ranks[0]
@@ -97,11 +97,11 @@ def test_batch_slots_default_to_as_many_as_fit_up_to_eight_and_more_are_refused(
     want = (usable - r.planned.weights - r.planned.headroom) // kv1
     assert 2 <= want < 8
     auto = make_deployment(tight, facts, "/m", PlanOptions(context=1000))
-    assert auto.slots == want and auto.options.batch == min(8, want) >= 1
+    assert auto.slots == want and auto.batch == min(8, want) >= 1
     assert auto.ranks[0].planned.total <= usable
     with pytest.raises(DoesNotFit, match="node a needs"):
         make_deployment(tight, facts, "/m", PlanOptions(context=1000, batch=want + 1))
-    assert make_deployment(tight, facts, "/m", PlanOptions(context=1000, batch=want)).options.batch == want
+    assert make_deployment(tight, facts, "/m", PlanOptions(context=1000, batch=want)).batch == want
 
 
 def test_backend_rules(facts):

@@ -48,9 +48,12 @@ def _versions() -> dict:
 
 
 def _port_free(host: str, port: int) -> bool:
-    # Plain bind without SO_REUSEPORT: ring sockets would bind anyway, so this is what tells a live listener.
+    # A bind without SO_REUSEPORT (ring sockets would bind anyway, so this is what tells a live listener), but
+    # with SO_REUSEADDR, as rank 0's HTTP server and the ring bind: connections of a job that just ended linger
+    # in TIME_WAIT on its ports, and they do not keep a new listener out.
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
         return True
     except OSError:

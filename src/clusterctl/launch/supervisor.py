@@ -435,7 +435,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "gate_path": h.path(f"{job_id}.gate"),
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
                     "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload,
-                    "abort_grace_s": grace_from_env(), "max_batch": dep.options.batch or 1,
+                    "abort_grace_s": grace_from_env(), "max_batch": dep.batch_slots,
                     "max_queue": opts.max_queue}
             await h.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 

@@ -83,6 +83,11 @@ class Deployment(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     embedding_offload: bool = False  # resolved from options.embedding_offload; ranks serve the embedding from SSD
     slots: Optional[int] = None  # how many batch slots (sequences of options.context tokens) fit on every rank
+    batch: Optional[int] = None  # the batch slots the ranks serve: options.batch, or as many as fit up to 8
+
+    @property
+    def batch_slots(self) -> int:
+        return self.batch or self.options.batch or 1
 
     def node(self, name: str) -> Node:
         for n in self.nodes:

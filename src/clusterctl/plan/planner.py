@@ -83,9 +83,9 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
 
     offload = _resolve_offload(options.embedding_offload, facts, nodes, needs_for, warnings)
     slots = slots_that_fit(nodes, needs_for(offload, 1))
-    if options.batch is None:  # as many slots as fit, up to the default (at least one: check_fit says if not)
-        options = options.model_copy(update={"batch": max(1, min(DEFAULT_BATCH, slots if slots is not None else 1))})
-    needs = needs_for(offload)
+    # options.batch None: as many slots as fit, up to the default (at least one: check_fit says if not even that)
+    batch = options.batch or max(1, min(DEFAULT_BATCH, slots if slots is not None else 1))
+    needs = needs_for(offload, batch)
     check_fit(nodes, needs)
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
                             planned=need, usable_bytes=n.usable_bytes)
@@ -111,7 +111,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
         options=options, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
-        slots=slots,
+        slots=slots, batch=batch,
     )
 
 

@@ -1,0 +1,49 @@
+"""Replan history: which deployment is current for a cluster, and every applied replan before it.
+
+    <state>/history/<cluster>.json   {"cluster": NAME, "entries": [ENTRY, ...]}   (oldest first)
+    ENTRY = {"applied_at", "from", "from_hash", "to", "to_hash", "changes": [str], "file": PATH | null,
+             "relaunched": JOB_ID | null}
+
+Every deployment an entry names stays signed in ``<state>/deployments/`` (plans are never deleted), so
+``clusterctl replan --to ID`` can go back to any of them. Written atomically; the replan lock (one per cluster)
+serialises writers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clusterctl.atomic import atomic_write_bytes, dumps, read_json
+from clusterctl.errors import ClusterctlError, IntegrityError
+
+LIMIT = 4 << 20
+
+
+def path_of(state, cluster: str) -> Path:
+    return state.root / "history" / f"{cluster}.json"
+
+
+def entries(state, cluster: str) -> list[dict]:
+    p = path_of(state, cluster)
+    if not p.exists():
+        return []
+    try:
+        doc = read_json(p, limit=LIMIT, what="replan history")
+    except ClusterctlError as e:
+        raise IntegrityError(f"{p}: {e.message}", hint="move the file aside to start a new history") from None
+    if not isinstance(doc, dict) or doc.get("cluster") != cluster or not isinstance(doc.get("entries"), list) \
+            or not all(isinstance(x, dict) and isinstance(x.get("to"), str) for x in doc["entries"]):
+        raise IntegrityError(f"{p} is not a replan history of cluster {cluster}",
+                             hint="move the file aside to start a new history")
+    return doc["entries"]
+
+
+def append(state, cluster: str, entry: dict) -> None:
+    items = entries(state, cluster) + [entry]
+    atomic_write_bytes(path_of(state, cluster), dumps({"cluster": cluster, "entries": items}))
+
+
+def current(state, cluster: str) -> str | None:
+    """The deployment id the last applied replan made current (None before the first replan)."""
+    items = entries(state, cluster)
+    return items[-1]["to"] if items else None

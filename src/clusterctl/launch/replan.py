@@ -1,0 +1,223 @@
+"""``clusterctl replan``, the action: from the running plan to a new one in one step.
+
+propose()  the current deployment (a file, a deployment id, a job id, or the only one running), the new plan
+           derived from it plus what the operator gave (plan/replan.py), its placement diff. Nothing changes.
+apply()    under the cluster's replan lock: an unchanged plan only rewrites the deployment record; otherwise
+           refuse unless every rank is idle (after ``drain`` seconds), verified teardown of the old job (if it
+           cannot be verified, stop: the old deployment stays current), atomic swap of the deployment file the
+           operator named (the old one stays signed in the state dir), a history entry; the caller then
+           launches the new deployment the way the old job ran (detached or in the foreground).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clusterctl.errors import Busy, ClusterctlError, ConfigError, MissingInput, UsageError
+from clusterctl.plan.deployment import Deployment
+
+
+@dataclass
+class Proposal:
+    old_path: Path
+    old: Deployment
+    new: Deployment
+    diff: dict
+    operator_file: Path | None  # the deployment FILE the operator named (swapped in place), if not in the state dir
+    inputs: dict = field(default_factory=dict)  # {"given": {...}, "derived": {...}}
+    jobs: list = field(default_factory=list)  # live launch manifests of the old deployment
+    rollback_to: str | None = None
+
+    def to_json(self) -> dict:
+        return {"current": self.old.deployment_id, "new": self.new.deployment_id, "unchanged": self.diff["unchanged"],
+                **self.inputs, "diff": self.diff, "jobs": [m.job_id for m in self.jobs],
+                "deployment_file": str(self.operator_file or self.old_path), "rollback_to": self.rollback_to}
+
+
+def _manifests(state):
+    from clusterctl.launch.manifest import ManifestStore
+
+    if not state.launches.is_dir():
+        return []
+    good, _ = ManifestStore(state.launches, None, state.keyring.public_keys()).all()
+    return [m for _, m in good]
+
+
+def resolve_current(state, ref: str | None) -> tuple[Path, Deployment, Path | None]:
+    """The deployment to replan: FILE, deployment id, job id, or (no ref) the one deployment that runs."""
+    jobs = _manifests(state)
+    if ref is None:
+        ids = sorted({m.deployment_id for m in jobs})
+        if len(ids) != 1:
+            raise UsageError("name the deployment to replan" + (f": {len(ids)} are running ({', '.join(ids)})"
+                                                                 if ids else ": none is running"))
+        ref = ids[0]
+    else:
+        by_job = [m for m in jobs if m.job_id == ref]
+        if by_job:
+            ref = by_job[0].deployment_id
+    path, loaded = state.load_deployment(ref)
+    operator_file = None if state.is_deployment_file(path) else path
+    return path, loaded.deployment, operator_file
+
+
+def _sign_model(state, dep: Deployment, model_path: str) -> Deployment:
+    from clusterctl.sync.planned import manifest_of_folder
+
+    manifest = manifest_of_folder(state, Path(model_path), name=dep.model.name)
+    dep.model = dep.model.model_copy(update={"manifest_hash": manifest.manifest_hash})
+    return dep
+
+
+def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: list[str] | None = None,
+            options: dict | None = None, path_map: dict[str, str] | None = None, to: str | None = None
+            ) -> Proposal:
+    """The preview. ``jobs`` lists every launch manifest of the current deployment (``live_jobs`` narrows it to
+    the live ones once SSH is at hand)."""
+    from clusterctl.plan.replan import derive, placement_diff
+
+    old_path, old, operator_file = resolve_current(state, ref)
+    if to is not None:
+        if cluster_file or nodes or options or path_map is not None:
+            raise UsageError("--to takes a previous deployment as it is: give no other plan option with it")
+        _, loaded = state.load_deployment(to)
+        new = loaded.deployment
+        if new.cluster != old.cluster:
+            raise ConfigError(f"deployment {to} is of cluster {new.cluster}, not {old.cluster}")
+        inputs = {"given": {"to": new.deployment_id}, "derived": {}}
+    else:
+        from clusterctl.plan.commands import fill_memory
+        from clusterctl.plan.inventory import load_cluster
+        from clusterctl.plan.model import inspect_model
+        from clusterctl.plan.planner import make_deployment
+
+        cluster = fill_memory(load_cluster(cluster_file)) if cluster_file is not None else None
+        ins = derive(old, cluster=cluster, nodes=nodes, options=options, path_map=path_map,
+                     speeds_seen=speeds_seen(state, old.cluster))
+        if not Path(ins.model_path).is_dir():
+            raise MissingInput(f"the model {ins.model_path} is not on this machine: replan needs it to plan",
+                               hint="run replan where the deployment was planned")
+        new = make_deployment(ins.cluster, inspect_model(Path(ins.model_path)), ins.model_path, ins.options,
+                              path_map=ins.path_map)
+        new = _sign_model(state, new, ins.model_path)
+        inputs = ins.to_json()
+    jobs = [m for m in _manifests(state) if m.deployment_id == old.deployment_id]
+    return Proposal(old_path=old_path, old=old, new=new, diff=placement_diff(old, new), operator_file=operator_file,
+                    inputs=inputs, jobs=jobs, rollback_to=old.deployment_id)
+
+
+def speeds_seen(state, cluster: str) -> dict[str, float]:
+    """Node speeds recorded by the cluster's earlier deployments (history), the newest winning."""
+    from clusterctl import history
+
+    out: dict[str, float] = {}
+    for e in history.entries(state, cluster):  # oldest first: later entries overwrite
+        for dep_id in (e.get("from"), e.get("to")):
+            try:
+                _, loaded = state.load_deployment(dep_id)
+            except ClusterctlError:
+                continue  # a deployment file that is gone or damaged only loses its speeds
+            out.update(loaded.deployment.speeds)
+    return out
+
+
+def lock_for(state, p: Proposal):
+    from clusterctl.locks import Lock
+
+    return Lock(state.locks / f"replan-{p.old.cluster}.lock").acquire(what=f"replan of cluster {p.old.cluster}")
+
+
+async def refuse_unless_idle(jobs, ssh, *, drain: float, log) -> None:
+    """Replan stops nothing that works: busy OR unknown (a rank unreachable or stale) refuses, with counts."""
+    import asyncio
+
+    from clusterctl.launch.quiescence import describe, quiescence, wait_idle
+
+    if drain > 0:
+        log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
+        answers = await asyncio.gather(*(wait_idle(m, ssh, drain) for m in jobs))
+    else:
+        answers = await asyncio.gather(*(quiescence(m, ssh) for m in jobs))
+    for q in answers:
+        if q["state"] != "idle":
+            waited = f" after draining {drain:g} s" if drain > 0 else ""
+            raise Busy(f"job {q['job_id']} is {q['state']}{waited}: {describe(q)}",
+                       hint="wait (--drain SECONDS) or cancel the requests, then replan again"
+                       if q["state"] == "busy" else "check the ranks (clusterctl status), or tear the job down first")
+
+
+def write_new(state, p: Proposal) -> list[Path]:
+    """The new deployment signed into the state dir and, atomically, over the file the operator named."""
+    if not (state.deployments / f"{p.old.deployment_id}.json").exists():
+        state.save_deployment(p.old)  # the way back must stay signed in the state dir
+    return state.save_deployment(p.new, p.operator_file)
+
+
+def record(state, p: Proposal, *, changes: list[str], relaunched: str | None) -> None:
+    from clusterctl import history
+    from clusterctl.launch.manifest import now_iso
+
+    history.append(state, p.old.cluster, {
+        "applied_at": now_iso(), "from": p.old.deployment_id, "from_hash": p.old.plan_hash,
+        "to": p.new.deployment_id, "to_hash": p.new.plan_hash, "changes": changes,
+        "file": str(p.operator_file) if p.operator_file else None, "relaunched": relaunched})
+
+
+def changes_of(p: Proposal) -> list[str]:
+    out = []
+    for r in p.diff["nodes"]:
+        if r["change"] == "joins":
+            out.append(f"{r['node']} joins")
+        elif r["change"] == "leaves":
+            out.append(f"{r['node']} leaves")
+        elif r["change"] == "moves":
+            a, b = r["layers_before"], r["layers_after"]
+            out.append(f"{r['node']} [{a[0]},{a[1]})->[{b[0]},{b[1]})")
+    out += [f"{o['field']} {o['before']}->{o['after']}" for o in p.diff["other"]]
+    if p.diff["unchanged"]:
+        out += [f"{c} updated" for c in p.diff["records_changed"]] or ["nothing"]
+    return out
+
+
+async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) -> None:
+    """Refuse unless idle, then verified teardown of every job of the old deployment."""
+    from clusterctl.launch.teardown import teardown_command
+
+    if not p.jobs:
+        return
+    await refuse_unless_idle(p.jobs, ssh, drain=drain, log=log)
+    for m in p.jobs:
+        reports = await teardown_command(state, m.job_id, ssh, grace=grace, force=True, log=log)
+        bad = [r for r in reports if not r.ok]
+        if bad:
+            raise ClusterctlError(
+                f"teardown of job {m.job_id} could not be verified: {'; '.join(bad[0].survivors())}; deployment "
+                f"{p.old.deployment_id} stays current and nothing was relaunched",
+                hint=f"stop what is left, then `clusterctl teardown {m.job_id}` and replan again")
+
+
+def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
+                     seed: int, max_queue: int):
+    """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
+    from clusterctl.launch.supervisor import LaunchOptions
+
+    m = p.jobs[0] if p.jobs else None
+    host, port = "127.0.0.1", None
+    if m is not None and m.endpoint:
+        hostport = m.endpoint.split("://", 1)[-1]
+        h, _, pt = hostport.rpartition(":")
+        host, port = h.strip("[]") or host, int(pt) if pt.isdigit() else m.http_port
+    was_detached = m.coordinator.detached if m is not None else True
+    return LaunchOptions(timeout=timeout, grace=grace, detach=was_detached if detach is None else detach,
+                         http_host=host, http_port=port, api_key=api_key, seed=seed, max_queue=max_queue, ssh=ssh)
+
+
+def deployment_ref(p: Proposal) -> str:
+    return str(p.operator_file) if p.operator_file else p.new.deployment_id
+
+
+def way_back(state, p: Proposal) -> str:
+    return f"clusterctl replan {os.fspath(p.operator_file) if p.operator_file else p.new.deployment_id} " \
+           f"--to {p.old.deployment_id} --yes"

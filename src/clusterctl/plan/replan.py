@@ -1,0 +1,194 @@
+"""Replanning, the pure part: the new plan's inputs derived from the current deployment plus what the operator
+gave, and the placement diff between two deployments. No files, no processes (the action is launch/replan.py).
+
+Derivation: whatever is not given comes from the current deployment — its nodes (with hosts, links, memory and
+measured speeds), backend, parallel mode, allocation, context, batch, headroom, embedding offload, path_map and
+model. ``--cluster`` replaces the node records (a node the current deployment does not have can only come from
+there); ``--nodes`` picks and orders nodes; a node's measured speed and its path_map entry are carried to the
+new plan unless given. An explicit empty value wins over derivation (an empty path_map means every node uses
+its own model_path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clusterctl.errors import ConfigError, UsageError
+from clusterctl.plan.deployment import Deployment, PlanOptions
+from clusterctl.plan.inventory import Cluster
+
+OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload")
+
+
+@dataclass
+class Inputs:
+    cluster: Cluster
+    options: PlanOptions
+    path_map: dict[str, str]
+    model_path: str
+    given: dict[str, str] = field(default_factory=dict)  # field -> value as given
+    derived: dict[str, str] = field(default_factory=dict)  # field -> value carried from the current deployment
+
+    def to_json(self) -> dict:
+        return {"given": self.given, "derived": self.derived}
+
+
+def _show(v) -> str:
+    if isinstance(v, dict):
+        return ",".join(f"{k}={x}" for k, x in sorted(v.items())) or "(empty)"
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return "auto" if v is None else str(v)
+
+
+def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] | None = None,
+           options: dict | None = None, path_map: dict[str, str] | None = None,
+           model_path: str | None = None, speeds_seen: dict[str, float] | None = None) -> Inputs:
+    """The new plan's inputs. ``options`` holds only what was given (a key present = given, even when None
+    means "auto" for batch); ``path_map`` None = not given, {} = given empty. ``speeds_seen``: speeds measured
+    in earlier deployments of the cluster (a node that left and comes back keeps its speed); the current
+    deployment's win."""
+    options = options or {}
+    known_speeds = {**(speeds_seen or {}), **old.speeds}
+    given: dict[str, str] = {}
+    derived: dict[str, str] = {}
+    if cluster is not None:
+        given["cluster"] = cluster.source or cluster.name
+        pool = cluster
+    else:
+        pool = Cluster(name=old.cluster, nodes=old.nodes)
+        derived["cluster"] = f"{old.cluster} (the nodes of {old.deployment_id})"
+    names = [n.name for n in pool.nodes]
+    if nodes is not None:
+        if not nodes:
+            raise UsageError("--nodes: give at least one node")
+        unknown = [n for n in nodes if n not in names]
+        if unknown:
+            where = "the cluster file" if cluster is not None else f"deployment {old.deployment_id} (pass --cluster " \
+                                                                    "to add a node it does not have)"
+            raise ConfigError(f"--nodes: {', '.join(unknown)} not in {where}; known: {', '.join(names)}")
+        if len(set(nodes)) != len(nodes):
+            raise UsageError("--nodes: a node is named twice")
+        chosen = [pool.node(n) for n in nodes]
+        given["nodes"] = _show(nodes)
+    else:
+        chosen = list(pool.nodes)
+        derived["nodes"] = _show(names)
+    # measured speeds travel with the node names
+    carried_speeds = []
+    out_nodes = []
+    for n in chosen:
+        if n.speed is None and n.name in known_speeds:
+            n = n.model_copy(update={"speed": known_speeds[n.name]})
+            carried_speeds.append(f"{n.name}={known_speeds[n.name]:g}")
+        out_nodes.append(n)
+    if carried_speeds:
+        derived["speeds"] = ",".join(carried_speeds)
+    new_cluster = Cluster(name=old.cluster if cluster is None else cluster.name, nodes=out_nodes,
+                          source=pool.source)
+    opts = {}
+    for k in OPTION_FIELDS:
+        if k in options:
+            opts[k] = options[k]
+            given[k] = _show(options[k])
+        else:
+            opts[k] = getattr(old.options, k)
+            derived[k] = _show(opts[k])
+    try:
+        plan_opts = PlanOptions(**opts)
+    except ValueError as e:
+        raise UsageError(f"replan options: {e}") from None
+    if path_map is not None:
+        unknown = sorted(set(path_map) - {n.name for n in out_nodes})
+        if unknown:
+            raise ConfigError(f"--path-map: {', '.join(unknown)} not among the new plan's nodes")
+        pm = dict(path_map)
+        given["path_map"] = _show(pm)
+    else:
+        pm = {k: v for k, v in old.path_map.items() if k in {n.name for n in out_nodes}
+              and (cluster is None or cluster.node(k).model_path is None)}
+        derived["path_map"] = _show(pm)
+    if model_path is not None:
+        given["model"] = model_path
+    else:
+        model_path = old.model.source_path
+        derived["model"] = model_path
+    return Inputs(cluster=new_cluster, options=plan_opts, path_map=pm, model_path=model_path, given=given,
+                  derived=derived)
+
+
+def placement_diff(old: Deployment, new: Deployment) -> dict:
+    """Per node: layers and planned memory before -> after, and whether it joins, leaves, moves or stays."""
+    before = {r.node: r for r in old.ranks}
+    after = {r.node: r for r in new.ranks}
+    order = [r.node for r in new.ranks] + [n for n in before if n not in after]
+    rows = []
+    for node in order:
+        a, b = before.get(node), after.get(node)
+        if a is None:
+            change = "joins"
+        elif b is None:
+            change = "leaves"
+        elif (a.start_layer, a.end_layer, a.rank) != (b.start_layer, b.end_layer, b.rank):
+            change = "moves"
+        elif a.planned.total != b.planned.total:
+            change = "resized"
+        else:
+            change = "same"
+        rows.append({
+            "node": node, "change": change,
+            "rank_before": a.rank if a else None, "rank_after": b.rank if b else None,
+            "layers_before": [a.start_layer, a.end_layer] if a else None,
+            "layers_after": [b.start_layer, b.end_layer] if b else None,
+            "memory_before": a.planned.total if a else None, "memory_after": b.planned.total if b else None,
+            "path_before": old.path_map.get(node), "path_after": new.path_map.get(node),
+        })
+    other = []
+    for what, x, y in (("backend", old.backend, new.backend), ("parallel", old.parallel, new.parallel),
+                       ("allocation", old.allocation, new.allocation), ("batch", old.batch_slots, new.batch_slots),
+                       ("context", old.options.context, new.options.context),
+                       ("model", old.model.facts_hash[:12], new.model.facts_hash[:12])):
+        if x != y:
+            other.append({"field": what, "before": x, "after": y})
+    unchanged = old.plan_hash == new.plan_hash
+    return {"plan_hash_before": old.plan_hash, "plan_hash_after": new.plan_hash,
+            "deployment_before": old.deployment_id, "deployment_after": new.deployment_id,
+            "unchanged": unchanged, "nodes": rows, "other": other,
+            "records_changed": records_changed(old, new)}
+
+
+def records_changed(old: Deployment, new: Deployment) -> list[str]:
+    """What differs between two deployments of the same plan that the deployment file records (path_map, batch,
+    speeds and other metadata): what an unchanged replan writes back."""
+    out = []
+    if old.path_map != new.path_map:
+        out.append("path_map")
+    if old.batch_slots != new.batch_slots:
+        out.append("batch")
+    if old.speeds != new.speeds:
+        out.append("speeds")
+    if old.options != new.options:
+        out.append("options")
+    if old.model.manifest_hash != new.model.manifest_hash:
+        out.append("model manifest")
+    return out
+
+
+def diff_lines(diff: dict) -> list[str]:
+    """The diff as lines for a terminal."""
+    def mem(b):
+        return "-" if b is None else f"{b / (1 << 30):.2f} GiB"
+
+    def rng(x):
+        return "-" if x is None else f"[{x[0]}, {x[1]})"
+
+    lines = [f"plan_hash {diff['plan_hash_before'][:16]} -> {diff['plan_hash_after'][:16]}"
+             + ("  (unchanged)" if diff["unchanged"] else "")]
+    for r in diff["nodes"]:
+        lines.append(f"  {r['node']:<12} {r['change']:<8} layers {rng(r['layers_before'])} -> {rng(r['layers_after'])}"
+                     f"   memory {mem(r['memory_before'])} -> {mem(r['memory_after'])}"
+                     + (f"   path {r['path_before']} -> {r['path_after']}"
+                        if r["path_before"] != r["path_after"] and r["change"] not in ("joins", "leaves") else ""))
+    for o in diff["other"]:
+        lines.append(f"  {o['field']}: {o['before']} -> {o['after']}")
+    return lines

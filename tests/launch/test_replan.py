@@ -1,0 +1,216 @@
+"""replan against real running deployments (local ranks; one over SSH): preview, apply, busy refusal,
+unchanged short-circuit, node removal and addition, a failed new launch, history and rollback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launchutil import cli, local_cluster, manifests, processes_with_nonce
+from rankharness import tiny_model_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_path()
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
+
+
+def _plan(tmp_path, tiny, env, mems=(2, 6), allocation="proportional", extra=None) -> Path:
+    c = local_cluster(tmp_path, mems, extra=extra)
+    out = tmp_path / "dep.json"
+    cli("plan", "-c", str(c), "-m", str(tiny), "--allocation", allocation, "--context", "512", "-o", str(out),
+        "-q", env=env, check=True)
+    return out
+
+
+def _launch(dep, env) -> dict:
+    p = cli("launch", str(dep), "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    [m] = manifests(Path(env["CLUSTERCTL_STATE_DIR"]))
+    return m
+
+
+def _job(env) -> dict:
+    [m] = manifests(Path(env["CLUSTERCTL_STATE_DIR"]))
+    return m
+
+
+def _layers(m) -> list:
+    return [(r["node"], r["start_layer"], r["end_layer"]) for r in m["ranks"]]
+
+
+def _ask(endpoint: str) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(endpoint + "/v1/completions", data=json.dumps(
+        {"prompt": "def main(argv):", "max_tokens": 6, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def _verify_id(path: Path, env: dict) -> str:
+    p = cli("verify", str(path), "--json", env=env)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["deployment_id"]
+
+
+def _load(path: Path, env: dict):
+    from clusterctl.state import StateDir
+
+    return StateDir(env["CLUSTERCTL_STATE_DIR"]).load_deployment(str(path))[1].deployment
+
+
+def teardown(env):
+    td = cli("teardown", "--force", "--json", env=env)
+    assert td.returncode == 0, td.stderr
+
+
+def test_preview_then_apply_an_allocation_change_then_go_back(tmp_path, tiny, env):
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    old_bytes = dep.read_bytes()
+    try:
+        answer = _ask(old["endpoint"])
+        # not a terminal and no --yes: a preview, exit 3, nothing touched
+        p = cli("replan", str(dep), "--allocation", "balanced", "--json", env=env)
+        assert p.returncode == 3, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["action"] == "previewed" and doc["given"] == {"allocation": "balanced"}
+        assert {"nodes", "backend", "path_map", "context", "batch", "model"} <= set(doc["derived"])
+        rows = {r["node"]: r for r in doc["diff"]["nodes"]}
+        assert rows["a"]["layers_before"] == [6, 8] and rows["a"]["layers_after"] == [4, 8]
+        assert doc["diff"]["plan_hash_before"] != doc["diff"]["plan_hash_after"]
+        assert dep.read_bytes() == old_bytes and _job(env)["job_id"] == old["job_id"]
+        assert sorted(processes_with_nonce(old["nonce"])) == sorted(r["pid"] for r in old["ranks"])
+
+        p = cli("replan", str(dep), "--allocation", "balanced", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["action"] == "applied" and doc["job_id"] != old["job_id"]
+        new = _job(env)
+        assert _layers(new) == [("a", 4, 8), ("b", 0, 4)]
+        assert new["endpoint"] == old["endpoint"]  # the same port: clients keep their URL
+        assert processes_with_nonce(old["nonce"]) == []
+        assert _verify_id(dep, env) == doc["new"] != doc["current"]  # the operator's file now holds the new plan
+        assert _ask(new["endpoint"]) == answer  # the same greedy answer from the new split
+
+        h = json.loads(cli("history", str(dep), "--json", env=env, check=True).stdout)["clusters"][0]
+        assert h["current"] == doc["new"] and h["entries"][0]["from"] == doc["current"]
+        assert any("[6,8)->[4,8)" in c for c in h["entries"][0]["changes"])
+
+        back = cli("replan", str(dep), "--to", doc["current"], "--yes", "--json", env=env)
+        assert back.returncode == 0, back.stderr
+        assert _layers(_job(env)) == [("a", 6, 8), ("b", 0, 6)] and _verify_id(dep, env) == doc["current"]
+        assert len(json.loads(cli("history", "--json", env=env, check=True).stdout)["clusters"][0]["entries"]) == 2
+    finally:
+        teardown(env)
+
+
+def test_path_map_only_is_unchanged_no_rank_restarts_and_the_map_is_carried_after(tmp_path, tiny, env):
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    copy = tmp_path / "copy-of-model"
+    shutil.copytree(tiny, copy)
+    try:
+        p = cli("replan", str(dep), "--path-map", f"a={copy}", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["action"] == "unchanged" and doc["diff"]["records_changed"] == ["path_map"]
+        assert _job(env)["job_id"] == old["job_id"]  # nothing restarted: the same job, the same pids
+        assert sorted(processes_with_nonce(old["nonce"])) == sorted(r["pid"] for r in old["ranks"])
+        assert _load(dep, env).path_map["a"] == str(copy)
+        # a later replan derives that path_map (and says so), and the new ranks use it
+        p = cli("replan", str(dep), "--allocation", "balanced", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert f"a={copy}" in doc["derived"]["path_map"]
+        new = _job(env)
+        contract = next(Path(r["contract_path"]) for r in new["ranks"] if r["node"] == "a")
+        assert str(copy) in contract.read_text()
+        # nothing to do at all: exit 0, "unchanged", no file written
+        before = dep.read_bytes()
+        p = cli("replan", str(dep), "--json", env=env)
+        assert p.returncode == 0 and json.loads(p.stdout)["action"] == "unchanged", p.stderr
+        assert dep.read_bytes() == before
+    finally:
+        teardown(env)
+
+
+def test_busy_refuses_with_the_active_counts_and_drain_waits(tmp_path, tiny, env):
+    import http.client
+
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    host, port = old["endpoint"].rsplit("/", 1)[-1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.readline().startswith(b"data: ")
+        p = cli("replan", str(dep), "--allocation", "balanced", "--yes", env=env)
+        assert p.returncode == 75, p.stderr
+        assert "busy" in p.stderr and "1 active request" in p.stderr
+        assert _job(env)["job_id"] == old["job_id"] and len(processes_with_nonce(old["nonce"])) == 2
+        r.close()
+        conn.close()  # the client leaves: its request is dropped; a drain now finds the ranks idle
+        p = cli("replan", str(dep), "--allocation", "balanced", "--yes", "--drain", "20", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        assert _layers(_job(env)) == [("a", 4, 8), ("b", 0, 4)]
+    finally:
+        conn.close()
+        teardown(env)
+
+
+def test_three_to_two_nodes_and_back_with_speeds_carried(tmp_path, tiny, env):
+    speeds = {"a": {"speed": 10.0}, "b": {"speed": 10.0}, "c": {"speed": 20.0}}
+    dep = _plan(tmp_path, tiny, env, mems=(2, 2, 4), allocation="speed", extra=speeds)
+    _launch(dep, env)
+    try:
+        assert _layers(_job(env)) == [("a", 6, 8), ("b", 4, 6), ("c", 0, 4)]
+        p = cli("replan", str(dep), "--nodes", "a,c", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert {r["node"]: r["change"] for r in doc["diff"]["nodes"]}["b"] == "leaves"
+        assert _layers(_job(env)) == [("a", 5, 8), ("c", 0, 5)]  # 10:20 of 8 layers
+        # back to three from a cluster file without speeds: the measured speeds are carried by name
+        (tmp_path / "bare").mkdir()
+        bare = local_cluster(tmp_path / "bare", (2, 2, 4))
+        p = cli("replan", str(dep), "-c", str(bare), "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["derived"]["speeds"] == "a=10,b=10,c=20"
+        assert {r["node"]: r["change"] for r in doc["diff"]["nodes"]}["b"] == "joins"
+        assert [n for n, _, _ in _layers(_job(env))] == ["a", "b", "c"]
+    finally:
+        teardown(env)
+
+
+def test_a_new_plan_that_cannot_launch_leaves_the_old_one_relaunchable(tmp_path, tiny, env):
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    old_id = _verify_id(dep, env)
+    try:
+        p = cli("replan", str(dep), "--allocation", "balanced", "--path-map", f"a={tmp_path}/no-model-here",
+                "--yes", env=env)
+        assert p.returncode != 0
+        assert "did not launch" in p.stderr and f"--to {old_id}" in p.stderr
+        assert processes_with_nonce(old["nonce"]) == []  # the old job was stopped, verified
+        assert manifests(Path(env["CLUSTERCTL_STATE_DIR"])) == []
+        back = cli("launch", old_id, "--detach", "--json", "--timeout", "180", env=env)  # the one-command way back
+        assert back.returncode == 0, back.stderr
+        assert _layers(_job(env)) == [("a", 6, 8), ("b", 0, 6)]
+    finally:
+        teardown(env)
