@@ -362,15 +362,14 @@ def replan(
 
     p.jobs = asyncio.run(live())
     doc = p.to_json()
-    if not o.json and not o.quiet:
-        for k, v in p.inputs.get("given", {}).items():
-            print(f"given    {k}: {v}")
-        for k, v in p.inputs.get("derived", {}).items():
-            print(f"derived  {k}: {v}")
-        print(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
-              + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
-        for line in diff_lines(p.diff):
-            print(line)
+    for k, v in p.inputs.get("given", {}).items():  # the preview: stderr, like plan's table (stdout is data)
+        o.info(f"given    {k}: {v}")
+    for k, v in p.inputs.get("derived", {}).items():
+        o.info(f"derived  {k}: {v}")
+    o.info(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
+           + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
+    for line in diff_lines(p.diff):
+        o.info(line)
     nothing = p.diff["unchanged"] and not p.diff["records_changed"]
     if nothing:
         if o.json:
