@@ -17,19 +17,8 @@ import psutil
 import pytest
 
 from launchutil import cli, local_cluster, manifests, processes_with_nonce, start_cli, wait_gone, wait_line
-from rankharness import tiny_model_path
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model_path()
-
-
-@pytest.fixture
-def env(tmp_path):
-    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
 
 
 def plan(tmp_path, model, env, mems=(2, 6), extra=None) -> str:

@@ -45,11 +45,6 @@ runtime_dir = {json.dumps(runtime_b or f"{tmp}/run-b")}
     return p
 
 
-@pytest.fixture
-def env(tmp_path):
-    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
-
-
 def plan(tmp_path, sshd, env, **kw) -> str:
     c = ssh_cluster(tmp_path, sshd, **kw)
     out = tmp_path / "dep.json"

@@ -10,19 +10,8 @@ from pathlib import Path
 import pytest
 
 from launchutil import cli, local_cluster, manifests, processes_with_nonce
-from rankharness import tiny_model_path
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model_path()
-
-
-@pytest.fixture
-def env(tmp_path):
-    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
 
 
 def _plan(tmp_path, tiny, env, mems=(2, 6), allocation="proportional", extra=None) -> Path:
