@@ -24,15 +24,26 @@ class Exit(IntEnum):
     CONFIG = 78  # bad configuration, including "does not fit"
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f]} | {0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"}
+
+
+def one_line(text: str) -> str:
+    """A message as one printable line: control characters from files, keys or remote output (a newline, an
+    escape sequence) are shown escaped, so nothing can break the line or drive the terminal."""
+    text = str(text).strip()
+    return text.translate(_CONTROL) if any(ord(c) < 0x20 or ord(c) == 0x7f for c in text) else text
+
+
 class ClusterctlError(Exception):
     """Base error: a one-line message, an exit code and an optional hint."""
 
     exit_code: Exit = Exit.FAILED
 
     def __init__(self, message: str, *, hint: str | None = None, exit_code: Exit | None = None):
+        message = one_line(message)
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = one_line(hint) if hint is not None else None
         if exit_code is not None:
             self.exit_code = exit_code
 

@@ -111,12 +111,14 @@ def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = info["dtype"]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise IntegrityError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        def ints(v) -> bool:
+            return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not ints(info.get("shape")) \
+                or not ints(info.get("data_offsets")) or len(info["data_offsets"]) != 2:
+            raise IntegrityError(f"{path}: corrupt safetensors header entry for {name!r}")
+        dtype, shape = info["dtype"], list(info["shape"])
+        begin, end = info["data_offsets"]
         if dtype not in DTYPE_BYTES:
             raise IntegrityError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         count = 1

@@ -1,0 +1,435 @@
+"""Property-based and mutation fuzzing of every parser that reads a file from disk or the network.
+
+Each parser gets a valid sample and hypothesis-made variants of it: random bytes, truncations, flipped bytes,
+and structural mutations (a JSON leaf or a TOML value replaced by another type, huge numbers, deep nesting),
+re-signed where a signature would otherwise stop them before the schema check. The promise checked: the parser
+returns a valid object or raises ClusterctlError (one line, an exit code) — never another exception, which would
+reach the user as a traceback. Case counts: `pytest tests/test_fuzz.py --hypothesis-show-statistics`
+(MAX_EXAMPLES per parser and source of variants, env CLUSTERCTL_FUZZ_EXAMPLES; docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clusterctl.errors import ClusterctlError
+
+MAX_EXAMPLES = int(os.environ.get("CLUSTERCTL_FUZZ_EXAMPLES", "300"))  # per parser and variant source; more: deeper
+FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
+JSON_ANY = st.recursive(JSON_LEAF, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                          st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+                        max_leaves=12)
+
+
+def byte_variants(sample: bytes):
+    """Random bytes, truncations, one to eight flipped bytes, and a sample with junk appended."""
+    n = len(sample)
+
+    def flip(edits):
+        b = bytearray(sample)
+        for i, v in edits:
+            b[i % n] = v
+        return bytes(b)
+
+    return st.one_of(
+        st.binary(max_size=2 * n),
+        st.integers(0, n).map(lambda k: sample[:k]),
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 255)), min_size=1, max_size=8).map(flip),
+        st.binary(min_size=1, max_size=64).map(lambda junk: sample + junk),
+    )
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+def _replace(obj, path, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        return {**obj, head: _replace(obj[head], rest, value)}
+    out = list(obj)
+    out[head] = _replace(obj[head], rest, value)
+    return out
+
+
+@st.composite
+def json_variants(draw, doc):
+    """The document with one to three values (or whole subtrees) replaced, a key dropped or added."""
+    out = doc
+    for _ in range(draw(st.integers(1, 3))):
+        paths = list(_paths(out))
+        path = draw(st.sampled_from(paths))
+        action = draw(st.sampled_from(["replace", "drop", "add"]))
+        if action == "replace":
+            out = _replace(out, path, draw(JSON_ANY))
+        elif action == "drop" and path:
+            parent = path[:-1]
+            node = out
+            for p in parent:
+                node = node[p]
+            if isinstance(node, dict):
+                out = _replace(out, parent, {k: v for k, v in node.items() if k != path[-1]})
+        elif action == "add":
+            node = out
+            for p in path:
+                node = node[p]
+            if isinstance(node, dict):
+                out = _replace(out, path, {**node, draw(st.text(max_size=8)): draw(JSON_ANY)})
+    return out
+
+
+def only_clean_errors(fn, *args):
+    """Call a parser: a result or a ClusterctlError with a one-line message; anything else fails the test."""
+    try:
+        return fn(*args)
+    except ClusterctlError as e:
+        assert e.message and "\n" not in e.message.strip(), repr(e.message)
+        assert int(e.exit_code) in (1, 2, 65, 66, 69, 73, 75, 77, 78), e.exit_code
+        return None
+
+
+# ---- samples -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    from clusterctl.plan.signing import Keyring
+
+    ring = Keyring(tmp_path_factory.mktemp("keys"))
+    return ring.signing_key(), ring.public_keys()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from clusterctl.plan.deployment import PlanOptions
+    from clusterctl.plan.inventory import parse_cluster
+    from clusterctl.plan.model import inspect_model
+    from clusterctl.plan.planner import make_deployment
+
+    from modelfiles import make_model
+
+    facts = inspect_model(make_model(tmp_path_factory.mktemp("m") / "m", layers=8, hidden=32))
+    c = parse_cluster({"cluster": {"name": "f"}, "node": [
+        {"name": "a", "memory_gb": 8, "host": "10.0.0.1", "ips": ["10.0.0.1"], "model_path": "/m"},
+        {"name": "b", "memory_gb": 8, "host": "10.0.0.2", "ips": ["10.0.0.2"], "model_path": "/m"}]})
+    return make_deployment(c, facts, "/m", PlanOptions())
+
+
+CLUSTER_TOML = b'''[cluster]
+name = "lab"
+[[node]]
+name = "a"
+host = "10.0.0.1"
+ips = ["10.0.0.1"]
+memory_gb = 64
+model_path = "/models/m"
+[[node]]
+name = "b"
+local = true
+memory_gb = 16.5
+speed = 12.5
+runtime_dir = "/tmp/x"
+[[node.links]]
+peer = "a"
+type = "thunderbolt"
+rdma = true
+device = "rdma_en3"
+'''
+
+
+def _write(tmp: Path, name: str, data: bytes) -> Path:
+    p = tmp / name
+    p.write_bytes(data)
+    return p
+
+
+# ---- cluster.toml ------------------------------------------------------------------------------------------------
+
+def test_cluster_toml_bytes(tmp_path):
+    from clusterctl.plan.inventory import load_cluster
+
+    assert load_cluster(_write(tmp_path, "c.toml", CLUSTER_TOML)).name == "lab"
+
+    @FUZZ
+    @given(byte_variants(CLUSTER_TOML))
+    def run(data):
+        only_clean_errors(load_cluster, _write(tmp_path, "c.toml", data))
+
+    run()
+
+
+def test_cluster_toml_values():
+    import tomllib
+
+    from clusterctl.plan.inventory import parse_cluster
+
+    doc = tomllib.loads(CLUSTER_TOML.decode())
+
+    @FUZZ
+    @given(json_variants(doc).filter(lambda d: isinstance(d, dict)))  # a TOML document is always a table
+    def run(d):
+        only_clean_errors(parse_cluster, d)
+
+    run()
+
+
+# ---- signed files: deployment, launch manifest ---------------------------------------------------------------------
+
+def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
+    from clusterctl.atomic import dumps
+    from clusterctl.plan.deployment import KIND, decode, encode
+    from clusterctl.plan.signing import sign_payload
+
+    key, trusted = keys
+    good = encode(deployment, key)
+    assert decode(good, trusted).deployment.deployment_id == deployment.deployment_id
+    doc = deployment.model_dump(mode="json")
+
+    @FUZZ
+    @given(byte_variants(good))
+    def raw(data):
+        only_clean_errors(decode, data, trusted)
+
+    @FUZZ
+    @given(json_variants(doc))
+    def signed(d):  # behind a valid signature: the schema and the v1 migration must hold their ground
+        if isinstance(d, dict) and d:  # what can be signed at all is a non-empty object
+            only_clean_errors(decode, sign_payload(dumps(d), KIND, key), trusted)
+
+    raw()
+    signed()
+
+
+def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
+    from clusterctl.atomic import dumps
+    from clusterctl.launch.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
+    from clusterctl.plan.signing import sign_payload
+
+    key, trusted = keys
+    store = ManifestStore(tmp_path, key, trusted)
+    m = LaunchManifest(job_id="j1", deployment_id="d", plan_hash="h", deployment_file="/d.json", created_at="t",
+                       nonce="n", coordinator=this_coordinator(), nodes=[], ranks=[])
+    path = store.save(m)
+    good = path.read_bytes()
+    doc = m.model_dump(mode="json")
+
+    @FUZZ
+    @given(byte_variants(good))
+    def raw(data):
+        only_clean_errors(store.load, _write(tmp_path, "j1.json", data))
+
+    @FUZZ
+    @given(json_variants(doc))
+    def signed(d):
+        if isinstance(d, dict) and d:
+            only_clean_errors(store.load, _write(tmp_path, "j1.json", sign_payload(dumps(d), KIND, key)))
+
+    raw()
+    signed()
+
+
+def test_rank_contract(tmp_path, deployment, keys):
+    from clusterctl.atomic import dumps
+    from clusterctl.launch.contract import contract_kind, encode_contract, load_rank_contract
+    from clusterctl.plan.deployment import encode
+    from clusterctl.plan.signing import sign_payload
+
+    key, trusted = keys
+    (tmp_path / "trusted-keys").mkdir()
+    for pub in trusted:
+        (tmp_path / "trusted-keys" / f"{pub.key_id}.pub").write_text(pub.to_text())
+    dep_bytes = encode(deployment, key)
+    spec = {"deployment_id": deployment.deployment_id, "job_id": "j", "nonce": "n", "node": "a", "rank": 0,
+            "world_size": 2, "model_path": "/m", "start_layer": 4, "end_layer": 8, "layer_counts": [4, 4],
+            "num_layers": 8, "hostfile": "/h", "http_port": 8000, "runtime_dir": "/r", "marker_path": "/r/m",
+            "gate_path": "/r/g"}
+    good = encode_contract(dep_bytes, spec, key)
+    assert load_rank_contract(_write(tmp_path, "c.contract", good), "a").rank == 0
+    payload = {"schema_version": 1, "type": "rank-contract", "node": "a", "rank": 0, "job_id": "j",
+               "deployment_id": deployment.deployment_id, "spec": spec}
+
+    @FUZZ
+    @given(byte_variants(good))
+    def raw(data):
+        only_clean_errors(load_rank_contract, _write(tmp_path, "c.contract", data), "a")
+
+    @FUZZ
+    @given(json_variants(payload))
+    def signed(d):  # a validly signed contract whose fields are wrong: refused, never a crash
+        if not isinstance(d, dict):
+            return
+        d = {**d, "deployment": dep_bytes.decode()}
+        only_clean_errors(load_rank_contract,
+                          _write(tmp_path, "c.contract", sign_payload(dumps(d), contract_kind("a"), key)), "a")
+
+    raw()
+    signed()
+
+
+# ---- node files: markers, leases, cancel files and acks ---------------------------------------------------------
+
+def _json_file_cases(tmp_path, name, reader, doc):
+    good = json.dumps(doc).encode()
+    assert reader(_write(tmp_path, name, good)) is not None
+
+    @FUZZ
+    @given(byte_variants(good))
+    def raw(data):
+        only_clean_errors(reader, _write(tmp_path, name, data))
+
+    @FUZZ
+    @given(json_variants(doc))
+    def structure(d):
+        only_clean_errors(reader, _write(tmp_path, name, json.dumps(d).encode()))
+
+    raw()
+    structure()
+
+
+def test_marker(tmp_path):
+    from clusterctl.launch.markers import read_marker
+
+    _json_file_cases(tmp_path, "m.json", read_marker, {
+        "schema_version": 1, "type": "rank-marker", "deployment_id": "d", "job_id": "j", "nonce": "n", "rank": 0,
+        "node": "a", "host": "h", "pid": 123, "pgid": 123, "start_time": 1.5, "boot_id": "b", "state": "serving",
+        "active_requests": ["r1"], "cancel_epoch": 3, "heartbeat_at": 2.5, "env": {"MLX_RANK": "0"}})
+
+
+def test_lease(tmp_path):
+    from clusterctl.launch.markers import read_lease
+
+    _json_file_cases(tmp_path, "l.json", read_lease,
+                     {"schema_version": 1, "type": "lease", "holder": "h", "seq": 4, "duration_s": 30.0})
+
+
+def test_cancel_file_and_ack(tmp_path):
+    from clusterctl.launch.cancelfile import read_ack, read_cancel
+
+    _json_file_cases(tmp_path, "c.json", read_cancel, {"schema_version": 1, "type": "cancel", "deployment_id": "d",
+                                                       "job_id": "j", "epoch": 2, "requests": ["a"],
+                                                       "created_at": 1.0})
+    _json_file_cases(tmp_path, "a.json", read_ack, {"schema_version": 1, "type": "cancel-ack", "deployment_id": "d",
+                                                    "job_id": "j", "rank": 1, "epoch": 2, "applied": [], "at": 1.0})
+
+
+def test_model_manifest(tmp_path):
+    from clusterctl.atomic import read_json
+    from clusterctl.sync.manifest import FileHash, check_manifest, manifest_hash
+
+    files = [FileHash(path="config.json", size=10, sha256="a" * 64),
+             FileHash(path="model.safetensors", size=99, sha256="b" * 64)]
+    doc = {"schema_version": 1, "type": "model-manifest", "name": "m", "total_bytes": 109,
+           "files": [f.model_dump() for f in files], "manifest_hash": manifest_hash(files)}
+    check_manifest(doc)
+
+    def reader(path):
+        return check_manifest(read_json(path, what="model manifest"), str(path))
+
+    _json_file_cases(tmp_path, "mf.json", reader, doc)
+
+
+def test_replan_history(tmp_path):
+    from clusterctl import history
+    from clusterctl.state import StateDir
+
+    state = StateDir(tmp_path)
+    (tmp_path / "history").mkdir()
+
+    def reader(path):
+        return history.entries(state, "c")
+
+    _json_file_cases(tmp_path / "history", "c.json", reader, {"cluster": "c", "entries": [
+        {"applied_at": "t", "from": "a", "from_hash": "h", "to": "b", "to_hash": "i", "changes": [], "file": None,
+         "relaunched": None}]})
+
+
+# ---- safetensors headers -----------------------------------------------------------------------------------------
+
+def test_safetensors_header(tmp_path):
+    from clusterctl.plan.model import read_safetensors_header
+
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                         "b": {"dtype": "BF16", "shape": [2], "data_offsets": [16, 20]}}).encode()
+    good = struct.pack("<Q", len(header)) + header + bytes(20)
+    read_safetensors_header(_write(tmp_path, "t.safetensors", good))
+    doc = json.loads(header)
+
+    @FUZZ
+    @given(byte_variants(good))
+    def raw(data):
+        only_clean_errors(read_safetensors_header, _write(tmp_path, "t.safetensors", data))
+
+    @FUZZ
+    @given(json_variants(doc))
+    def structure(d):
+        h = json.dumps(d).encode()
+        only_clean_errors(read_safetensors_header,
+                          _write(tmp_path, "t.safetensors", struct.pack("<Q", len(h)) + h + bytes(20)))
+
+    raw()
+    structure()
+
+
+# ---- rank 0's request bodies ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlx_lm.utils import load_tokenizer
+
+    from clusterctl import tinymodel
+
+    return load_tokenizer(tinymodel.build(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model-test"))
+
+
+def test_request_bodies(tokenizer):
+    """Any JSON body: a Job whose prepare() yields a request within the context, or a 4xx ApiError."""
+    from clusterctl.launch.rank.serve import ApiError, RequestBuilder
+    from clusterctl.launch.rankspec import RankSpec
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
+                    marker_path="/r/m", gate_path="/r/g")
+    builder = RequestBuilder(spec, context=512)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.5, "top_p": 0.9,
+            "stop": ["x"], "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
+    completion = {"prompt": "def f():", "max_tokens": 8, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}
+
+    def one(kind, body):
+        try:
+            job = builder.chat(body) if kind == "chat" else builder.completion(body)
+            req = job.prepare(tokenizer)
+        except ApiError as e:
+            assert 400 <= e.status < 500 and e.message, (e.status, e.message)
+            return
+        assert 1 <= req.max_tokens and len(req.tokens) + req.max_tokens <= 512 and req.tokens
+
+    @FUZZ
+    @given(st.one_of(json_variants(chat).map(lambda b: ("chat", b)),
+                     json_variants(completion).map(lambda b: ("completion", b)),
+                     JSON_ANY.map(lambda b: ("chat", b)), JSON_ANY.map(lambda b: ("completion", b))))
+    def run(case):
+        kind, body = case
+        if not isinstance(body, dict):
+            return  # the HTTP layer answers 400 before a builder sees a non-object (tests/launch/rank)
+        one(kind, body)
+
+    run()
