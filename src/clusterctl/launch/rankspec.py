@@ -56,6 +56,7 @@ class RankSpec(BaseModel):
     # serving: requests decoded together (the plan's batch slots) and requests waiting beyond them (then 429)
     max_batch: int = Field(default=8, ge=1, le=1024)
     max_queue: int = Field(default=64, ge=0, le=1 << 16)
+    http_timeout_s: float = Field(default=30.0, gt=0, le=3600)  # rank 0: a client idle this long is dropped
     env: dict[str, str] = Field(default_factory=dict)
     # how long a ring exchange that takes milliseconds when healthy may hang before the rank gives up
     control_timeout_s: float = Field(default=30.0, gt=0, le=3600)

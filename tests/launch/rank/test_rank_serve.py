@@ -322,3 +322,77 @@ def test_past_the_batch_and_the_queue_requests_get_429_with_retry_after(model, t
         assert r.status == 200 and r.readline().startswith(b"data: ")
         for s in streams[1:]:
             s.close()
+
+
+def _raw(c, data: bytes, timeout: float = 10) -> bytes:
+    """Send raw bytes on a fresh connection; everything the server answers until it closes."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", c.http_port), timeout=timeout)
+    try:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def _req(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("body, status", [
+    (b'{"prompt": "x", "max_tokens": -5}', 400),
+    (b'{"prompt": "x", "max_tokens": 100000000000000000000}', 400),
+    (b'{"prompt": "x", "temperature": NaN}', 400),
+    (b'{"prompt": "x", "top_p": Infinity}', 400),
+    (b'{"prompt": "\xff\xfe bad utf-8"}', 400),
+    (b'[1, 2, 3]', 400),
+    (b'"just a string"', 400),
+    (b'[' * 100000 + b']' * 100000, 400),
+    (b'{"messages": [{"role": 7, "content": "x"}]}', 400),
+    (b'{"prompt": {"nested": ["x"]}}', 400),
+    (b'{"prompt": "x", "stop": "' + b"s" * 100 + b'", "max_tokens": 1}', 200),
+])
+def test_hostile_bodies_get_4xx_json_errors_and_the_rank_keeps_serving(rank, body, status):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    out = _raw(rank, _req(path, body))
+    head, _, payload = out.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == str(status).encode(), out[:300]
+    if status >= 400:
+        assert json.loads(payload)["error"]["message"]
+    assert _get(rank, "/health")[0] == 200
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(rank):
+    out = _raw(rank, (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Length: {10 << 20}\r\n\r\n").encode() + b"{" * 1024)
+    assert out.startswith(b"HTTP/1.1 413"), out[:200]
+
+
+def test_a_slow_client_holds_only_its_own_connection_and_is_dropped(model, tmp_path):
+    """One byte a second: the others are served meanwhile; after http_timeout_s the slow one gets 408 and its
+    connection is closed (no thread held forever, no traceback in the rank's log)."""
+    import socket
+
+    c = RankCluster(tmp_path, model, [8], api_key=KEY, overrides={"http_timeout_s": 2.0}, tag="slow")
+    with c.up():
+        body = b'{"prompt": "x", "max_tokens": 2}'
+        s = socket.create_connection(("127.0.0.1", c.http_port), timeout=20)
+        head = _req("/v1/completions", body)
+        s.sendall(head[:-len(body)])
+        t0 = time.monotonic()
+        s.sendall(body[:1])
+        assert _post(c, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # not blocked by it
+        time.sleep(1.0)
+        s.sendall(body[1:2])  # a byte a second: less than the body, then nothing
+        out = b""
+        while chunk := s.recv(4096):
+            out += chunk
+        s.close()
+        assert out.startswith(b"HTTP/1.1 408"), out[:200]
+        assert time.monotonic() - t0 < 10
+        assert "Traceback" not in c.logs(0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import queue
 import secrets
 import threading
@@ -441,8 +442,9 @@ def _num(body: dict, name: str, default, lo=None, hi=None, kind=float):
     v = body.get(name, default)
     if v is None:
         v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}", param=name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) \
+            or (isinstance(v, float) and not math.isfinite(v)):
+        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' finite number'}", param=name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ApiError(400, f"{name} must be between {lo} and {hi}", param=name)
     return kind(v)
@@ -635,6 +637,9 @@ def _handler(api: Api):
         protocol_version = "HTTP/1.1"
         server_version = "clusterctl"
         sys_version = ""
+        # a client that sends (or reads) nothing for this long loses its connection: a slow or stalled client
+        # can hold a thread, never the server
+        timeout = api.spec.http_timeout_s
 
         def log_message(self, fmt, *args):  # quiet: no request logs on stderr (prompts are private)
             pass
@@ -756,7 +761,10 @@ def _handler(api: Api):
             except ValueError:
                 n = 0
             if 0 < n <= MAX_BODY:
-                self.rfile.read(n)
+                try:
+                    self.rfile.read(n)
+                except (TimeoutError, OSError):
+                    self.close_connection = True
             else:
                 self.close_connection = True
 
@@ -771,7 +779,14 @@ def _handler(api: Api):
             if n > MAX_BODY:
                 self.close_connection = True
                 raise ApiError(413, f"request body over {MAX_BODY} bytes")
-            raw = self.rfile.read(n)
+            try:
+                raw = self.rfile.read(n)
+            except (TimeoutError, OSError):
+                self.close_connection = True
+                raise ApiError(408, f"the request body did not arrive within {api.spec.http_timeout_s:g} s") from None
+            if len(raw) < n:
+                self.close_connection = True
+                raise ApiError(400, f"the request body ended after {len(raw)} of {n} bytes")
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError):
