@@ -140,12 +140,15 @@ def test_idle_followers_sleep_instead_of_spinning(cluster):
     assert max(use) < 0.3, use
 
 
-def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(cluster):
-    who = 0 if cluster.world == 2 else 1  # rank 0 in the 2-rank case, a follower in the 3-rank case
-    cluster.signal(who, signal.SIGTERM)
-    codes = [cluster.wait_exit(r, 20) for r in range(cluster.world)]
-    assert codes == [0] * cluster.world, [cluster.logs(r) for r in range(cluster.world)]
-    assert all(cluster.marker(r).state == "stopping" for r in range(cluster.world))
+@pytest.mark.parametrize("split, who", [([6, 2], 0), ([1, 5, 2], 1)], ids=["2ranks-rank0", "3ranks-follower"])
+def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, split, who):
+    # its own ranks: the module's `cluster` is shared by the other tests, in whatever order they run
+    with RankCluster(tmp_path, model, split, tag="stop") as c:
+        c.up()
+        c.signal(who, signal.SIGTERM)
+        codes = [c.wait_exit(r, 20) for r in range(c.world)]
+        assert codes == [0] * c.world, [c.logs(r) for r in range(c.world)]
+        assert all(c.marker(r).state == "stopping" for r in range(c.world))
 
 
 @pytest.mark.parametrize("split", [[8], [5, 3]], ids=["1rank", "2ranks-5-3"])

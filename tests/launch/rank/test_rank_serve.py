@@ -275,12 +275,16 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request_and_a_queued_one
     assert time.monotonic() - t0 < 8  # served at once, not after 2 x 3000 tokens
 
 
-def test_sigterm_stops_serving_and_exits_0(rank):
-    rank.signal(0, signal.SIGTERM)
-    assert rank.wait_exit(0, 15) == 0
-    m = rank.marker(0)
-    assert m.state == "stopping" and m.error is None
-    assert "stopped" in rank.logs(0) and "Traceback" not in rank.logs(0)
+def test_sigterm_stops_serving_and_exits_0(model, tmp_path):
+    # its own rank: the module's `rank` is shared by every other test, in whatever order they run
+    c = RankCluster(tmp_path, model, [8], api_key=KEY, tag="term")
+    with c.up():
+        assert _post(c, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+        c.signal(0, signal.SIGTERM)
+        assert c.wait_exit(0, 15) == 0
+        m = c.marker(0)
+        assert m.state == "stopping" and m.error is None
+        assert "stopped" in c.logs(0) and "Traceback" not in c.logs(0)
 
 
 def test_past_the_batch_and_the_queue_requests_get_429_with_retry_after(model, tmp_path):
