@@ -35,12 +35,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` atomically; on any failure the old file is left as it was."""
+def private_dirs(folder: str | os.PathLike, mode: int = 0o700) -> Path:
+    """Create ``folder`` and any missing parents, each new one with ``mode`` (``mkdir -p`` would give the missing
+    parents the umask's 0755); folders that exist are left as they are."""
+    folder = Path(folder)
+    missing = []
+    p = folder
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            pass
+    return folder
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically; on any failure the old file is left as it was. clusterctl's
+    files are private by default (0600, new folders 0700): state files, node files, markers, leases."""
     path = Path(path)
     folder = path.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dirs(folder)
     except OSError as e:
         raise CannotWrite(f"cannot create folder {folder}: {e.strerror or e}") from None
     tmp = folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -73,7 +93,7 @@ def dumps(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o644) -> None:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o600) -> None:
     atomic_write_bytes(path, dumps(obj), mode=mode)
 
 

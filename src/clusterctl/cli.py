@@ -49,7 +49,13 @@ def _out(json: bool, quiet: bool) -> Output:
 def _state(state_dir: Path | None):
     from clusterctl.state import StateDir
 
-    return StateDir(state_dir)
+    return StateDir(state_dir).check_safe()
+
+
+def _api_key(env_name: str) -> str | None:
+    """The API key from its env var, which is then removed from this process's environment: no op session or
+    rank started from here inherits it (rank 0 gets it only inside its 0600 contract)."""
+    return os.environ.pop(env_name, None) or None
 
 
 def _complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
@@ -199,7 +205,7 @@ def launch(
     from clusterctl.launch.supervisor import LaunchOptions, launch as do_launch
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
-                         api_key=os.environ.get(api_key_env) or None, seed=seed, max_queue=max_queue,
+                         api_key=_api_key(api_key_env), seed=seed, max_queue=max_queue,
                          ssh=_ssh(known_hosts, accept_new_host_keys), verify_model=verify)
     if lease is not None:
         opts.lease_seconds = lease
@@ -405,7 +411,7 @@ def replan(
             o.info(f"deployment {p.new.deployment_id} is current (it was not running: nothing relaunched)")
             raise typer.Exit(0)
         opts = rp.relaunch_options(p, ssh, detach=detach, timeout=timeout, grace=grace,
-                                   api_key=os.environ.get(api_key_env) or None, seed=seed, max_queue=max_queue)
+                                   api_key=_api_key(api_key_env), seed=seed, max_queue=max_queue)
         from clusterctl.launch.supervisor import launch as do_launch
 
         async def start():

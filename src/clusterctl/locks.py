@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from clusterctl.atomic import private_dirs
 from clusterctl.errors import Busy, CannotWrite
 
 
@@ -23,7 +24,7 @@ class Lock:
 
     def acquire(self, *, blocking: bool = False, what: str | None = None) -> "Lock":
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(self.path.parent)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise CannotWrite(f"cannot open lock {self.path}: {e.strerror or e}") from None

@@ -5,6 +5,9 @@
     <state>/launches/<job>.json    launch manifests, removed only after verified teardown
     <state>/manifests/<hash>.json  model manifests, named by their manifest hash (docs/sync.md)
     <state>/locks/                 flock files
+    <state>/history/<cluster>.json replan history
+
+Files are 0600, folders 0700; a state dir others may write into is refused (``check_safe``).
 
 ``--state-dir``, then env ``CLUSTERCTL_STATE_DIR``, then the platform's user state dir.
 """
@@ -33,6 +36,33 @@ def default_state_dir() -> Path:
 class StateDir:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root else default_state_dir()
+
+    def check_safe(self) -> "StateDir":
+        """Refuse a state dir (or one of its folders) that another user owns or may write into: anyone who can
+        write there can plant a signing key, a deployment or a launch manifest that reap would act on."""
+        import stat
+
+        from clusterctl.errors import ConfigError
+
+        for p in (self.root, *(self.root / d for d in ("keys", "deployments", "launches", "locks", "history",
+                                                       "manifests"))):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise ConfigError(f"cannot use state dir {self.root}: {p}: {e.strerror or e}") from None
+            if stat.S_ISLNK(st.st_mode) and p != self.root:
+                raise ConfigError(f"state dir {self.root}: {p} is a symlink", hint="replace it with a folder")
+            if p == self.root:
+                st = os.stat(p)
+            if st.st_uid != os.getuid():
+                raise ConfigError(f"state dir {p} belongs to uid {st.st_uid}, not to this user ({os.getuid()})",
+                                  hint="use your own --state-dir")
+            if st.st_mode & 0o022:
+                raise ConfigError(f"state dir {p} is writable by other users (mode {st.st_mode & 0o777:04o})",
+                                  hint=f"chmod go-w {p}")
+        return self
 
     @property
     def keyring(self) -> Keyring:

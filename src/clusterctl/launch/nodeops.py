@@ -122,14 +122,30 @@ def op_probe(req: dict) -> dict:
         out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
     rd = req.get("runtime_dir") or default_runtime_dir()
     try:
-        os.makedirs(rd, mode=0o700, exist_ok=True)
+        from clusterctl.atomic import private_dirs
+
+        private_dirs(rd)
         test = Path(rd) / f".probe-{os.getpid()}"
         test.write_bytes(b"x")
         test.unlink()
         out["runtime_dir"] = {"path": rd, "ok": True}
+        unsafe = unsafe_folder(rd)
+        if unsafe:
+            out["runtime_dir"] = {"path": rd, "ok": False, "error": unsafe}
     except OSError as e:
         out["runtime_dir"] = {"path": rd, "ok": False, "error": e.strerror or str(e)}
     return out
+
+
+def unsafe_folder(path: str) -> str | None:
+    """Why a folder that holds contracts, trusted keys or state must not be used, or None: it belongs to another
+    user, or others may write into it (they could plant a trusted key or a launch manifest)."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"other users may write into it (mode {st.st_mode & 0o777:04o}); chmod go-w {path}"
+    return None
 
 
 def op_stop(req: dict) -> dict:
@@ -260,7 +276,8 @@ def op_spawn(req: dict) -> dict:
     from clusterctl.launch.procs import boot_id
 
     env = {**os.environ, **req.get("env", {}), "PYTHONUNBUFFERED": "1"}
-    log = open(req["log_path"], "ab", buffering=0)
+    log = os.fdopen(os.open(req["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab",
+                    buffering=0)
     try:
         proc = subprocess.Popen(req["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True, close_fds=True)
@@ -360,7 +377,7 @@ def op_write(req: dict) -> dict:
     from clusterctl.atomic import atomic_write_bytes
 
     data = base64.b64decode(req["data"], validate=True)
-    atomic_write_bytes(req["path"], data, mode=int(req.get("mode", 0o644)))
+    atomic_write_bytes(req["path"], data, mode=int(req.get("mode", 0o600)))
     return {"written": len(data)}
 
 

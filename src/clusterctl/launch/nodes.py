@@ -218,7 +218,7 @@ class NodeHandle:
 
         return base64.b64decode((await self.op("read", {"path": path, "limit": limit}))["data"])
 
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         """Replace a file on the node atomically."""
         if self.transport.is_local:
             return await self.transport.write_file(path, data, mode=mode)

@@ -64,7 +64,7 @@ path, mode, want = sys.argv[1], int(sys.argv[2], 8), int(sys.argv[3])
 folder = os.path.dirname(path) or "."
 tmp = None
 try:
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, ".%s.%d.%s.tmp" % (os.path.basename(path), os.getpid(), secrets.token_hex(4)))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -334,7 +334,7 @@ class SshTransport:
             raise IntegrityError(f"cannot read {path} on {self.node}: {why}")
         raise self._program_failed(argv, result, f"cannot read {path} on {self.node}")
 
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         data = bytes(data)
         argv = [self.python, "-I", "-c", _WRITE_PROGRAM, path, f"{mode:o}", str(len(data))]
         result = await self._run_line(argv, shell_command_line(argv), input=data, timeout=None)

@@ -248,7 +248,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
         if probe.get("ports_busy"):
             errs.append(f"ports already in use: {', '.join(map(str, probe['ports_busy']))}")
         if not probe["runtime_dir"]["ok"]:
-            errs.append(f"runtime dir {probe['runtime_dir']['path']} is not writable: {probe['runtime_dir'].get('error')}")
+            errs.append(f"runtime dir {probe['runtime_dir']['path']} is not usable: {probe['runtime_dir'].get('error')}")
         copy_only[h.name] = errs == [copy] if copy else False
         if probe.get("ports_busy") and len(errs) == 1:
             busy_only[h.name] = {int(p) for p in probe["ports_busy"]}

@@ -82,7 +82,7 @@ class Transport(Protocol):
 
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes: ...
 
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None: ...
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None: ...
 
     async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None: ...
 
@@ -454,7 +454,7 @@ class LocalTransport:
         except (MissingInput, IntegrityError) as e:
             raise type(e)(f"{e.message} (on {self.node})") from None
 
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         await asyncio.to_thread(atomic_write_bytes, path, bytes(data), mode=mode)
 
     async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:

@@ -169,7 +169,7 @@ class Keyring:
         if self.public_path.exists() and self.public_keys()[0].raw != sk.public.raw:
             raise IntegrityError(f"{self.public_path} does not belong to {self.private_path}")
         if not self.public_path.exists():
-            atomic_write_bytes(self.public_path, sk.public.to_text().encode(), mode=0o644)
+            atomic_write_bytes(self.public_path, sk.public.to_text().encode(), mode=0o600)
         return sk
 
     def _create(self) -> SigningKey:
@@ -197,5 +197,5 @@ class Keyring:
         raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                 serialization.NoEncryption())
         sk = SigningKey(raw)
-        atomic_write_bytes(self.public_path, sk.public.to_text().encode(), mode=0o644)
+        atomic_write_bytes(self.public_path, sk.public.to_text().encode(), mode=0o600)
         return sk

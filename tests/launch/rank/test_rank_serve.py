@@ -110,6 +110,33 @@ def test_api_key_is_required_on_v1_routes(rank):
     assert status == 200 and body["data"][0]["id"] == rank.model_path.name
 
 
+@pytest.mark.parametrize("key", [None, "", "sk-test-key-124", KEY + "x", "Basic " + KEY], ids=repr)
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(rank, key):
+    """Not even a 404 or 405 without the key: an unauthenticated caller learns nothing but /health."""
+    assert _get(rank, "/health", key=key)[0] == 200
+    for path in ("/v1/models", f"/v1/models/{rank.model_path.name}", "/nope", "/v1/embeddings"):
+        assert _get(rank, path, key=key)[0] == 401, path
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/health"):
+        assert _post(rank, path, {"prompt": "x", "max_tokens": 1}, key=key)[0] == 401, path
+    for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):
+        conn = _conn(rank)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        conn.request(method, "/v1/completions", body=b"{}", headers=headers)
+        r = conn.getresponse()
+        assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key", method
+        conn.close()
+    conn = _conn(rank)
+    conn.request("DELETE", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert conn.getresponse().status == 405
+    conn.close()
+
+
+def test_rank_0_listens_only_on_its_http_host(rank):
+    listening = [c for c in psutil.Process(rank.procs[0].pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == rank.http_port]
+    assert [c.laddr.ip for c in listening] == ["127.0.0.1"], listening
+
+
 def test_greedy_completion_matches_one_process_mlx_lm(rank, model):
     status, body = _post(rank, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
                                                     "return_token_ids": True})

@@ -682,9 +682,9 @@ def _handler(api: Api):
             if path == "/health":
                 ok = api.state == "serving"
                 self._json(200 if ok else 503, {"status": "ok" if ok else api.state})
+            elif not self._auth():  # every route but /health: no key, no answer (not even which routes exist)
+                return
             elif path in ("/v1/models", "/v1/models/" + api.model_name):
-                if not self._auth():
-                    return
                 card = {"id": api.model_name, "object": "model", "created": 0, "owned_by": "clusterctl"}
                 self._json(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
             else:
@@ -692,12 +692,12 @@ def _handler(api: Api):
 
         def do_POST(self):
             path = self.path.split("?", 1)[0]
+            if not self._auth():
+                self._drain_body()
+                return
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 self._drain_body()
                 self._error(ApiError(404, f"no route {path}", type="not_found_error"))
-                return
-            if not self._auth():
-                self._drain_body()
                 return
             try:
                 body = self._body()
@@ -721,6 +721,13 @@ def _handler(api: Api):
                 with api._lock:
                     api._inflight -= 1
                 api.active.remove(job.id)
+
+        def _not_allowed(self):
+            self._drain_body()
+            if self._auth():
+                self._error(ApiError(405, f"method {self.command} is not allowed", type="invalid_request_error"))
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
         _poll_at = 0.0
 
