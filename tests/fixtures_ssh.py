@@ -258,19 +258,28 @@ class NetnsCluster:
         _ip("link", "set", node.device, "up", netns=node.netns)
 
 
-@pytest.fixture
-def netns_cluster(tmp_path):
-    """Factory: ``netns_cluster(n, sshd_extra="...")`` -> NetnsCluster. Always deleted in teardown."""
-    why = _why_no_netns()
-    if why:
-        pytest.skip(why)
-    made: list[str] = []
-    daemons: list[Sshd] = []
-    tag = f"cct{os.getpid() % 100000}x{time.monotonic_ns() % 1000}"
-    subnet = 10 + os.getpid() % 200
+class NetnsBed:
+    """Builds NetnsClusters under ``root`` and deletes every namespace and sshd it made in ``close()``. The
+    ``netns_cluster`` fixture and bench/faults.py use it; ``why_not()`` says why it cannot run here."""
 
-    def build(n: int, *, sshd_extra: str = "") -> NetnsCluster:
-        client_key = keygen(tmp_path / "netns_client_key")
+    why_not = staticmethod(lambda: _why_no_netns())
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.made: list[str] = []
+        self.daemons: list[Sshd] = []
+        self.tag = f"cct{os.getpid() % 100000}x{time.monotonic_ns() % 1000}"
+        self.subnet = 10 + (os.getpid() + time.monotonic_ns() // 1000) % 200
+        self.built = 0
+
+    def build(self, n: int, *, sshd_extra: str = "") -> NetnsCluster:
+        b = self.built
+        self.built += 1
+        tag, subnet = f"{self.tag}{'abcdefghij'[b % 10]}", (self.subnet + b) % 200 + 10
+        root = self.root / f"netns{b}" if b else self.root
+        root.mkdir(parents=True, exist_ok=True)
+        made, daemons = self.made, self.daemons
+        client_key = keygen(root / "netns_client_key")
         coord = f"{tag}c"
         _ip("netns", "add", coord)
         made.append(coord)
@@ -293,23 +302,37 @@ def netns_cluster(tmp_path):
             ip = f"10.77.{subnet}.{10 + i}"
             _ip("addr", "add", f"{ip}/24", "dev", "eth0", netns=ns)
             _ip("link", "set", "eth0", "up", netns=ns)
-            node_sshd = start_sshd(tmp_path / f"ns{i}", client_key=client_key, host=ip, port=22, netns=ns,
+            node_sshd = start_sshd(root / f"ns{i}", client_key=client_key, host=ip, port=22, netns=ns,
                                    extra_config=sshd_extra)
             daemons.append(node_sshd)
             lines.append(node_sshd.known_hosts.read_text())
             nodes.append(NetnsNode(f"node{i}", ns, ip, "eth0", node_sshd))
-        known_hosts = tmp_path / "netns_known_hosts"
+        known_hosts = root / "netns_known_hosts"
         known_hosts.write_text("".join(lines))
         for node in nodes:
             node.sshd.known_hosts = known_hosts
         return NetnsCluster(coord, f"10.77.{subnet}.1", nodes, known_hosts, client_key, list(made))
 
-    yield build
-    for d in daemons:
-        d.stop()
-    for ns in reversed(made):
-        _kill_namespace_processes(ns)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    def close(self) -> None:
+        for d in self.daemons:
+            with contextlib.suppress(Exception):
+                d.stop()
+        for ns in reversed(self.made):
+            _kill_namespace_processes(ns)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made.clear()
+        self.daemons.clear()
+
+
+@pytest.fixture
+def netns_cluster(tmp_path):
+    """Factory: ``netns_cluster(n, sshd_extra="...")`` -> NetnsCluster. Always deleted in teardown."""
+    why = _why_no_netns()
+    if why:
+        pytest.skip(why)
+    bed = NetnsBed(tmp_path)
+    yield bed.build
+    bed.close()
 
 
 def _kill_namespace_processes(ns: str) -> None:

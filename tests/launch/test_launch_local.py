@@ -368,30 +368,36 @@ def test_cancel_one_request_by_cancel_file_the_other_is_untouched(tmp_path, tiny
 
     dep, host, port = launch_for_long_requests(tmp_path, tiny, env)
     try:
-        b_body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        # B is long enough to still decode while A is cancelled (it joins A's batch at once)
+        b_body = {"prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0, "return_token_ids": True}
         conn, r = _stream(host, port, b_body)
         alone = [e for e in _events(r) if isinstance(e, dict) and e["choices"] and e["choices"][0].get("token_ids")]
         conn.close()
         want = alone[-1]["choices"][0]["token_ids"]
-        assert len(want) == 40
+        assert len(want) == 200
 
         conn_a, ra = _stream(host, port, {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0})
         first = json.loads(ra.readline().decode()[6:])
         a_id = first["id"]
         got_b: list = []
+        b_decoding = threading.Event()
 
-        def run_b():  # queued behind A (one generation at a time): its headers come when it starts
+        def run_b():  # B's headers and first token come once it is in the batch beside A
             conn_b, rb = _stream(host, port, b_body)
-            got_b.extend(_events(rb))
+            for line in rb:
+                line = line.strip()
+                if line.startswith(b"data: "):
+                    data = line[6:].decode()
+                    got_b.append(data if data == "[DONE]" else json.loads(data))
+                    b_decoding.set()
+                    if data == "[DONE]":
+                        break
+            b_decoding.set()
             conn_b.close()
 
         tb = threading.Thread(target=run_b)
         tb.start()
-        deadline = time.monotonic() + 20
-        while len(json.loads(cli("status", "--json", env=env).stdout)["jobs"][0]["ranks"][0]
-                   ["active_request_ids"]) < 2:
-            assert time.monotonic() < deadline, "B was never queued"
-            time.sleep(0.1)
+        assert b_decoding.wait(60), "B never started"
 
         t0 = time.monotonic()
         cn = cli("cancel", dep, "--request", a_id, "--wait", "20", "--json", env=env)

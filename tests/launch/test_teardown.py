@@ -23,56 +23,7 @@ from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord
 from clusterctl.launch.procs import Identity, boot_id, status_of, stop
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
-from launchutil import cli
-
-IGNORE_TERM = "trap '' TERM; while :; do sleep 0.05; done"
-
-
-def spawn(nonce: str | None, script: str = "while :; do sleep 0.05; done") -> subprocess.Popen:
-    env = dict(os.environ)
-    if nonce:
-        env["CLUSTERCTL_NONCE"] = nonce
-    p = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
-    time.sleep(0.05)
-    return p
-
-
-def ident(p: subprocess.Popen, nonce: str | None) -> dict:
-    return {"pid": p.pid, "pgid": p.pid, "start_time": psutil.Process(p.pid).create_time(), "nonce": nonce,
-            "boot_id": boot_id()}
-
-
-def make_job(state: Path, procs: list[subprocess.Popen | None], nonce: str, *, nodes: list[Node] | None = None,
-             coordinator_pid: int | None = None, runtime: Path | None = None) -> LaunchManifest:
-    st = StateDir(state)
-    key = st.keyring.signing_key()
-    store = ManifestStore(st.launches, key, st.keyring.public_keys())
-    runtime = runtime or state / "run"
-    runtime.mkdir(parents=True, exist_ok=True)
-    nodes = nodes or [Node(name="a", local=True, runtime_dir=str(runtime))]
-    job = f"hand-{secrets.token_hex(3)}"
-    ranks = []
-    for i, p in enumerate(procs):
-        rec = RankRecord(rank=i, node=nodes[i % len(nodes)].name, host="localhost", local=True,
-                         runtime_dir=str(runtime), marker_path=str(runtime / f"{job}-rank{i}.json"),
-                         contract_path=str(runtime / f"{job}-rank{i}.contract"), state="started")
-        if p is not None:
-            d = ident(p, nonce)
-            rec.pid, rec.pgid, rec.start_time, rec.boot_id = d["pid"], d["pgid"], d["start_time"], d["boot_id"]
-        ranks.append(rec)
-    if coordinator_pid is None:
-        dead = subprocess.Popen(["true"])
-        dead.wait()
-        coordinator_pid = dead.pid
-    m = LaunchManifest(job_id=job, deployment_id="dep-x", plan_hash="0" * 64, deployment_file="/nonexistent",
-                       created_at=now_iso(), nonce=nonce,
-                       coordinator={"host": os.uname().nodename, "pid": coordinator_pid,
-                                    "start_time": psutil.Process(coordinator_pid).create_time()
-                                    if psutil.pid_exists(coordinator_pid) else 1.0, "boot_id": boot_id()},
-                       nodes=nodes, ranks=ranks)
-    store.save(m)
-    return m
-
+from launchutil import IGNORE_TERM, cli, ident, make_job, spawn  # noqa: F401
 
 @pytest.fixture
 def state(tmp_path):

@@ -286,12 +286,12 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request_and_a_queued_one
     while not rank.marker(0).active_requests:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    queued = start({"prompt": "x", "max_tokens": 3000, "temperature": 0})  # waits behind the first
+    queued = start({"prompt": "x", "max_tokens": 3000, "temperature": 0})  # a second one, beside the first
     while len(rank.marker(0).active_requests) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(1.0)
-    queued.close()  # leaves while queued: it must never start
+    queued.close()  # the second client leaves too: its request is dropped
     long.close()  # leaves after 1 s of generation: cancelled at the next step boundary
     t0 = time.monotonic()
     while rank.marker(0).active_requests:
