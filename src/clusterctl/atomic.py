@@ -54,9 +54,31 @@ def private_dirs(folder: str | os.PathLike, mode: int = 0o700) -> Path:
     return folder
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` atomically; on any failure the old file is left as it was. clusterctl's
-    files are private by default (0600, new folders 0700): state files, node files, markers, leases."""
+class Staged:
+    """A replacement written and fsynced beside ``path`` but not yet in place: ``commit()`` renames it over the
+    old file (no new space needed then), ``discard()`` removes it. For a write that must not fail after a step
+    that cannot be undone (replan writes the new deployment before it stops the old job)."""
+
+    def __init__(self, path: Path, tmp: Path):
+        self.path, self.tmp = path, tmp
+
+    def commit(self) -> None:
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.discard()
+            raise CannotWrite(f"cannot write {self.path}: {e.strerror or e}") from None
+        fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def stage_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> Staged:
+    """Write ``data`` to a temp file beside ``path`` (fsynced, ``mode``); on failure nothing is left behind."""
     path = Path(path)
     folder = path.parent
     try:
@@ -68,6 +90,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o60
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as e:
         raise CannotWrite(f"cannot write {path}: {e.strerror or e}") from None
+    staged = Staged(path, tmp)
     try:
         try:
             view = memoryview(data)
@@ -78,14 +101,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o60
         finally:
             os.close(fd)
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        staged.discard()
         raise CannotWrite(f"cannot write {path}: {e.strerror or e}") from None
-    fsync_dir(folder)
+    return staged
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically; on any failure the old file is left as it was. clusterctl's
+    files are private by default (0600, new folders 0700): state files, node files, markers, leases."""
+    stage_bytes(path, data, mode=mode).commit()
 
 
 def dumps(obj: Any) -> bytes:

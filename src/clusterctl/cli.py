@@ -395,15 +395,20 @@ def replan(
     lock = rp.lock_for(state, p)
     try:
         if p.diff["unchanged"]:
-            rp.write_new(state, p)
+            rp.write_new(state, p).commit()
             rp.record(state, p, changes=rp.changes_of(p), relaunched=None)
             if o.json:
                 o.data({**doc, "action": "unchanged"})
             o.info(f"unchanged plan: {', '.join(p.diff['records_changed'])} updated in {rp.deployment_ref(p)}; "
                    "no rank was restarted")
             raise typer.Exit(0)
-        asyncio.run(rp.stop_old(state, p, ssh, grace=grace, drain=drain, log=o.info))
-        rp.write_new(state, p)
+        staged = rp.write_new(state, p)  # before anything stops: a full disk ends the replan here
+        try:
+            asyncio.run(rp.stop_old(state, p, ssh, grace=grace, drain=drain, log=o.info))
+        except BaseException:
+            staged.discard()
+            raise
+        staged.commit()
         if not p.jobs:
             rp.record(state, p, changes=rp.changes_of(p), relaunched=None)
             if o.json:

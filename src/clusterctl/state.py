@@ -126,18 +126,35 @@ class StateDir:
         return path, loaded
 
     def save_deployment(self, dep, out: Path | None = None) -> list[Path]:
+        staged = self.stage_deployment(dep, out)
+        target = self.deployments / f"{dep.deployment_id}.json"
+        written = []
+        if staged is not None:
+            staged.commit()
+            written.append(out)
+        if out is None or out.resolve() != target.resolve():
+            written.append(target)
+        return written
+
+    def stage_deployment(self, dep, out: Path | None = None):
+        """Sign ``dep`` into ``<state>/deployments/<id>.json`` (a new name: written at once) and stage the
+        operator's file ``out`` (written and fsynced beside it; ``commit()`` puts it in place). None if there is
+        no operator file, or it is the state dir's copy."""
+        from clusterctl.atomic import stage_bytes
         from clusterctl.plan.deployment import encode
 
         data = encode(dep, self.keyring.signing_key())
-        written = []
-        if out is not None:
-            atomic_write_bytes(out, data)
-            written.append(out)
         target = self.deployments / f"{dep.deployment_id}.json"
-        if out is None or out.resolve() != target.resolve():
-            atomic_write_bytes(target, data)
-            written.append(target)
-        return written
+        same = out is not None and out.resolve() == target.resolve()
+        staged = stage_bytes(out, data) if out is not None else None
+        try:
+            if not same:
+                atomic_write_bytes(target, data)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        return staged
 
 
 _DAMAGE = ("is not signed", "malformed signature block", "not valid JSON", "is not a JSON object", "not UTF-8",

@@ -203,3 +203,43 @@ def test_a_new_plan_that_cannot_launch_leaves_the_old_one_relaunchable(tmp_path,
         assert _layers(_job(env)) == [("a", 6, 8), ("b", 0, 6)]
     finally:
         teardown(env)
+
+
+def test_a_full_disk_under_the_deployment_file_stops_the_replan_before_the_old_job_does(tmp_path, tiny, env):
+    """The new file is written (and fsynced) beside the old one before anything stops; on a full disk the replan
+    ends there with one line, exit 73, the old file byte-identical and the old job still serving."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        dep = small / "dep.json"
+        shutil.move(str(_plan(tmp_path, tiny, env)), dep)
+        m = _launch(dep, env)
+        before = dep.read_bytes()
+        fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+        for chunk in (4096, 1):  # whole pages, then the last bytes
+            try:
+                while True:
+                    os.write(fd, b"x" * chunk)
+            except OSError:
+                pass
+        os.close(fd)
+        p = cli("replan", str(dep), "--allocation", "balanced", "--yes", env=env)
+        assert p.returncode == 73, p.stderr
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "No space left" in errors[0] and "Traceback" not in p.stderr, p.stderr
+        assert dep.read_bytes() == before
+        assert sorted(q.name for q in small.iterdir()) == ["dep.json", "filler"]  # no temp file left
+        assert [r["pid"] for r in _job(env)["ranks"]] == [r["pid"] for r in m["ranks"]]
+        assert sorted(processes_with_nonce(m["nonce"])) == sorted(r["pid"] for r in m["ranks"])
+        assert _ask(m["endpoint"])
+    finally:
+        cli("teardown", "--force", env=env)
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

@@ -148,11 +148,22 @@ async def refuse_unless_idle(jobs, ssh, *, drain: float, log) -> None:
                        if q["state"] == "busy" else "check the ranks (clusterctl status), or tear the job down first")
 
 
-def write_new(state, p: Proposal) -> list[Path]:
-    """The new deployment signed into the state dir and, atomically, over the file the operator named."""
+def write_new(state, p: Proposal):
+    """The new deployment signed into the state dir, and staged (written, fsynced, not yet in place) over the
+    file the operator named: ``.commit()`` swaps it in, ``.discard()`` drops it. Done before the old job is
+    stopped, so a full disk or a read-only folder stops the replan while the old job still serves. Returns an
+    object with ``commit``/``discard`` (which do nothing when there is no operator file to swap)."""
     if not (state.deployments / f"{p.old.deployment_id}.json").exists():
         state.save_deployment(p.old)  # the way back must stay signed in the state dir
-    return state.save_deployment(p.new, p.operator_file)
+    return state.stage_deployment(p.new, p.operator_file) or _NothingStaged()
+
+
+class _NothingStaged:
+    def commit(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
 
 
 def record(state, p: Proposal, *, changes: list[str], relaunched: str | None) -> None:

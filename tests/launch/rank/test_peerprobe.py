@@ -73,6 +73,29 @@ def test_real_probes_answered_only_for_this_job():
         other_job.close()
 
 
+def test_silent_names_the_peers_that_do_not_answer_at_once():
+    """Used when the ring breaks before any probe missed: a dead peer's closed port is refused without waiting."""
+    import time
+
+    token = job_token("job-1", "nonce")
+    p1, p2, p3 = _free_udp_port(), _free_udp_port(), _free_udp_port()
+    ours = Responder("127.0.0.1", p1, token, 1).start()
+    other_job = Responder("127.0.0.1", p2, job_token("job-2", "nonce"), 2).start()
+    try:
+        prober = Prober({1: ("127.0.0.1", p1), 2: ("127.0.0.1", p2), 3: ("127.0.0.1", p3)}, token, 0, Ladder(),
+                        interval=1.0, on_action=lambda a, p: None)
+        assert prober.silent(0.5) == [2, 3]  # 2 answers for another job only; nobody listens on 3
+        ours.close()
+        assert prober.silent(0.5) == [1, 2, 3]
+        nobody = Prober({3: ("127.0.0.1", p3)}, token, 0, Ladder(), interval=1.0, on_action=lambda a, p: None)
+        t0 = time.monotonic()
+        assert nobody.silent(5.0) == [3]
+        assert time.monotonic() - t0 < 2.0  # a closed port is refused: no need to wait out the timeout
+    finally:
+        ours.close()
+        other_job.close()
+
+
 def test_prober_thread_runs_the_ladder_to_lost():
     token = job_token("job-1", "nonce")
     port = _free_udp_port()

@@ -179,6 +179,45 @@ class Prober:
             self._stop.wait(rest)
         return answered
 
+    def silent(self, timeout: float = 0.5) -> list[int]:
+        """The watched peers that do not answer one probe within ``timeout`` (fresh sockets, so the probing
+        thread's rounds are not disturbed): who is gone when the ring itself broke before any probe missed. A
+        peer whose process died refuses at once (its port is closed), so this rarely waits the whole timeout."""
+        import select
+
+        socks: dict[socket.socket, int] = {}
+        answered: set[int] = set()
+        ping = struct.pack(_FMT, MAGIC, self.token, PING, self.rank, 0)
+        for p, (host, port) in self.peers.items():
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            try:
+                s.connect((host, port))  # connected: a closed port comes back as ECONNREFUSED
+                s.send(ping)
+                socks[s] = p
+            except OSError:
+                s.close()
+        deadline = self.clock() + timeout
+        try:
+            while socks and len(answered) < len(socks):
+                left = deadline - self.clock()
+                if left <= 0:
+                    break
+                ready, _, _ = select.select(list(socks), [], [], left)
+                for s in ready:
+                    try:
+                        data = s.recv(64)
+                    except OSError:
+                        del socks[s]  # refused: nobody listens there any more
+                        s.close()
+                        continue
+                    if len(data) == SIZE and struct.unpack(_FMT, data)[:3] == (MAGIC, self.token, PONG):
+                        answered.add(socks[s])
+        finally:
+            for s in socks:
+                s.close()
+        return sorted(set(self.peers) - answered)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             for peer, ok in self.round().items():

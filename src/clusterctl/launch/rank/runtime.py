@@ -131,17 +131,33 @@ class Rank:
         try:
             return self._serve()
         except ClusterctlError as e:
-            self.fatal(e)
+            self.fatal(self._name_the_lost(e))
         except RuntimeError as e:
             from clusterctl.launch.rank.watchdog import peer_loss
 
             lost = peer_loss(e, spec.rank)
             if lost is not None:
-                self.fatal(lost)
+                self.fatal(self._name_the_lost(lost))
             self._crash()
         except Exception:
             self._crash()
         return int(Exit.SOFTWARE)
+
+    def _name_the_lost(self, err: ClusterctlError) -> ClusterctlError:
+        """A broken ring does not say which peer went: ask the watched peers once (≤ 0.5 s) and name the silent
+        ones, so the marker (and `clusterctl status`) says "peer rank 1 does not answer"."""
+        from clusterctl.launch.rank.watchdog import PeerLost
+
+        if not isinstance(err, PeerLost) or self.prober is None or "peer rank" in err.message:
+            return err
+        try:
+            silent = self.prober.silent()
+        except Exception:  # naming is a courtesy: never let it hide the real error
+            return err
+        if not silent:
+            return err
+        who = ", ".join(f"peer rank {p}" for p in silent)
+        return PeerLost(f"{err.message}; {who} {'does' if len(silent) == 1 else 'do'} not answer")
 
     def _crash(self) -> None:
         traceback.print_exc()
