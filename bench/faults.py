@@ -74,9 +74,10 @@ class Row:
 # ---- the test bed: a tiny model, a plan for 2 local nodes, strangers that must never be signalled -----------
 
 class Bed:
-    def __init__(self, root: Path, quick: bool):
+    def __init__(self, root: Path, quick: bool, load: tuple[int, float] | None = None):
         self.root = root
         self.quick = quick
+        self.load = load
         self.model = model("7m")
         self.strangers = [subprocess.Popen(["sleep", "100000"], start_new_session=True) for _ in range(2)]
         self.stranger_ids = [(p.pid, psutil.Process(p.pid).create_time()) for p in self.strangers]
@@ -584,7 +585,7 @@ def coordinator_reboot(bed: Bed, rng: random.Random, i: int) -> str:
 # ---- load -----------------------------------------------------------------------------------------------------
 
 def load(bed: Bed, rng: random.Random, i: int) -> str:
-    clients, seconds = (16, 10.0) if bed.quick else (64, 60.0)
+    clients, seconds = bed.load or ((16, 10.0) if bed.quick else (64, 60.0))
     d, env = bed.fresh("ld")
     dep = bed.plan(d, env)
     p = cli("launch", dep, "--detach", "--json", "--timeout", "120", env=env)
@@ -596,6 +597,7 @@ def load(bed: Bed, rng: random.Random, i: int) -> str:
     stop = threading.Event()
     lock = threading.Lock()
     counts = {"complete": 0, "429": 0, "5xx": 0, "4xx": 0, "broken": 0}
+    why_broken: list[str] = []
     health: list[float] = []
     host, port = endpoint.split("//", 1)[1].rsplit(":", 1)
 
@@ -619,16 +621,20 @@ def load(bed: Bed, rng: random.Random, i: int) -> str:
                         elif line.startswith(b"data: ") and b'"finish_reason": "' in line:
                             finished = True
                     kind = "complete" if done and finished else "broken"
+                    if kind == "broken":
+                        why = f"stream ended without {'[DONE]' if not done else 'a finish_reason'}"
                 else:
                     r.read()
                     kind = "429" if r.status == 429 else "5xx" if r.status >= 500 else "4xx"
                     if r.status == 429:
                         time.sleep(float(r.getheader("Retry-After") or 1) * rng.uniform(0.5, 1.0))
                 conn.close()
-            except Exception:
-                kind = "broken"
+            except Exception as e:
+                kind, why = "broken", f"{type(e).__name__}: {e}"
             with lock:
                 counts[kind] += 1
+                if kind in ("broken", "5xx", "4xx") and len(why_broken) < 3:
+                    why_broken.append(why if kind == "broken" else f"HTTP {kind}")
 
     def prober() -> None:
         while not stop.is_set():
@@ -660,10 +666,13 @@ def load(bed: Bed, rng: random.Random, i: int) -> str:
     alive = all(psutil.pid_exists(pid) for pid in pids.values())
     _teardown_clean(env, d, [m["nonce"]])
     worst = max(health) if health else float("inf")
+    hs = sorted(health)
+    p50, p99 = (hs[len(hs) // 2], hs[min(len(hs) - 1, int(len(hs) * 0.99))]) if hs else (worst, worst)
     note = (f"{clients} clients x {seconds:g} s: {counts['complete']} complete, {counts['429']} x 429, "
-            f"{counts['5xx']} x 5xx, {counts['broken']} broken, {counts['4xx']} x 4xx; /health worst "
-            f"{worst * 1000:.0f} ms ({len(health)} probes); RSS growth per rank "
-            + ", ".join(f"r{r} {growth[r] / 2**20:.0f}/{reserve[r] / 2**20:.0f} MiB" for r in sorted(growth)))
+            f"{counts['5xx']} x 5xx, {counts['broken']} broken, {counts['4xx']} x 4xx; /health p50 {p50 * 1000:.0f} "
+            f"p99 {p99 * 1000:.0f} worst {worst * 1000:.0f} ms ({len(health)} probes); RSS growth per rank "
+            + ", ".join(f"r{r} {growth[r] / 2**20:.0f}/{reserve[r] / 2**20:.0f} MiB" for r in sorted(growth))
+            + (f"; first failures: {'; '.join(why_broken)}" if why_broken else ""))
     need(alive, "a rank died under load: " + note)
     need(counts["5xx"] == 0 and counts["broken"] == 0 and counts["4xx"] == 0, note)
     need(counts["complete"] > 0, note)
@@ -707,6 +716,7 @@ def main() -> int:
     ap.add_argument("--rows", default="", help="comma-separated words; only rows whose name contains one run")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write the table as markdown here")
+    ap.add_argument("--load", default=None, metavar="CLIENTS,SECONDS", help="the load row's size (default 64,60)")
     ns = ap.parse_args()
     n = ns.trials or (2 if ns.quick else 20)
     seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(10**6)
@@ -717,7 +727,11 @@ def main() -> int:
     words = [w.strip().lower() for w in ns.rows.split(",") if w.strip()]
     rows = [r for r in ROWS if not words or any(w in r.name.lower() for w in words)]
     root = Path(tempfile.mkdtemp(prefix="cct-faults-"))
-    bed = Bed(root, ns.quick)
+    load_size = None
+    if ns.load:
+        c, sec = ns.load.split(",")
+        load_size = (int(c), float(sec))
+    bed = Bed(root, ns.quick, load_size)
     try:
         for row in rows:
             rng = random.Random(f"{seed}/{row.name}")
