@@ -10,6 +10,8 @@ reach the user as a traceback. Case counts: `pytest tests/test_fuzz.py --hypothe
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import struct
@@ -97,14 +99,47 @@ def json_variants(draw, doc):
     return out
 
 
+CASES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # test -> outcome -> cases
+_current = [""]
+
+
+@pytest.fixture(autouse=True)
+def _count_cases(request):
+    _current[0] = request.node.name
+    yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _report_cases(request):
+    """After the module: how many cases ran per parser (accepted / refused cleanly), on the terminal."""
+    yield
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or not CASES:
+        return
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        tr.write_line("")
+        tr.write_line(f"fuzz cases per parser (CLUSTERCTL_FUZZ_EXAMPLES={MAX_EXAMPLES}):")
+        for name, c in CASES.items():
+            tr.write_line(f"  {name}: {sum(c.values())} cases ({c['accepted']} accepted, "
+                          f"{c['refused']} refused cleanly)")
+
+
+def count(outcome: str) -> None:
+    CASES[_current[0]][outcome] += 1
+
+
 def only_clean_errors(fn, *args):
     """Call a parser: a result or a ClusterctlError with a one-line message; anything else fails the test."""
     try:
-        return fn(*args)
+        out = fn(*args)
     except ClusterctlError as e:
         assert e.message and "\n" not in e.message.strip(), repr(e.message)
         assert int(e.exit_code) in (1, 2, 65, 66, 69, 73, 75, 77, 78), e.exit_code
+        count("refused")
         return None
+    count("accepted")
+    return out
 
 
 # ---- samples -----------------------------------------------------------------------------------------------------
@@ -419,7 +454,9 @@ def test_request_bodies(tokenizer):
             req = job.prepare(tokenizer)
         except ApiError as e:
             assert 400 <= e.status < 500 and e.message, (e.status, e.message)
+            count("refused")
             return
+        count("accepted")
         assert 1 <= req.max_tokens and len(req.tokens) + req.max_tokens <= 512 and req.tokens
 
     @FUZZ
@@ -429,6 +466,7 @@ def test_request_bodies(tokenizer):
     def run(case):
         kind, body = case
         if not isinstance(body, dict):
+            count("refused")
             return  # the HTTP layer answers 400 before a builder sees a non-object (tests/launch/rank)
         one(kind, body)
 
