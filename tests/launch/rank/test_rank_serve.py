@@ -398,6 +398,35 @@ def test_hostile_bodies_get_4xx_json_errors_and_the_rank_keeps_serving(rank, bod
     assert _get(rank, "/health")[0] == 200
 
 
+def _head(lines: list[str], body: bytes = b"") -> bytes:
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+@pytest.mark.parametrize("raw, status", [
+    (_head(["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}", "Content-Length: abc"],
+           b'{"prompt": "x"}'), 411),
+    (_head(["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}", "Content-Length: -5"],
+           b'{"prompt": "x"}'), 411),
+    (_head(["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}", "Transfer-Encoding: chunked"],
+           b'f\r\n{"prompt": "x"}\r\n0\r\n\r\n'), 411),
+    (_head(["POST /v1/completions HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}", "X-Big: " + "a" * 70000]), 431),
+    (_head(["GET /v1/models HTTP/1.1", "Host: x", *[f"X-H{i}: v" for i in range(150)]]), 431),
+    (_head(["GET /" + "a" * 70000 + " HTTP/1.1", "Host: x"]), 414),
+    (_head(["GARBAGE"]), 400),
+    (_head(["GET /v1/models HTTP/9.9", "Host: x"]), 505),
+    (_head(["BREW /v1/models HTTP/1.1", "Host: x"]), 501),
+    (_head(["GET /v1/models HTTP/1.1", "Host: x", "Authorization: Bearer \u00ff\u00fe" + KEY, "Connection: close"]), 401),
+], ids=["length-abc", "length-negative", "chunked", "header-70k", "150-headers", "request-line-70k", "garbage",
+        "http-9.9", "unknown-method", "latin-1-key"])
+def test_hostile_headers_get_4xx_json_errors_and_the_rank_keeps_serving(rank, raw, status):
+    out = _raw(rank, raw)
+    head, _, payload = out.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == str(status).encode(), out[:300]
+    assert b"Content-Type: application/json" in head and json.loads(payload)["error"]["message"], out[:300]
+    assert _get(rank, "/health")[0] == 200
+    assert "Traceback" not in rank.logs(0)
+
+
 def test_an_oversized_body_is_refused_before_it_is_read(rank):
     out = _raw(rank, (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                       f"Content-Length: {10 << 20}\r\n\r\n").encode() + b"{" * 1024)

@@ -644,11 +644,36 @@ def _handler(api: Api):
         # a client that sends (or reads) nothing for this long loses its connection: a slow or stalled client
         # can hold a thread, never the server
         timeout = api.spec.http_timeout_s
+        # TCP_NODELAY: a response is several small writes (headers, body; a stream's chunks). With Nagle, a write
+        # waits for the ACK of the one before, which the client delays (up to 40 ms, more under load).
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *args):  # quiet: no request logs on stderr (prompts are private)
             pass
 
         # -- helpers
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (a request line or header too long, too many headers, a malformed
+            request line, an unknown method) as OpenAI-style JSON errors, never its HTML page."""
+            from http import HTTPStatus
+
+            self.close_connection = True
+            if not str(getattr(self, "request_version", "")).startswith("HTTP/1."):
+                self.request_version = "HTTP/1.1"  # unparsed request: still answer with a status line
+            try:
+                phrase = HTTPStatus(code).phrase
+            except ValueError:
+                phrase = "error"
+            err = ApiError(code, message or phrase, type="invalid_request_error" if code < 500 else "server_error")
+            data = json.dumps(err.body()).encode()
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(data)
+
         def _json(self, status: int, obj: dict, extra: dict | None = None) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
