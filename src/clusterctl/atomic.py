@@ -54,6 +54,17 @@ def private_dirs(folder: str | os.PathLike, mode: int = 0o700) -> Path:
     return folder
 
 
+def unsafe_folder(path: str | os.PathLike) -> str | None:
+    """Why a folder that holds contracts, trusted keys or state must not be used, or None: it belongs to another
+    user, or others may write into it (they could plant a trusted key or a launch manifest)."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"other users may write into it (mode {st.st_mode & 0o777:04o}); chmod go-w {path}"
+    return None
+
+
 class Staged:
     """A replacement written and fsynced beside ``path`` but not yet in place: ``commit()`` renames it over the
     old file (no new space needed then), ``discard()`` removes it. For a write that must not fail after a step

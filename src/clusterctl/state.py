@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped
+from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped, unsafe_folder
 from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.plan.signing import Keyring
 
@@ -54,14 +54,9 @@ class StateDir:
                 raise ConfigError(f"cannot use state dir {self.root}: {p}: {e.strerror or e}") from None
             if stat.S_ISLNK(st.st_mode) and p != self.root:
                 raise ConfigError(f"state dir {self.root}: {p} is a symlink", hint="replace it with a folder")
-            if p == self.root:
-                st = os.stat(p)
-            if st.st_uid != os.getuid():
-                raise ConfigError(f"state dir {p} belongs to uid {st.st_uid}, not to this user ({os.getuid()})",
-                                  hint="use your own --state-dir")
-            if st.st_mode & 0o022:
-                raise ConfigError(f"state dir {p} is writable by other users (mode {st.st_mode & 0o777:04o})",
-                                  hint=f"chmod go-w {p}")
+            why = unsafe_folder(p)
+            if why:
+                raise ConfigError(f"state dir {p} cannot be used: {why}", hint="use your own --state-dir")
         return self
 
     @property

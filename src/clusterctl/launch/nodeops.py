@@ -122,7 +122,7 @@ def op_probe(req: dict) -> dict:
         out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
     rd = req.get("runtime_dir") or default_runtime_dir()
     try:
-        from clusterctl.atomic import private_dirs
+        from clusterctl.atomic import private_dirs, unsafe_folder
 
         private_dirs(rd)
         test = Path(rd) / f".probe-{os.getpid()}"
@@ -135,17 +135,6 @@ def op_probe(req: dict) -> dict:
     except OSError as e:
         out["runtime_dir"] = {"path": rd, "ok": False, "error": e.strerror or str(e)}
     return out
-
-
-def unsafe_folder(path: str) -> str | None:
-    """Why a folder that holds contracts, trusted keys or state must not be used, or None: it belongs to another
-    user, or others may write into it (they could plant a trusted key or a launch manifest)."""
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        return f"it belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
-    if st.st_mode & 0o022:
-        return f"other users may write into it (mode {st.st_mode & 0o777:04o}); chmod go-w {path}"
-    return None
 
 
 def op_stop(req: dict) -> dict:
