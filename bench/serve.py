@@ -142,7 +142,8 @@ def arm_clusterctl(dep: Path, env: dict, r: Round):
         td = clusterctl("teardown", "--json", env=env, timeout=120)
         left = with_env("CLUSTERCTL_NONCE", nonce) if nonce else []
         if td.returncode != 0 or left:
-            r.error = (r.error or "") + f" teardown exited {td.returncode}, {len(left)} rank(s) left"
+            said = (td.stderr or "").strip().splitlines()[-1:] or [""]
+            r.error = (r.error or "") + f" teardown exited {td.returncode}, {len(left)} rank(s) left: {said[0]}"
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
