@@ -133,8 +133,8 @@ class StateDir:
 
     def stage_deployment(self, dep, out: Path | None = None):
         """Sign ``dep`` into ``<state>/deployments/<id>.json`` (a new name: written at once) and stage the
-        operator's file ``out`` (written and fsynced beside it; ``commit()`` puts it in place). None if there is
-        no operator file, or it is the state dir's copy."""
+        operator's file ``out`` (written and fsynced beside it; ``commit()`` puts it in place; when ``out`` is the
+        state dir's copy itself, only the staged file is written). None if there is no operator file."""
         from clusterctl.atomic import stage_bytes
         from clusterctl.plan.deployment import encode
 
