@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "launch"))
 
 from _common import machine_note, model, say, table  # noqa: E402
-from launchutil import (IGNORE_TERM, cli, local_cluster, make_job, manifests, processes_with_nonce,  # noqa: E402
-                        spawn, start_cli, wait_gone, wait_line)
+from launchutil import (IGNORE_TERM, cli, fill_disk, local_cluster, make_job, manifests,  # noqa: E402
+                        processes_with_nonce, spawn, start_cli, wait_gone, wait_line)
 
 
 class Skip(Exception):
@@ -382,25 +382,6 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith("filler") and p.parent.name != "locks"}
 
 
-def _fill(folder: Path) -> None:
-    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while True:
-            os.write(fd, b"x" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    fd = os.open(folder / "filler2", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # the last partial block
-    try:
-        while True:
-            os.write(fd, b"x")
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def disk_full(bed: Bed, rng: random.Random, i: int) -> str:
     if os.geteuid() != 0:
         raise Skip("mounting a small tmpfs needs root")
@@ -425,7 +406,7 @@ def disk_full(bed: Bed, rng: random.Random, i: int) -> str:
         if case == "sync cache":  # plan cached the model's manifest: sync must write it again
             for f in (small / "state" / "manifests").glob("*.json"):
                 f.unlink()
-        _fill(small)
+        fill_disk(small)
         before = _snapshot(small)
         if case == "plan --out":
             p = cli("plan", "-c", str(c), "-m", str(bed.model), "--context", "512", "--allocation", "proportional",

@@ -145,3 +145,21 @@ def make_job(state: Path, procs: list[subprocess.Popen | None], nonce: str, *, n
                        nodes=nodes, ranks=ranks)
     store.save(m)
     return m
+
+
+def fill_disk(folder: Path) -> Path:
+    """Fill the filesystem under ``folder`` to the last byte (whole pages, then single bytes) with one file,
+    ``folder/filler``; returns its path."""
+    path = Path(folder) / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (b"x" * 4096, b"x"):
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return path
+

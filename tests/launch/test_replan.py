@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launchutil import cli, local_cluster, manifests, processes_with_nonce
+from launchutil import cli, fill_disk, local_cluster, manifests, processes_with_nonce
 
 pytestmark = pytest.mark.slow
 
@@ -223,14 +223,7 @@ def test_a_full_disk_under_the_deployment_file_stops_the_replan_before_the_old_j
         shutil.move(str(_plan(tmp_path, tiny, env)), dep)
         m = _launch(dep, env)
         before = dep.read_bytes()
-        fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
-        for chunk in (4096, 1):  # whole pages, then the last bytes
-            try:
-                while True:
-                    os.write(fd, b"x" * chunk)
-            except OSError:
-                pass
-        os.close(fd)
+        fill_disk(small)
         p = cli("replan", str(dep), "--allocation", "balanced", "--yes", env=env)
         assert p.returncode == 73, p.stderr
         errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
