@@ -67,6 +67,8 @@ class RankSpec(BaseModel):
     abort_grace_s: float = Field(default=5.0, ge=0, le=3600)
     # off only to measure what the checks cost (bench/cancel.py); launch always turns them on
     peer_probes: bool = True
+    # the nice value of the rank's compute threads, below its HTTP and control threads (launch/rank/priority.py)
+    compute_nice: int = Field(default=10, ge=0, le=19)
     cancel_checks: bool = True
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, Integrit
 from clusterctl.launch import hostfile
 from clusterctl.launch.contract import encode_contract
 from clusterctl.launch.rank.peerprobe import grace_from_env
+from clusterctl.launch.rank.priority import nice_from_env
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso, this_coordinator
 from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, SshOptions, close_all, first_error_code, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, TeardownReport, teardown_job
@@ -435,7 +436,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                     "gate_path": h.path(f"{job_id}.gate"),
                     "lease_path": h.path(f"{job_id}.lease") if lease_seconds else None,
                     "lease_seconds": lease_seconds or 30.0, "embedding_offload": dep.embedding_offload,
-                    "abort_grace_s": grace_from_env(), "max_batch": dep.batch_slots,
+                    "abort_grace_s": grace_from_env(), "compute_nice": nice_from_env(), "max_batch": dep.batch_slots,
                     "max_queue": opts.max_queue}
             await h.write_file(rec.contract_path, encode_contract(dep_bytes, spec, key), mode=0o600)
 

@@ -222,3 +222,53 @@ def test_a_rank_watches_its_keeper_and_a_detached_rank_no_parent(monkeypatch):
     assert isinstance(check(), ParentGone)  # the keeper is gone (even before the watchdog started)
     monkeypatch.delenv(KEEPER_PID_ENV)
     assert check() is None  # detached: whoever spawned it may exit; nothing to watch
+
+
+# ---- compute priority (launch/rank/priority.py)
+
+def test_compute_nice_comes_from_the_environment_within_0_to_19():
+    from clusterctl.launch.rank.priority import DEFAULT_NICE, ENV_NICE, nice_from_env
+
+    assert nice_from_env({}) == DEFAULT_NICE == 10
+    assert nice_from_env({ENV_NICE: "0"}) == 0
+    assert nice_from_env({ENV_NICE: "19"}) == 19
+    for bad in ("20", "-1", "x", ""):
+        assert nice_from_env({ENV_NICE: bad}) == DEFAULT_NICE
+    assert parse_rank_spec(spec_dict(compute_nice=0)).compute_nice == 0
+    with pytest.raises(Exception):
+        parse_rank_spec(spec_dict(compute_nice=20))
+
+
+_RENICE = """
+import json, os, threading
+import mlx.core as mx
+from clusterctl.launch.rank.priority import lower_compute
+mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX starts its own threads
+ev = threading.Event()
+py = threading.Thread(target=ev.wait)
+py.start()
+changed = lower_compute(7)
+def nice(t):
+    return os.getpriority(os.PRIO_PROCESS, t)
+late = []
+t2 = threading.Thread(target=lambda: late.append(nice(threading.get_native_id())))
+t2.start(); t2.join()  # started by the reniced main thread: inherits
+print(json.dumps({"main": nice(threading.get_native_id()), "py": nice(py.native_id), "changed": changed,
+                  "all": {t: nice(int(t)) for t in os.listdir("/proc/self/task")}, "late": late}))
+ev.set()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are a Linux feature")
+def test_lower_compute_renices_the_main_and_native_threads_not_python_threads():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _RENICE], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["main"] == 7 and doc["py"] == 0
+    native = [int(t) for t, n in doc["all"].items() if n == 7]
+    assert len(native) >= 2 and set(doc["changed"]) <= set(native)  # the main thread and at least one of MLX's
+    assert sorted(set(doc["all"].values())) == [0, 7]
+    assert doc["late"] == [7]

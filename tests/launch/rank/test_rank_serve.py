@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -135,6 +137,38 @@ def test_rank_0_listens_only_on_its_http_host(rank):
     listening = [c for c in psutil.Process(rank.procs[0].pid).net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == rank.http_port]
     assert [c.laddr.ip for c in listening] == ["127.0.0.1"], listening
+
+
+def _nice_by_thread(pid: int) -> dict[int, int]:
+    out = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out[int(t.name)] = int((t / "stat").read_text().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values are a Linux feature")
+def test_the_compute_threads_yield_to_the_control_plane(rank):
+    """The main thread (step loop) and MLX's threads run at the contract's compute_nice (default 10); the HTTP
+    server's threads, request threads started since included, stay at the priority the rank started with."""
+    pid = rank.procs[0].pid
+    before = _nice_by_thread(pid)
+    assert before[pid] == 10
+    tens = [t for t, n in before.items() if n == 10 and t != pid]
+    zeros = [t for t, n in before.items() if n == 0]
+    assert tens, "no MLX thread was reniced"
+    assert len(zeros) >= 4, before  # signals, heartbeat, watchdog, http, probes
+    assert set(before.values()) == {0, 10}, before
+    conn = _conn(rank)  # a streaming request: its handler thread is new, and must not inherit the compute's nice
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 200, "stream": True,
+                                                             "temperature": 0}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.readline()  # the first event: the handler thread is running
+    during = _nice_by_thread(pid)
+    conn.close()
+    new = set(during) - set(before)
+    assert any(during[t] == 0 for t in new), (new, during)  # the request's thread is not reniced
 
 
 def test_greedy_completion_matches_one_process_mlx_lm(rank, model):

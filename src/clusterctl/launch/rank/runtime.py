@@ -207,6 +207,9 @@ class Rank:
 
         gc.collect()
         gc.freeze()
+        from clusterctl.launch.rank.priority import lower_compute
+
+        lower_compute(spec.compute_nice)  # the control plane (HTTP, probes, markers) runs first when cores are busy
         if self.api is not None:
             self.api.serving(context_length(config))
             self.marker.update(state="serving", endpoint=self.api.endpoint)
