@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
-from clusterctl.launch.rank.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, grace_from_env, job_token,
-                                         watched_peers)
+from clusterctl.launch.rank.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, announce_joining,
+                                              grace_from_env, job_token, watched_peers)
 
 
 def test_ladder_suspect_abort_then_lost_after_the_grace():
@@ -127,5 +128,36 @@ def test_responder_ignores_garbage():
             s.sendto(b"x" * 23, (host, port))
             with pytest.raises(socket.timeout):
                 s.recv(64)
+    finally:
+        r.close()
+
+
+def test_a_join_announcement_is_repeated_until_the_last_ranks_responder_sees_it():
+    host, token = "127.0.0.1", job_token("job-1", "nonce")
+    port = _free_udp_port()
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(announce_joining((host, port), token, 0, timeout=10)))
+    t.start()  # nobody listens yet: the last rank's gate has not opened
+    time.sleep(0.3)
+    assert t.is_alive()
+    r = Responder(host, port, token, 2).start()
+    try:
+        t.join(10)
+        assert got == [True]
+        assert r.wait_joining({0}, timeout=1) == set()
+        assert r.wait_joining({0, 1}, timeout=0.2) == {1}  # rank 1 never announced
+    finally:
+        r.close()
+
+
+def test_a_join_announcement_of_another_job_is_not_counted_and_times_out():
+    host = "127.0.0.1"
+    port = _free_udp_port()
+    r = Responder(host, port, job_token("job-1", "nonce"), 1).start()
+    try:
+        assert announce_joining((host, port), job_token("job-2", "nonce"), 0, timeout=0.3) is False
+        stop = threading.Event()
+        stop.set()
+        assert r.wait_joining({0}, timeout=5, stop=stop) == {0}  # a stop ends the wait at once
     finally:
         r.close()

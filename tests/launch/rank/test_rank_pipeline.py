@@ -159,3 +159,28 @@ def test_embedding_offload_keeps_output_identical(model, tmp_path, split):
         c.up()
         got = _complete(c, prompt=PROMPTS[1], max_tokens=24, temperature=0, return_token_ids=True)
         assert got["token_ids"] == reference_tokens(model, PROMPTS[1], 24)
+
+
+def test_the_last_rank_connects_only_after_the_others_announce_their_join(model, tmp_path):
+    """MLX's ring starts with the last rank's connect to rank 0; a connect before rank 0 listens is refused and
+    retried after 1 s (then 2, 4, 8 s). Here the last rank's gate opens first: it must wait (no connect in MLX's
+    log) until rank 0's gate opens and rank 0 announces itself; then the ring joins without a retry."""
+    gates = {r: tmp_path / f"gate{r}" for r in range(3)}
+    with RankCluster(tmp_path, model, [3, 3, 2], env={"MLX_RING_VERBOSE": "1"},
+                     per_rank={r: {"gate_path": str(g)} for r, g in gates.items()}, tag="order") as c:
+        c.start()
+        c.wait_state("ready", 120)
+        gates[2].write_text("go\n")
+        gates[1].write_text("go\n")
+        deadline = time.monotonic() + 30
+        while "joining the ring" not in c.log_path(2).read_text(errors="replace"):
+            assert time.monotonic() < deadline, c.logs(2)
+            time.sleep(0.05)
+        time.sleep(1.5)
+        log2 = c.log_path(2).read_text(errors="replace")
+        assert "connecting to" not in log2 and c.marker(2).state == "ready", c.logs(2)
+        gates[0].write_text("go\n")
+        c.wait_state("serving", 60)
+        logs = "".join(c.logs(r) for r in range(3))
+        assert "Attempt" not in logs and "joining anyway" not in logs, logs
+        assert _complete(c, prompt=PROMPTS[0], max_tokens=4, temperature=0)["finish_reason"] == "length"

@@ -28,6 +28,7 @@ from typing import Callable
 
 MAGIC = b"CCPR"
 PING, PONG = 1, 2
+JOINING, JOIN_SEEN = 3, 4  # "I enter the ring's init now", sent to the rank that connects first; its answer
 _FMT = "!4s8sBHI"  # magic, job token, kind, from rank, sequence
 SIZE = struct.calcsize(_FMT)
 DEFAULT_INTERVAL = 1.0  # an answer may take this long: a loaded 2-core machine delayed threads by 0.5 s
@@ -92,6 +93,8 @@ class Responder:
 
     def __init__(self, host: str, port: int, token: bytes, rank: int):
         self.token, self.rank = token, rank
+        self.joining: set[int] = set()  # ranks that announced they enter the ring's init
+        self._joined = threading.Condition()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.bind((host, port))
@@ -110,17 +113,70 @@ class Responder:
             if len(data) != SIZE:
                 continue
             magic, token, kind, frm, seq = struct.unpack(_FMT, data)
-            if magic == MAGIC and token == self.token and kind == PING:
+            if magic != MAGIC or token != self.token:
+                continue
+            if kind == PING:
                 try:
                     self.sock.sendto(struct.pack(_FMT, MAGIC, token, PONG, self.rank, seq), addr)
                 except OSError:
                     pass
+            elif kind == JOINING:
+                with self._joined:
+                    self.joining.add(frm)
+                    self._joined.notify_all()
+                try:
+                    self.sock.sendto(struct.pack(_FMT, MAGIC, token, JOIN_SEEN, self.rank, seq), addr)
+                except OSError:
+                    pass
+
+    def wait_joining(self, ranks: set[int], timeout: float, stop: threading.Event | None = None) -> set[int]:
+        """Wait until every rank in ``ranks`` announced it joins (or ``timeout``, or ``stop``); returns the
+        ranks not heard from."""
+        deadline = time.monotonic() + timeout
+        with self._joined:
+            while not ranks <= self.joining:
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    break
+                self._joined.wait(min(left, 0.05))
+            return ranks - self.joining
 
     def close(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+def announce_joining(addr: tuple[str, int], token: bytes, rank: int, timeout: float,
+                     stop: threading.Event | None = None) -> bool:
+    """Tell the rank that connects first (the last rank) that this rank enters the ring's init now; True once
+    it saw the announcement, False after ``timeout`` (or ``stop``).
+
+    MLX's ring joins in a fixed order: the last rank connects to rank 0, then rank 0 to rank 1, and so on; every
+    other rank listens first. A connect that comes before its peer listens is refused, and MLX then sleeps 1 s
+    (2, 4, 8 s on later tries) before the next attempt. So the last rank waits for every other rank's
+    announcement before its own init, and the others repeat theirs (every 20 ms) until the last rank's
+    responder answers: it may not be up yet (its gate may open later). Delaying a rank that listens first costs
+    nothing: the join starts with the last rank's connect."""
+    import select
+
+    msg = struct.pack(_FMT, MAGIC, token, JOINING, rank, 0)
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(addr)  # connected: a port nobody listens on yet comes back as ECONNREFUSED
+        except OSError:
+            return False
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            try:
+                s.send(msg)
+                ready, _, _ = select.select([s], [], [], 0.02)
+                if ready and struct.unpack(_FMT, s.recv(64)[:SIZE].ljust(SIZE, b"\0"))[:3] == (MAGIC, token, JOIN_SEEN):
+                    return True
+            except OSError:  # refused: the last rank's responder is not up yet
+                time.sleep(0.02)
+    return False
 
 
 class Prober:
