@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clusterctl.launch.rank.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, announce_joining,
+from clusterctl.launch.rank.peerprobe import (DEFAULT_GRACE, Ladder, Prober, Responder, Waker, announce_joining,
                                               grace_from_env, job_token, watched_peers)
 
 
@@ -161,3 +161,27 @@ def test_a_join_announcement_of_another_job_is_not_counted_and_times_out():
         assert r.wait_joining({0}, timeout=5, stop=stop) == {0}  # a stop ends the wait at once
     finally:
         r.close()
+
+
+def test_wake_up_calls_reach_this_jobs_responders_with_the_meeting_number():
+    token = job_token("job-1", "nonce")
+    p1, p2, p3 = _free_udp_port(), _free_udp_port(), _free_udp_port()
+    ours = Responder("127.0.0.1", p1, token, 1).start()
+    other_job = Responder("127.0.0.1", p2, job_token("job-2", "nonce"), 2).start()
+    got: dict[int, list[int]] = {1: [], 2: []}
+    arrived = threading.Event()
+    ours.on_wake = lambda seq: (got[1].append(seq), arrived.set())
+    other_job.on_wake = lambda seq: got[2].append(seq)
+    waker = Waker({1: ("127.0.0.1", p1), 2: ("127.0.0.1", p2), 3: ("127.0.0.1", p3)}, token, 0)
+    try:
+        waker.send(41)  # nobody listens on p3: no error, the call is simply lost
+        assert arrived.wait(10), "the wake-up call never reached rank 1's responder"
+        assert got[1] == [41]
+        # the other job's responder got the datagram too, and ignored it (checked after one more round trip)
+        ok = Prober({2: ("127.0.0.1", p2)}, job_token("job-2", "nonce"), 0, Ladder(), interval=5,
+                    on_action=lambda a, p: None).round()
+        assert ok == {2: True} and got[2] == []
+    finally:
+        waker.close()
+        ours.close()
+        other_job.close()

@@ -1,9 +1,11 @@
-"""The rank's pieces without starting a rank: spec validation, environment, markers, lease, stop strings."""
+"""The rank's pieces without starting a rank: spec validation, environment, markers, lease, stop strings, the idle
+schedule and its wake-ups."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -13,7 +15,8 @@ from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWrite
                                        write_lease, write_marker)
 from clusterctl.launch.rank.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
 from clusterctl.launch.rankspec import layer_range, parse_rank_spec
-from clusterctl.launch.rank.serve import MAX_CHECKPOINT, Cadence, idle_interval
+from clusterctl.launch.rank.serve import (IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, Job, JobQueue,
+                                         idle_interval)
 from clusterctl.launch.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
 
@@ -194,6 +197,50 @@ def test_idle_schedule_slows_down_but_stays_responsive():
     assert idle_interval(0) == 0.02
     assert idle_interval(10_000) == 0.1
     assert all(idle_interval(i) <= idle_interval(i + 1) for i in range(1000))
+    # ranks that call each other to meetings keep one slow schedule
+    assert idle_interval(0, True) == idle_interval(10_000, True) == IDLE_WAKEABLE_S > 0.1
+
+
+def test_an_idle_wait_ends_early_for_local_work_and_calls_the_others_to_that_meeting():
+    calls = []
+    idle = IdleWait(call=calls.append)
+    threading.Timer(0.05, idle.local).start()
+    t = time.monotonic()
+    idle.wait(60, seq=7)
+    assert time.monotonic() - t < 30  # not the scheduled 60 s
+    assert calls == [7]  # the others are called to meeting 7
+    idle.wait(0.01, seq=8)  # a plain timeout: nobody is called
+    assert calls == [7]
+
+
+def test_an_idle_wait_ends_early_for_a_call_to_the_coming_meeting_only():
+    calls = []
+    idle = IdleWait(call=calls.append)
+    idle.called(3)  # a stale call: meeting 3 was held before this wait for meeting 5
+    t = time.monotonic()
+    idle.wait(0.3, seq=5)
+    assert time.monotonic() - t >= 0.29
+    threading.Timer(0.05, idle.called, args=(5,)).start()
+    t = time.monotonic()
+    idle.wait(60, seq=5)
+    assert time.monotonic() - t < 30
+    assert calls == []  # a rank that was called does not call the others again
+
+
+def test_without_wake_up_calls_an_idle_wait_keeps_its_schedule():
+    idle = IdleWait()
+    idle.local()  # a request: the others come only at their scheduled time, so this rank waits too
+    t = time.monotonic()
+    idle.wait(0.2, seq=1)
+    assert time.monotonic() - t >= 0.19
+
+
+def test_a_queued_request_wakes_the_step_loops_idle_wait():
+    woken = []
+    q = JobQueue(4)
+    q.on_put = lambda: woken.append(True)
+    assert q.put(Job(id="x", kind="completion", prepare=lambda tok: None, stream=False))
+    assert woken == [True]
 
 
 def test_checkpoints_come_about_every_tenth_of_a_second_at_any_speed():

@@ -13,6 +13,11 @@ probes every peer, the other ranks their ring neighbours, every ``interval`` sec
 With grace 0 the ladder goes from ``suspect`` straight to ``lost``. A probe answer is the probe's own bytes
 echoed with a flag, so a peer that is alive but frozen (SIGSTOP, a hung process) does not answer, and a probe
 of another job (a stale rank on a reused port) is not answered either.
+
+The same port carries two more small messages: the ring join order (``announce_joining``) and wake-up calls
+(``Waker``): an idle rank that has work for the ranks (rank 0: a request came in; any rank: a stop) tells the
+others to come to the next meeting now instead of at its scheduled time. A wake-up call carries the number of
+the meeting it is for and nothing else; what the meeting decides still travels in the ring's own collective.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Callable
 MAGIC = b"CCPR"
 PING, PONG = 1, 2
 JOINING, JOIN_SEEN = 3, 4  # "I enter the ring's init now", sent to the rank that connects first; its answer
+WAKE = 5  # "come to meeting <seq> now" (an idle rank's wake-up call; no answer)
 _FMT = "!4s8sBHI"  # magic, job token, kind, from rank, sequence
 SIZE = struct.calcsize(_FMT)
 DEFAULT_INTERVAL = 1.0  # an answer may take this long: a loaded 2-core machine delayed threads by 0.5 s
@@ -94,6 +100,7 @@ class Responder:
     def __init__(self, host: str, port: int, token: bytes, rank: int):
         self.token, self.rank = token, rank
         self.joining: set[int] = set()  # ranks that announced they enter the ring's init
+        self.on_wake: Callable[[int], None] | None = None  # a peer's wake-up call for meeting <seq>
         self._joined = threading.Condition()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -128,6 +135,10 @@ class Responder:
                     self.sock.sendto(struct.pack(_FMT, MAGIC, token, JOIN_SEEN, self.rank, seq), addr)
                 except OSError:
                     pass
+            elif kind == WAKE:
+                on_wake = self.on_wake
+                if on_wake is not None:
+                    on_wake(seq)
 
     def wait_joining(self, ranks: set[int], timeout: float, stop: threading.Event | None = None) -> set[int]:
         """Wait until every rank in ``ranks`` announced it joins (or ``timeout``, or ``stop``); returns the
@@ -177,6 +188,33 @@ def announce_joining(addr: tuple[str, int], token: bytes, rank: int, timeout: fl
             except OSError:  # refused: the last rank's responder is not up yet
                 time.sleep(0.02)
     return False
+
+
+class Waker:
+    """Sends wake-up calls ("come to meeting <seq> now") to the other ranks' responders. Fire and forget: a
+    call that is lost costs only latency, the rank it was for comes at its scheduled time."""
+
+    def __init__(self, peers: dict[int, tuple[str, int]], token: bytes, rank: int):
+        self.peers, self.token, self.rank = peers, token, rank
+        self._socks = {}
+        for p, (host, _) in peers.items():
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            if family not in self._socks:
+                s = socket.socket(family, socket.SOCK_DGRAM)
+                s.setblocking(False)
+                self._socks[family] = s
+
+    def send(self, seq: int) -> None:
+        msg = struct.pack(_FMT, MAGIC, self.token, WAKE, self.rank, seq & 0xFFFFFFFF)
+        for host, port in self.peers.values():
+            try:
+                self._socks[socket.AF_INET6 if ":" in host else socket.AF_INET].sendto(msg, (host, port))
+            except OSError:
+                pass  # a full buffer, no route: that rank comes at its scheduled time
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close()
 
 
 class Prober:

@@ -87,6 +87,8 @@ class Rank:
             if self._signals > 1:
                 self._forced(f"second signal {signal.Signals(sig).name}")
             self.stopping.set()
+            if self.loop is not None:
+                self.loop.wake()  # an idle rank holds its next meeting now (the stop vote), calling the others
             if self.api is not None:
                 self.api.state = "stopping"  # new requests get 503 from now on
             if self.marker is not None:
@@ -232,7 +234,8 @@ class Rank:
             _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
 
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
-                        watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack)
+                        watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
+                        idle=self._idle_wait())
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         self.loop = loop
@@ -264,6 +267,22 @@ class Rank:
             self.responder = Responder(host, port, job_token(self.spec.job_id, self.spec.nonce), self.spec.rank).start()
         except OSError as e:
             _say(f"rank {self.spec.rank}: peer probes off: cannot answer probes on udp {host}:{port} ({e.strerror or e})")
+
+    def _idle_wait(self):
+        """The step loop's idle wait, with wake-up calls to and from the other ranks when this rank answers on
+        the peer-probe port (serve.IdleWait)."""
+        from clusterctl.launch.rank.peerprobe import Waker, job_token
+        from clusterctl.launch.rank.serve import IdleWait, wakeable
+
+        spec = self.spec
+        addrs = self._ring_addresses()
+        if not wakeable(spec) or addrs is None or self.responder is None:
+            return IdleWait()
+        waker = Waker({p: a for p, a in enumerate(addrs) if p != spec.rank}, job_token(spec.job_id, spec.nonce),
+                      spec.rank)
+        idle = IdleWait(call=waker.send)
+        self.responder.on_wake = idle.called
+        return idle
 
     def _start_prober(self, loop) -> None:
         from clusterctl.launch.rank.peerprobe import Ladder, Prober, job_token, watched_peers
