@@ -287,7 +287,7 @@ class SshNodes:
     ssh_wrapper_dir: Path | None = None
 
     @classmethod
-    def start(cls, root: Path, n: int) -> "SshNodes":
+    def start(cls, root: Path, n: int, *, extra_config: str = "") -> "SshNodes":
         sys.path.insert(0, str(REPO / "tests"))
         from fixtures_ssh import _why_no_sshd, keygen, start_sshd
 
@@ -299,7 +299,8 @@ class SshNodes:
         nodes.client_key = keygen(root / "client_key", "clusterctl-bench")
         try:
             for i in range(n):
-                nodes.daemons.append(start_sshd(root / f"sshd{i}", client_key=nodes.client_key))
+                nodes.daemons.append(start_sshd(root / f"sshd{i}", client_key=nodes.client_key,
+                                                extra_config=extra_config))
         except BaseException:
             nodes.stop()
             raise
@@ -346,6 +347,15 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def machine_busy_seconds() -> float:
+    """CPU-seconds this machine has spent busy (every core, every process) since boot, from /proc/stat. The
+    difference over a run is what the run cost the machine when nothing else runs; divided by the core count
+    it is the shortest wall time the run could have taken here."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_note() -> str:

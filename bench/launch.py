@@ -16,6 +16,11 @@ daemons. Arms (interleaved, rotated every repeat, medians reported):
                rank 0 answers a 1-token HTTP request; teardown by Ctrl-C. The like-for-like comparison.
 mlx.launch runs a bare `ssh HOST`: a wrapper named ssh, first on PATH, adds `-F <our config>` (Host node0..3 ->
 127.0.0.1:<port>, our key, our known_hosts); ~/.ssh is not touched.
+
+Every SSH session runs the node user's login shell, and bash sources ~/.bashrc when sshd starts it. On this
+machine root's ~/.bashrc runs `pyenv init` (about 0.1 s a session, and concurrent sessions queue on pyenv's
+rehash lock: 4 at once 0.45 s vs 0.007 s without it). `--no-shell-init` gives the bench's sshd's
+`SetEnv SHLVL=1`, so bash skips that file: nodes whose shell does no per-session work, for both tools alike.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (MLX_LAUNCH, PY, REPO, SshNodes, TAG_ENV, alive, check, clusterctl, fmt, kill_tagged,  # noqa: E402
-                     launch_manifests, log, machine_note, med, mktemp_names, model, new_tag, port_run, ratio,
+                     launch_manifests, log, machine_busy_seconds, machine_note, med, mktemp_names, model, new_tag, port_run, ratio,
                      remove_mlx_launch_leaks, say, stop_popen, table, tagged, wait_gone, wait_http, with_env)
 
 RANKS = (1, 2, 4)
@@ -71,6 +76,8 @@ class Sample:
     split: dict = field(default_factory=dict)
     sessions: int | None = None  # ssh sessions opened on the nodes during the whole arm
     conns: tuple | None = None  # clusterctl: (launch connections, launch channels, teardown conns, teardown chans)
+    cpu: float | None = None  # clusterctl: CPU-seconds the machine spent busy during the launch
+    td_cpu: float | None = None  # ... and during the teardown
     error: str | None = None
 
 
@@ -134,12 +141,13 @@ def run_clusterctl(root: Path, nodes: SshNodes, n: int, dep: Path, env: dict) ->
     s = Sample("clusterctl", n)
     state = Path(env["CLUSTERCTL_STATE_DIR"])
     s0, c0 = sessions(nodes, n), connections(nodes, n)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), machine_busy_seconds()
     w = Watcher(state, t0)
     w.start()
     kh = str(nodes.known_hosts)
     p = clusterctl("launch", str(dep), "--detach", "--known-hosts", kh, "--timeout", "240", env=env, timeout=300)
     t_ready = time.monotonic() - t0
+    s.cpu = machine_busy_seconds() - cpu0
     w.stop.set()
     w.join()
     if p.returncode != 0:
@@ -157,9 +165,10 @@ def run_clusterctl(root: Path, nodes: SshNodes, n: int, dep: Path, env: dict) ->
             sp[name], last = t - last, t
     s.split = sp
     s1, c1 = sessions(nodes, n), connections(nodes, n)
-    t1 = time.monotonic()
+    t1, cpu1 = time.monotonic(), machine_busy_seconds()
     td = clusterctl("teardown", "--known-hosts", kh, env=env, timeout=120)
     t_td = time.monotonic() - t1
+    s.td_cpu = machine_busy_seconds() - cpu1
     s.conns = ((c1 - c0) / n, (s1 - s0) / n, (connections(nodes, n) - c1) / n, (sessions(nodes, n) - s1) / n)
     left = with_env("CLUSTERCTL_NONCE", nonce) if nonce else []
     s.sessions = sessions(nodes, n) - s0
@@ -270,18 +279,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 repeats, no mlx.launch+server arm (~2 minutes)")
     ap.add_argument("--repeats", type=int, help="repeats per arm and rank count (default 5, --quick 2)")
+    ap.add_argument("--no-shell-init", action="store_true",
+                    help="the nodes' bash skips ~/.bashrc in ssh sessions (sshd SetEnv SHLVL=1)")
     ns = ap.parse_args()
     repeats = ns.repeats or (2 if ns.quick else 5)
     with_server = not ns.quick
     started = time.monotonic()
-    say(f"bench/launch.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  repeats={repeats}")
+    say(f"bench/launch.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  repeats={repeats}  "
+        f"node shell init: {'skipped (SetEnv SHLVL=1)' if ns.no_shell_init else 'as this machine has it'}")
     root = Path(tempfile.mkdtemp(prefix="cct-bench-launch-"))
     nodes = None
     samples: list[Sample] = []
     try:
         m = model("7m")
         (root / "ready.py").write_text(READY_SCRIPT)
-        nodes = SshNodes.start(root / "ssh", max(RANKS))
+        nodes = SshNodes.start(root / "ssh", max(RANKS), extra_config="SetEnv SHLVL=1" if ns.no_shell_init else "")
         env = {"CLUSTERCTL_STATE_DIR": str(root / "state")}
         deps, plan_s = {}, {}
         for n in RANKS:
@@ -334,6 +346,21 @@ def report(samples: list[Sample], plan_s: dict, repeats: int, elapsed: float) ->
     m1 = med(s.ready for s in pick("mlx.launch/term", 1) + pick("mlx.launch/ctrl-c", 1))
     m4 = med(s.ready for s in pick("mlx.launch/term", 4) + pick("mlx.launch/ctrl-c", 4))
     say(f"flatness (4 ranks / 1 rank): clusterctl {ratio(c4, c1)}, mlx.launch {ratio(m4, m1)}")
+    cores = os.cpu_count() or 1
+    rows = []
+    for n in RANKS:
+        ss = pick("clusterctl", n)
+        cpu, td_cpu = med(s.cpu for s in ss), med(s.td_cpu for s in ss)
+        rows.append([str(n), fmt(med(s.ready for s in ss)), fmt(cpu), fmt(cpu / cores if cpu else None),
+                     fmt(med(s.teardown for s in ss)), fmt(td_cpu), fmt(td_cpu / cores if td_cpu else None)])
+    say(f"what clusterctl cost this machine (CPU-seconds busy, all processes; / {cores} cores = the shortest wall "
+        "time possible here, since every node shares these cores)")
+    say(table(rows, ["ranks", "ready s", "launch CPU-s", "floor s", "teardown s", "teardown CPU-s", "floor s"]))
+    c2 = med(s.ready for s in pick("clusterctl", 2))
+    cpu4 = med(s.cpu for s in pick("clusterctl", 4))
+    if c2 and c4 and cpu4:
+        say(f"flatness (4 ranks / 2 ranks, goal <= 1.2x): {ratio(c4, c2)}; the 4-rank floor alone is "
+            f"{ratio(cpu4 / cores, c2)} of the 2-rank ready time")
     say("note: clusterctl's ready includes preflight, loading the 7M model, gate, ring join and a canary request; "
         "mlx.launch's all_sum arm only imports mlx and all_sums once")
     say("")
