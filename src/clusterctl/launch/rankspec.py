@@ -105,6 +105,11 @@ class RankSpec(BaseModel):
         """The ``split`` argument of mlx-lm's ``pipeline(group, split)``: layer counts in rank order."""
         return list(self.layer_counts)
 
+    @property
+    def probes_on(self) -> bool:
+        """Do the ranks answer on the peer-probe port (UDP at each ring address): probes, join order, wake-ups?"""
+        return self.world_size > 1 and self.backend == "ring" and bool(self.hostfile) and self.peer_probes
+
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key is not None else None
 

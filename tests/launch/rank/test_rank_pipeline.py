@@ -1,9 +1,10 @@
 """Real pipelines of 2 and 3 rank processes on loopback, uneven splits: identical output to one process, cheap idle
-followers, a stop agreed by all ranks."""
+followers that are called to meetings, a stop agreed by all ranks."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -149,6 +150,22 @@ def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, spli
         codes = [c.wait_exit(r, 20) for r in range(c.world)]
         assert codes == [0] * c.world, [c.logs(r) for r in range(c.world)]
         assert all(c.marker(r).state == "stopping" for r in range(c.world))
+
+
+def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
+    """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 0.5 s):
+    the rank that has the work calls the others to the next meeting over the peer-probe port."""
+    with RankCluster(tmp_path, model, [4, 4], tag="wake") as c:
+        c.up()
+        for prompt in PROMPTS:
+            time.sleep(0.7)  # idle, past a scheduled meeting
+            assert _complete(c, prompt=prompt, max_tokens=2, temperature=0)["finish_reason"] == "length"
+        c.signal(0, signal.SIGTERM)
+        assert [c.wait_exit(r, 20) for r in range(2)] == [0, 0], [c.logs(r) for r in range(2)]
+        counts = [re.search(r"stopped \((\d+) wake-up call\(s\) sent, (\d+) heard\)", c.logs(r)) for r in range(2)]
+        assert all(counts), [c.logs(r) for r in range(2)]
+        assert int(counts[0][1]) >= 3  # rank 0 called rank 1 for each request and for the stop
+        assert int(counts[1][2]) >= 1  # and rank 1 left its sleep for a call
 
 
 @pytest.mark.parametrize("split", [[8], [5, 3]], ids=["1rank", "2ranks-5-3"])

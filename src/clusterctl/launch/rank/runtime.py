@@ -115,7 +115,9 @@ class Rank:
         except ImportError:
             pass
         self.marker.update(state="stopping", final=True)
-        _say(f"rank {self.spec.rank}: stopped")
+        idle = self.loop.idle if self.loop is not None else None
+        _say(f"rank {self.spec.rank}: stopped" + (f" ({idle.sent} wake-up call(s) sent, {idle.heard} heard)"
+                                                   if idle is not None and idle.can_call else ""))
         return 0
 
     # ---- the life of a rank
@@ -246,7 +248,7 @@ class Rank:
     # ---- the peer-loss ladder (launch/rank/peerprobe.py)
     def _ring_addresses(self) -> list[tuple[str, int]] | None:
         spec = self.spec
-        if spec.world_size < 2 or spec.backend != "ring" or not spec.hostfile or not spec.peer_probes:
+        if not spec.probes_on:
             return None
         from clusterctl.launch.rank.peerprobe import parse_addr
 
@@ -272,11 +274,11 @@ class Rank:
         """The step loop's idle wait, with wake-up calls to and from the other ranks when this rank answers on
         the peer-probe port (serve.IdleWait)."""
         from clusterctl.launch.rank.peerprobe import Waker, job_token
-        from clusterctl.launch.rank.serve import IdleWait, wakeable
+        from clusterctl.launch.rank.serve import IdleWait
 
         spec = self.spec
         addrs = self._ring_addresses()
-        if not wakeable(spec) or addrs is None or self.responder is None:
+        if addrs is None or self.responder is None:
             return IdleWait()
         waker = Waker({p: a for p, a in enumerate(addrs) if p != spec.rank}, job_token(spec.job_id, spec.nonce),
                       spec.rank)

@@ -95,11 +95,6 @@ def idle_interval(ticks_since_request: int, wakeable: bool = False) -> float:
     return 0.1
 
 
-def wakeable(spec: RankSpec) -> bool:
-    """Can the ranks of this contract call each other to meetings? (They answer on the peer-probe port.)"""
-    return spec.world_size > 1 and spec.backend == "ring" and bool(spec.hostfile) and spec.peer_probes
-
-
 class IdleWait:
     """How an idle rank waits for the next meeting: its scheduled time, or sooner.
 
@@ -114,6 +109,11 @@ class IdleWait:
         self._cv = threading.Condition()
         self._local = False
         self._called = -1  # the newest meeting another rank called this one to
+        self.sent = self.heard = 0  # calls made to the others; waits a call from another rank ended
+
+    @property
+    def can_call(self) -> bool:
+        return self._call is not None
 
     def local(self) -> None:
         if self._call is None:
@@ -134,9 +134,12 @@ class IdleWait:
             time.sleep(timeout)
             return
         with self._cv:
-            self._cv.wait_for(lambda: self._local or self._called >= seq, timeout)
+            early = self._cv.wait_for(lambda: self._local or self._called >= seq, timeout)
             call, self._local = self._local, False
+            if early and not call:
+                self.heard += 1
         if call:
+            self.sent += 1
             self._call(seq)
 
 
@@ -279,7 +282,7 @@ class StepLoop:
         self.batch = None
         # ranks that can call each other to meetings keep a slow idle schedule (the contract says, so all agree)
         self.idle = idle or IdleWait()
-        self.wakeable = wakeable(spec)
+        self.wakeable = spec.probes_on
         if jobs is not None:
             jobs.on_put = self.idle.local
 
