@@ -58,6 +58,22 @@ def test_new_epochs_of_this_job_only(tmp_path):
     assert w.poll().epoch == 5
 
 
+def test_a_changed_file_is_seen_by_a_stat_and_read_by_the_next_poll_at_once(tmp_path):
+    clock = Clock()
+    w = CancelWatch(str(tmp_path), "dep", "job-1", log=lambda m: None, clock=clock, every=0.2)
+    path = cancel_path(tmp_path, "dep")
+    assert not w.changed()  # no file
+    assert w.poll() is None
+    write(path, epoch=1)
+    assert w.changed()  # what an idle rank 0 asks between meetings
+    assert w.poll().epoch == 1  # not throttled: read at once
+    assert not w.changed()  # seen
+    write(path, epoch=2, job_id="job-0")  # another job's file: one look, then quiet
+    assert w.changed()
+    assert w.poll() is None
+    assert not w.changed()
+
+
 def test_rank_0s_own_cancel_names_its_requests_and_acks_round_trip(tmp_path):
     assert cancel_here(str(tmp_path), "dep", "job-1", ["cmpl-a"]) == 1
     assert cancel_here(str(tmp_path), "dep", "job-1", []) == 2

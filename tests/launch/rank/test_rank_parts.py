@@ -227,6 +227,16 @@ def test_an_idle_wait_ends_early_for_a_call_to_the_coming_meeting_only():
     assert calls == []  # a rank that was called does not call the others again
 
 
+def test_an_idle_wait_ends_early_when_its_check_says_there_is_work():
+    calls, looks = [], []
+    idle = IdleWait(call=calls.append, check=lambda: looks.append(1) or len(looks) >= 3)  # a cancel, 3rd look
+    t = time.monotonic()
+    idle.wait(60, seq=4)
+    assert time.monotonic() - t < 30
+    assert calls == [4] and len(looks) == 3  # the others are called to the meeting that applies it
+    assert idle.sent == 1 and idle.heard == 0
+
+
 def test_without_wake_up_calls_an_idle_wait_keeps_its_schedule():
     idle = IdleWait()
     idle.local()  # a request: the others come only at their scheduled time, so this rank waits too

@@ -237,7 +237,7 @@ class Rank:
 
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
-                        idle=self._idle_wait())
+                        idle=self._idle_wait(cancels))
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         self.loop = loop
@@ -270,9 +270,9 @@ class Rank:
         except OSError as e:
             _say(f"rank {self.spec.rank}: peer probes off: cannot answer probes on udp {host}:{port} ({e.strerror or e})")
 
-    def _idle_wait(self):
+    def _idle_wait(self, cancels=None):
         """The step loop's idle wait, with wake-up calls to and from the other ranks when this rank answers on
-        the peer-probe port (serve.IdleWait)."""
+        the peer-probe port (serve.IdleWait); rank 0 also wakes for a changed cancel file (``cancels``)."""
         from clusterctl.launch.rank.peerprobe import Waker, job_token
         from clusterctl.launch.rank.serve import IdleWait
 
@@ -282,7 +282,7 @@ class Rank:
             return IdleWait()
         waker = Waker({p: a for p, a in enumerate(addrs) if p != spec.rank}, job_token(spec.job_id, spec.nonce),
                       spec.rank)
-        idle = IdleWait(call=waker.send)
+        idle = IdleWait(call=waker.send, check=cancels.changed if cancels is not None else None)
         self.responder.on_wake = idle.called
         return idle
 

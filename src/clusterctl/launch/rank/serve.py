@@ -102,10 +102,17 @@ class IdleWait:
     calls the other ranks to the meeting (``call(seq)``) so that nobody spins in the collective waiting for
     them. Or sooner when another rank called this one to the meeting it is about to hold (``called``); a call
     for a meeting already held is stale and ignored. Without ``call`` (no wake-up calls) a local event does not
-    shorten the wait: the others would come only at their scheduled time anyway."""
+    shorten the wait: the others would come only at their scheduled time anyway.
 
-    def __init__(self, call: Callable[[int], None] | None = None):
+    ``check`` (rank 0: has the cancel file changed?) is asked every CHECK_S while waiting; yes counts as local
+    work, so a cancel sent to an idle deployment is applied and acked at once, not at the next scheduled
+    meeting."""
+
+    CHECK_S = 0.05
+
+    def __init__(self, call: Callable[[int], None] | None = None, check: Callable[[], bool] | None = None):
         self._call = call
+        self._check = check
         self._cv = threading.Condition()
         self._local = False
         self._called = -1  # the newest meeting another rank called this one to
@@ -133,8 +140,15 @@ class IdleWait:
         if self._call is None:
             time.sleep(timeout)
             return
+        deadline = time.monotonic() + timeout
         with self._cv:
-            early = self._cv.wait_for(lambda: self._local or self._called >= seq, timeout)
+            while not (early := self._local or self._called >= seq):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, self.CHECK_S) if self._check is not None else left)
+                if self._check is not None and self._check():
+                    self._local = True
             call, self._local = self._local, False
             if early and not call:
                 self.heard += 1
