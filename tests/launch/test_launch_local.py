@@ -428,7 +428,11 @@ def test_cancel_one_request_by_cancel_file_the_other_is_untouched(tmp_path, tiny
         [m] = manifests(tmp_path / "state")
         rd0 = m["ranks"][0]["runtime_dir"]
         cancel_file = Path(rd0) / f"{m['deployment_id']}-cancel.json"
-        cancel_file.write_text('{"schema_version": 1, "type": "cancel", "epoch": ')
+        # put in place whole (rename): rank 0 stats the file every 50 ms while idle, and write_text's truncate
+        # then write would be two bad files to it (empty, then garbage), each logged once
+        tmp_file = cancel_file.with_name(".corrupt.tmp")
+        tmp_file.write_text('{"schema_version": 1, "type": "cancel", "epoch": ')
+        os.replace(tmp_file, cancel_file)
         time.sleep(2.5)
         conn, r = _stream(host, port, b_body)
         again_b = [e for e in _events(r) if isinstance(e, dict) and e["choices"] and e["choices"][0].get("token_ids")]
