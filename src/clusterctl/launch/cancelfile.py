@@ -114,12 +114,18 @@ class CancelWatch:
         self.mtime: tuple | None = None
         self.consumed = 0  # a file left by an earlier job names that job: ignored as foreign, never applied
 
-    def _load(self) -> CancelFile | None:
+    def _stat_key(self) -> tuple | None:
+        """What tells one version of the file from another without reading it (None: no file)."""
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def _load(self) -> CancelFile | None:
+        key = self._stat_key()
+        if key is None:
+            return None
         if key == self.mtime:
             return None  # unchanged since the last look
         self.mtime = key
@@ -142,11 +148,8 @@ class CancelWatch:
     def changed(self) -> bool:
         """Has the file changed since the last look (a stat, nothing read)? Then the next ``poll()`` reads it at
         once. What an idle rank 0 asks between its meetings, so a cancel does not wait for the idle schedule."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        if (st.st_mtime_ns, st.st_size, st.st_ino) == self.mtime:
+        key = self._stat_key()
+        if key is None or key == self.mtime:
             return False
         self.next_at = 0.0
         return True

@@ -80,7 +80,7 @@ class Cadence:
         return max(1, min(MAX_CHECKPOINT, int(self.target * tokens / dt)))
 
 
-IDLE_WAKEABLE_S = 0.5  # idle meetings when ranks call each other to meetings (also bounds an idle cancel's ack)
+IDLE_WAKEABLE_S = 0.5  # idle meetings when ranks call each other to meetings (work brings a meeting sooner)
 
 
 def idle_interval(ticks_since_request: int, wakeable: bool = False) -> float:
