@@ -199,5 +199,7 @@ def test_the_last_rank_connects_only_after_the_others_announce_their_join(model,
         gates[0].write_text("go\n")
         c.wait_state("serving", 60)
         logs = "".join(c.logs(r) for r in range(3))
-        assert "Attempt" not in logs and "joining anyway" not in logs, logs
+        # what the order promises: the last rank's connect to rank 0 is not retried. (Rank 1's connect to the last
+        # rank can still meet MLX's own race, the last rank listening only after its connect: 1 red CI run.)
+        assert "Attempt" not in c.logs(2) and "joining anyway" not in logs, logs
         assert _complete(c, prompt=PROMPTS[0], max_tokens=4, temperature=0)["finish_reason"] == "length"
