@@ -152,11 +152,15 @@ class Keyring:
     def signing_key(self, *, create: bool = True) -> SigningKey:
         serialization, ed25519 = _crypto()
         try:
-            data = self.private_path.read_bytes()
+            data = self._read_private()
         except FileNotFoundError:
             if not create:
                 raise IntegrityError(f"no signing key at {self.private_path}") from None
             return self._create()
+        if not data and create and not self._has_public():
+            # an empty key with no public half never signed anything: what a crash or a full disk left behind
+            # before key creation was atomic. Replace it.
+            return self._create(replace_empty=True)
         try:
             key = serialization.load_pem_private_key(data, password=None)
             if not isinstance(key, ed25519.Ed25519PrivateKey):
@@ -172,28 +176,68 @@ class Keyring:
             atomic_write_bytes(self.public_path, sk.public.to_text().encode(), mode=0o600)
         return sk
 
-    def _create(self) -> SigningKey:
+    def _has_public(self) -> bool:
+        try:
+            return self.public_path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def _read_private(self) -> bytes:
+        """The private key's bytes, refusing what ssh refuses too: a symlink (someone else decides which key signs),
+        a file of another user, or one that others may read (the key may have leaked: make a new one)."""
+        import stat
+
+        from clusterctl.errors import ConfigError
+
+        st = os.lstat(self.private_path)  # FileNotFoundError: no key yet
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(f"signing key {self.private_path} is a symlink; refusing to use it",
+                              hint="put the key file itself there (0600)")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"signing key {self.private_path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ConfigError(f"signing key {self.private_path} belongs to uid {st.st_uid}, not to this user")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"signing key {self.private_path} is readable by others "
+                              f"(mode {st.st_mode & 0o777:04o}); refusing to use it",
+                              hint=f"chmod 600 {self.private_path} if it never left this account")
+        try:
+            fd = os.open(self.private_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise IntegrityError(f"cannot read {self.private_path}: {e.strerror or e}") from None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(64 * 1024)
+
+    def _create(self, *, replace_empty: bool = False) -> SigningKey:
+        """A new key pair, all or nothing: the private key is written and fsynced under a temp name, then linked
+        into place (a link never replaces a key another process made meanwhile: theirs is used). A full disk
+        leaves no key file behind (exit 73), never an empty one."""
+        from clusterctl.atomic import private_dirs, stage_bytes
+
         serialization, ed25519 = _crypto()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dirs(self.dir)
         except OSError as e:
             raise CannotWrite(f"cannot create {self.dir}: {e.strerror or e}") from None
         key = ed25519.Ed25519PrivateKey.generate()
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-        # O_EXCL: if another process created the key meanwhile, use theirs rather than overwrite it.
+        staged = stage_bytes(self.private_path, pem, mode=0o600)  # CannotWrite (73) on a full disk, nothing left
         try:
-            fd = os.open(self.private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return self.signing_key(create=False)
-        except OSError as e:
-            raise CannotWrite(f"cannot create {self.private_path}: {e.strerror or e}") from None
-        try:
-            os.write(fd, pem)
-            os.fsync(fd)
+            if replace_empty:
+                staged.commit()  # rename over the empty file
+            else:
+                try:
+                    os.link(staged.tmp, self.private_path)
+                except FileExistsError:
+                    return self.signing_key(create=False)
+                except OSError as e:
+                    raise CannotWrite(f"cannot create {self.private_path}: {e.strerror or e}") from None
+                fsync_dir(self.dir)
         finally:
-            os.close(fd)
-        fsync_dir(self.dir)
+            staged.discard()
         raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                 serialization.NoEncryption())
         sk = SigningKey(raw)

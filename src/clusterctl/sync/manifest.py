@@ -339,7 +339,8 @@ def save_manifest(folder: Path, m: Manifest) -> Path:
     from clusterctl.atomic import atomic_write_bytes, dumps
 
     path = manifest_file(folder, m.manifest_hash)
-    atomic_write_bytes(path, dumps(m.model_dump(mode="json")))
+    if load_manifest(folder, m.manifest_hash) is None:  # content-addressed: an intact file is already this one
+        atomic_write_bytes(path, dumps(m.model_dump(mode="json")))
     return path
 
 
