@@ -27,11 +27,20 @@ class Exit(IntEnum):
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f]} | {0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"}
 
 
+MAX_MESSAGE = 2000  # characters of one error line; a longer one (a 1 MB value echoed) keeps its start and end
+
+
 def one_line(text: str) -> str:
     """A message as one printable line: control characters from files, keys or remote output (a newline, an
-    escape sequence) are shown escaped, so nothing can break the line or drive the terminal."""
+    escape sequence) are shown escaped, so nothing can break the line or drive the terminal; and cut to
+    MAX_MESSAGE characters."""
     text = str(text).strip()
-    return text.translate(_CONTROL) if any(ord(c) < 0x20 or ord(c) == 0x7f for c in text) else text
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in text):
+        text = text.translate(_CONTROL)
+    if len(text) > MAX_MESSAGE:
+        cut = len(text) - MAX_MESSAGE + 200
+        text = f"{text[:MAX_MESSAGE - 400]} [... {cut} characters cut ...] {text[-200:]}"
+    return text
 
 
 class ClusterctlError(Exception):

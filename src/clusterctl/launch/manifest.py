@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import atomic_write_bytes, dumps, move_aside, read_capped, strict_loads
 from clusterctl.errors import IntegrityError
+from clusterctl.names import Ident, Name
 from clusterctl.plan.inventory import Node
 from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
 
@@ -36,7 +37,7 @@ class Coordinator(BaseModel):
 class RankRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int
-    node: str
+    node: Name
     host: str
     local: bool
     runtime_dir: str
@@ -58,8 +59,8 @@ class LaunchManifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal[1] = SCHEMA_VERSION
     type: Literal["launch-manifest"] = KIND
-    job_id: str
-    deployment_id: str
+    job_id: Ident
+    deployment_id: Ident
     plan_hash: str
     deployment_file: str
     created_at: str

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, MissingInput
+from clusterctl.names import Ident, Name
 
 MARKER_LIMIT = 64 * 1024
 State = Literal["loading", "ready", "serving", "stopping", "lost", "failed"]
@@ -36,11 +37,11 @@ class Marker(BaseModel):
 
     schema_version: Literal[1] = 1
     type: Literal["rank-marker"] = "rank-marker"
-    deployment_id: str
-    job_id: str
+    deployment_id: Ident
+    job_id: Ident
     nonce: str
     rank: int
-    node: str
+    node: Name
     host: str
     pid: int
     pgid: int

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from clusterctl.errors import IntegrityError
+from clusterctl.names import Ident, Name
 
 # Set by the rank itself from the contract; extra env must not override them.
 RESERVED_ENV = frozenset({"MLX_RANK", "MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE"})
@@ -29,10 +30,10 @@ class RankSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = 1
-    deployment_id: str = Field(min_length=1, max_length=200)
-    job_id: str = Field(min_length=1, max_length=200)
+    deployment_id: Ident
+    job_id: Ident
     nonce: str = Field(min_length=1, max_length=200)
-    node: str = Field(min_length=1, max_length=200)
+    node: Name
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1, le=1024)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from clusterctl.atomic import dumps, strict_loads
 from clusterctl.errors import IntegrityError
 from clusterctl.plan.fit import RankBytes
+from clusterctl.names import Ident, Name
 from clusterctl.plan.inventory import Node
 from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
 
@@ -40,7 +41,7 @@ class ModelRef(BaseModel):
 class RankAssignment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int
-    node: str
+    node: Name
     host: str
     ips: list[str]
     start_layer: int  # [start_layer, end_layer) in model order; mlx-lm gives rank 0 the last layers
@@ -66,9 +67,9 @@ class Deployment(BaseModel):
 
     schema_version: Literal[2] = SCHEMA_VERSION
     type: Literal["deployment"] = KIND
-    deployment_id: str
+    deployment_id: Ident
     created_at: str
-    cluster: str
+    cluster: Name
     model: ModelRef
     nodes: list[Node]
     ranks: list[RankAssignment]

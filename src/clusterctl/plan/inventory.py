@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from clusterctl.errors import ConfigError, MissingInput
+from clusterctl.names import NAME_RE, clip
 
 GIB = 1 << 30
 DEFAULT_USABLE_FRACTION = 0.8
 LOCAL_HOSTS = {"localhost"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _HOST_BAD = re.compile(r"[\s\x00-\x1f\x7f'\"`$;&|<>\\]")
 
 
@@ -77,8 +77,8 @@ class Node(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid node name (letters, digits, _ . -; starts with a letter or digit)")
+        if not NAME_RE.match(v):
+            raise ValueError(f"{clip(v)!r} is not a valid node name (letters, digits, _ . -; starts with a letter or digit)")
         return v
 
     @field_validator("host")
@@ -151,8 +151,8 @@ class ClusterInfo(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid cluster name")
+        if not NAME_RE.match(v):
+            raise ValueError(f"{clip(v)!r} is not a valid cluster name (letters, digits, _ . -; starts with a letter or digit; at most 63)")
         return v
 
 
