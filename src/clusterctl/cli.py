@@ -41,6 +41,32 @@ ClusterOpt = Annotated[Path, typer.Option(
     "--cluster", "-c", envvar="CLUSTERCTL_CLUSTER", help="The cluster inventory (cluster.toml).")]
 
 
+def _number(lo: float, hi: float):
+    """A parser of a float flag: finite and within [lo, hi] when the command line is parsed (exit 2), so that
+    'inf', 'nan' or 1e309 never reach the code that sleeps, multiplies or converts to an integer."""
+    def parse(value) -> float:
+        import math
+
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{str(value)[:40]!r} is not a number") from None
+        if not (math.isfinite(x) and lo <= x <= hi):
+            raise typer.BadParameter(f"{str(value)[:40]} is not a number in [{lo:g}, {hi:g}]")
+        return x
+    return parse
+
+
+def _bind_host(value: str) -> str:
+    """--host: an IP address or a host name to bind, checked when the command line is parsed."""
+    from clusterctl.launch.apikey import check_bind_host
+
+    try:
+        return check_bind_host(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def _out(json: bool, quiet: bool) -> Output:
     OUT.json, OUT.quiet = json, quiet
     return OUT
@@ -52,10 +78,10 @@ def _state(state_dir: Path | None):
     return StateDir(state_dir).check_safe()
 
 
-def _api_key(env_name: str) -> str | None:
-    """The API key from its env var, which is then removed from this process's environment: no op session or
-    rank started from here inherits it (rank 0 gets it only inside its 0600 contract)."""
-    return os.environ.pop(env_name, None) or None
+def _api_key(env_name: str | None, no_key: bool) -> str | None:
+    from clusterctl.launch.apikey import api_key_from_env
+
+    return api_key_from_env(env_name, no_key=no_key)
 
 
 def _complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
@@ -101,11 +127,12 @@ def plan(
     allocation: Annotated[str, typer.Option(help="balanced | proportional (RAM-weighted) | speed (measured speed).")] = "balanced",
     backend: Annotated[str, typer.Option(help="auto | ring | jaccl | mpi.")] = "auto",
     parallel: Annotated[str, typer.Option(help="pipeline | tensor.")] = "pipeline",
-    context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1)] = 4096,
+    context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = 4096,
     batch: Annotated[Optional[int], typer.Option(
         help="Batch slots: requests decoded together, each with a KV cache of --context tokens "
-             "(default: as many as fit, up to 8; a number that does not fit is refused).", min=1)] = None,
-    headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.", min=0)] = 0.5,
+             "(default: as many as fit, up to 8; a number that does not fit is refused).", min=1, max=MAX_BATCH)] = None,
+    headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.",
+                                               parser=_number(0, 1e6), metavar="GIB")] = 0.5,
     embedding_offload: Annotated[str, typer.Option("--embedding-offload",
                                                    help="off | on | auto: serve the token embedding from SSD (auto: only when it would not fit).")] = "off",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
@@ -165,7 +192,26 @@ def verify(
 
 
 # ---- launch / teardown / reap / status -----------------------------------------------------------------------
-GraceOpt = Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.", min=0)]
+GraceOpt = Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.", parser=_number(0, 3600),
+                                         metavar="SECONDS")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for every rank to be ready.",
+                                           parser=_number(1, 7 * 86400), metavar="SECONDS")]
+DrainOpt = Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.",
+                                         parser=_number(0, 86400), metavar="SECONDS")]
+HostOpt = Annotated[Optional[str], typer.Option("--host", help="Address rank 0's HTTP API binds (an IP address or host name).",
+                                                callback=lambda v: None if v is None else _bind_host(v),
+                                                show_default="127.0.0.1; replan: the old job's")]
+PortOpt = Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).", min=1, max=65535)]
+ApiKeyEnvOpt = Annotated[Optional[str], typer.Option(
+    "--api-key-env", help="Name of the env var holding the API key (never on argv); it must be set and not empty.",
+    show_default="CLUSTERCTL_API_KEY, when set")]
+NoApiKeyOpt = Annotated[bool, typer.Option(
+    "--no-api-key", help="Serve without an API key even when rank 0 listens beyond loopback (anyone who reaches "
+                         "the port can use the model).")]
+SeedOpt = Annotated[int, typer.Option(help="Sampling seed shared by all ranks.", min=0, max=2**31 - 1)]
+MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot; beyond them rank 0 answers 429 with Retry-After.", min=0, max=65536)]
+MAX_CONTEXT = 1 << 24  # tokens per sequence
+MAX_BATCH = 1024  # batch slots (a rank contract's bound)
 KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for SSH nodes.",
                                                        show_default="~/.ssh/known_hosts")]
 AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
@@ -182,15 +228,17 @@ def _ssh(known_hosts: Path | None, accept_new: bool):
 def launch(
     deployment: Annotated[str, typer.Argument(help="A deployment file or id.", autocompletion=_complete_targets)],
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready; `clusterctl teardown` ends it.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for every rank to be ready.", min=1)] = 600,
+    timeout: TimeoutOpt = 600,
     grace: GraceOpt = 10.0,
     lease: Annotated[Optional[float], typer.Option("--lease", envvar="CLUSTERCTL_LAUNCHER_LEASE",
-                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.", min=1)] = None,
-    host: Annotated[str, typer.Option("--host", help="Address rank 0's HTTP API binds.")] = "127.0.0.1",
-    port: Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).")] = None,
-    api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
-    seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot; beyond them rank 0 answers 429 with Retry-After.", min=0, max=65536)] = 64,
+                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.",
+                                                   parser=_number(1, 3600), metavar="SECONDS")] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    seed: SeedOpt = 0,
+    max_queue: MaxQueueOpt = 64,
     verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
@@ -202,11 +250,13 @@ def launch(
     o = _out(json, quiet)
     import asyncio
 
+    from clusterctl.launch.apikey import check_exposure
     from clusterctl.launch.supervisor import LaunchOptions, launch as do_launch
 
-    opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host, http_port=port,
-                         api_key=_api_key(api_key_env), seed=seed, max_queue=max_queue,
+    opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
+                         api_key=_api_key(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
                          ssh=_ssh(known_hosts, accept_new_host_keys), verify_model=verify)
+    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
     if lease is not None:
         opts.lease_seconds = lease
 
@@ -271,7 +321,7 @@ def teardown(
                                                     autocompletion=_complete_targets)] = None,
     grace: GraceOpt = 10.0,
     force: Annotated[bool, typer.Option("--force", help="Stop even while ranks report requests in flight.")] = False,
-    drain: Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.", min=0)] = 0.0,
+    drain: DrainOpt = 0.0,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -323,18 +373,21 @@ def replan(
     nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None,
     allocation: Annotated[Optional[str], typer.Option(help="balanced | proportional | speed.")] = None,
     backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
-    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1)] = None,
-    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1)] = None,
+    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
+    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
     path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path).')] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
-    drain: Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.", min=0)] = 0.0,
-    detach: Annotated[Optional[bool], typer.Option("--detach/--foreground", help="How the new job runs (default: as the old one did).", show_default=False)] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the new ranks to be ready.", min=1)] = 600,
+    drain: DrainOpt = 0.0,
+    detach: Annotated[bool, typer.Option("--detach", help="The new job runs detached (default: as the old one did).")] = False,
+    foreground: Annotated[bool, typer.Option("--foreground", help="The new job runs in the foreground (default: as the old one did).")] = False,
+    timeout: TimeoutOpt = 600,
     grace: GraceOpt = 10.0,
-    api_key_env: Annotated[str, typer.Option("--api-key-env", help="Name of the env var holding the API key (never on argv).")] = "CLUSTERCTL_API_KEY",
-    seed: Annotated[int, typer.Option(help="Sampling seed shared by all ranks.")] = 0,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot.", min=0, max=65536)] = 64,
+    host: HostOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    seed: SeedOpt = 0,
+    max_queue: MaxQueueOpt = 64,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -347,8 +400,11 @@ def replan(
     import asyncio
 
     from clusterctl.launch import replan as rp
+    from clusterctl.launch.apikey import check_exposure
     from clusterctl.plan.replan import diff_lines
 
+    if detach and foreground:
+        raise UsageError("--detach and --foreground contradict each other: give one")
     state = _state(state_dir)
     ssh = _ssh(known_hosts, accept_new_host_keys)
     given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("context", context),
@@ -392,6 +448,11 @@ def replan(
             if o.json:
                 o.data({**doc, "action": "previewed"})
             raise typer.Exit(int(Exit.NOT_APPLIED))
+    # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
+    opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
+                               grace=grace, api_key=_api_key(api_key_env, no_api_key), seed=seed,
+                               max_queue=max_queue, host=host)
+    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
     lock = rp.lock_for(state, p)
     try:
         if p.diff["unchanged"]:
@@ -415,8 +476,6 @@ def replan(
                 o.data({**doc, "action": "applied", "job": None})
             o.info(f"deployment {p.new.deployment_id} is current (it was not running: nothing relaunched)")
             raise typer.Exit(0)
-        opts = rp.relaunch_options(p, ssh, detach=detach, timeout=timeout, grace=grace,
-                                   api_key=_api_key(api_key_env), seed=seed, max_queue=max_queue)
         from clusterctl.launch.supervisor import launch as do_launch
 
         async def start():
@@ -478,7 +537,8 @@ def cancel(
                                           autocompletion=_complete_targets)],
     request: Annotated[Optional[list[str]], typer.Option("--request", "-r", help="A request id to cancel (repeatable).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Cancel every request in flight or queued.")] = False,
-    wait: Annotated[float, typer.Option("--wait", help="Wait up to S seconds for every rank to ack.", min=0)] = 0.0,
+    wait: Annotated[float, typer.Option("--wait", help="Wait up to S seconds for every rank to ack this cancel (0: write it and return without proof).",
+                                        parser=_number(0, 86400), metavar="SECONDS")] = 10.0,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -608,7 +668,7 @@ def sync(
     url: Annotated[Optional[str], typer.Option("--url", help="HTTP(S) mirror of the model folder, for download mode.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report each node's copy and what would be sent; send nothing.")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file on every node instead of trusting their hash caches.")] = False,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Nodes synced at the same time.", min=1)] = 4,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Nodes synced at the same time.", min=1, max=256)] = 4,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -656,12 +716,12 @@ def sync(
 @model_app.command("tiny")
 def model_tiny(
     path: Annotated[Path, typer.Argument(help="Folder to build the model in (reused when it already matches).")],
-    layers: Annotated[int, typer.Option(min=1)] = 8,
-    hidden: Annotated[int, typer.Option(min=8)] = 256,
-    heads: Annotated[int, typer.Option(min=1)] = 4,
-    kv_heads: Annotated[int, typer.Option("--kv-heads", min=1)] = 2,
-    vocab: Annotated[int, typer.Option(min=300)] = 2048,
-    seed: Annotated[int, typer.Option(min=0)] = 0,
+    layers: Annotated[int, typer.Option(min=1, max=256)] = 8,
+    hidden: Annotated[int, typer.Option(min=8, max=8192)] = 256,
+    heads: Annotated[int, typer.Option(min=1, max=256)] = 4,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", min=1, max=256)] = 2,
+    vocab: Annotated[int, typer.Option(min=300, max=1 << 18)] = 2048,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1)] = 0,
     preset: Annotated[Optional[str], typer.Option(help="'bench' for the ~100M-parameter benchmark model.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a tiny model built with other parameters.")] = False,
     json: JsonOpt = False,
@@ -693,7 +753,7 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the model, cluster.toml and runtime dirs go.",
                                                     show_default="<state-dir>/demo")] = None,
     prompt: Annotated[str, typer.Option(help="The chat message to send.")] = "Write one line about distributed inference.",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 48,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=1 << 20)] = 48,
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -744,6 +804,8 @@ def _main(argv: list[str] | None = None) -> None:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # Typer's own Click: no public name to catch it by
+            sys.exit(int(Exit.USAGE))  # the help was printed; no empty "error:" line after it
         if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
             # Typer's usage errors (unknown flag, bad value): one line, exit 2, like every other error
             ctx = getattr(e, "ctx", None)
@@ -756,6 +818,9 @@ def _main(argv: list[str] | None = None) -> None:
             _fail(UsageError(msg + where), hint=False)
         # An internal error: the only case with a traceback, and never with local variables.
         traceback.print_exc(file=sys.stderr)
+        if OUT.json:
+            OUT.data({"ok": False, "error": f"internal error ({type(e).__name__})", "exit_code": int(Exit.SOFTWARE),
+                      "kind": "InternalError"})
         print(f"error: internal error ({type(e).__name__}); please report it", file=sys.stderr)
         sys.exit(int(Exit.SOFTWARE))
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from clusterctl.atomic import atomic_write_json, read_json
-from clusterctl.errors import ClusterctlError, ConfigError
+from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError
 
 BUILDER_VERSION = 1
 PARAMS_FILE = "clusterctl-tiny.json"
@@ -191,7 +191,12 @@ def _write(folder: Path, p: TinyParams, texts: list[str]) -> None:
     weights = _weights(p)
     model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
     del weights
-    save_model(folder, model, donate_model=True)
+    try:
+        save_model(folder, model, donate_model=True)
+    except RuntimeError as e:  # mlx reports a failed write (a full disk) as "[write] Unable to write N bytes"
+        import errno
+
+        raise OSError(errno.EIO, f"the weights could not be written ({e}); is the disk full?") from None
     save_config(config, folder / "config.json")
 
 
@@ -254,17 +259,19 @@ def build(
             raise ConfigError(f"{path} exists and is not a tiny model built by clusterctl; not touching it")
         if ours and not overwrite:
             raise ConfigError(f"{path} holds a tiny model built with other parameters, or a damaged one",
-                              hint="remove it or pass overwrite=True")
+                              hint="remove it, or pass --overwrite (overwrite=True from Python)")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(path)
+        tmp.mkdir()
         _write(tmp, params, texts)
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
         atomic_write_json(tmp / PARAMS_FILE, TinyRecord(params=params, files=files).model_dump())
         _install(tmp, path, params)
+    except OSError as e:  # a read-only or full filesystem, or a place no file can be made (/proc)
+        raise CannotWrite(f"cannot build the tiny model in {path}: {e.strerror or e}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -119,3 +121,46 @@ def test_new_state_folders_are_0700_even_with_a_loose_umask(tmp_path, tiny):
     for path, is_dir in _walk(tmp_path / "deep"):
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o077 == 0, f"{path} {mode:04o}"
+
+
+@pytest.mark.parametrize("args,extra_env,code,message", [
+    (["--api-key-env", "MY_KEY_TYPO"], {}, 78, "--api-key-env MY_KEY_TYPO: that variable is not set"),
+    (["--api-key-env", "EMPTY_KEY"], {"EMPTY_KEY": ""}, 78, "that variable is empty"),
+    (["--host", "0.0.0.0"], {}, 78, "rank 0 would listen on 0.0.0.0 without an API key"),
+    (["--host", "0.0.0.0", "--api-key-env", "K", "--no-api-key"], {"K": "x"}, 2, "contradict"),
+    (["--host", "not an ip;rm"], {}, 2, "is not an IP address or host name"),
+    (["--port", "70000"], {}, 2, "--port"),
+])
+def test_launch_refuses_an_open_api_by_mistake_before_anything_starts(tmp_path, tiny, env, args, extra_env, code,
+                                                                     message):
+    dep = _plan(tmp_path, tiny, env)
+    clean = {k: v for k, v in os.environ.items() if k != "CLUSTERCTL_API_KEY"}
+    p = subprocess.run([sys.executable, "-m", "clusterctl", "launch", dep, "--detach", "--timeout", "40", *args],
+                       capture_output=True, text=True, env={**clean, **env, **extra_env}, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == code, p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "state" / "launches").exists() or not list((tmp_path / "state" / "launches").iterdir())
+    assert not (tmp_path / "run-a").exists() and not (tmp_path / "run-b").exists()
+
+
+def test_an_open_api_beyond_loopback_is_served_only_when_asked_for(tmp_path, tiny, env):
+    import urllib.request
+
+    dep = _plan(tmp_path, tiny, env)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", "--host", "0.0.0.0", "--no-api-key", env=env)
+    assert p.returncode == 0, p.stderr
+    try:
+        port = int(json.loads(p.stdout)["endpoint"].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            assert r.status == 200
+        # a replan that would relaunch it beyond loopback without a key stops before the old job does
+        clean = {k: v for k, v in os.environ.items() if k != "CLUSTERCTL_API_KEY"}
+        rp = subprocess.run([sys.executable, "-m", "clusterctl", "replan", dep, "--context", "256", "--yes"],
+                            capture_output=True, text=True, env={**clean, **env}, timeout=120, stdin=subprocess.DEVNULL)
+        assert rp.returncode == 78 and "without an API key" in rp.stderr, rp.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            assert r.status == 200  # the old job still serves
+    finally:
+        td = cli("teardown", "--force", "--json", env=env)
+    assert td.returncode == 0, td.stderr

@@ -210,17 +210,18 @@ async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) 
 
 
 def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
-                     seed: int, max_queue: int):
+                     seed: int, max_queue: int, host: str | None = None):
     """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
     from clusterctl.launch.supervisor import LaunchOptions
 
     m = p.jobs[0] if p.jobs else None
-    host, port = "127.0.0.1", None
+    old_host, port = "127.0.0.1", None
     if m is not None and m.endpoint:
         hostport = m.endpoint.split("://", 1)[-1]
         h, _, pt = hostport.rpartition(":")
-        host, port = h.strip("[]") or host, int(pt) if pt.isdigit() else m.http_port
+        old_host, port = h.strip("[]") or old_host, int(pt) if pt.isdigit() else m.http_port
     was_detached = m.coordinator.detached if m is not None else True
+    host = host or old_host
     return LaunchOptions(timeout=timeout, grace=grace, detach=was_detached if detach is None else detach,
                          http_host=host, http_port=port, api_key=api_key, seed=seed, max_queue=max_queue, ssh=ssh)
 

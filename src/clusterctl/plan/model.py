@@ -153,13 +153,20 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _int_cfg(config: dict, folder: Path, *keys: str, default=None, minimum: int = 0) -> int | None:
-    """An integer field of config.json (true/false, strings and lists are errors, not numbers)."""
+MAX_LAYERS = 1 << 16  # the largest published models have a few hundred; beyond this a config is nonsense
+MAX_SIZE = 1 << 24  # hidden size, heads, vocabulary: far above any real model, small enough to plan with
+
+
+def _int_cfg(config: dict, folder: Path, *keys: str, default=None, minimum: int = 0,
+             maximum: int = MAX_SIZE) -> int | None:
+    """An integer field of config.json (true/false, strings and lists are errors, not numbers), within bounds
+    that keep every later product (per-layer tables, KV bytes) finite and small."""
     v = _cfg(config, *keys, default=default)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{folder}/config.json: {keys[0]} must be an integer >= {minimum}, not {v!r}"[:300])
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise ConfigError(f"{folder}/config.json: {keys[0]} must be an integer in [{minimum}, {maximum}], "
+                          f"not {str(v)[:40]!s}"[:300])
     return v
 
 
@@ -195,7 +202,8 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
     text = config
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         text = {**config, **config["text_config"]}
-    num_layers = _int_cfg(text, folder, "num_hidden_layers", "n_layers", "num_layers", minimum=1)
+    num_layers = _int_cfg(text, folder, "num_hidden_layers", "n_layers", "num_layers", minimum=1,
+                         maximum=MAX_LAYERS)
     hidden = _int_cfg(text, folder, "hidden_size", "d_model", "dim", minimum=1)
     heads = _int_cfg(text, folder, "num_attention_heads", "n_heads", minimum=1)
     if num_layers is None:
