@@ -332,13 +332,16 @@ def teardown(
     o = _out(json, quiet)
     import asyncio
 
-    from clusterctl.launch.teardown import teardown_command
+    from clusterctl.launch.teardown import MALFORMED_HINT, teardown_command
 
+    malformed: list[dict] = []
     reports = asyncio.run(teardown_command(_state(state_dir), target, _ssh(known_hosts, accept_new_host_keys),
-                                           grace=grace, force=force, drain=drain, log=o.info))
-    ok = all(r.ok for r in reports)
+                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed))
+    ok = all(r.ok for r in reports) and not malformed
     if o.json:
-        o.data({"ok": ok, "jobs": [r.to_json() for r in reports]})
+        o.data({"ok": ok, "jobs": [r.to_json() for r in reports], "malformed": malformed})
+    for m in malformed:
+        o.error(f"malformed manifest kept, not acted on: {m['manifest']}: {m['error']} ({MALFORMED_HINT})")
     for r in reports:
         if r.ok:
             o.info(f"job {r.job_id}: every rank confirmed gone")

@@ -325,3 +325,21 @@ def test_a_detached_job_whose_ranks_all_exited_is_reaped(state):
     r = cli("reap", "--json", env=env_of(state))
     assert r.returncode == 0 and [j["job_id"] for j in json.loads(r.stdout)["reaped"]] == [m.job_id]
     assert not list((state / "launches").glob("*.json"))
+
+
+def test_one_malformed_manifest_does_not_keep_a_deployments_healthy_job_running(state):
+    nonce = secrets.token_hex(8)
+    p = spawn(nonce)
+    try:
+        m = make_job(state, [p], nonce)
+        bad = state / "launches" / f"{m.deployment_id}-20260101000000-abcdef.json"
+        bad.write_text('{"type": "launch-manifest", "truncat')
+        r = cli("teardown", m.deployment_id, "--grace", "0.5", "--json", env=env_of(state))
+        assert r.returncode == 1, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["ok"] is False and [j["job_id"] for j in doc["jobs"]] == [m.job_id] and doc["jobs"][0]["ok"]
+        assert doc["malformed"][0]["manifest"] == str(bad) and "malformed manifest kept" in r.stderr
+        assert p.wait(timeout=5) is not None  # the healthy job was stopped
+        assert bad.exists() and not (state / "launches" / f"{m.job_id}.json").exists()
+    finally:
+        p.kill()

@@ -153,10 +153,20 @@ async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions,
             await close_all(hs)
 
 
+MALFORMED_HINT = "inspect the file; stop its ranks by hand if they run, then remove it"
+
+
+def malformed_line(bad) -> str:
+    return "malformed launch manifest(s), kept and not acted on: " + "; ".join(f"{p}: {why}" for p, why in bad)
+
+
 async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
-                           force: bool = False, drain: float = 0.0, log=lambda msg: None) -> list[TeardownReport]:
+                           force: bool = False, drain: float = 0.0, log=lambda msg: None,
+                           malformed: list | None = None) -> list[TeardownReport]:
     """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
-    (SIGTERM, identity-checked), then everything is verified here under the deployment's lock.
+    (SIGTERM, identity-checked), then everything is verified here under the deployment's lock. Manifests that
+    cannot be trusted are never acted on: they go to ``malformed`` (manifest, error) while the sound jobs are
+    stopped; when there is no sound job, that is an IntegrityError (65).
 
     A job whose ranks report requests in flight (quiescence ``busy``) is not touched unless ``force``;
     ``drain`` seconds let it go idle first. Unknown activity (a rank unreachable or stale) does not block a
@@ -164,6 +174,7 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     from clusterctl.errors import MissingInput
     from clusterctl.launch.manifest import job_ref
 
+    malformed = malformed if malformed is not None else []
     trusted = state.keyring.public_keys()
     store = ManifestStore(state.launches, None, trusted)
     good, bad = store.all() if state.launches.is_dir() else ([], [])
@@ -173,13 +184,13 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
         bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
         if not good and not bad:
             raise MissingInput(f"no launch of {ref!r} in {state.launches}")
-    if bad:
+    if bad and not good:
         from clusterctl.errors import IntegrityError
 
         # never act on a manifest we cannot trust, and never pretend there was nothing to do
-        raise IntegrityError("malformed launch manifest(s), kept and not acted on: "
-                             + "; ".join(f"{p}: {why}" for p, why in bad),
-                             hint="inspect the file; stop its ranks by hand if they run, then remove it")
+        raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
+    # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
+    malformed[:] = [{"manifest": str(p), "error": why} for p, why in bad]
     jobs = [m for _, m in good]
     hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
     try:
@@ -209,7 +220,7 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
             signal_process(ident, _signal.SIGTERM)
             deadline = time.monotonic() + grace + 60
             while time.monotonic() < deadline and status_of(ident) == "alive":
-                time.sleep(0.1)
+                await asyncio.sleep(0.1)  # never time.sleep here: the node sessions' keepalives run on this loop
         lock = Lock(state.locks / f"deploy-{m.deployment_id}.lock")
         try:
             lock.acquire(blocking=False, what=f"deployment {m.deployment_id}")
