@@ -20,12 +20,14 @@ from clusterctl.state import StateDir
 REPO = Path(__file__).resolve().parents[2]
 
 
-def local_cluster(tmp: Path, mems=(2, 6), *, extra: dict | None = None) -> Path:
+def local_cluster(tmp: Path, mems=(2, 6), *, extra: dict | None = None, shared_runtime: bool = False) -> Path:
+    """cluster.toml of local nodes a, b, ...; each with its own runtime dir ``run-<name>``, or all with one
+    (``shared_runtime``: ``run-shared``, as nodes that are one machine)."""
     lines = ["[cluster]", 'name = "t"']
     for i, m in enumerate(mems):
         name = "abcdefgh"[i]
         lines += ["[[node]]", f'name = "{name}"', "local = true", f"memory_gb = {m}",
-                  f'runtime_dir = "{tmp}/run-{name}"']
+                  f'runtime_dir = "{tmp}/run-{"shared" if shared_runtime else name}"']
         for k, v in ((extra or {}).get(name) or {}).items():
             lines.append(f"{k} = {json.dumps(v)}")
     p = tmp / "cluster.toml"
@@ -93,6 +95,74 @@ def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:
         alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
     return alive
+
+
+def launch_for_long_requests(tmp_path: Path, tiny: Path, env: dict, *, shared_runtime: bool = False,
+                             ) -> tuple[str, str, int]:
+    """A detached 2-rank launch planned for a 4096-token context: (deployment file, host, port)."""
+    c = local_cluster(tmp_path, (4, 4), shared_runtime=shared_runtime)
+    dep = str(tmp_path / "dep.json")
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
+    return dep, host, int(port)
+
+
+def open_stream(host: str, port: int | str, body: dict, timeout: float = 120):
+    """Start a streaming completion: (connection, response), the response's status checked."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def read_events(r) -> list:
+    """A stream's `data:` events up to and including `[DONE]` (or until the server closes it)."""
+    out = []
+    for line in r:
+        line = line.strip()
+        if line.startswith(b"data: "):
+            data = line[6:].decode()
+            out.append(data if data == "[DONE]" else json.loads(data))
+            if data == "[DONE]":
+                break
+    return out
+
+
+def next_event(r):
+    """The next `data:` event of a stream (None at its end)."""
+    for line in r:
+        if line.startswith(b"data: "):
+            data = line[6:].strip().decode()
+            return data if data == "[DONE]" else json.loads(data)
+    return None
+
+
+class StreamReader:
+    """Reads the rest of a stream's events on its own thread, so a test can give up on a stream that runs on:
+    ``events(timeout)`` is None if the stream has not ended by then."""
+
+    def __init__(self, r):
+        import threading
+
+        self.got: list = []
+        self._t = threading.Thread(target=self._run, args=(r,), daemon=True)
+        self._t.start()
+
+    def _run(self, r) -> None:
+        try:
+            self.got.extend(read_events(r))
+        except OSError:
+            pass
+
+    def events(self, timeout: float) -> list | None:
+        self._t.join(timeout)
+        return None if self._t.is_alive() else self.got
 
 
 # ---- hand-made jobs: ordinary processes carrying a nonce, under a real signed manifest -------------------------

@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launchutil import cli, local_cluster, manifests, processes_with_nonce, start_cli, wait_gone, wait_line
+from launchutil import (cli, launch_for_long_requests, local_cluster, manifests, processes_with_nonce, start_cli,
+                        wait_gone, wait_line)
+from launchutil import open_stream as _stream, read_events as _events
 
 pytestmark = pytest.mark.slow
 
@@ -273,17 +275,6 @@ def test_shell_completion_offers_deployments_and_jobs(tmp_path, tiny, env):
     assert "--install-completion" in cli("--help", env=env).stdout
 
 
-def launch_for_long_requests(tmp_path, tiny, env) -> tuple[str, str, int]:
-    """A detached 2-rank launch planned for a 4096-token context: (deployment file, host, port)."""
-    c = local_cluster(tmp_path, (4, 4))
-    dep = str(tmp_path / "dep.json")
-    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "4096", "-o", dep, "-q", env=env, check=True)
-    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env=env)
-    assert p.returncode == 0, p.stderr
-    host, port = json.loads(p.stdout)["endpoint"].removeprefix("http://").rsplit(":", 1)
-    return dep, host, int(port)
-
-
 def test_teardown_refuses_a_busy_deployment_drains_and_a_gone_client_cancels(tmp_path, tiny, env):
     import http.client
 
@@ -337,30 +328,6 @@ def test_teardown_force_stops_a_busy_deployment(tmp_path, tiny, env):
     assert td.returncode == 0, td.stderr
     assert json.loads(td.stdout)["ok"] and manifests(tmp_path / "state") == []
     conn.close()
-
-
-def _stream(host, port, body):
-    """Start a streaming completion; returns (connection, response, first event)."""
-    import http.client
-
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200
-    return conn, r
-
-
-def _events(r):
-    out = []
-    for line in r:
-        line = line.strip()
-        if line.startswith(b"data: "):
-            data = line[6:].decode()
-            out.append(data if data == "[DONE]" else json.loads(data))
-            if data == "[DONE]":
-                break
-    return out
 
 
 def test_cancel_one_request_by_cancel_file_the_other_is_untouched(tmp_path, tiny, env):

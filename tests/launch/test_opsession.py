@@ -72,7 +72,7 @@ def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
             assert not slow.done()
             assert sessions_under(h.root) - before == 1  # every request went through one process
             marker.write_text(json.dumps({"state": "serving", "rank": 0}))
-            [doc] = await slow
+            [doc] = (await slow)["markers"]
             assert doc["state"] == "serving"
         finally:
             await h.close()
@@ -135,3 +135,52 @@ def test_the_session_answers_bad_lines_and_ends_at_eof():
     assert "data" in by_id[1]["answer"]
     assert "bad request" in by_id[None]["error"] and "not a JSON object" in by_id[2]["error"]
     assert len(answers) == 3
+
+
+def test_a_watched_process_that_is_gone_before_its_marker_is_ready_ends_the_wait_with_its_log(handle, tmp_path):
+    """A detached rank has no keeper to wait on: the marker wait itself notices its process is gone (pid, start
+    time and nonce checked) and answers at once with the last lines of its log."""
+    import secrets
+    import subprocess
+
+    from launchutil import ident, spawn
+
+    nonce = secrets.token_hex(8)
+    log = tmp_path / "rank0.log"
+    lines = [f"line {i}" for i in range(30)] + ["error: rank 0: cannot start"]
+    dying = subprocess.Popen(["sh", "-c", f"sleep 0.5; printf '%s\\n' {' '.join(map(repr, lines))} >> {log}"],
+                             env={**os.environ, "CLUSTERCTL_NONCE": nonce}, start_new_session=True)
+    watch_dying = {**ident(dying, nonce), "log_path": str(log)}
+    alive = spawn(nonce)
+    watch_alive = {**ident(alive, nonce), "log_path": str(tmp_path / "nothing.log")}
+    marker = tmp_path / "job-rank0.json"
+    marker.write_text(json.dumps({"state": "loading", "rank": 0}))
+    ready = tmp_path / "job-rank1.json"
+    ready.write_text(json.dumps({"state": "ready", "rank": 1}))
+
+    async def go():
+        h = handle()
+        try:
+            # the living process and the ready marker keep nobody from waiting: the wait runs to its timeout
+            t0 = time.monotonic()
+            ans = await h.wait_markers([str(marker)], {"ready"}, 1.0, watch=[watch_alive])
+            assert ans["exited"] == [None] and time.monotonic() - t0 >= 1.0
+            t0 = time.monotonic()
+            ans = await h.wait_markers([str(ready), str(marker)], {"ready"}, 25.0, watch=[None, watch_dying])
+            assert time.monotonic() - t0 < 15, "the wait ran on after the process was gone"
+            assert ans["markers"][1]["state"] == "loading" and ans["exited"][0] is None
+            assert ans["exited"][1]["log_tail"] == lines[-20:]
+            # gone, but its marker says what was waited for: nothing to report
+            marker.write_text(json.dumps({"state": "ready", "rank": 0}))
+            ans = await h.wait_markers([str(marker)], {"ready"}, 5.0, watch=[watch_dying])
+            assert ans["exited"] == [None] and ans["markers"][0]["state"] == "ready"
+        finally:
+            await h.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        alive.kill()
+        alive.wait()
+        dying.wait()
+

@@ -218,6 +218,35 @@ def test_markers_of_other_jobs_are_never_touched(state):
         other.kill()
 
 
+def test_a_nodes_sweep_signals_only_the_ranks_it_hosts_in_a_shared_runtime_dir(state):
+    """Two nodes that are one machine share a runtime dir: node a's sweep must leave node b's rank to node b's
+    own sweep, or that rank gets a second SIGTERM (a rank's "exit now", which cuts its clients' streams)."""
+    from clusterctl.launch.nodeops import op_sweep
+
+    nonce = secrets.token_hex(8)
+    ranks = [spawn(nonce), spawn(nonce)]
+    try:
+        m = make_job(state, ranks, nonce)
+        run = Path(m.ranks[0].runtime_dir)
+        for r, p in enumerate(ranks):
+            (run / f"{m.job_id}-rank{r}.json").write_text(json.dumps({**ident(p, nonce), "job_id": m.job_id,
+                                                                      "rank": r}))
+        # (results may also name a `sleep` of a rank's group: group members are stopped with their leader)
+        ans = op_sweep({"runtime_dir": str(run), "job_id": m.job_id, "nonce": nonce, "grace": 1.0, "ranks": [1]})
+        got = {x["pid"]: x["status"] for x in ans["results"]}
+        assert got[ranks[1].pid] == "gone" and ranks[0].pid not in got, got
+        assert ranks[1].wait(timeout=5) == -signal.SIGTERM
+        assert ranks[0].poll() is None  # not this node's rank: never signalled
+        ans = op_sweep({"runtime_dir": str(run), "job_id": m.job_id, "nonce": nonce, "grace": 1.0})
+        got = {x["pid"]: x["status"] for x in ans["results"]}
+        assert got[ranks[0].pid] == "gone" and ranks[1].pid in got, got  # without ranks: every marker
+        assert ranks[0].wait(timeout=5) == -signal.SIGTERM
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
 def test_reap_leaves_live_coordinators_alone_and_reports_malformed(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)

@@ -4,8 +4,13 @@
 a new, larger epoch and the request ids to cancel (or all). Rank 0 looks at it (a stat every 0.05 s at most, a read
 when it changed, from its step loop), cancels the matching requests, and sends the epoch to every rank inside the next control
 collective, so all ranks apply it at the same step boundary and none leaves a collective early. Each rank then
-writes ``<deployment>-rank<r>-ack.json`` with the epoch it received. An epoch already consumed is ignored; a
-corrupt or foreign file (another job, another user) is logged once and ignored.
+writes ``<deployment>-rank<r>-ack.json`` with the epoch it received. An epoch already consumed is ignored (logged
+once); a corrupt or foreign file (another job, another user) is logged once and ignored.
+
+An epoch alone does not prove a cancel was applied: a coordinator that cannot read a newer file may write an epoch
+rank 0 already consumed, and then the old acks carry that epoch too. So every cancel file carries a random
+``nonce``, and rank 0's ack names the (epoch, nonce) it applied and its RECENT_ACKS before: a coordinator counts
+rank 0 only when its own pair is there, and the other ranks only once rank 0 counts.
 """
 
 from __future__ import annotations
@@ -13,14 +18,29 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from clusterctl.errors import ClusterctlError
 
 CHECK_EVERY = 0.05  # a stat of one file (about 2 us); read only when it changed
 EPOCH_MAX = 2**31 - 1  # travels in an int32 control word (one cancel a second for 68 years)
+# What a request id may be (the CLI checks the same): rank 0's own ids are "cmpl-<hex>" / "chatcmpl-<hex>". The
+# bounds keep a cancel file far below the 64 KiB its readers accept (256 x 128 bytes = 32 KiB).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_REQUEST_IDS = 256
+NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
+RECENT_ACKS = 32  # (epoch, nonce) pairs rank 0's ack keeps: a cancel overtaken by newer ones still shows
+
+RequestId = Annotated[str, StringConstraints(pattern=REQUEST_ID_PATTERN)]
+Nonce = Annotated[str, StringConstraints(pattern=NONCE_PATTERN)]
+
+
+def new_nonce() -> str:
+    import secrets
+
+    return secrets.token_hex(8)
 
 
 class CancelFile(BaseModel):
@@ -30,8 +50,9 @@ class CancelFile(BaseModel):
     deployment_id: str
     job_id: str
     epoch: int = Field(ge=1, le=EPOCH_MAX)
-    requests: Optional[list[str]] = None  # None: every request
+    requests: Optional[list[RequestId]] = Field(default=None, max_length=MAX_REQUEST_IDS)  # None: every request
     created_at: float
+    nonce: Optional[Nonce] = None  # None: written by a clusterctl from before nonces (it can never be acked)
 
 
 class CancelAck(BaseModel):
@@ -41,9 +62,15 @@ class CancelAck(BaseModel):
     deployment_id: str
     job_id: str
     rank: int
-    epoch: int
+    epoch: int = Field(ge=0, le=EPOCH_MAX)
     applied: list[str] = Field(default_factory=list)  # rank 0: the request ids it cancelled for this epoch
     at: float
+    nonce: Optional[Nonce] = None  # rank 0: the nonce of the cancel file of ``epoch``
+    recent: list[tuple[int, Nonce]] = Field(default_factory=list, max_length=RECENT_ACKS)  # rank 0: applied before
+
+    def shows(self, epoch: int, nonce: str) -> bool:
+        """Rank 0 applied the cancel file (epoch, nonce): now, or among its recent ones."""
+        return (self.epoch, self.nonce) == (epoch, nonce) or (epoch, nonce) in self.recent
 
 
 def cancel_path(runtime_dir: str | os.PathLike, deployment_id: str) -> Path:
@@ -73,11 +100,12 @@ def read_ack(path: str | os.PathLike) -> CancelAck:
     return _read(Path(path), CancelAck)
 
 
-def cancel_here(runtime_dir: str, deployment_id: str, job_id: str, requests: list[str]) -> int:
+def cancel_here(runtime_dir: str, deployment_id: str, job_id: str, requests: list[str], *, consumed: int = 0) -> int:
     """Rank 0's own cancel of the requests it holds now (the abort stage of the peer-loss ladder and of a stale
     lease): a new epoch in this node's cancel file, applied by its step loop like an operator's. The ids are
     named, never "all": the step loop may only get to it after the ring is back, and a request accepted since
-    must not be hit. Returns the epoch."""
+    must not be hit. ``consumed``: the newest epoch rank 0 took (the file may be one it could not read, and an
+    epoch not above it would be ignored). Returns the epoch."""
     from clusterctl.atomic import atomic_write_json
 
     path = cancel_path(runtime_dir, deployment_id)
@@ -85,18 +113,22 @@ def cancel_here(runtime_dir: str, deployment_id: str, job_id: str, requests: lis
         prev = read_cancel(path).epoch
     except (ClusterctlError, OSError):
         prev = 0
+    prev = max(prev, consumed)
     epoch = prev + 1 if prev < EPOCH_MAX else 1
-    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=list(requests),
-                     created_at=time.time())
+    # more ids than a cancel file holds (a queue launched beyond MAX_REQUEST_IDS): all, rather than none
+    named = list(requests) if len(requests) <= MAX_REQUEST_IDS else None
+    doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=named,
+                     created_at=time.time(), nonce=new_nonce())
     atomic_write_json(path, doc.model_dump(mode="json"), mode=0o600)
     return epoch
 
 
-def write_ack(runtime_dir: str, deployment_id: str, job_id: str, rank: int, epoch: int, applied: list[str]) -> None:
+def write_ack(runtime_dir: str, deployment_id: str, job_id: str, rank: int, epoch: int, applied: list[str], *,
+              nonce: str | None = None, recent: list[tuple[int, str]] = ()) -> None:
     from clusterctl.atomic import atomic_write_json
 
     doc = CancelAck(deployment_id=deployment_id, job_id=job_id, rank=rank, epoch=epoch, applied=applied,
-                    at=time.time())
+                    at=time.time(), nonce=nonce, recent=list(recent)[-RECENT_ACKS:])
     atomic_write_json(ack_path(runtime_dir, deployment_id, rank), doc.model_dump(mode="json"), mode=0o600)
 
 
@@ -113,6 +145,7 @@ class CancelWatch:
         self.complained: set[tuple] = set()
         self.mtime: tuple | None = None
         self.consumed = 0  # a file left by an earlier job names that job: ignored as foreign, never applied
+        self.consumed_nonce: str | None = None
 
     def _stat_key(self) -> tuple | None:
         """What tells one version of the file from another without reading it (None: no file)."""
@@ -160,7 +193,15 @@ class CancelWatch:
             return None
         self.next_at = now + self.every
         doc = self._load()
-        if doc is None or doc.epoch <= self.consumed:
+        if doc is None:
             return None
-        self.consumed = doc.epoch
+        if doc.epoch <= self.consumed:
+            # the cancel just applied, written again (nodes that share this runtime dir each get a copy): not news
+            if (doc.epoch, doc.nonce) != (self.consumed, self.consumed_nonce) or doc.nonce is None:
+                # said once per cancel: the rank log then explains a cancel that was never applied
+                self._complain(("consumed", doc.epoch, doc.nonce),
+                               f"ignoring cancel file {self.path}: epoch {doc.epoch} is not above the "
+                               f"{self.consumed} already consumed")
+            return None
+        self.consumed, self.consumed_nonce = doc.epoch, doc.nonce
         return doc

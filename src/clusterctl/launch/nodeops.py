@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -205,12 +206,21 @@ def marker_identity(doc: dict, nonce: str):
 
 
 def op_sweep(req: dict) -> dict:
-    """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce."""
+    """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce.
+
+    ``ranks`` (optional): only the markers of these rank numbers (``<job>-rank<r>.json``). Nodes that are one
+    machine share a runtime dir, and each node's sweep must signal only its own ranks: a rank takes a second
+    SIGTERM as "exit now", which cuts its clients' streams without a last event."""
     from clusterctl.launch.procs import Identity, stop
 
+    only = req.get("ranks")
+    only = None if only is None else {str(int(r)) for r in only}
+    prefix = f"{req['job_id']}-rank"
     idents = []
     seen = set()
-    for _, doc in job_markers(req["runtime_dir"], req["job_id"]):
+    for path, doc in job_markers(req["runtime_dir"], req["job_id"]):
+        if only is not None and path.name[len(prefix):-len(".json")] not in only:
+            continue  # another node's rank (compared as written: a rank's marker is <job>-rank<r>.json)
         if not doc or doc.get("job_id") != req["job_id"] or doc.get("nonce") != req["nonce"]:
             continue  # a marker of another job or deployment is never touched
         ident = marker_identity(doc, req["nonce"])
@@ -391,19 +401,63 @@ def op_warm(req: dict) -> dict:
 
 
 MARKER_WAIT_POLL = 0.02
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 16384
 
 
 def op_wait_markers(req: dict) -> dict:
-    """Wait (up to ``timeout`` s) until every marker in ``paths`` is in one of ``states``, or one failed; return
-    them all as they are then. The coordinator long-polls with this instead of reading each marker every poll."""
-    paths = [Path(p) for p in req["paths"]]
+    """Wait (up to ``timeout`` s) until every marker in ``paths`` is in one of ``states``, one failed, or a
+    watched rank's process is gone (``watch``, see look_at_markers); return them all as they are then. The
+    coordinator long-polls with this instead of reading each marker every poll."""
     states = set(req["states"])
     deadline = time.monotonic() + min(float(req.get("timeout", 1.0)), 30.0)
     while True:
-        docs = [_read_json(p) for p in paths]
-        if markers_settled(docs, states) or time.monotonic() >= deadline:
-            return {"markers": docs}
+        look = look_at_markers(req["paths"], states, req.get("watch"))
+        if look["settled"] or time.monotonic() >= deadline:
+            return {"markers": look["markers"], "exited": look["exited"]}
         time.sleep(MARKER_WAIT_POLL)
+
+
+def look_at_markers(paths: list[str], states: set[str], watch: list[dict | None] | None = None) -> dict:
+    """One look at the markers at ``paths``: ``markers`` (each a dict or None), ``exited`` and ``settled``.
+
+    ``watch`` (one entry per path, or None) names a detached rank's process (pid, start_time, nonce, boot_id) and
+    its ``log_path``. Nobody waits on a detached rank's exit, so a rank that dies at start would otherwise keep
+    its launch waiting for the whole timeout: a watched process that is gone (identity-checked, a zombie counts
+    as gone) while its marker is short of ``states`` gets the last lines of its log in ``exited``."""
+    from clusterctl.launch.procs import Identity, status_of
+
+    watch = list(watch or []) + [None] * (len(paths) - len(watch or []))
+    # the processes first, their markers after: a rank that wrote its last marker and exited is judged by it
+    gone = [bool(w) and status_of(Identity.from_dict(w)) in ("dead", "foreign") for w in watch[:len(paths)]]
+    docs = [_read_json(Path(p)) for p in paths]
+    exited = [{"log_tail": _log_tail(w.get("log_path"))} if g and (d or {}).get("state") not in states else None
+              for g, w, d in zip(gone, watch, docs)]
+    return {"markers": docs, "exited": exited,
+            "settled": markers_settled(docs, states) or any(e is not None for e in exited)}
+
+
+def _log_tail(path: str | None) -> list[str]:
+    """The last LOG_TAIL_LINES non-empty lines of a rank's log (nothing when it cannot be read)."""
+    if not path:
+        return []
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not hang the wait
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(0, size - LOG_TAIL_BYTES), os.SEEK_SET)
+        data = os.read(fd, LOG_TAIL_BYTES)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return [ln[:1000] for ln in lines[-LOG_TAIL_LINES:]]
 
 
 def markers_settled(docs: list[dict | None], states: set[str]) -> bool:

@@ -238,19 +238,23 @@ class NodeHandle:
             return None
         return doc if isinstance(doc, dict) else None
 
-    async def wait_markers(self, paths: list[str], states: set[str], timeout: float) -> list[dict | None]:
-        """The markers at ``paths`` once all are in ``states`` or one failed, or as they are after ``timeout``."""
+    async def wait_markers(self, paths: list[str], states: set[str], timeout: float,
+                           watch: list[dict | None] | None = None) -> dict:
+        """The markers at ``paths`` once all are in ``states``, one failed or a watched rank's process is gone
+        (nodeops.look_at_markers), or as they are after ``timeout``: ``{"markers": [...], "exited": [...]}``."""
         if not self.transport.is_local:
-            ans = await self.op("wait_markers", {"paths": paths, "states": sorted(states), "timeout": timeout},
-                                timeout=timeout + 30.0)
-            return [d if isinstance(d, dict) else None for d in ans["markers"]]
-        from clusterctl.launch.nodeops import _read_json, markers_settled
+            req = {"paths": paths, "states": sorted(states), "timeout": timeout, "watch": watch}
+            ans = await self.op("wait_markers", req, timeout=timeout + 30.0)
+            docs = [d if isinstance(d, dict) else None for d in ans["markers"]]
+            exited = ans.get("exited") or [None] * len(paths)
+            return {"markers": docs, "exited": [e if isinstance(e, dict) else None for e in exited]}
+        from clusterctl.launch.nodeops import look_at_markers
 
         deadline = time.monotonic() + timeout
         while True:
-            docs = [_read_json(Path(p)) for p in paths]
-            if markers_settled(docs, states) or time.monotonic() >= deadline:
-                return docs
+            look = look_at_markers(paths, states, watch)
+            if look["settled"] or time.monotonic() >= deadline:
+                return {"markers": look["markers"], "exited": look["exited"]}
             await asyncio.sleep(MARKER_POLL)
 
     async def close(self) -> None:

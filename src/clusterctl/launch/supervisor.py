@@ -535,23 +535,32 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited with code {p.returncode} before it was ready"
                                    + (f": {tail[-1]}" if tail else ""),
                                    ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:])}])
-        # one long poll per node (answers as soon as its markers are there, or one failed); a foreground rank
-        # that exits is noticed within one poll
+        # one long poll per node (answers as soon as its markers are there, one failed, or a detached rank's
+        # process is gone); a foreground rank that exits is noticed within one poll
         by_node: dict[str, list] = {}
         for r in ranks:
             by_node.setdefault(r.node, []).append(r)
         wait = max(0.05, min(POLL, deadline - time.monotonic()))
         got = await asyncio.gather(*(run.hs[n].wait_markers([run.manifest.ranks[r.rank].marker_path for r in rs],
-                                                             states, wait) for n, rs in by_node.items()))
-        found = {r.rank: d for rs, docs in zip(by_node.values(), got) for r, d in zip(rs, docs)}
-        docs = [found[r.rank] for r in ranks]
+                                                             states, wait, watch=[_detached(run, r) for r in rs])
+                                     for n, rs in by_node.items()))
+        found = {r.rank: (d, e) for rs, ans in zip(by_node.values(), got)
+                 for r, d, e in zip(rs, ans["markers"], ans["exited"])}
         pending = []
-        for r, doc in zip(ranks, docs):
+        for r in ranks:
+            doc, exited = found[r.rank]
             st = (doc or {}).get("state", "starting")
             last[r.rank] = st
             if st == "failed":
                 raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {(doc or {}).get('error') or 'no reason given'}",
                                    ranks=[{"rank": r.rank, "node": r.node, "error": (doc or {}).get("error")}])
+            if exited is not None:
+                tail = [str(x) for x in exited.get("log_tail") or []]
+                log_path = run.manifest.ranks[r.rank].log_path
+                raise LaunchFailed(f"rank {r.rank} on {r.node} exited before it was ready"
+                                   + (f": {tail[-1]}" if tail else f" (nothing in {log_path})"),
+                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:]),
+                                           "log_path": log_path}])
             if st not in states:
                 pending.append(r)
         if not pending:
@@ -559,6 +568,16 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
         if time.monotonic() > deadline:
             raise LaunchFailed(f"timed out after {timeout:g} s waiting for ranks to {what}: " + ", ".join(
                 f"rank {r.rank} on {r.node} is {last.get(r.rank)}" for r in pending))
+
+
+def _detached(run: Running, r) -> dict | None:
+    """What the marker wait watches of a detached rank: its process (pid, start time, nonce) and its log. A
+    foreground rank is watched through its keeper instead."""
+    rec = run.manifest.ranks[r.rank]
+    if r.rank in run.procs or not rec.pid or not rec.log_path:
+        return None
+    return {"pid": rec.pid, "start_time": rec.start_time, "nonce": run.manifest.nonce, "pgid": rec.pgid,
+            "boot_id": rec.boot_id, "log_path": rec.log_path}
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -101,8 +101,10 @@ async def stop_job(m: LaunchManifest, hs: dict[str, NodeHandle], *, grace: float
         extra = [{"pid": r.pid, "pgid": r.pgid, "start_time": r.start_time, "nonce": m.nonce, "boot_id": r.boot_id}
                  for r in recs if r.pid]
         try:
+            # only this node's ranks: nodes that are one machine share the runtime dir (one TERM per rank)
             ans = await h.op("sweep", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id, "nonce": m.nonce,
-                                       "grace": grace, "extra": extra}, timeout=grace + 60)
+                                       "grace": grace, "extra": extra, "ranks": [r.rank for r in recs]},
+                             timeout=grace + 60)
         except ClusterctlError as e:
             for r in recs:
                 report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid,

@@ -77,7 +77,7 @@ class Node(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{clip(v)!r} is not a valid node name (letters, digits, _ . -; starts with a letter or digit)")
         return v
 
@@ -151,7 +151,7 @@ class ClusterInfo(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{clip(v)!r} is not a valid cluster name (letters, digits, _ . -; starts with a letter or digit; at most 63)")
         return v
 

@@ -120,17 +120,21 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(rank, key):
         assert _get(rank, path, key=key)[0] == 401, path
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/health"):
         assert _post(rank, path, {"prompt": "x", "max_tokens": 1}, key=key)[0] == 401, path
-    for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):
+    for method in ("PUT", "DELETE", "PATCH", "OPTIONS", "BREW", "PROPFIND"):  # known to http.server or not
         conn = _conn(rank)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         conn.request(method, "/v1/completions", body=b"{}", headers=headers)
         r = conn.getresponse()
         assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key", method
+        assert r.getheader("WWW-Authenticate") == "Bearer", method
         conn.close()
-    conn = _conn(rank)
-    conn.request("DELETE", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
-    assert conn.getresponse().status == 405
-    conn.close()
+    for method, status in (("DELETE", 405), ("BREW", 501)):  # with the key: which methods exist, as JSON
+        conn = _conn(rank)
+        conn.request(method, "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        assert r.status == status and r.getheader("Content-Type") == "application/json", method
+        assert json.loads(r.read())["error"]["message"], method
+        conn.close()
 
 
 def test_rank_0_listens_only_on_its_http_host(rank):
@@ -448,10 +452,11 @@ def _head(lines: list[str], body: bytes = b"") -> bytes:
     (_head(["GET /" + "a" * 70000 + " HTTP/1.1", "Host: x"]), 414),
     (_head(["GARBAGE"]), 400),
     (_head(["GET /v1/models HTTP/9.9", "Host: x"]), 505),
-    (_head(["BREW /v1/models HTTP/1.1", "Host: x"]), 501),
+    (_head(["BREW /v1/models HTTP/1.1", "Host: x", f"Authorization: Bearer {KEY}"]), 501),
+    (_head(["BREW /v1/models HTTP/1.1", "Host: x"]), 401),
     (_head(["GET /v1/models HTTP/1.1", "Host: x", "Authorization: Bearer \u00ff\u00fe" + KEY, "Connection: close"]), 401),
 ], ids=["length-abc", "length-negative", "chunked", "header-70k", "150-headers", "request-line-70k", "garbage",
-        "http-9.9", "unknown-method", "latin-1-key"])
+        "http-9.9", "unknown-method", "unknown-method-no-key", "latin-1-key"])
 def test_hostile_headers_get_4xx_json_errors_and_the_rank_keeps_serving(rank, raw, status):
     out = _raw(rank, raw)
     head, _, payload = out.partition(b"\r\n\r\n")

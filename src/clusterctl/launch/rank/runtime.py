@@ -227,9 +227,10 @@ class Rank:
         cancels = CancelWatch(spec.runtime_dir, spec.deployment_id, spec.job_id, log=_say) \
             if spec.rank == 0 and spec.cancel_checks else None
 
-        def on_ack(epoch: int, applied: list[str]) -> None:
+        def on_ack(epoch: int, applied: list[str], *, nonce: str | None = None, recent=()) -> None:
             try:
-                write_ack(spec.runtime_dir, spec.deployment_id, spec.job_id, spec.rank, epoch, applied)
+                write_ack(spec.runtime_dir, spec.deployment_id, spec.job_id, spec.rank, epoch, applied, nonce=nonce,
+                          recent=recent)
             except ClusterctlError as e:
                 _say(f"rank {spec.rank}: cannot write the cancel ack: {e.message}")
             marker.update(cancel_epoch=epoch)
@@ -349,7 +350,8 @@ class Rank:
 
         spec = self.spec
         try:
-            cancel_here(spec.runtime_dir, spec.deployment_id, spec.job_id, loop.active.ids())
+            cancel_here(spec.runtime_dir, spec.deployment_id, spec.job_id, loop.active.ids(),
+                        consumed=loop.cancels.consumed if loop.cancels is not None else 0)
             return True
         except (ClusterctlError, OSError) as e:
             _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")

@@ -41,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from clusterctl.errors import ConfigError, IntegrityError
+from clusterctl.launch.cancelfile import RECENT_ACKS
 from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens,
                                         share_payload, share_words)
 from clusterctl.launch.rankspec import RankSpec
@@ -276,7 +277,7 @@ class StepLoop:
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  jobs: JobQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
-                 on_ack: Callable[[int, list[str]], None] | None = None, idle: IdleWait | None = None):
+                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.jobs, self.marker = stop, jobs, marker
         if active is None:
@@ -286,6 +287,10 @@ class StepLoop:
         self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each meeting
         self.acked = 0
         self.applied: dict[int, list[str]] = {}
+        # rank 0: the nonce of each epoch applied and not yet acked, and the (epoch, nonce) pairs acked lately:
+        # its ack shows them, so a coordinator can tell its own cancel from an older one of the same epoch
+        self.nonces: dict[int, str | None] = {}
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_ACKS)
         self.inflight: dict[str, Job] = {}  # rank 0: the jobs in the batch, by request id
         self.watchdog = watchdog
         self.leader = spec.rank == 0
@@ -502,14 +507,18 @@ class StepLoop:
             applied += self.jobs.cancel(doc.requests)
         self.epoch = doc.epoch
         self.applied[doc.epoch] = applied
+        self.nonces[doc.epoch] = doc.nonce
         if self.world == 1:
             self._ack(doc.epoch)
 
     def _ack(self, epoch: int) -> None:
         if epoch > self.acked:
             self.acked = epoch
+            nonce = self.nonces.pop(epoch, None)
+            if nonce is not None:
+                self.recent.append((epoch, nonce))
             if self.on_ack is not None:
-                self.on_ack(epoch, self.applied.pop(epoch, []))
+                self.on_ack(epoch, self.applied.pop(epoch, []), nonce=nonce, recent=list(self.recent))
 
     def _guard(self, what: str):
         if self.watchdog is None:
@@ -747,6 +756,14 @@ def _handler(api: Api):
             self.close_connection = True
             if not str(getattr(self, "request_version", "")).startswith("HTTP/1."):
                 self.request_version = "HTTP/1.1"  # unparsed request: still answer with a status line
+            headers = getattr(self, "headers", None)
+            key = headers.get("Authorization") if headers is not None else None
+            if code == HTTPStatus.NOT_IMPLEMENTED and not api.authorized(key):
+                # an unknown method (http.server says 501 only for a parsed request) is one more route: without
+                # the key the caller learns nothing, not even which methods exist
+                err = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+                self._json(401, err.body(), {"WWW-Authenticate": "Bearer", "Connection": "close"})
+                return
             try:
                 phrase = HTTPStatus(code).phrase
             except ValueError:
