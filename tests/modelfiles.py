@@ -54,7 +54,8 @@ def make_model(folder: Path, *, layers: int = 8, hidden: int = 64, heads: int = 
     head_dim = hidden // heads
     config = {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
-              "vocab_size": vocab, "tie_word_embeddings": tie, "torch_dtype": "float16" if dtype == "F16" else "float32"}
+              "vocab_size": vocab, "tie_word_embeddings": tie, "torch_dtype": "float16" if dtype == "F16" else "float32",
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     if quant_bits:
         config["quantization"] = {"group_size": 64, "bits": quant_bits}
     (folder / "config.json").write_text(json.dumps(config))

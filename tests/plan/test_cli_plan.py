@@ -95,7 +95,7 @@ def test_out_into_a_missing_parent_on_a_file_is_73(c3, model32, state, tmp_path)
     (["--backend", "nccl"], 2, "--backend: 'nccl' is not valid"),
     (["--parallel", "tensor", "--allocation", "proportional"], 78, "pipeline-only"),
     (["--backend", "jaccl"], 78, "jaccl: node a has no rdma link to node b"),
-    (["--context", "100000000"], 78, "does not fit"),
+    (["--context", "16000000", "--batch", "8"], 78, "does not fit"),
 ])
 def test_refusals(c3, model32, state, args, code, message):
     r = run("plan", "-c", str(c3), "-m", str(model32), *args)

@@ -286,7 +286,7 @@ def check_inputs_unchanged(dep: Deployment) -> None:
     if not Path(dep.model.source_path).is_dir():
         return  # the coordinator holds no copy; each node's copy is checked in preflight
     try:
-        new = replan_same_inputs(dep, inspect_model(dep.model.source_path))
+        new = replan_same_inputs(dep, inspect_model(dep.model.source_path, classify=False))
     except ClusterctlError as e:
         raise IntegrityError(f"deployment {dep.deployment_id} no longer plans from its inputs: {e.message}") from None
     if new.plan_hash != dep.plan_hash or new.placement != dep.placement:

@@ -30,13 +30,6 @@ DTYPE_BYTES = {
 }
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-# mlx-lm 0.32 architectures whose Model has PipelineMixin (rank r runs a contiguous layer range).
-PIPELINE_MODEL_TYPES = frozenset({
-    "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41", "glm4_moe",
-    "glm4_moe_lite", "minimax_m3_vl", "ministral3", "mistral4", "muse_spark", "qwen2", "qwen3_5",
-    "qwen3_moe", "qwen3_next",
-})
-
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
 
@@ -71,6 +64,10 @@ class ModelFacts(BaseModel):
     kv_dtype_bytes: int
     facts_hash: str  # sha256 over config.json and every safetensors header: changes when the weights change
     files: list[str]
+    # how it splits over ranks (plan/archs.py): None when not looked at (inspect_model(classify=False))
+    model_class: str | None = None
+    pipeline: str | None = None  # archs.STAGES | archs.MLX_PIPELINE | None (refused: pipeline_reason)
+    pipeline_reason: str | None = None
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -82,7 +79,7 @@ class ModelFacts(BaseModel):
 
     @property
     def pipeline_capable(self) -> bool:
-        return self.model_type in PIPELINE_MODEL_TYPES
+        return self.pipeline is not None or self.model_class is None
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
@@ -194,7 +191,9 @@ def read_config(folder: Path) -> tuple[dict, bytes]:
     return config, raw
 
 
-def inspect_model(folder: str | os.PathLike) -> ModelFacts:
+def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
+    """The facts of a model folder. ``classify``: also build mlx-lm's class for it (lazily: no weights) to find
+    how it splits over ranks (plan/archs.py); a launch re-checking a planned deployment skips that."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingInput(f"model folder not found: {folder}")
@@ -246,7 +245,14 @@ def inspect_model(folder: str | os.PathLike) -> ModelFacts:
     if not kv_bytes:
         main = max(dtype_counts, key=dtype_counts.get) if dtype_counts else "F16"
         kv_bytes = DTYPE_BYTES[main]
+    cap = None
+    if classify:
+        from clusterctl.plan.archs import capability
+
+        cap = capability(config, num_layers)  # the top-level config: what mlx-lm's loader resolves
     return ModelFacts(
+        model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,
+        pipeline_reason=cap.reason if cap else None,
         name=str(_cfg(config, "_name_or_path", default="") or folder.name),
         model_type=str(_cfg(text, "model_type", default="unknown")),
         num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=int(kv_heads),

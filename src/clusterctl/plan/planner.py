@@ -65,8 +65,9 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
     nodes = cluster.nodes
     warnings: list[str] = []
     if options.parallel == "pipeline" and len(nodes) > 1 and not facts.pipeline_capable:
-        raise ConfigError(f"model type {facts.model_type!r} has no pipeline support in mlx-lm",
-                          hint="use --parallel tensor, or a pipeline-capable architecture (e.g. qwen2, qwen3_moe, deepseek_v3)")
+        raise ConfigError(f"cannot split model type {facts.model_type!r} over {len(nodes)} nodes: "
+                          f"{facts.pipeline_reason or 'no pipeline support'}",
+                          hint="serve it on one node (a cluster.toml with one [[node]])")
     if options.parallel == "tensor" and len(nodes) > 1 and not all_links_fast(nodes):
         warnings.append("tensor parallel sends activations every layer: recommended only on known-fast links "
                         "(thunderbolt/rdma); some pairs have none declared")

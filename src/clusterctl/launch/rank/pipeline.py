@@ -3,10 +3,11 @@ the shared request (the batch that every rank decodes identically is in batch.py
 
 Nothing here imports mlx at module level: the environment must be final before mlx is first imported.
 
-Loading: mlx-lm's ``load_model(lazy=True, strict=False)`` maps every tensor lazily; ``pipeline(group, split)``
-drops the other ranks' layers; ``mx.eval(model.parameters())`` then reads only what is left (our layers plus
-embedding, final norm and head), so peak RSS follows this rank's share. ``pipeline`` only asks the group for
-``rank()`` and ``size()``, so we load BEFORE joining the ring (a slow node's load can't time out a fast node's
+Loading: mlx-lm's ``load_model(lazy=True, strict=False)`` maps every tensor lazily; the stage code
+(stage.py) replaces the blocks other ranks run with weightless ``Skip`` blocks (mlx-lm's own ``pipeline()`` for
+the models whose caches are not key/value caches, plan/archs.py); ``mx.eval(model.parameters())`` then reads
+only what is left (our blocks plus embedding, final norm and head), so peak RSS follows this rank's share. The
+split needs no group yet, so we load BEFORE joining the ring (a slow node's load can't time out a fast node's
 connect, which gives up after ~31 s) and join after the launcher's gate.
 """
 
@@ -115,17 +116,25 @@ def load_shard(spec: RankSpec):
         model, config = load_model(path, lazy=True, strict=spec.world_size == 1)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"cannot load model at {path}: {str(e).splitlines()[0] if str(e) else e}") from None
-    inner = getattr(model, "model", None)
-    n = len(getattr(inner, "layers", []) or [])
+    from clusterctl.plan.archs import KV_CACHES, cache_kinds, text_model
+
+    inner = text_model(model)
+    n = len(inner.layers) if inner is not None else 0
     if n != spec.num_layers:
         raise ConfigError(f"model at {path} has {n} layers, the contract says {spec.num_layers}")
     if spec.world_size > 1:
-        if not hasattr(inner, "pipeline"):
-            raise ConfigError(f"model type {config.get('model_type')!r} is not pipeline-capable in mlx-lm")
-        inner.pipeline(_Slot(spec.rank, spec.world_size), split=spec.mlx_split)
-        if (inner.start_idx, inner.end_idx) != (spec.start_layer, spec.end_layer):
-            raise ConfigError(f"mlx-lm placed rank {spec.rank} at [{inner.start_idx}, {inner.end_idx}), "
-                              f"the contract says [{spec.start_layer}, {spec.end_layer})")
+        if all(k in KV_CACHES for k in cache_kinds(model)):
+            from clusterctl.launch.rank.stage import split_blocks
+
+            split_blocks(model, spec.rank, spec.world_size, spec.start_layer, spec.end_layer)
+        elif hasattr(inner, "pipeline"):  # state or linear-attention caches: mlx-lm's own split (plan/archs.py)
+            inner.pipeline(_Slot(spec.rank, spec.world_size), split=spec.mlx_split)
+            if (inner.start_idx, inner.end_idx) != (spec.start_layer, spec.end_layer):
+                raise ConfigError(f"mlx-lm placed rank {spec.rank} at [{inner.start_idx}, {inner.end_idx}), "
+                                  f"the contract says [{spec.start_layer}, {spec.end_layer})")
+        else:
+            raise ConfigError(f"model type {config.get('model_type')!r} cannot be split over ranks "
+                              f"(caches: {', '.join(sorted(set(cache_kinds(model))))})")
     if spec.embedding_offload:
         if getattr(getattr(model, "args", None), "tie_word_embeddings", True):
             raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
@@ -138,7 +147,9 @@ def load_shard(spec: RankSpec):
             inner.embed_tokens = _shape_only_embedding(w.shape[1], w.dtype)
     params = tree_flatten(model.parameters())
     if spec.world_size > 1:
-        _check_weights_present(path, [k for k, _ in params])
+        from clusterctl.launch.rank.stage import weight_name
+
+        _check_weights_present(path, [weight_name(k) for k, _ in params])
     mx.eval([v for _, v in params])
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, config

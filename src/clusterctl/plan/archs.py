@@ -1,0 +1,103 @@
+"""How clusterctl can split a model, decided from the class mlx-lm builds for it (never from a list of names).
+
+mlx-lm resolves ``config.json`` to a model class (remapping ``model_type``s, e.g. mistral to llama). The class is
+built lazily here (MLX arrays are unevaluated until used, so no weights are made) and inspected:
+
+- its transformer blocks: the one list of ``num_hidden_layers`` modules, found through wrappers
+  (``model.model``, ``language_model.model``, ``language_model``, ...);
+- its caches (``make_cache()``, else one KVCache per block): clusterctl's own stage code serves any model whose
+  caches are key/value caches, plain or rotating (sliding window), because a block another rank runs keeps its
+  cache's bookkeeping with zero-width keys (launch/rank/stage.py);
+- a model with other caches (linear attention, state-space layers) is split only where mlx-lm itself can
+  (``pipeline()``); anything else is refused here, at plan time, with the reason.
+
+Both sides use this module: ``plan`` for the decision, the rank to find the blocks it splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = "stages"  # clusterctl's stage code (launch/rank/stage.py)
+MLX_PIPELINE = "mlx-lm"  # mlx-lm's own pipeline() (hybrid models it supports)
+
+
+@dataclass(frozen=True)
+class Capability:
+    model_class: str  # "mlx_lm.models.llama.Model"
+    pipeline: str | None  # STAGES, MLX_PIPELINE, or None (refused: see reason)
+    reason: str | None = None
+
+
+def model_class(config: dict):
+    """mlx-lm's (Model, ModelArgs) for this config, as its loader resolves them."""
+    from mlx_lm import utils
+
+    resolve = getattr(utils, "_get_classes", None)
+    if resolve is None:  # pragma: no cover - an mlx-lm without the resolver: import by model_type
+        import importlib
+
+        mt = utils.MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+        arch = importlib.import_module(f"mlx_lm.models.{mt}")
+        return arch.Model, arch.ModelArgs
+    return resolve(config)
+
+
+def build_lazy(config: dict):
+    """An instance of the model's class with unevaluated (never computed) weights."""
+    cls, args = model_class(config)
+    return cls(args.from_dict(config))
+
+
+def text_model(model):
+    """The module whose ``layers`` list holds the transformer blocks (through wrappers), or None."""
+    seen = set()
+    todo = [model]
+    while todo:
+        m = todo.pop(0)
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        layers = m.get("layers") if isinstance(m, dict) else None
+        if isinstance(layers, list) and layers:
+            return m
+        for name in ("model", "language_model", "text_model", "decoder", "transformer", "backbone"):
+            child = m.get(name) if isinstance(m, dict) else None
+            if child is not None:
+                todo.append(child)
+    return None
+
+
+def cache_kinds(model) -> list[str]:
+    """Class names of the caches mlx-lm makes for this model, one per block."""
+    if hasattr(model, "make_cache"):
+        return [type(c).__name__ for c in model.make_cache()]
+    return ["KVCache"] * len(text_model(model).layers)
+
+
+KV_CACHES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
+
+
+def capability(config: dict, num_layers: int) -> Capability:
+    """What clusterctl can do with this model's class (for a plan over more than one node)."""
+    try:
+        model = build_lazy(config)
+    except Exception as e:  # an unknown model_type, or a config its ModelArgs refuses
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return Capability("?", None, f"mlx-lm cannot build this model: {first[:200]}")
+    name = f"{type(model).__module__}.{type(model).__name__}"
+    inner = text_model(model)
+    if inner is None or len(inner.layers) != num_layers:
+        found = "no list of blocks" if inner is None else f"{len(inner.layers)} blocks"
+        return Capability(name, None, f"{name} has {found}, config.json says {num_layers} layers")
+    try:
+        kinds = cache_kinds(model)
+    except Exception as e:
+        return Capability(name, None, f"{name}: cannot make its caches ({type(e).__name__}: {e})"[:300])
+    if len(kinds) == len(inner.layers) and all(k in KV_CACHES for k in kinds):
+        return Capability(name, STAGES)
+    if hasattr(inner, "pipeline"):
+        return Capability(name, MLX_PIPELINE)
+    other = sorted(set(kinds) - KV_CACHES) or ["a cache list that does not match its blocks"]
+    return Capability(name, None, f"{name} keeps {', '.join(other)} (linear attention or state layers): "
+                                  "no pipeline split for it yet")

@@ -1,0 +1,59 @@
+"""Every architecture family splits over 2 real ranks with clusterctl's own stage code: greedy text identical to
+one mlx-lm process, for one request and for 4 concurrent ones (each identical to the same request alone)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from archmodels import FAMILIES, build
+from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
+
+PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
+
+
+@pytest.fixture(scope="module")
+def models():
+    tok = tiny_model_path()
+    return {f: build(f, REPO / ".cache" / "arch-models" / f, tok) for f in FAMILIES}
+
+
+def _complete(c, prompt: str, max_tokens: int) -> list[int]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}))
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    conn.close()
+    assert r.status == 200, out
+    return out["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
+    from clusterctl.plan.model import inspect_model
+
+    path = models[family]
+    facts = inspect_model(path)
+    assert facts.pipeline == "stages", facts.pipeline_reason
+    want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
+    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 0 runs the last 3 blocks
+        assert _complete(c, PROMPTS[0], 10) == want[PROMPTS[0]]
+        got, errors = {}, []
+
+        def run(i, p):
+            try:
+                got[p] = _complete(c, p, 10 + 3 * i)
+            except Exception as e:
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors and got == want
