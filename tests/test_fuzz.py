@@ -437,7 +437,7 @@ def tokenizer():
 
 def test_request_bodies(tokenizer):
     """Any JSON body: a Job whose prepare() yields a request within the context, or a 4xx ApiError."""
-    from clusterctl.launch.rank.serve import ApiError, RequestBuilder
+    from clusterctl.launch.rank.openai import ApiError, RequestBuilder
     from clusterctl.launch.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",

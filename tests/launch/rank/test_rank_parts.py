@@ -15,8 +15,8 @@ from clusterctl.launch.markers import (Lease, Marker, MarkerMissing, MarkerWrite
                                        write_lease, write_marker)
 from clusterctl.launch.rank.pipeline import ENV_DEFAULTS, GenRequest, StopMatcher, rank_environment
 from clusterctl.launch.rankspec import layer_range, parse_rank_spec
-from clusterctl.launch.rank.serve import (IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, Job, JobQueue,
-                                         idle_interval)
+from clusterctl.launch.rank.jobs import Job, JobQueue
+from clusterctl.launch.rank.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.launch.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
 

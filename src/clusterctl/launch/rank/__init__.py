@@ -2,10 +2,11 @@
 
 ``python -m clusterctl.launch.rank --contract FILE --node NAME`` (``__main__`` -> ``runtime.main``) is started by
 the coordinator through the keeper (``launch/keeper.py``) or detached by a node operation (``launch/nodeops.py``).
-Here: the rank's life and exits (``runtime``), the pipeline step loop and generation (``pipeline``), rank 0's
-OpenAI-compatible HTTP API and the step loop every rank runs (``serve``), the SSD-backed embedding
-(``offload``), the rank's own watchdogs: launcher lease, keeper, stuck collectives (``watchdog``), and the
-peer-loss ladder (``peerprobe``).
+Here: the rank's life and exits (``runtime``), the pipeline step loop and generation (``pipeline``), the step
+loop every rank runs (``steploop``) on its meeting schedule (``schedule``), the requests rank 0's HTTP threads
+hand it (``jobs``), rank 0's OpenAI-compatible HTTP API (``api``) and its request parsing (``openai``), the
+SSD-backed embedding (``offload``), the rank's own watchdogs: launcher lease, keeper, stuck collectives
+(``watchdog``), and the peer-loss ladder (``peerprobe``).
 
 Everything else in ``clusterctl.launch`` runs on the coordinator (transport, sshnode, nodes, supervisor,
 teardown, reaper, status, cancel, quiescence, manifest, hostfile, ssh_policy), except three small programs the

@@ -177,7 +177,10 @@ class Rank:
 
     def _serve(self) -> int:
         from clusterctl.launch.rank import pipeline
-        from clusterctl.launch.rank.serve import ActiveSet, Api, JobQueue, StepLoop, context_length
+        from clusterctl.launch.rank.api import Api
+        from clusterctl.launch.rank.jobs import ActiveSet, JobQueue
+        from clusterctl.launch.rank.openai import context_length
+        from clusterctl.launch.rank.steploop import StepLoop
 
         spec = self.spec
         jobs = JobQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
@@ -273,9 +276,9 @@ class Rank:
 
     def _idle_wait(self, cancels=None):
         """The step loop's idle wait, with wake-up calls to and from the other ranks when this rank answers on
-        the peer-probe port (serve.IdleWait); rank 0 also wakes for a changed cancel file (``cancels``)."""
+        the peer-probe port (schedule.IdleWait); rank 0 also wakes for a changed cancel file (``cancels``)."""
         from clusterctl.launch.rank.peerprobe import Waker, job_token
-        from clusterctl.launch.rank.serve import IdleWait
+        from clusterctl.launch.rank.schedule import IdleWait
 
         spec = self.spec
         addrs = self._ring_addresses()

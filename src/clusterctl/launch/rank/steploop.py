@@ -1,0 +1,292 @@
+"""The step loop every rank runs: meetings (the 8-word header, the batch's changes, stop votes, cancel epochs)
+and runs of batched steps between them, so which requests are in a step travels with the step and nothing is
+shared per token (docs/rank.md, "Step loop and sharing")."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from clusterctl.errors import IntegrityError
+from clusterctl.launch.cancelfile import RECENT_ACKS
+from clusterctl.launch.rank.jobs import ActiveSet, Job, JobQueue
+from clusterctl.launch.rank.openai import ApiError
+from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens,
+                                        share_payload, share_words)
+from clusterctl.launch.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
+from clusterctl.launch.rankspec import RankSpec
+from clusterctl.launch.rank.watchdog import PeerLost
+
+KIND_IDLE, KIND_REQUEST = 0, 1
+
+
+class StepLoop:
+    """Runs on the main thread of every rank until the ranks agree to stop.
+
+    A loop of meetings and steps. At a meeting (one 8-word all_sum, and the changes' bytes when there are any)
+    rank 0 says which requests join the batch and which leave it (cancelled or disconnected), how many steps
+    come before the next meeting, and the newest cancel epoch; anyone can vote to stop. Then every rank applies
+    the same changes and runs the same steps of the same batch. A request that finishes ends the run of steps
+    early (its tokens are compared across ranks, its client gets the answer, and a waiting request can take
+    its slot at once)."""
+
+    def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
+                 jobs: JobQueue | None = None, marker=None, watchdog=None,
+                 active: ActiveSet | None = None, cancels=None,
+                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None):
+        self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
+        self.stop, self.jobs, self.marker = stop, jobs, marker
+        if active is None:
+            active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
+        self.active = active
+        self.cancels, self.on_ack = cancels, on_ack  # rank 0 reads the cancel file; every rank acks
+        self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each meeting
+        self.acked = 0
+        self.applied: dict[int, list[str]] = {}
+        # rank 0: the nonce of each epoch applied and not yet acked, and the (epoch, nonce) pairs acked lately:
+        # its ack shows them, so a coordinator can tell its own cancel from an older one of the same epoch
+        self.nonces: dict[int, str | None] = {}
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_ACKS)
+        self.inflight: dict[str, Job] = {}  # rank 0: the jobs in the batch, by request id
+        self.watchdog = watchdog
+        self.leader = spec.rank == 0
+        self.world = spec.world_size
+        self.seq = 0
+        self.checkpoints = 0
+        self.served = 0
+        self.batch = None
+        # ranks that can call each other to meetings keep a slow idle schedule (the contract says, so all agree)
+        self.idle = idle or IdleWait()
+        self.wakeable = spec.probes_on
+        if jobs is not None:
+            jobs.on_put = self.idle.local
+
+    def wake(self) -> None:
+        """Hold the next meeting now (a stop was asked), calling the other ranks to it."""
+        self.idle.local()
+
+    def run(self) -> None:
+        from clusterctl.launch.rank.batch import Batch
+
+        self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+        cadence, gap, ticks = Cadence(), FIRST_CHECKPOINT, 0
+        try:
+            while True:
+                stopping, gap = self._meet(gap)
+                if stopping:
+                    return
+                if not self.batch:
+                    if self.world > 1:
+                        self.idle.wait(idle_interval(ticks, self.wakeable), self.seq)
+                    ticks += 1
+                    cadence, gap = Cadence(), FIRST_CHECKPOINT
+                    continue
+                ticks = 0
+                steps = self._steps(gap)
+                # a world of one meets itself for free: after every step (new requests join at once)
+                gap = 1 if self.world == 1 else cadence.next_gap(steps) if self.leader else gap
+        finally:
+            self.batch.close()
+
+    # -- a meeting
+
+    def _meet(self, gap: int) -> tuple[bool, int]:
+        """Agree on the batch's next changes; returns (stop, steps until the next meeting)."""
+        stop_vote = 1 if self.stop.is_set() else 0
+        adds: list[tuple[GenRequest, Job]] = []
+        drops: list[str] = []
+        if self.leader and not stop_vote:
+            self._apply_cancels()
+            drops = [rid for rid, j in self.inflight.items() if j.cancelled.is_set()]
+            adds = self._take(self.batch.room + len(drops))
+        payload = json.dumps({"add": [r.__dict__ for r, _ in adds], "drop": drops},
+                             separators=(",", ":")).encode() if adds or drops else b""
+        if self.world == 1:
+            if stop_vote:
+                self._end_all(adds)
+                return True, gap
+            self._apply(adds, drops)
+            return False, gap
+        mine = [0] * HEADER_WORDS
+        mine[3], mine[5] = stop_vote, 1
+        if self.leader:
+            mine[0:3] = [MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload)]
+            mine[4], mine[6], mine[7] = self.seq, self.epoch, gap
+        self.checkpoints += 1 if self.batch else 0
+        with self._guard("meeting" if self.batch else "idle meeting"):
+            head = share_words(self.group, mine)
+        self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world
+                         and 1 <= head[7] <= MAX_CHECKPOINT,
+                         f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
+                         f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
+        self.seq += 1
+        self._ack(head[6])
+        if head[3] > 0:
+            self._end_all(adds)
+            return True, gap
+        if head[2] > 0:
+            with self._guard("batch changes"):
+                data = share_payload(self.group, payload if self.leader else None, head[2])
+            if not self.leader:
+                adds, drops = self._decode_changes(data)
+        self._apply(adds, drops)
+        return False, head[7]
+
+    def _take(self, room: int) -> list[tuple[GenRequest, Job | None]]:
+        """Rank 0: queued jobs for the free slots, tokenized (the tokenizer lives on this thread)."""
+        out: list[tuple[GenRequest, Job | None]] = []
+        while len(out) < room:
+            wait = 0.1 if self.world == 1 and not self.batch and not out else 0.0
+            job = self.jobs.pop(timeout=wait) if self.jobs is not None else None
+            if job is None:
+                break
+            if job.cancelled.is_set():  # cancelled while queued: never started
+                job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
+                continue
+            req = self._prepare(job)
+            if req is not None:
+                out.append((req, job))
+        return out
+
+    @staticmethod
+    def _decode_changes(data: bytes) -> tuple[list, list[str]]:
+        from clusterctl.atomic import strict_loads
+
+        doc = strict_loads(data, source="shared batch changes")
+        if not isinstance(doc, dict) or set(doc) != {"add", "drop"} or not isinstance(doc["drop"], list) \
+                or not isinstance(doc["add"], list) or not all(isinstance(d, str) for d in doc["drop"]):
+            raise IntegrityError("shared batch changes have an unexpected shape")
+        return [(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"]
+
+    def _apply(self, adds: list, drops: list[str]) -> None:
+        for rid in drops:
+            res = self.batch.drop(rid, "cancelled")
+            job = self.inflight.pop(rid, None)
+            if res is not None:
+                self.active.remove(rid)
+            if job is not None:
+                self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
+        for req, job in adds:
+            emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
+            self.batch.add(req, emit)
+            self.active.add(req.id)
+            if job is not None:
+                job.started_at = time.monotonic()
+                self.inflight[req.id] = job
+
+    def _end_all(self, adds: list) -> None:
+        """The ranks stop: every request in the batch (and any just taken from the queue) gets a 503."""
+        for rid in self.batch.ids():
+            self.batch.drop(rid, "shutdown")
+            self.active.remove(rid)
+        jobs = list(self.inflight.values()) + [j for _, j in adds if j is not None]
+        self.inflight.clear()
+        for job in jobs:
+            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+
+    # -- steps
+
+    def _steps(self, gap: int) -> int:
+        """Up to ``gap`` steps of the batch, fewer when a request finishes; then the step in flight is drained
+        (the next meeting is a collective of its own). Returns the number of steps run."""
+        import mlx.core as mx
+
+        n, done = 0, []
+        try:
+            while n < gap and self.batch and not done:
+                done = self.batch.step()
+                n += 1
+                if self.marker is not None:
+                    self.marker.touch_step()
+            mx.synchronize(self.batch.gen.stream)
+            if done:
+                with self._guard("token agreement"):
+                    flat = [t for _, r in done for t in (*r.tokens, -1)]
+                    agreed = self.world == 1 or agree_on_tokens(self.group, self.spec, flat)
+                if not agreed:
+                    raise IntegrityError(f"rank {self.spec.rank}: ranks produced different tokens for "
+                                         f"{', '.join(rid for rid, _ in done)}")
+        except Exception as e:
+            self._fail_all(e, [rid for rid, _ in done])
+            if self.world > 1 or not isinstance(e, (ValueError, RuntimeError)):
+                raise  # ranks may now be out of step: the rank must end
+            from clusterctl.launch.rank.batch import Batch
+
+            self.batch.close()
+            self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+            return n
+        for rid, res in done:
+            self.active.remove(rid)
+            self.served += 1
+            job = self.inflight.pop(rid, None)
+            if job is not None:
+                self._finish(job, res)
+        return n
+
+    def _fail_all(self, e: Exception, finished: list[str]) -> None:
+        err = ApiError(500, f"generation failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                       type="server_error")
+        for rid in [*self.batch.ids(), *finished]:
+            self.active.remove(rid)
+            job = self.inflight.pop(rid, None)
+            if job is not None:
+                job.events.put(("error", err))
+
+    @staticmethod
+    def _finish(job: Job, res: GenResult) -> None:
+        job.finished_at = time.monotonic()
+        job.events.put(("done", res))
+
+    def _prepare(self, job: Job) -> GenRequest | None:
+        try:
+            return job.prepare(self.tokenizer)
+        except ApiError as e:
+            job.events.put(("error", e))
+        except Exception as e:  # a template or tokenizer failure is the request's problem, not the rank's
+            job.events.put(("error", ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {e}")))
+        return None
+
+    def _apply_cancels(self) -> None:
+        """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
+        travels with the next meeting. A world of one acks at once."""
+        if self.cancels is None:
+            return
+        doc = self.cancels.poll()
+        if doc is None:
+            return
+        applied = []
+        for rid, job in list(self.inflight.items()):
+            if doc.requests is None or rid in doc.requests:
+                job.cancelled.set()
+                applied.append(rid)
+        if self.jobs is not None:
+            applied += self.jobs.cancel(doc.requests)
+        self.epoch = doc.epoch
+        self.applied[doc.epoch] = applied
+        self.nonces[doc.epoch] = doc.nonce
+        if self.world == 1:
+            self._ack(doc.epoch)
+
+    def _ack(self, epoch: int) -> None:
+        if epoch > self.acked:
+            self.acked = epoch
+            nonce = self.nonces.pop(epoch, None)
+            if nonce is not None:
+                self.recent.append((epoch, nonce))
+            if self.on_ack is not None:
+                self.on_ack(epoch, self.applied.pop(epoch, []), nonce=nonce, recent=list(self.recent))
+
+    def _guard(self, what: str):
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.guard(self.spec.control_timeout_s, what)
+
+    def _check_ring(self, ok: bool, what: str) -> None:
+        # A broken ring does not always raise: MLX can hand back a stale buffer ("Failing pending tasks"), so
+        # every meeting carries a sequence number and a head count.
+        if not ok:
+            raise PeerLost(f"rank {self.spec.rank}: lost a ring peer or the ring is corrupted ({what})")
