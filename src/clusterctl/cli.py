@@ -126,7 +126,8 @@ def plan(
     model: Annotated[Path, typer.Option("--model", "-m", help="The model folder on this machine (config.json + safetensors).")],
     allocation: Annotated[str, typer.Option(help="balanced | proportional (RAM-weighted) | speed (measured speed).")] = "balanced",
     backend: Annotated[str, typer.Option(help="auto | ring | jaccl | mpi.")] = "auto",
-    parallel: Annotated[str, typer.Option(help="pipeline | tensor.")] = "pipeline",
+    parallel: Annotated[str, typer.Option(help="auto | pipeline | tensor (auto: tensor when every pair of nodes "
+                                               "has a declared fast link and the model shards evenly).")] = "auto",
     context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = 4096,
     batch: Annotated[Optional[int], typer.Option(
         help="Batch slots: requests decoded together, each with a KV cache of --context tokens "
@@ -165,6 +166,8 @@ def plan(
     from clusterctl.render import deployment_table
 
     o.table(deployment_table(dep))
+    if dep.parallel_reason:
+        o.info(f"parallel {dep.parallel_reason}")
     o.info(f"wrote {', '.join(str(p) for p in written)}")
 
 

@@ -38,7 +38,8 @@ def free_ports(n: int) -> list[int]:
 class RankCluster:
     def __init__(self, root: Path, model_path: Path, layer_counts: list[int], *, api_key: str | None = None,
                  lease_seconds: float | None = None, env: dict | None = None, spec_env: dict | None = None,
-                 overrides: dict | None = None, per_rank: dict[int, dict] | None = None, tag: str = "t"):
+                 overrides: dict | None = None, per_rank: dict[int, dict] | None = None, tag: str = "t",
+                 tensor: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.model_path = Path(model_path)
@@ -57,7 +58,8 @@ class RankCluster:
         self.lease = self.root / "job.lease" if lease_seconds else None
         self.lease_seconds = lease_seconds or 30.0
         self.procs: list[subprocess.Popen] = []
-        self.num_layers = sum(layer_counts)
+        self.tensor = tensor  # tensor parallel: layer_counts is [L] * world, every rank runs every layer
+        self.num_layers = layer_counts[0] if tensor else sum(layer_counts)
 
     @property
     def url(self) -> str:
@@ -70,7 +72,7 @@ class RankCluster:
         return self.root / f"rank{r}.log"
 
     def spec(self, r: int) -> dict:
-        start, end = layer_range(self.layer_counts, r)
+        start, end = (0, self.num_layers) if self.tensor else layer_range(self.layer_counts, r)
         hostfile = None
         if self.world > 1:
             hostfile = str(self.root / f"hostfile-rank{r}.json")
@@ -82,7 +84,7 @@ class RankCluster:
             http_port=self.http_port if r == 0 else None, api_key=self.api_key if r == 0 else None, seed=7,
             runtime_dir=str(self.root), marker_path=str(self.marker_path(r)), gate_path=str(self.gate),
             lease_path=str(self.lease) if self.lease else None, lease_seconds=self.lease_seconds,
-            max_tokens_default=16, env=dict(self.spec_env),
+            max_tokens_default=16, env=dict(self.spec_env), parallel="tensor" if self.tensor else "pipeline",
         )
         spec.update(self.overrides)
         spec.update(self.per_rank.get(r, {}))

@@ -122,12 +122,32 @@ def test_backend_rules(facts):
     assert make_deployment(cluster(), facts, "/m", PlanOptions(backend="mpi")).backend == "mpi"
 
 
+def _two(c):
+    return c.model_copy(update={"nodes": c.nodes[:2]})
+
+
 def test_tensor_parallel_rules(facts):
     with pytest.raises(ConfigError, match="pipeline-only"):
         make_deployment(cluster(), facts, "/m", PlanOptions(parallel="tensor", allocation="proportional"))
-    dep = make_deployment(cluster(), facts, "/m", PlanOptions(parallel="tensor"))
+    dep = make_deployment(_two(cluster()), facts, "/m", PlanOptions(parallel="tensor"))
     assert all((r.start_layer, r.end_layer) == (0, 32) for r in dep.ranks)
     assert any("known-fast links" in w for w in dep.warnings)
+    # 4 heads, 2 KV heads, 128 intermediate: not over 3 ranks, whatever the operator asks
+    with pytest.raises(ConfigError, match="cannot shard model type 'qwen2' over 3 ranks: 4 attention heads do not "
+                                          "divide by 3 ranks; 2 KV heads do not divide by 3 ranks"):
+        make_deployment(cluster(), facts, "/m", PlanOptions(parallel="tensor"))
+
+
+def test_parallel_auto_takes_tensor_only_over_fast_links_and_even_shards(facts):
+    fast = {n: {"links": [{"peer": p, "type": "thunderbolt"} for p in "abc" if p != n]} for n in "abc"}
+    dep = make_deployment(_two(cluster(**fast)), facts, "/m", PlanOptions())
+    assert dep.parallel == "tensor" and dep.options.parallel == "auto" and dep.parallel_reason.startswith("tensor:")
+    dep = make_deployment(_two(cluster()), facts, "/m", PlanOptions())
+    assert dep.parallel == "pipeline" and "fast link" in dep.parallel_reason
+    dep = make_deployment(cluster(**fast), facts, "/m", PlanOptions())  # 3 ranks: 4 heads do not divide
+    assert dep.parallel == "pipeline" and "do not divide by 3" in dep.parallel_reason
+    dep = make_deployment(_two(cluster(**fast)), facts, "/m", PlanOptions(allocation="proportional"))
+    assert dep.parallel == "pipeline" and "proportional" in dep.parallel_reason
 
 
 def test_pipeline_support_comes_from_the_class_mlx_lm_builds(tmp_path):

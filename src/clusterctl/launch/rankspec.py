@@ -37,6 +37,7 @@ class RankSpec(BaseModel):
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1, le=1024)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
+    parallel: Literal["pipeline", "tensor"] = "pipeline"  # tensor: every rank holds 1/N of every layer
     model_path: str
     start_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1)
@@ -80,6 +81,12 @@ class RankSpec(BaseModel):
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         if len(self.layer_counts) != self.world_size:
             raise ValueError(f"layer_counts has {len(self.layer_counts)} entries for world_size {self.world_size}")
+        if self.parallel == "tensor":
+            if any(c != self.num_layers for c in self.layer_counts) or \
+                    (self.start_layer, self.end_layer) != (0, self.num_layers):
+                raise ValueError(f"a tensor-parallel rank runs every layer: layer_counts {self.layer_counts} and "
+                                 f"[{self.start_layer}, {self.end_layer}) must all be {self.num_layers}")
+            return self._common()
         if any(c <= 0 for c in self.layer_counts) or sum(self.layer_counts) != self.num_layers:
             raise ValueError(f"layer_counts {self.layer_counts} must be positive and sum to {self.num_layers}")
         want = layer_range(self.layer_counts, self.rank)
@@ -87,6 +94,9 @@ class RankSpec(BaseModel):
             raise ValueError(
                 f"rank {self.rank} is given layers [{self.start_layer}, {self.end_layer}) but mlx-lm's pipeline "
                 f"order (rank 0 runs the last layers) gives it [{want[0]}, {want[1]}) for {self.layer_counts}")
+        return self._common()
+
+    def _common(self) -> "RankSpec":
         if self.world_size == 1 and self.hostfile is not None:
             raise ValueError("a world of one takes no hostfile")
         if self.world_size > 1 and self.backend in ("ring", "jaccl") and not self.hostfile:

@@ -308,9 +308,6 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
 
     dep_path, loaded = state.load_deployment(dep_ref)
     dep: Deployment = loaded.deployment
-    if dep.parallel != "pipeline":
-        raise ConfigError(f"deployment {dep.deployment_id} is tensor parallel; this clusterctl's rank runtime serves "
-                          "pipeline deployments only", hint="plan with --parallel pipeline")
     # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
     # deployment, the model and the other launches: preflight then finds them ready. Nothing on a node changes.
     hs = handles([dep.node(r.node) for r in dep.ranks], opts.ssh, keeper_grace=opts.grace)
@@ -427,7 +424,7 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                 await h.write_file(rec.hostfile_path, json.dumps(hostfiles[r.rank]).encode())
             counts = [x.layers for x in dep.ranks]
             spec = {"deployment_id": dep.deployment_id, "job_id": job_id, "nonce": nonce, "node": r.node,
-                    "rank": r.rank, "world_size": world, "backend": dep.backend,
+                    "rank": r.rank, "world_size": world, "backend": dep.backend, "parallel": dep.parallel,
                     "model_path": dep.path_map[r.node], "start_layer": r.start_layer, "end_layer": r.end_layer,
                     "layer_counts": counts, "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                     "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,

@@ -27,6 +27,7 @@ class Capability:
     model_class: str  # "mlx_lm.models.llama.Model"
     pipeline: str | None  # STAGES, MLX_PIPELINE, or None (refused: see reason)
     reason: str | None = None
+    shard: bool = False  # the class can shard itself over ranks (tensor parallel: mlx-lm's ``shard(group)``)
 
 
 def model_class(config: dict):
@@ -94,10 +95,11 @@ def capability(config: dict, num_layers: int) -> Capability:
         kinds = cache_kinds(model)
     except Exception as e:
         return Capability(name, None, f"{name}: cannot make its caches ({type(e).__name__}: {e})"[:300])
+    shard = callable(getattr(model, "shard", None))
     if len(kinds) == len(inner.layers) and all(k in KV_CACHES for k in kinds):
-        return Capability(name, STAGES)
+        return Capability(name, STAGES, shard=shard)
     if hasattr(inner, "pipeline"):
-        return Capability(name, MLX_PIPELINE)
+        return Capability(name, MLX_PIPELINE, shard=shard)
     other = sorted(set(kinds) - KV_CACHES) or ["a cache list that does not match its blocks"]
     return Capability(name, None, f"{name} keeps {', '.join(other)} (linear attention or state layers): "
-                                  "no pipeline split for it yet")
+                                  "no pipeline split for it yet", shard=shard)

@@ -55,7 +55,7 @@ class PlanOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     allocation: Literal["balanced", "proportional", "speed"] = "balanced"
     backend: Literal["auto", "ring", "jaccl", "mpi"] = "auto"
-    parallel: Literal["pipeline", "tensor"] = "pipeline"
+    parallel: Literal["auto", "pipeline", "tensor"] = "auto"
     context: int = Field(default=4096, ge=1)
     batch: Optional[int] = Field(default=None, ge=1)  # None: as many slots as fit, up to DEFAULT_BATCH
     headroom_gb: float = Field(default=0.5, ge=0)
@@ -85,6 +85,7 @@ class Deployment(BaseModel):
     embedding_offload: bool = False  # resolved from options.embedding_offload; ranks serve the embedding from SSD
     slots: Optional[int] = None  # how many batch slots (sequences of options.context tokens) fit on every rank
     batch: Optional[int] = None  # the batch slots the ranks serve: options.batch, or as many as fit up to 8
+    parallel_reason: Optional[str] = None  # why --parallel auto chose what it chose
 
     @property
     def batch_slots(self) -> int:

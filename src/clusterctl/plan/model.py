@@ -68,6 +68,8 @@ class ModelFacts(BaseModel):
     model_class: str | None = None
     pipeline: str | None = None  # archs.STAGES | archs.MLX_PIPELINE | None (refused: pipeline_reason)
     pipeline_reason: str | None = None
+    shardable: bool | None = None  # mlx-lm's class can shard itself (tensor parallel); None: not looked at
+    intermediate_size: int = 0
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -80,6 +82,24 @@ class ModelFacts(BaseModel):
     @property
     def pipeline_capable(self) -> bool:
         return self.pipeline is not None or self.model_class is None
+
+    def tensor_blockers(self, world: int) -> list[str]:
+        """Why this model cannot be sharded evenly over ``world`` ranks (tensor parallel); empty when it can."""
+        out = []
+        if self.shardable is False:
+            out.append(f"mlx-lm's {self.model_class or self.model_type} cannot shard itself (no shard())")
+        for what, n in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                        ("intermediate size", self.intermediate_size)):
+            if n and n % world:
+                out.append(f"{n} {what} do not divide by {world} ranks")
+        gs = (self.quantization or {}).get("group_size") if isinstance(self.quantization, dict) else None
+        if isinstance(gs, int) and gs > 0 and not out:
+            for what, n in (("attention output", self.num_heads * self.head_dim),
+                            ("MLP down projection", self.intermediate_size)):
+                if n and (n // world) % gs:
+                    out.append(f"the {what}'s {n // world} inputs per rank are not a multiple of the "
+                               f"quantization group size {gs}")
+        return out
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
@@ -252,7 +272,8 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         cap = capability(config, num_layers)  # the top-level config: what mlx-lm's loader resolves
     return ModelFacts(
         model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,
-        pipeline_reason=cap.reason if cap else None,
+        pipeline_reason=cap.reason if cap else None, shardable=cap.shard if cap else None,
+        intermediate_size=int(_int_cfg(text, folder, "intermediate_size", "ffn_dim", default=0) or 0),
         name=str(_cfg(config, "_name_or_path", default="") or folder.name),
         model_type=str(_cfg(text, "model_type", default="unknown")),
         num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=int(kv_heads),

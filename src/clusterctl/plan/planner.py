@@ -60,10 +60,39 @@ def _resolve_offload(mode: str, facts: ModelFacts, nodes: list[Node], needs_for,
         return True
 
 
+def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], allocation: str = "balanced"
+                    ) -> tuple[str, str | None]:
+    """(pipeline | tensor, why) for --parallel auto: tensor when every pair of nodes has a declared fast link
+    and the model shards evenly over them, else pipeline. A mode asked for by name is kept (checked later)."""
+    if requested != "auto":
+        return requested, None
+    if len(nodes) == 1:
+        return "pipeline", None
+    if allocation != "balanced":
+        return "pipeline", f"pipeline: --allocation {allocation} splits layers (tensor parallel shards them evenly)"
+    if not all_links_fast(nodes):
+        return "pipeline", "pipeline: not every pair of nodes has a declared fast link (tensor parallel would " \
+                           "send activations twice per layer over them)"
+    blockers = facts.tensor_blockers(len(nodes))
+    if blockers:
+        return "pipeline", f"pipeline: the model does not shard evenly over {len(nodes)} ranks ({'; '.join(blockers)})"
+    return "tensor", f"tensor: every pair of nodes has a fast link and the model shards evenly over {len(nodes)} ranks"
+
+
 def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, options: PlanOptions, *,
                     path_map: dict[str, str] | None = None, now: datetime | None = None) -> Deployment:
     nodes = cluster.nodes
     warnings: list[str] = []
+    given = options
+    parallel, why = choose_parallel(options.parallel, facts, nodes, options.allocation)
+    options = options.model_copy(update={"parallel": parallel})
+    counts = layer_counts(nodes, facts.num_layers, options)
+    if parallel == "tensor" and len(nodes) > 1:
+        blockers = facts.tensor_blockers(len(nodes))
+        if blockers:
+            raise ConfigError(f"cannot shard model type {facts.model_type!r} over {len(nodes)} ranks: "
+                              + "; ".join(blockers), hint="use --parallel pipeline, or a number of nodes that "
+                                                          "divides the heads")
     if options.parallel == "pipeline" and len(nodes) > 1 and not facts.pipeline_capable:
         raise ConfigError(f"cannot split model type {facts.model_type!r} over {len(nodes)} nodes: "
                           f"{facts.pipeline_reason or 'no pipeline support'}",
@@ -72,7 +101,6 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         warnings.append("tensor parallel sends activations every layer: recommended only on known-fast links "
                         "(thunderbolt/rdma); some pairs have none declared")
     backend = choose_backend(options.backend, nodes)
-    counts = layer_counts(nodes, facts.num_layers, options)
     if options.parallel == "tensor":
         ranges = [(0, facts.num_layers)] * len(nodes)
     else:
@@ -110,7 +138,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
                        shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer,
                        embed_bytes=facts.embed_bytes),
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
-        options=options, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
+        options=given, parallel_reason=why, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
         slots=slots, batch=batch,
     )

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, build
+from archmodels import FAMILIES, build, config_of
 from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
@@ -33,6 +33,26 @@ def _complete(c, prompt: str, max_tokens: int) -> list[int]:
     return out["choices"][0]["token_ids"]
 
 
+def _check(c, path):
+    """One request, then all of PROMPTS at once: each identical to one process serving it alone."""
+    want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
+    assert _complete(c, PROMPTS[0], 10) == want[PROMPTS[0]]
+    got, errors = {}, []
+
+    def run(i, p):
+        try:
+            got[p] = _complete(c, p, 10 + 3 * i)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and got == want
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
     from clusterctl.plan.model import inspect_model
@@ -40,20 +60,26 @@ def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
     path = models[family]
     facts = inspect_model(path)
     assert facts.pipeline == "stages", facts.pipeline_reason
-    want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
     with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 0 runs the last 3 blocks
-        assert _complete(c, PROMPTS[0], 10) == want[PROMPTS[0]]
-        got, errors = {}, []
+        _check(c, path)
 
-        def run(i, p):
-            try:
-                got[p] = _complete(c, p, 10 + 3 * i)
-            except Exception as e:
-                errors.append(repr(e))
 
-        threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(PROMPTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert not errors and got == want
+def _shardable(family: str) -> bool:
+    from clusterctl.plan.archs import capability
+
+    return capability(config_of(family), 4).shard
+
+
+TENSOR = sorted(f for f in FAMILIES if _shardable(f))  # the classes with mlx-lm's shard(): llama, qwen2, qwen3
+
+
+@pytest.mark.parametrize("family", TENSOR)
+def test_a_family_sharded_over_two_ranks_matches_one_process(family, models, tmp_path):
+    """Tensor parallel: each rank holds half of every block (q/k/v/gate/up by rows, o/down by columns, one
+    all_sum each); the sums' order differs from one process's matmul, the greedy tokens must not."""
+    from clusterctl.plan.model import inspect_model
+
+    path = models[family]
+    assert inspect_model(path).tensor_blockers(2) == []
+    with RankCluster(tmp_path, path, [4, 4], tag=family[:6], tensor=True).up() as c:
+        _check(c, path)

@@ -122,7 +122,14 @@ def load_shard(spec: RankSpec):
     n = len(inner.layers) if inner is not None else 0
     if n != spec.num_layers:
         raise ConfigError(f"model at {path} has {n} layers, the contract says {spec.num_layers}")
-    if spec.world_size > 1:
+    if spec.world_size > 1 and spec.parallel == "tensor":
+        if not callable(getattr(model, "shard", None)):
+            raise ConfigError(f"model type {config.get('model_type')!r} cannot shard itself (no shard() in mlx-lm)")
+        try:  # the real group comes later (attach_group): the split needs only rank and size
+            model.shard(_Slot(spec.rank, spec.world_size))
+        except (ValueError, AssertionError) as e:
+            raise ConfigError(f"cannot shard the model over {spec.world_size} ranks: {e}") from None
+    elif spec.world_size > 1:
         if all(k in KV_CACHES for k in cache_kinds(model)):
             from clusterctl.launch.rank.stage import split_blocks
 
@@ -150,9 +157,21 @@ def load_shard(spec: RankSpec):
         from clusterctl.launch.rank.stage import weight_name
 
         _check_weights_present(path, [weight_name(k) for k, _ in params])
-    mx.eval([v for _, v in params])
+    if spec.parallel == "tensor":
+        for _, v in params:  # one at a time: a shard is cut from its whole tensor, which is then freed
+            mx.eval(v)
+    else:
+        mx.eval([v for _, v in params])
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, config
+
+
+def attach_group(model, group) -> None:
+    """Give the sharded layers of a tensor-parallel model the group they sum over (they were made with a
+    stand-in that knew only rank and size, before the ring was joined)."""
+    for _, m in model.named_modules():
+        if isinstance(getattr(m, "group", None), _Slot):
+            m.group = group
 
 
 def join_group(spec: RankSpec):
