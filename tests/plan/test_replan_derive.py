@@ -98,3 +98,18 @@ def test_path_map_is_carried_and_an_explicit_empty_one_wins(facts):
     assert d["unchanged"] and d["records_changed"] == ["path_map"]  # the same plan, another record
     with pytest.raises(ConfigError, match="not among"):
         derive(old, path_map={"z": "/m"})
+
+
+def test_replan_keeps_the_mode_and_can_change_it(facts):
+    two = cluster(mem=(64, 128))
+    old = plan(facts, two, parallel="pipeline")
+    ins = derive(old)
+    assert ins.options.parallel == "pipeline" and "parallel" in ins.derived
+    assert make_deployment(ins.cluster, facts, "/models/m", ins.options).parallel == "pipeline"
+    ins = derive(old, options={"parallel": "tensor"})
+    new = make_deployment(ins.cluster, facts, "/models/m", ins.options, path_map=ins.path_map)
+    assert ins.given["parallel"] == "tensor" and new.parallel == "tensor"
+    assert any("parallel" in line for line in diff_lines(placement_diff(old, new)))
+    back = derive(new, options={"parallel": "pipeline"})
+    assert make_deployment(back.cluster, facts, "/models/m", back.options, path_map=back.path_map).placement \
+        == old.placement
