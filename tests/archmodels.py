@@ -27,6 +27,25 @@ FAMILIES: dict[str, dict] = {
     "starcoder2": {"norm_epsilon": 1e-5},
     "granite": {"logits_scaling": 2.0, "attention_multiplier": 0.25, "embedding_multiplier": 2.0,
                 "residual_multiplier": 0.5, "attention_bias": False, "mlp_bias": False},
+    # mixture of experts
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "glm4_moe": {"moe_intermediate_size": 32, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                 "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 1.0,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "rope_scaling": None, "use_qk_norm": True,
+                 "attention_bias": False, "partial_rotary_factor": 0.5},
+    # multi-head latent attention (MLA) with experts
+    "deepseek_v2": {"moe_intermediate_size": 32, "n_shared_experts": 1, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "qk_nope_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "rope_scaling": {"type": "yarn", "factor": 1.0, "mscale": 1.0,
+                                                      "mscale_all_dim": 0.0, "beta_fast": 32, "beta_slow": 1,
+                                                      "original_max_position_embeddings": 4096}},
+    "deepseek_v3": {"moe_intermediate_size": 32, "n_shared_experts": 1, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "qk_nope_head_dim": 16, "first_k_dense_replace": 1},
 }
 
 

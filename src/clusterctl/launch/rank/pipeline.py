@@ -170,8 +170,9 @@ def attach_group(model, group) -> None:
     """Give the sharded layers of a tensor-parallel model the group they sum over (they were made with a
     stand-in that knew only rank and size, before the ring was joined)."""
     for _, m in model.named_modules():
-        if isinstance(getattr(m, "group", None), _Slot):
-            m.group = group
+        for name, value in list(vars(m).items()):  # ``group`` on sharded linears, ``sharding_group`` on MoE blocks
+            if isinstance(value, _Slot):
+                setattr(m, name, group)
 
 
 def join_group(spec: RankSpec):

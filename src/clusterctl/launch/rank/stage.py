@@ -67,7 +67,7 @@ class Recv(_Around):
     its dtype is the one this block gives the same input (a graph is built for it, never computed)."""
 
     def __call__(self, x, *args, **kwargs):
-        dtype = self.block(mx.zeros((1, 1, x.shape[-1]), dtype=x.dtype)).dtype
+        dtype = self.block(mx.zeros((1, 1, x.shape[-1]), dtype=x.dtype), None, None).dtype
         h = mx.distributed.recv(x.shape, dtype, self.peer, group=self._group)
         return self.block(h, *args, **kwargs)
 
