@@ -49,8 +49,15 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# families that mlx-lm cannot decode in batches (served one request at a time): not in FAMILIES
+UNBATCHABLE: dict[str, dict] = {
+    "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 6},
+}
+
+
 def config_of(family: str, layers: int = 4) -> dict:
-    return {"model_type": family, **BASE, **FAMILIES[family], "num_hidden_layers": layers}
+    extra = FAMILIES[family] if family in FAMILIES else UNBATCHABLE[family]
+    return {"model_type": family, **BASE, **extra, "num_hidden_layers": layers}
 
 
 def build(family: str, folder: Path, tokenizer_from: Path, *, layers: int = 4, seed: int = 0) -> Path:

@@ -307,3 +307,18 @@ def test_embedding_offload_planning(tmp_path):
     tied = inspect_model(make_model(tmp_path / "tied", layers=4, tie=True))
     with pytest.raises(ConfigError, match="untied lm_head"):
         make_deployment(c, tied, "/m", PlanOptions(embedding_offload="on"))
+
+
+def test_a_model_mlx_lm_cannot_batch_is_planned_one_request_at_a_time(tmp_path):
+    import json
+
+    folder = make_model(tmp_path / "g2", layers=4, model_type="gemma2")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "head_dim": 16, "query_pre_attn_scalar": 16}))
+    f = inspect_model(folder)
+    assert f.batchable is False and "cannot be broadcast" in f.batch_reason  # tried on a toy-size gemma2
+    dep = make_deployment(cluster(), f, "/m", PlanOptions())
+    assert dep.batch == 1 and any("one request at a time" in w for w in dep.warnings)
+    with pytest.raises(ConfigError, match="--batch 4: mlx-lm cannot decode several requests"):
+        make_deployment(cluster(), f, "/m", PlanOptions(batch=4))
+    assert inspect_model(make_model(tmp_path / "q", layers=4)).batchable is True

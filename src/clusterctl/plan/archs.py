@@ -103,3 +103,62 @@ def capability(config: dict, num_layers: int) -> Capability:
     other = sorted(set(kinds) - KV_CACHES) or ["a cache list that does not match its blocks"]
     return Capability(name, None, f"{name} keeps {', '.join(other)} (linear attention or state layers): "
                                   "no pipeline split for it yet", shard=shard)
+
+
+# The size fields of configs, and what a probe shrinks them to: the class's code paths stay, the cost goes.
+_SMALL = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "vocab_size": 256,
+          "head_dim": 16, "num_attention_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
+          "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "num_experts": 4,
+          "n_routed_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+          "sliding_window": 6, "query_pre_attn_scalar": 16}
+PROBE_LAYERS = 4
+
+
+def small_config(config: dict) -> dict:
+    """The same architecture at toy size (the same class, block kinds and attention types)."""
+    out = dict(config)
+    for k, v in _SMALL.items():
+        if isinstance(out.get(k), int) and not isinstance(out.get(k), bool):
+            out[k] = v
+    if isinstance(out.get("num_key_value_heads"), int):
+        out["num_key_value_heads"] = 4 if out["num_key_value_heads"] >= config.get("num_attention_heads", 1) else 2
+    if isinstance(out.get("num_hidden_layers"), int):
+        out["num_hidden_layers"] = min(out["num_hidden_layers"], PROBE_LAYERS)
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][:out.get("num_hidden_layers", PROBE_LAYERS)]
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = small_config(out["text_config"])
+    out.pop("quantization", None)
+    out.pop("quantization_config", None)
+    return out
+
+
+def batching(config: dict) -> tuple[bool | None, str | None]:
+    """Can mlx-lm decode several requests of this architecture together? Tried, not looked up: a toy-size model
+    of the same class runs mlx-lm's BatchGenerator on requests of different lengths, one joining late.
+    (False, why) when that fails (gemma2 in mlx-lm 0.32: a mask broadcast error); (None, why) when the toy
+    model cannot be made (then nothing is known: batching stays on)."""
+    import mlx.core as mx
+
+    try:
+        model = build_lazy(small_config(config))
+        mx.eval(model.parameters())
+    except Exception as e:
+        return None, f"no toy-size model to try batching on ({type(e).__name__})"
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    greedy = make_sampler(0.0)
+    gen = BatchGenerator(model, stop_tokens=[[-1]], completion_batch_size=4, prefill_batch_size=4)
+    try:
+        gen.insert([list(range(1, 12)), [4, 5]], max_tokens=[6, 6], samplers=[greedy, greedy])
+        for step in range(6):
+            gen.next_generated()
+            if step == 1:
+                gen.insert([[7, 8, 9]], max_tokens=[3], samplers=[greedy])
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return False, f"mlx-lm cannot decode several requests of this model together ({first[:160]})"
+    finally:
+        gen.close()
+    return True, None

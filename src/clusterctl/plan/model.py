@@ -69,6 +69,8 @@ class ModelFacts(BaseModel):
     pipeline: str | None = None  # archs.STAGES | archs.MLX_PIPELINE | None (refused: pipeline_reason)
     pipeline_reason: str | None = None
     shardable: bool | None = None  # mlx-lm's class can shard itself (tensor parallel); None: not looked at
+    batchable: bool | None = None  # mlx-lm decodes several requests of it together (tried: archs.batching)
+    batch_reason: str | None = None
     intermediate_size: int = 0
 
     @property
@@ -270,9 +272,13 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         from clusterctl.plan.archs import capability
 
         cap = capability(config, num_layers)  # the top-level config: what mlx-lm's loader resolves
+        from clusterctl.plan.archs import batching
+
+        batchable, batch_reason = batching(config)
     return ModelFacts(
         model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,
         pipeline_reason=cap.reason if cap else None, shardable=cap.shard if cap else None,
+        batchable=batchable if cap else None, batch_reason=batch_reason if cap else None,
         intermediate_size=int(_int_cfg(text, folder, "intermediate_size", "ffn_dim", default=0) or 0),
         name=str(_cfg(config, "_name_or_path", default="") or folder.name),
         model_type=str(_cfg(text, "model_type", default="unknown")),

@@ -114,6 +114,11 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
     slots = slots_that_fit(nodes, needs_for(offload, 1))
     # options.batch None: as many slots as fit, up to the default (at least one: check_fit says if not even that)
     batch = options.batch or max(1, min(DEFAULT_BATCH, slots if slots is not None else 1))
+    if facts.batchable is False:  # requests are then served one at a time from rank 0's queue
+        if options.batch and options.batch > 1:
+            raise ConfigError(f"--batch {options.batch}: {facts.batch_reason}", hint="use --batch 1")
+        batch = 1
+        warnings.append(f"one request at a time: {facts.batch_reason}")
     needs = needs_for(offload, batch)
     check_fit(nodes, needs)
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,

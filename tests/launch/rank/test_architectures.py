@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, build, config_of
+from archmodels import FAMILIES, UNBATCHABLE, build, config_of
 from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
@@ -82,4 +82,16 @@ def test_a_family_sharded_over_two_ranks_matches_one_process(family, models, tmp
     path = models[family]
     assert inspect_model(path).tensor_blockers(2) == []
     with RankCluster(tmp_path, path, [4, 4], tag=family[:6], tensor=True).up() as c:
+        _check(c, path)
+
+
+@pytest.mark.parametrize("family", sorted(UNBATCHABLE))
+def test_a_family_mlx_lm_cannot_batch_serves_requests_one_at_a_time(family, tmp_path):
+    """gemma2: batched decoding fails inside mlx-lm (in one process too). Planned with one batch slot, the
+    deployment queues concurrent requests and answers each, identical to the same request alone: no 500."""
+    from clusterctl.plan.model import inspect_model
+
+    path = build(family, REPO / ".cache" / "arch-models" / family, tiny_model_path())
+    assert inspect_model(path).batchable is False
+    with RankCluster(tmp_path, path, [1, 3], tag=family[:6], overrides={"max_batch": 1}).up() as c:
         _check(c, path)
