@@ -85,3 +85,42 @@ def build(family: str, folder: Path, tokenizer_from: Path, *, layers: int = 4, s
         shutil.copy(Path(tokenizer_from) / name, folder / name)
     save_config({**config, "_test_config": config}, folder / "config.json")
     return folder
+
+
+def build_hf_layout(family: str, folder: Path, tokenizer_from: Path, *, mtp: bool = False) -> Path:
+    """A mixture-of-experts model as Hugging Face ships it: one tensor per expert (``mlp.experts.E.gate_proj``),
+    which mlx-lm's ``sanitize`` stacks when it loads; with ``mtp`` also a multi-token-prediction layer after the
+    last one (``model.layers.<num_hidden_layers>.*``, as GLM-4.5 checkpoints carry), which it drops."""
+    import re
+
+    import mlx.core as mx
+
+    from clusterctl.atomic import atomic_write_json
+
+    src = build(family, Path(str(folder) + "-mlx"), tokenizer_from)
+    folder = Path(folder)
+    config = json.loads((src / "config.json").read_text())
+    if (folder / "config.json").exists() and json.loads((folder / "config.json").read_text()) == {**config, "_hf": mtp}:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(src / "model.safetensors"))
+    out = {}
+    for name, w in weights.items():
+        m = re.match(r"(.*)\.switch_mlp\.(\w+)\.(weight|scales|biases)$", name)
+        if m:
+            for e in range(w.shape[0]):
+                out[f"{m.group(1)}.experts.{e}.{m.group(2)}.{m.group(3)}"] = w[e]
+        else:
+            out[name] = w
+    if mtp:
+        last = config["num_hidden_layers"] - 1
+        for name, w in list(out.items()):
+            if name.startswith(f"model.layers.{last}."):
+                out[name.replace(f"model.layers.{last}.", f"model.layers.{last + 1}.", 1)] = w
+    mx.save_safetensors(str(folder / "model.safetensors"), out, metadata={"format": "mlx"})
+    atomic_write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": {
+        n: "model.safetensors" for n in out}})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    (folder / "config.json").write_text(json.dumps({**config, "_hf": mtp}))
+    return folder

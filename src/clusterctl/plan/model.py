@@ -71,6 +71,7 @@ class ModelFacts(BaseModel):
     shardable: bool | None = None  # mlx-lm's class can shard itself (tensor parallel); None: not looked at
     batchable: bool | None = None  # mlx-lm decodes several requests of it together (tried: archs.batching)
     batch_reason: str | None = None
+    notes: list[str] = []  # what the plan should tell the operator about the checkpoint
     intermediate_size: int = 0
 
     @property
@@ -239,9 +240,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
 
     digest = hashlib.sha256()
     digest.update(b"config.json\0" + config_raw)
-    layer_bytes = [0] * num_layers
-    shared = 0
-    embed = 0
+    raw_tensors: dict[str, tuple[str, list[int], int]] = {}  # name -> (dtype, shape, bytes), as the files hold them
     dtype_counts: dict[str, int] = {}
     files = _weight_files(folder)
     for path in files:
@@ -249,18 +248,38 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         digest.update(f"\0{path.name}\0".encode() + raw)
         for name, t in tensors.items():
             nbytes = t["end"] - t["begin"]
-            m = _LAYER_RE.search(name)
-            if m:
-                i = int(m.group(1))
-                if i >= num_layers:
-                    raise IntegrityError(f"{path}: tensor {name!r} is for layer {i}, but config.json says {num_layers} layers")
-                layer_bytes[i] += nbytes
-            else:
-                shared += nbytes
-                if _EMBED_RE.search(name):
-                    embed += nbytes
+            raw_tensors[name] = (t["dtype"], t["shape"], nbytes)
             if t["dtype"] in ("F32", "F16", "BF16"):
                 dtype_counts[t["dtype"]] = dtype_counts.get(t["dtype"], 0) + nbytes
+    # what the ranks will hold is what mlx-lm's loader keeps (its sanitize: experts stacked, MTP layers dropped)
+    kept = None
+    if classify:
+        from clusterctl.plan.archs import kept_tensors
+
+        kept = kept_tensors(config, {n: (d, s) for n, (d, s, _) in raw_tensors.items()})
+    sizes = kept if kept is not None else {n: b for n, (_, _, b) in raw_tensors.items()}
+    notes = []
+    if kept is not None:
+        beyond = sorted({int(m.group(1)) for n in set(raw_tensors) - set(kept) if (m := _LAYER_RE.search(n))
+                         and int(m.group(1)) >= num_layers})
+        if beyond:
+            notes.append(f"the checkpoint's layer(s) {', '.join(map(str, beyond))} beyond num_hidden_layers "
+                         f"(e.g. multi-token prediction) are dropped by mlx-lm's loader: not served")
+    layer_bytes = [0] * num_layers
+    shared = 0
+    embed = 0
+    for name, nbytes in sizes.items():
+        m = _LAYER_RE.search(name)
+        if m:
+            i = int(m.group(1))
+            if i >= num_layers:
+                raise IntegrityError(f"{folder}: tensor {name!r} is for layer {i}, but config.json says "
+                                     f"{num_layers} layers")
+            layer_bytes[i] += nbytes
+        else:
+            shared += nbytes
+            if _EMBED_RE.search(name):
+                embed += nbytes
     if not any(layer_bytes):
         raise IntegrityError(f"{folder}: no layer tensors found in the safetensors headers")
     kv_bytes = TORCH_DTYPE_BYTES.get(str(_cfg(text, "torch_dtype", "dtype", default="")), 0)
@@ -278,7 +297,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     return ModelFacts(
         model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,
         pipeline_reason=cap.reason if cap else None, shardable=cap.shard if cap else None,
-        batchable=batchable if cap else None, batch_reason=batch_reason if cap else None,
+        batchable=batchable if cap else None, batch_reason=batch_reason if cap else None, notes=notes,
         intermediate_size=int(_int_cfg(text, folder, "intermediate_size", "ffn_dim", default=0) or 0),
         name=str(_cfg(config, "_name_or_path", default="") or folder.name),
         model_type=str(_cfg(text, "model_type", default="unknown")),

@@ -82,7 +82,7 @@ def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], alloca
 def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, options: PlanOptions, *,
                     path_map: dict[str, str] | None = None, now: datetime | None = None) -> Deployment:
     nodes = cluster.nodes
-    warnings: list[str] = []
+    warnings: list[str] = list(facts.notes)
     given = options
     parallel, why = choose_parallel(options.parallel, facts, nodes, options.allocation)
     options = options.model_copy(update={"parallel": parallel})

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, UNBATCHABLE, build, config_of
+from archmodels import FAMILIES, UNBATCHABLE, build, build_hf_layout, config_of
 from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
@@ -94,4 +94,21 @@ def test_a_family_mlx_lm_cannot_batch_serves_requests_one_at_a_time(family, tmp_
     path = build(family, REPO / ".cache" / "arch-models" / family, tiny_model_path())
     assert inspect_model(path).batchable is False
     with RankCluster(tmp_path, path, [1, 3], tag=family[:6], overrides={"max_batch": 1}).up() as c:
+        _check(c, path)
+
+
+@pytest.mark.parametrize("family,mtp", [("qwen3_moe", False), ("glm4_moe", True)])
+def test_a_hugging_face_moe_checkpoint_plans_and_serves_as_mlx_lm_loads_it(family, mtp, tmp_path):
+    """One tensor per expert (mlx-lm's sanitize stacks them) and, for glm4_moe, an MTP layer after the last one
+    (which it drops): the plan counts what mlx-lm keeps and says what it drops, the ranks' weight check passes,
+    and 2 ranks answer like one process."""
+    from clusterctl.plan.model import inspect_model
+
+    path = build_hf_layout(family, REPO / ".cache" / "arch-models" / f"{family}-hf{'-mtp' if mtp else ''}",
+                           tiny_model_path(), mtp=mtp)
+    facts = inspect_model(path)
+    stacked = inspect_model(REPO / ".cache" / "arch-models" / f"{family}-hf{'-mtp' if mtp else ''}-mlx")
+    assert facts.layer_bytes == stacked.layer_bytes and facts.num_layers == 4
+    assert any("layer(s) 4 beyond num_hidden_layers" in n for n in facts.notes) == mtp
+    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:
         _check(c, path)

@@ -86,21 +86,22 @@ def _shape_only_embedding(dims: int, dtype):
     return ShapeOnlyEmbedding()
 
 
-def _check_weights_present(model_path: Path, names: list[str]) -> None:
-    # strict=False would leave a missing local tensor at its random init: refuse instead
-    index_path = model_path / "model.safetensors.index.json"
-    from clusterctl.atomic import read_json
+def _check_weights_present(model_path: Path, names: list[str], config: dict) -> None:
+    """strict=False would leave a missing local tensor at its random init: refuse instead. The names are
+    compared with what mlx-lm's loader keeps of the checkpoint (its sanitize: Hugging Face per-expert tensors
+    come back stacked, MTP layers dropped), not with the raw names in the files."""
+    from clusterctl.plan.archs import kept_tensors
+    from clusterctl.plan.model import _weight_files, read_safetensors_header
 
-    index = read_json(index_path, what="safetensors index")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise IntegrityError(f"{index_path} has no weight_map")
-    missing = [n for n in names if n not in weight_map]
+    raw: dict[str, tuple[str, list[int]]] = {}
+    for f in _weight_files(model_path):
+        tensors, _, _ = read_safetensors_header(f)
+        raw.update({n: (t["dtype"], t["shape"]) for n, t in tensors.items()})
+    kept = kept_tensors(config, raw)
+    have = set(kept) if kept is not None else set(raw)
+    missing = [n for n in names if n not in have]
     if missing:
         raise ConfigError(f"model at {model_path} lacks {len(missing)} weights this rank needs, e.g. {missing[0]}")
-    for f in sorted(set(weight_map[n] for n in names)):
-        if not (model_path / f).is_file():
-            raise ConfigError(f"model at {model_path} lacks weight file {f}")
 
 
 def load_shard(spec: RankSpec):
@@ -156,7 +157,7 @@ def load_shard(spec: RankSpec):
     if spec.world_size > 1:
         from clusterctl.launch.rank.stage import weight_name
 
-        _check_weights_present(path, [weight_name(k) for k, _ in params])
+        _check_weights_present(path, [weight_name(k) for k, _ in params], config)
     if spec.parallel == "tensor":
         for _, v in params:  # one at a time: a shard is cut from its whole tensor, which is then freed
             mx.eval(v)
