@@ -55,7 +55,13 @@ UNBATCHABLE: dict[str, dict] = {
 }
 
 
+# wrapper models: the text model sits inside (``language_model``), its sizes in ``text_config``
+WRAPPERS: dict[str, str] = {"mistral3": "llama"}
+
+
 def config_of(family: str, layers: int = 4) -> dict:
+    if family in WRAPPERS:
+        return {"model_type": family, "text_config": {**config_of(WRAPPERS[family], layers)}}
     extra = FAMILIES[family] if family in FAMILIES else UNBATCHABLE[family]
     return {"model_type": family, **BASE, **extra, "num_hidden_layers": layers}
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, UNBATCHABLE, build, build_hf_layout, config_of
+from archmodels import FAMILIES, UNBATCHABLE, WRAPPERS, build, build_hf_layout, config_of
 from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
@@ -110,5 +110,19 @@ def test_a_hugging_face_moe_checkpoint_plans_and_serves_as_mlx_lm_loads_it(famil
     stacked = inspect_model(REPO / ".cache" / "arch-models" / f"{family}-hf{'-mtp' if mtp else ''}-mlx")
     assert facts.layer_bytes == stacked.layer_bytes and facts.num_layers == 4
     assert any("layer(s) 4 beyond num_hidden_layers" in n for n in facts.notes) == mtp
+    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:
+        _check(c, path)
+
+
+@pytest.mark.parametrize("family", sorted(WRAPPERS))
+def test_a_wrapper_model_splits_by_its_inner_text_model(family, tmp_path):
+    """mistral3 keeps its text model in ``language_model`` and its sizes in ``text_config``: the blocks are
+    found through the wrapper, in plan and in the ranks."""
+    from clusterctl.plan.model import inspect_model
+
+    path = build(family, REPO / ".cache" / "arch-models" / family, tiny_model_path())
+    facts = inspect_model(path)
+    assert facts.model_class == f"mlx_lm.models.{family}.Model" and facts.pipeline == "stages"
+    assert facts.num_layers == 4 and all(facts.layer_bytes)
     with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:
         _check(c, path)
