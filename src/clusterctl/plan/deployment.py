@@ -18,6 +18,7 @@ from clusterctl.errors import IntegrityError
 from clusterctl.plan.fit import RankBytes
 from clusterctl.names import Ident, Name
 from clusterctl.plan.inventory import Node
+from clusterctl.plan.model import KvLayer
 from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
 
 SCHEMA_VERSION = 2
@@ -34,8 +35,11 @@ class ModelRef(BaseModel):
     num_layers: int
     layer_bytes: list[int]
     shared_bytes: int
-    kv_bytes_per_token_per_layer: int
+    kv_bytes_per_token_per_layer: int  # the largest of kv_layers' bytes_per_token (older files: every layer's)
     embed_bytes: int = 0
+    # each layer's KV cache as planned (model.KvLayer: bytes per token, sliding window, fixed state, sharded);
+    # None in files planned before per-layer estimates: every layer kv_bytes_per_token_per_layer, the whole context
+    kv_layers: Optional[list[KvLayer]] = None
 
 
 class RankAssignment(BaseModel):

@@ -2,7 +2,8 @@
 
 needed(rank) = bytes of its layers (pipeline) or 1/N of every layer (tensor)
              + shared bytes (embedding, norm, head: every pipeline rank keeps them)
-             + KV bytes/token/layer x its layers x context x batch
+             + KV: the sum over its layers of bytes/token x min(context, the layer's window) + a state layer's
+               fixed bytes, x batch (tensor: 1/N of the per-head caches, the whole of an MLA latent)
              + headroom (MLX allocator, activations, the Python process)
 usable(node) = memory_gb x 2^30 x usable_fraction
 """
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from clusterctl.errors import DoesNotFit
 from clusterctl.plan.inventory import GIB, Node
-from clusterctl.plan.model import ModelFacts
+from clusterctl.plan.model import KvLayer, ModelFacts
 
 DEFAULT_HEADROOM_GB = 0.5
 DEFAULT_BATCH = 8  # batch slots a plan reserves when --batch is not given (fewer when fewer fit)
@@ -27,16 +28,28 @@ class RankBytes(BaseModel):
     total: int
 
 
+def kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int = 1) -> int:
+    """KV-cache bytes of ``batch`` sequences of ``context`` tokens over these layers, on one of ``world`` tensor
+    ranks: caches kept per head are divided by the ranks (rounded up), an MLA latent is kept whole on each."""
+    sharded = whole = 0
+    for layer in layers:
+        if layer.sharded:
+            sharded += layer.bytes_at(context)
+        else:
+            whole += layer.bytes_at(context)
+    return -(-sharded * batch // world) + whole * batch
+
+
 def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world: int,
                context: int, batch: int, headroom_gb: float, embedding_offload: bool = False) -> RankBytes:
     # With embedding offload the token embedding stays on SSD (read row by row by clusterctl.ple).
     shared = facts.shared_bytes - (facts.embed_bytes if embedding_offload else 0)
     if parallel == "tensor":
         weights = -(-sum(facts.layer_bytes) // world) + shared
-        kv = -(-facts.kv_bytes_per_token_per_layer * facts.num_layers * context * batch // world)
+        kv = kv_bytes(facts.kv_layer_list(), context, batch, world)
     else:
         weights = sum(facts.layer_bytes[start:end]) + shared
-        kv = facts.kv_bytes_per_token_per_layer * (end - start) * context * batch
+        kv = kv_bytes(facts.kv_layer_list()[start:end], context, batch)
     headroom = int(headroom_gb * GIB)
     return RankBytes(weights=weights, kv=kv, headroom=headroom, total=weights + kv + headroom)
 

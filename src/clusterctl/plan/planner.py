@@ -13,7 +13,7 @@ from clusterctl.plan.deployment import (
 )
 from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, rank_bytes, slots_that_fit
 from clusterctl.plan.inventory import Cluster, Node
-from clusterctl.plan.model import ModelFacts
+from clusterctl.plan.model import KvLayer, ModelFacts
 
 
 def _weights(nodes: list[Node], allocation: str) -> list[Fraction]:
@@ -141,7 +141,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         model=ModelRef(name=facts.name, model_type=facts.model_type, source_path=model_path,
                        facts_hash=facts.facts_hash, num_layers=facts.num_layers, layer_bytes=facts.layer_bytes,
                        shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer,
-                       embed_bytes=facts.embed_bytes),
+                       embed_bytes=facts.embed_bytes, kv_layers=facts.kv_layer_list()),
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
         options=given, parallel_reason=why, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
@@ -150,6 +150,18 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
 
 
 def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:
-    """Recompute a deployment from its own recorded inputs and the model as it is now (for launch/replan checks)."""
+    """Recompute a deployment from its own recorded inputs and the model as it is now (for launch/replan checks).
+
+    While the model is unchanged (same facts hash) the KV cache is counted as the deployment recorded it, so a
+    newer estimate never invalidates an approved placement; a file from before per-layer estimates
+    (``model.kv_layers`` None) recorded one size for every layer."""
     cluster = Cluster(name=dep.cluster, nodes=dep.nodes)
-    return make_deployment(cluster, facts, dep.model.source_path, dep.options, path_map=dep.path_map)
+    if facts.facts_hash == dep.model.facts_hash and dep.model.num_layers == facts.num_layers:
+        recorded = dep.model.kv_layers or [KvLayer(kind="full", bytes_per_token=dep.model.kv_bytes_per_token_per_layer)
+                                           ] * dep.model.num_layers
+        if len(recorded) == facts.num_layers:
+            facts = facts.model_copy(update={"kv_layers": recorded})
+    new = make_deployment(cluster, facts, dep.model.source_path, dep.options, path_map=dep.path_map)
+    if dep.model.kv_layers is None:
+        new = new.model_copy(update={"model": new.model.model_copy(update={"kv_layers": None})})
+    return new
