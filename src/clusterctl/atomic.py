@@ -218,3 +218,22 @@ def move_aside(path: str | os.PathLike, reason: str = "corrupt") -> Path:
     os.replace(path, dest)
     fsync_dir(path.parent)
     return dest
+
+
+def clean_stale_folders(dest: str | os.PathLike) -> None:
+    """Remove the temp folders (``.<name>.tmp-<pid>-…``, ``.<name>.old-<pid>-…``) that builds of ``dest`` killed
+    part-way left beside it: those whose pid is gone. A folder of a build still running is left alone."""
+    import shutil
+
+    dest = Path(dest)
+    for prefix in (f".{dest.name}.tmp-", f".{dest.name}.old-"):
+        for d in dest.parent.glob(prefix + "*"):
+            try:
+                pid = int(d.name[len(prefix):].split("-", 1)[0])
+                os.kill(pid, 0)
+            except ValueError:
+                continue
+            except ProcessLookupError:
+                shutil.rmtree(d, ignore_errors=True)
+            except PermissionError:
+                continue

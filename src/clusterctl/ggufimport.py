@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from clusterctl.atomic import dumps, fsync_dir, read_json
+from clusterctl.atomic import clean_stale_folders, dumps, fsync_dir, read_json
 from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError, IntegrityError, MissingInput
 from clusterctl.gguf import Header, TensorInfo, read_header
 
@@ -507,7 +507,7 @@ def import_gguf(src: str | os.PathLike, dest: str | os.PathLike, *, overwrite: b
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(dest)
+        clean_stale_folders(dest)
         tmp.mkdir()
         need = int(header.file_size * 1.15) + (16 << 20)  # Q4_0 grows by 1/9 (a bias per block), plus the tokenizer
         free = _free_bytes(dest.parent)
@@ -539,16 +539,3 @@ def _install(tmp: Path, dest: Path, size: int, sha: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _clean_stale(dest: Path) -> None:
-    """Remove temp folders left by imports that were killed (their pid is gone)."""
-    for prefix in (f".{dest.name}.tmp-", f".{dest.name}.old-"):
-        for d in dest.parent.glob(prefix + "*"):
-            try:
-                pid = int(d.name[len(prefix):].split("-", 1)[0])
-                os.kill(pid, 0)
-            except ValueError:
-                continue
-            except ProcessLookupError:
-                shutil.rmtree(d, ignore_errors=True)
-            except PermissionError:
-                continue

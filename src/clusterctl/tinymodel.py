@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from clusterctl.atomic import atomic_write_json, read_json
+from clusterctl.atomic import atomic_write_json, clean_stale_folders, read_json
 from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError
 
 BUILDER_VERSION = 1
@@ -264,7 +264,7 @@ def build(
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(path)
+        clean_stale_folders(path)
         tmp.mkdir()
         _write(tmp, params, texts)
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
@@ -276,28 +276,6 @@ def build(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def _clean_stale(path: Path) -> None:
-    """Remove temp folders left by builds that were killed (their pid is gone)."""
-    for prefix in (f".{path.name}.tmp-", f".{path.name}.old-"):
-        for d in path.parent.glob(prefix + "*"):
-            try:
-                pid = int(d.name[len(prefix):].split("-", 1)[0])
-            except ValueError:
-                continue
-            if not _alive(pid):
-                shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _install(tmp: Path, path: Path, params: TinyParams) -> None:
