@@ -16,6 +16,7 @@ from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord
 from clusterctl.launch.procs import boot_id
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
+from diskutil import fill_disk  # noqa: F401  (the disk-full tests and bench/faults.py take it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -215,21 +216,4 @@ def make_job(state: Path, procs: list[subprocess.Popen | None], nonce: str, *, n
                        nodes=nodes, ranks=ranks)
     store.save(m)
     return m
-
-
-def fill_disk(folder: Path) -> Path:
-    """Fill the filesystem under ``folder`` to the last byte (whole pages, then single bytes) with one file,
-    ``folder/filler``; returns its path."""
-    path = Path(folder) / "filler"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        for chunk in (b"x" * 4096, b"x"):
-            try:
-                while True:
-                    os.write(fd, chunk)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    return path
 

@@ -234,3 +234,17 @@ def _loaded(path: str):
     if path not in _CACHE:
         _CACHE[path] = load(path)
     return _CACHE[path]
+
+
+def complete(c: "RankCluster", prompt: str, max_tokens: int, *, timeout: float = 300) -> dict:
+    """A greedy completion from rank 0 of ``c`` with its token ids: the choice (text, token_ids, ...)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=timeout)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}))
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    conn.close()
+    assert r.status == 200, out
+    return out["choices"][0]

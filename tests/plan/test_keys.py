@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from cliutil import run
+from diskutil import fill_disk
 from clusters import THREE, write_cluster
 
 
@@ -27,21 +28,6 @@ def small_state(tmp_path, monkeypatch):
     subprocess.run(["umount", "-l", str(d)])
 
 
-def _fill(folder):
-    path = folder / "filler"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        for chunk in (b"x" * 4096, b"x"):
-            try:
-                while True:
-                    os.write(fd, chunk)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    return path
-
-
 def test_a_full_disk_leaves_no_key_behind_and_the_next_plan_works(c3, model32, small_state):
     # a first plan records the model's manifest; then the key is gone and the disk full, so the key's creation
     # is the first write of the next plan
@@ -50,7 +36,7 @@ def test_a_full_disk_leaves_no_key_behind_and_the_next_plan_works(c3, model32, s
         p.unlink()
     for p in (small_state / "deployments").iterdir():
         p.unlink()
-    filler = _fill(small_state)
+    filler = fill_disk(small_state)
     r = run("plan", "-c", str(c3), "-m", str(model32), "--json")
     assert r.code == 73, r.stderr
     assert r.stderr.startswith("error: cannot write") and "Traceback" not in r.stderr

@@ -3,13 +3,12 @@ one mlx-lm process, for one request and for 4 concurrent ones (each identical to
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
 
 from archmodels import FAMILIES, UNBATCHABLE, WRAPPERS, build, build_hf_layout, config_of
-from rankharness import REPO, RankCluster, reference_tokens, tiny_model_path
+from rankharness import REPO, RankCluster, complete, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
 
@@ -20,28 +19,15 @@ def models():
     return {f: build(f, REPO / ".cache" / "arch-models" / f, tok) for f in FAMILIES}
 
 
-def _complete(c, prompt: str, max_tokens: int) -> list[int]:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
-    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
-        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}))
-    r = conn.getresponse()
-    out = json.loads(r.read())
-    conn.close()
-    assert r.status == 200, out
-    return out["choices"][0]["token_ids"]
-
-
 def _check(c, path):
     """One request, then all of PROMPTS at once: each identical to one process serving it alone."""
     want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
-    assert _complete(c, PROMPTS[0], 10) == want[PROMPTS[0]]
+    assert complete(c, PROMPTS[0], 10)["token_ids"] == want[PROMPTS[0]]
     got, errors = {}, []
 
     def run(i, p):
         try:
-            got[p] = _complete(c, p, 10 + 3 * i)
+            got[p] = complete(c, p, 10 + 3 * i)["token_ids"]
         except Exception as e:
             errors.append(repr(e))
 

@@ -4,11 +4,9 @@ process. Three local ranks exchange slowly on this machine (docs/rank.md), so th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from rankharness import REPO, RankCluster, reference_tokens
+from rankharness import REPO, RankCluster, complete, reference_tokens
 
 pytestmark = pytest.mark.slow
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -21,19 +19,6 @@ def smollm2():
     return import_gguf(smollm2_gguf_path(), REPO / ".cache" / "smollm2").dest
 
 
-def _complete(c, max_tokens: int) -> dict:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
-    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
-        {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}))
-    r = conn.getresponse()
-    out = json.loads(r.read())
-    conn.close()
-    assert r.status == 200, out
-    return out["choices"][0]
-
-
 def test_smollm2_in_pipeline_on_two_ranks(smollm2, tmp_path):
     from clusterctl.plan.model import inspect_model
 
@@ -42,12 +27,12 @@ def test_smollm2_in_pipeline_on_two_ranks(smollm2, tmp_path):
     assert facts.tensor_blockers(2) and facts.tensor_blockers(3) == []  # 9 heads: over 3 ranks, not 2
     want = reference_tokens(smollm2, PROMPT, 12)
     with RankCluster(tmp_path, smollm2, [7, 23], tag="smolp").up(timeout=180) as c:
-        got = _complete(c, 12)
+        got = complete(c, PROMPT, 12)
     assert got["token_ids"] == want and "Paris" in got["text"]
 
 
 def test_smollm2_sharded_over_three_ranks(smollm2, tmp_path):
     want = reference_tokens(smollm2, PROMPT, 4)
     with RankCluster(tmp_path, smollm2, [30, 30, 30], tag="smolt", tensor=True).up(timeout=180) as c:
-        got = _complete(c, 4)
+        got = complete(c, PROMPT, 4)
     assert got["token_ids"] == want
