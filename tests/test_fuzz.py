@@ -10,102 +10,21 @@ reach the user as a traceback. Case counts: `pytest tests/test_fuzz.py --hypothe
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
-import os
 import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from clusterctl.errors import ClusterctlError
-
-MAX_EXAMPLES = int(os.environ.get("CLUSTERCTL_FUZZ_EXAMPLES", "300"))  # per parser and variant source; more: deeper
-FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
-                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
-JSON_ANY = st.recursive(JSON_LEAF, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                          st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                        max_leaves=12)
-
-
-def byte_variants(sample: bytes):
-    """Random bytes, truncations, one to eight flipped bytes, and a sample with junk appended."""
-    n = len(sample)
-
-    def flip(edits):
-        b = bytearray(sample)
-        for i, v in edits:
-            b[i % n] = v
-        return bytes(b)
-
-    return st.one_of(
-        st.binary(max_size=2 * n),
-        st.integers(0, n).map(lambda k: sample[:k]),
-        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 255)), min_size=1, max_size=8).map(flip),
-        st.binary(min_size=1, max_size=64).map(lambda junk: sample + junk),
-    )
-
-
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, prefix + (i,))
-
-
-def _replace(obj, path, value):
-    if not path:
-        return value
-    head, rest = path[0], path[1:]
-    if isinstance(obj, dict):
-        return {**obj, head: _replace(obj[head], rest, value)}
-    out = list(obj)
-    out[head] = _replace(obj[head], rest, value)
-    return out
-
-
-@st.composite
-def json_variants(draw, doc):
-    """The document with one to three values (or whole subtrees) replaced, a key dropped or added."""
-    out = doc
-    for _ in range(draw(st.integers(1, 3))):
-        paths = list(_paths(out))
-        path = draw(st.sampled_from(paths))
-        action = draw(st.sampled_from(["replace", "drop", "add"]))
-        if action == "replace":
-            out = _replace(out, path, draw(JSON_ANY))
-        elif action == "drop" and path:
-            parent = path[:-1]
-            node = out
-            for p in parent:
-                node = node[p]
-            if isinstance(node, dict):
-                out = _replace(out, parent, {k: v for k, v in node.items() if k != path[-1]})
-        elif action == "add":
-            node = out
-            for p in path:
-                node = node[p]
-            if isinstance(node, dict):
-                out = _replace(out, path, {**node, draw(st.text(max_size=8)): draw(JSON_ANY)})
-    return out
-
-
-CASES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # test -> outcome -> cases
-_current = [""]
+from fuzzutil import (FUZZ, JSON_ANY, byte_variants, count, json_variants,
+                      only_clean_errors, report_cases, set_current, write_file as _write)
 
 
 @pytest.fixture(autouse=True)
 def _count_cases(request):
-    _current[0] = request.node.name
+    set_current(request.node.name)
     yield
 
 
@@ -113,33 +32,7 @@ def _count_cases(request):
 def _report_cases(request):
     """After the module: how many cases ran per parser (accepted / refused cleanly), on the terminal."""
     yield
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not CASES:
-        return
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        tr.write_line("")
-        tr.write_line(f"fuzz cases per parser (CLUSTERCTL_FUZZ_EXAMPLES={MAX_EXAMPLES}):")
-        for name, c in CASES.items():
-            tr.write_line(f"  {name}: {sum(c.values())} cases ({c['accepted']} accepted, "
-                          f"{c['refused']} refused cleanly)")
-
-
-def count(outcome: str) -> None:
-    CASES[_current[0]][outcome] += 1
-
-
-def only_clean_errors(fn, *args):
-    """Call a parser: a result or a ClusterctlError with a one-line message; anything else fails the test."""
-    try:
-        out = fn(*args)
-    except ClusterctlError as e:
-        assert e.message and "\n" not in e.message.strip(), repr(e.message)
-        assert int(e.exit_code) in (1, 2, 65, 66, 69, 73, 75, 77, 78), e.exit_code
-        count("refused")
-        return None
-    count("accepted")
-    return out
+    report_cases(request, "fuzz cases per parser")
 
 
 # ---- samples -----------------------------------------------------------------------------------------------------
@@ -188,12 +81,6 @@ type = "thunderbolt"
 rdma = true
 device = "rdma_en3"
 '''
-
-
-def _write(tmp: Path, name: str, data: bytes) -> Path:
-    p = tmp / name
-    p.write_bytes(data)
-    return p
 
 
 # ---- cluster.toml ------------------------------------------------------------------------------------------------

@@ -836,6 +836,14 @@ def _main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, typer.Abort):
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        # a path the filesystem refuses where no command expected it (a name over 255 bytes, a path through a
+        # file): the operator's input, said in one line, not an internal error
+        import errno
+
+        where = f": {e.filename}" if e.filename else ""
+        code = Exit.CANTCREAT if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) else Exit.NOINPUT
+        _fail(ClusterctlError(f"{e.strerror or type(e).__name__}{where}", exit_code=code), hint=False)
     except Exception as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # Typer's own Click: no public name to catch it by
             sys.exit(int(Exit.USAGE))  # the help was printed; no empty "error:" line after it

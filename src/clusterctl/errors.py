@@ -6,6 +6,7 @@ one-line message; the CLI edge prints ``error: <message>`` (plus an optional hin
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 
 
@@ -28,6 +29,8 @@ _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f]} | {0x0a: "\\n", 0x0d
 
 
 MAX_MESSAGE = 2000  # characters of one error line; a longer one (a 1 MB value echoed) keeps its start and end
+MAX_WORD = 240  # one run without spaces (a value echoed whole: a path, a name) is cut beyond this
+_LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
 
 
 def one_line(text: str) -> str:
@@ -37,6 +40,8 @@ def one_line(text: str) -> str:
     text = str(text).strip()
     if any(ord(c) < 0x20 or ord(c) == 0x7f for c in text):
         text = text.translate(_CONTROL)
+    if len(text) > MAX_WORD:
+        text = _LONG_WORD.sub(lambda m: f"{m.group(0)[:120]}...({len(m.group(0))} characters)", text)
     if len(text) > MAX_MESSAGE:
         cut = len(text) - MAX_MESSAGE + 200
         text = f"{text[:MAX_MESSAGE - 400]} [... {cut} characters cut ...] {text[-200:]}"

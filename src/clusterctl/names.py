@@ -13,12 +13,15 @@ from typing import Annotated
 from pydantic import StringConstraints
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # cluster and node names (cluster.toml)
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$"  # deployment ids (<cluster>-<hash>), job ids (<deployment>-<time>-<hex>)
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$"  # job ids (<deployment>-<yyyymmddHHMMSS>-<6 hex>)
+# a deployment id (<cluster>-<hash>) leaves room for the 22 characters a job id adds to it
+DEPLOYMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,177}$"
 NAME_RE = re.compile(NAME_PATTERN)
 ID_RE = re.compile(ID_PATTERN)
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 Ident = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+DeploymentIdent = Annotated[str, StringConstraints(pattern=DEPLOYMENT_ID_PATTERN)]
 
 
 def clip(value: str, limit: int = 80) -> str:

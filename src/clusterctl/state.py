@@ -89,11 +89,14 @@ class StateDir:
     def deployment_path(self, ref: str) -> Path:
         """A deployment given as a file path or as an id in the state dir."""
         p = Path(ref)
-        if p.exists() or "/" in ref or ref.endswith(".json"):
-            return p
-        cand = self.deployments / f"{ref}.json"
-        if cand.exists():
-            return cand
+        try:
+            if p.exists() or "/" in ref or ref.endswith(".json"):
+                return p
+            cand = self.deployments / f"{ref}.json"
+            if cand.exists():
+                return cand
+        except OSError as e:  # a name too long for the filesystem, a path through a file
+            raise MissingInput(f"no deployment {ref!r}: {e.strerror or e}") from None
         raise MissingInput(f"no deployment {ref!r}: not a file, and not in {self.deployments}")
 
     def load_deployment(self, ref: str):

@@ -57,11 +57,29 @@ class LaunchFailed(ClusterctlError):
         return out
 
 
+def lease_from_env() -> float:
+    """The launcher lease from env CLUSTERCTL_LAUNCHER_LEASE (unset or empty: the default), checked like --lease."""
+    import math
+
+    from clusterctl.errors import UsageError
+
+    text = os.environ.get(ENV_LEASE, "").strip()
+    if not text:
+        return DEFAULT_LEASE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 1 <= value <= 3600):
+        raise UsageError(f"{ENV_LEASE}={text[:40]!r} is not a number of seconds in [1, 3600]")
+    return value
+
+
 @dataclass
 class LaunchOptions:
     timeout: float = 600.0
     grace: float = DEFAULT_GRACE
-    lease_seconds: float = field(default_factory=lambda: float(os.environ.get(ENV_LEASE, DEFAULT_LEASE)))
+    lease_seconds: float = field(default_factory=lambda: lease_from_env())
     detach: bool = False
     http_host: str = "127.0.0.1"
     http_port: int | None = None

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from clusterctl.atomic import dumps, strict_loads
 from clusterctl.errors import IntegrityError
 from clusterctl.plan.fit import RankBytes
-from clusterctl.names import Ident, Name
+from clusterctl.names import DeploymentIdent, Name
 from clusterctl.plan.inventory import Node
 from clusterctl.plan.model import KvLayer
 from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
@@ -71,7 +71,7 @@ class Deployment(BaseModel):
 
     schema_version: Literal[2] = SCHEMA_VERSION
     type: Literal["deployment"] = KIND
-    deployment_id: Ident
+    deployment_id: DeploymentIdent
     created_at: str
     cluster: Name
     model: ModelRef

@@ -190,7 +190,7 @@ def parse_cluster(data: dict, *, source: str = "cluster.toml") -> Cluster:
     nodes: list[Node] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(raw_nodes):
-        label = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else f"#{i + 1}"
+        label = clip(raw["name"]) if isinstance(raw, dict) and isinstance(raw.get("name"), str) else f"#{i + 1}"
         try:
             node = Node.model_validate(raw)
         except ValidationError as e:

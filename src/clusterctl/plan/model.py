@@ -30,7 +30,7 @@ DTYPE_BYTES = {
     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
 }
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-MAX_LAYERS = 1 << 16  # the largest published models have a few hundred; beyond this a config is nonsense
+MAX_LAYERS = 1024  # the largest published models have a few hundred; plan builds the class (lazily) with them
 MAX_SIZE = 1 << 24  # hidden size, heads, vocabulary: far above any real model, small enough to plan with
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
