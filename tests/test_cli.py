@@ -59,7 +59,7 @@ def test_a_config_with_absurd_sizes_is_a_config_error_not_a_memory_error(tmp_pat
     c.write_text("[[node]]\nname = 'a'\nmemory_gb = 8\n")
     r = run("plan", "-c", str(c), "-m", str(m), "--json")
     _one_error_line(r, 78)
-    assert "num_hidden_layers must be an integer in [1, 65536]" in r.stderr and r.json()["ok"] is False
+    assert "num_hidden_layers must be an integer in [1, 1024]" in r.stderr and r.json()["ok"] is False
 
 
 @pytest.fixture

@@ -71,5 +71,7 @@ def test_a_huge_cluster_name_is_not_echoed_whole(tmp_path, model32, state):
 def test_an_error_message_is_never_longer_than_a_screenful():
     from clusterctl.errors import MAX_MESSAGE, ClusterctlError
 
-    e = ClusterctlError("x" * 1_000_000 + " tail")
+    e = ClusterctlError("x" * 1_000_000 + " tail")  # one long run: cut to its start and its length
+    assert len(e.message) < 200 and e.message.endswith("(1000000 characters) tail")
+    e = ClusterctlError("word " * 200_000 + "tail")  # many short words: the line keeps its start and end
     assert len(e.message) <= MAX_MESSAGE and e.message.endswith("tail") and "characters cut" in e.message
