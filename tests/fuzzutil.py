@@ -416,3 +416,21 @@ def _worker_main(extra_memory: int, warm: list[str] | None) -> None:
         if cwd:
             os.chdir(cwd)
         send(run_cli(argv, env=env))
+
+
+def counting_fixtures(title: str):
+    """The two autouse fixtures of a fuzz module: each test's cases are counted under its name, and after the
+    module the counts are printed under ``title``. Use: ``_count_cases, _report_cases = counting_fixtures(...)``."""
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _count_cases(request):
+        set_current(request.node.name)
+        yield
+
+    @pytest.fixture(autouse=True, scope="module")
+    def _report_cases(request):
+        yield
+        report_cases(request, title)
+
+    return _count_cases, _report_cases

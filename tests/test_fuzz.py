@@ -18,21 +18,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzutil import (FUZZ, JSON_ANY, byte_variants, count, json_variants,
-                      only_clean_errors, report_cases, set_current, write_file as _write)
+from fuzzutil import (counting_fixtures, FUZZ, JSON_ANY, byte_variants, count, json_variants,
+                      only_clean_errors, write_file as _write)
 
 
-@pytest.fixture(autouse=True)
-def _count_cases(request):
-    set_current(request.node.name)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_cases(request):
-    """After the module: how many cases ran per parser (accepted / refused cleanly), on the terminal."""
-    yield
-    report_cases(request, "fuzz cases per parser")
+_count_cases, _report_cases = counting_fixtures("fuzz cases per parser")
 
 
 # ---- samples -----------------------------------------------------------------------------------------------------

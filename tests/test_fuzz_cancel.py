@@ -36,7 +36,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from fuzzutil import count, fuzz_settings, report_cases, set_current
+from fuzzutil import counting_fixtures, count, fuzz_settings
 
 from clusterctl.errors import ClusterctlError
 
@@ -46,16 +46,7 @@ TICK = 0.05
 FAST_ROOT = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None  # every write here fsyncs: tmpfs
 
 
-@pytest.fixture(autouse=True)
-def _count_cases(request):
-    set_current(request.node.name)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_cases(request):
-    yield
-    report_cases(request, "cancel machine steps")
+_count_cases, _report_cases = counting_fixtures("cancel machine steps")
 
 
 _who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="?")

@@ -37,7 +37,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzutil import cli_problems as check
+from fuzzutil import counting_fixtures, cli_problems as check
 from fuzzutil import cache_typer_command, count, fuzz_settings, report_cases, run_cli, set_current
 
 LONG = 1 << 20  # the "1 MB" argument
@@ -288,16 +288,7 @@ def world(tmp_path_factory):
         yield w
 
 
-@pytest.fixture(autouse=True)
-def _count_cases(request):
-    set_current(request.node.name)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_cases(request):
-    yield
-    report_cases(request, "CLI fuzz cases per command")
+_count_cases, _report_cases = counting_fixtures("CLI fuzz cases per command")
 
 
 def base_value(p: Param, w: World) -> str:

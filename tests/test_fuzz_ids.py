@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzutil import count, fuzz_settings, report_cases, set_current
+from fuzzutil import counting_fixtures, count, fuzz_settings
 
 from clusterctl.errors import ClusterctlError
 
@@ -118,16 +118,7 @@ def deployment(tmp_path_factory):
     return make_deployment(c, facts, "/m", PlanOptions())
 
 
-@pytest.fixture(autouse=True)
-def _count_cases(request):
-    set_current(request.node.name)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_cases(request):
-    yield
-    report_cases(request, "identifier fuzz cases per source")
+_count_cases, _report_cases = counting_fixtures("identifier fuzz cases per source")
 
 
 # ---- sources: a file carrying the id, and the product's parser of it ----------------------------------------------

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzutil import CliWorker, cli_problems, count, fuzz_settings, report_cases, set_current
+from fuzzutil import counting_fixtures, CliWorker, cli_problems, count, fuzz_settings
 
 LIMITS = [0, -1, 1, 2, 65536, 65537, 2**24 + 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63, 2**64, 10**12, 10**19, 10**100,
           -(2**63), 0.5, 1e-300, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), "12", "", True, False,
@@ -184,16 +184,7 @@ def lab():
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _count_cases(request):
-    set_current(request.node.name)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _report_cases(request):
-    yield
-    report_cases(request, "limit fuzz cases per source")
+_count_cases, _report_cases = counting_fixtures("limit fuzz cases per source")
 
 
 def _fail_with(found: dict) -> None:
