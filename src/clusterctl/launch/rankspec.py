@@ -72,6 +72,9 @@ class RankSpec(BaseModel):
     # the nice value of the rank's compute threads, below its HTTP and control threads (launch/rank/priority.py)
     compute_nice: int = Field(default=10, ge=0, le=19)
     cancel_checks: bool = True
+    # pipeline decode: "overlap" keeps one micro-batch per stage in flight (launch/rank/overlap.py), "lockstep"
+    # runs every step on every rank together; overlap applies to a split pipeline of 2+ ranks, else lockstep
+    schedule: Literal["lockstep", "overlap"] = "overlap"
 
     @model_validator(mode="after")
     def _consistent(self) -> "RankSpec":
@@ -115,6 +118,11 @@ class RankSpec(BaseModel):
     def mlx_split(self) -> list[int]:
         """The ``split`` argument of mlx-lm's ``pipeline(group, split)``: layer counts in rank order."""
         return list(self.layer_counts)
+
+    @property
+    def overlapped(self) -> bool:
+        """Does this rank run the overlapped schedule? (a pipeline of 2 or more ranks asked for it)"""
+        return self.schedule == "overlap" and self.world_size > 1 and self.parallel == "pipeline"
 
     @property
     def probes_on(self) -> bool:

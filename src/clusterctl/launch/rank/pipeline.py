@@ -134,7 +134,8 @@ def load_shard(spec: RankSpec):
         if all(k in KV_CACHES for k in cache_kinds(model)):
             from clusterctl.launch.rank.stage import split_blocks
 
-            split_blocks(model, spec.rank, spec.world_size, spec.start_layer, spec.end_layer)
+            split_blocks(model, spec.rank, spec.world_size, spec.start_layer, spec.end_layer,
+                         gather=not spec.overlapped)
         elif hasattr(inner, "pipeline"):  # state or linear-attention caches: mlx-lm's own split (plan/archs.py)
             inner.pipeline(_Slot(spec.rank, spec.world_size), split=spec.mlx_split)
             if (inner.start_idx, inner.end_idx) != (spec.start_layer, spec.end_layer):

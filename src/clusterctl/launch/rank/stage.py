@@ -9,8 +9,10 @@ blocks changes, keeping its length (so a block's index, and the mask the model p
   a rotating window's position) is exactly what it would be, and masks built from any block's cache are right;
 - this stage's first block receives the hidden state from the previous stage (``Recv``), its last block sends it
   on (``Send``, tied into that block's cache: a prompt chunk's logits are never evaluated, its caches are);
-- the model's last block (on every rank: real or ``Skip``) ends in ``Gather``, an all_sum in which only the last
-  stage contributes, so every rank gets the final hidden state and computes the same logits and the same token.
+- lockstep (``gather``): the model's last block (on every rank: real or ``Skip``) ends in ``Gather``, an all_sum
+  in which only the last stage contributes, so every rank gets the final hidden state and computes the same
+  logits and the same token. Overlapped (overlap.py): no ``Gather``; only the last stage (rank 0) computes logits
+  and samples, and sends the token ids on to the first stage.
 
 Stage order is mlx-lm's: rank ``world - 1`` runs the first blocks and rank 0 the last ones, so a deployment's
 layer ranges mean what they always meant. Messages on each link come in the same order on both ends by
@@ -94,9 +96,11 @@ class Gather(_Around):
         return mx.distributed.all_sum(h, group=self._group)
 
 
-def split_blocks(model: nn.Module, rank: int, world: int, start: int, end: int, group=None) -> nn.Module:
+def split_blocks(model: nn.Module, rank: int, world: int, start: int, end: int, group=None, *,
+                 gather: bool = True) -> nn.Module:
     """Keep blocks [start, end) of ``model`` for this rank (the others become Skip, their weights dropped).
-    ``group`` None: the process's group, once joined (the split is made before the ring is)."""
+    ``group`` None: the process's group, once joined (the split is made before the ring is). ``gather``: end the
+    model in an all_sum of the last stage's hidden state (the lockstep schedule)."""
     inner = text_model(model)
     blocks = list(inner.layers)
     n = len(blocks)
@@ -110,9 +114,16 @@ def split_blocks(model: nn.Module, rank: int, world: int, start: int, end: int, 
             blocks[start] = Recv(blocks[start], rank + 1, group)
         if end < n:
             blocks[end - 1] = Send(blocks[end - 1], rank - 1, group)
-        blocks[n - 1] = Gather(blocks[n - 1], end == n, group)
+        if gather:
+            blocks[n - 1] = Gather(blocks[n - 1], end == n, group)
     inner.layers = blocks
     return model
+
+
+def is_split(model: nn.Module) -> bool:
+    """Was the model split by ``split_blocks`` (and not by mlx-lm's own ``pipeline()``)?"""
+    inner = text_model(model)
+    return inner is not None and any(isinstance(b, (Skip, _Around)) for b in inner.layers)
 
 
 def weight_name(param: str) -> str:

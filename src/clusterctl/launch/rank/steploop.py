@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -69,10 +70,29 @@ class StepLoop:
         """Hold the next meeting now (a stop was asked), calling the other ranks to it."""
         self.idle.local()
 
-    def run(self) -> None:
+    def _new_batch(self):
+        """Lockstep (batch.py) or, for a pipeline split by our stage code, overlapped (overlap.py)."""
+        from clusterctl.launch.rank.stage import is_split
+
+        if self.spec.overlapped and is_split(self.model):
+            from clusterctl.launch.rank.overlap import OverlapBatch
+
+            return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
+                                max_batch=self.spec.max_batch)
         from clusterctl.launch.rank.batch import Batch
 
-        self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+
+    @property
+    def overlapped(self) -> bool:
+        return self.batch is not None and hasattr(self.batch, "mbs")
+
+    def run(self) -> None:
+        self.batch = self._new_batch()
+        if self.world > 1:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"rank {self.spec.rank}: decode schedule "
+                                 f"{'overlap' if self.overlapped else 'lockstep'}\n")
         cadence, gap, ticks = Cadence(), FIRST_CHECKPOINT, 0
         try:
             while True:
@@ -86,7 +106,7 @@ class StepLoop:
                     cadence, gap = Cadence(), FIRST_CHECKPOINT
                     continue
                 ticks = 0
-                steps = self._steps(gap)
+                steps = self._run(gap) if self.overlapped else self._steps(gap)
                 # a world of one meets itself for free: after every step (new requests join at once)
                 gap = 1 if self.world == 1 else cadence.next_gap(steps) if self.leader else gap
         finally:
@@ -102,7 +122,12 @@ class StepLoop:
         if self.leader and not stop_vote:
             self._apply_cancels()
             drops = [rid for rid, j in self.inflight.items() if j.cancelled.is_set()]
+            if self.overlapped:  # answered early (EOS, a stop string): their rows leave now
+                drops += [rid for rid in self.batch.ended() if rid not in drops]
             adds = self._take(self.batch.room + len(drops))
+            if self.overlapped:  # no request runs past its max_tokens: one ending by length ends the run
+                limit = self.batch.rounds_limit(drops, [r for r, _ in adds])
+                gap = min(gap, limit) if limit is not None else gap
         payload = json.dumps({"add": [r.__dict__ for r, _ in adds], "drop": drops},
                              separators=(",", ":")).encode() if adds or drops else b""
         if self.world == 1:
@@ -214,10 +239,8 @@ class StepLoop:
             self._fail_all(e, [rid for rid, _ in done])
             if self.world > 1 or not isinstance(e, (ValueError, RuntimeError)):
                 raise  # ranks may now be out of step: the rank must end
-            from clusterctl.launch.rank.batch import Batch
-
             self.batch.close()
-            self.batch = Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+            self.batch = self._new_batch()
             return n
         for rid, res in done:
             self.active.remove(rid)
@@ -226,6 +249,22 @@ class StepLoop:
             if job is not None:
                 self._finish(job, res)
         return n
+
+    def _run(self, rounds: int) -> int:
+        """Overlapped: ``rounds`` steps of every micro-batch (rank 0 answers each request as it finishes)."""
+        try:
+            return self.batch.run(rounds, on_done=self._done,
+                                  on_step=self.marker.touch_step if self.marker is not None else None)
+        except Exception as e:
+            self._fail_all(e, [])
+            raise  # ranks may now be out of step: the rank must end
+
+    def _done(self, rid: str, res: GenResult) -> None:
+        self.active.remove(rid)
+        self.served += 1
+        job = self.inflight.pop(rid, None)
+        if job is not None:
+            self._finish(job, res)
 
     def _fail_all(self, e: Exception, finished: list[str]) -> None:
         err = ApiError(500, f"generation failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",

@@ -1,0 +1,62 @@
+"""Sampling on the last stage of an overlapped pipeline: one random stream per request.
+
+mlx-lm's samplers draw from MLX's global random state, so a request's tokens at temperature > 0 depend on who
+else was sampled before it in the same batch. Here each request owns a key, made from its seed and split once
+per token, so a request with a ``seed`` gives the same tokens whatever else is in the batch. The filters (top-p,
+min-p, top-k, in mlx-lm's order) and the logits processors (repetition penalty) are mlx-lm's own.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from clusterctl.launch.rank.pipeline import GenRequest
+
+
+class RowSampler:
+    """How one request's next token is chosen from its logits."""
+
+    def __init__(self, req: GenRequest):
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+        self.temp = float(req.temperature)
+        self.filters = []
+        if 0 < req.top_p < 1.0:
+            self.filters.append(lambda x, p=req.top_p: apply_top_p(x, p))
+        if req.min_p != 0.0:
+            self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
+        if req.top_k > 0:
+            self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
+        self.procs = make_logits_processors(repetition_penalty=req.repetition_penalty) \
+            if req.repetition_penalty else []
+        self.history = list(req.tokens) if self.procs else None  # what the processors look back on
+        self.key = mx.random.key(req.seed) if self.temp > 0 else None
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.temp == 0 and not self.procs
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """``logits`` of shape (1, vocab) -> the token, shape (1,)."""
+        if self.procs:
+            context = mx.array(self.history)
+            for proc in self.procs:
+                logits = proc(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.temp == 0:
+            return mx.argmax(logprobs, axis=-1)
+        for f in self.filters:
+            logprobs = f(logprobs)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+
+    def took(self, token: int) -> None:
+        if self.history is not None:
+            self.history.append(token)
+
+
+def sample_rows(samplers: list[RowSampler], logits: mx.array) -> mx.array:
+    """The next token of every row of ``logits`` (rows, vocab): one argmax when every row is plain greedy."""
+    if all(s.plain_greedy for s in samplers):
+        return mx.argmax(logits, axis=-1)
+    return mx.concatenate([s(logits[i:i + 1]) for i, s in enumerate(samplers)], axis=0)
