@@ -64,6 +64,7 @@ class PlanOptions(BaseModel):
     batch: Optional[int] = Field(default=None, ge=1)  # None: as many slots as fit, up to DEFAULT_BATCH
     headroom_gb: float = Field(default=0.5, ge=0)
     embedding_offload: Literal["off", "on", "auto"] = "off"
+    schedule: Literal["auto", "lockstep", "overlap"] = "auto"
 
 
 class Deployment(BaseModel):
@@ -90,6 +91,10 @@ class Deployment(BaseModel):
     slots: Optional[int] = None  # how many batch slots (sequences of options.context tokens) fit on every rank
     batch: Optional[int] = None  # the batch slots the ranks serve: options.batch, or as many as fit up to 8
     parallel_reason: Optional[str] = None  # why --parallel auto chose what it chose
+    # how the ranks decode: micro-batches in flight on every stage, or every step on every rank together
+    # (None: a file from before schedules; the ranks overlap where they can)
+    schedule: Optional[Literal["lockstep", "overlap"]] = None
+    schedule_reason: Optional[str] = None
 
     @property
     def batch_slots(self) -> int:
@@ -146,6 +151,8 @@ def diff_placement(old: Deployment, new: Deployment) -> list[str]:
         out.append(f"backend: {old.backend} -> {new.backend}")
     if old.parallel != new.parallel:
         out.append(f"parallel: {old.parallel} -> {new.parallel}")
+    if (old.schedule or "overlap") != (new.schedule or "overlap"):
+        out.append(f"schedule: {old.schedule or 'overlap'} -> {new.schedule or 'overlap'}")
     a, b = placement_lines(old.ranks), placement_lines(new.ranks)
     for i in range(max(len(a), len(b))):
         x = a[i] if i < len(a) else "(none)"

@@ -79,6 +79,27 @@ def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], alloca
     return "tensor", f"tensor: every pair of nodes has a fast link and the model shards evenly over {len(nodes)} ranks"
 
 
+def choose_schedule(asked: str, facts: ModelFacts, nodes: list[Node], parallel: str) -> tuple[str, str]:
+    """(schedule, why): overlap needs a pipeline of 2 or more ranks split by clusterctl's stage code."""
+    from clusterctl.plan.archs import STAGES
+
+    if len(nodes) < 2:
+        blocker = "one rank has no stages to overlap"
+    elif parallel != "pipeline":
+        blocker = "tensor parallel ranks compute every layer together"
+    elif facts.pipeline not in (STAGES, None):
+        blocker = f"model type {facts.model_type!r} is split by mlx-lm's own pipeline(), which runs in lockstep"
+    else:
+        blocker = None
+    if asked == "overlap" and blocker:
+        raise ConfigError(f"--schedule overlap: {blocker}", hint="use --schedule lockstep (or auto)")
+    if asked == "lockstep":
+        return "lockstep", "asked for"
+    if blocker:
+        return "lockstep", blocker
+    return "overlap", "asked for" if asked == "overlap" else "a micro-batch per stage in flight"
+
+
 def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, options: PlanOptions, *,
                     path_map: dict[str, str] | None = None, now: datetime | None = None) -> Deployment:
     nodes = cluster.nodes
@@ -87,6 +108,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
     parallel, why = choose_parallel(options.parallel, facts, nodes, options.allocation)
     options = options.model_copy(update={"parallel": parallel})
     counts = layer_counts(nodes, facts.num_layers, options)
+    schedule, schedule_why = choose_schedule(options.schedule, facts, nodes, parallel)
     if parallel == "tensor" and len(nodes) > 1:
         blockers = facts.tensor_blockers(len(nodes))
         if blockers:
@@ -145,7 +167,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
         options=given, parallel_reason=why, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
-        slots=slots, batch=batch,
+        slots=slots, batch=batch, schedule=schedule, schedule_reason=schedule_why,
     )
 
 
