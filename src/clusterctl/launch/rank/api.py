@@ -1,5 +1,6 @@
 """Rank 0's HTTP server: routes, API key, admission (at most max_batch + max_queue requests, then 429), hostile
-clients, and the JSON / server-sent-event responses; generation itself is the step loop's (``steploop``)."""
+clients, the JSON / server-sent-event responses and what they tell the metrics (``metrics``, ``GET /metrics``);
+generation itself is the step loop's (``steploop``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from clusterctl.errors import ConfigError
 from clusterctl.launch.rank.jobs import ActiveSet, Job, JobQueue
+from clusterctl.launch.rank.metrics import Metrics, metrics_open, outcome_of
 from clusterctl.launch.rank.openai import ApiError, RequestBuilder
 from clusterctl.launch.rank.pipeline import GenResult
 from clusterctl.launch.rankspec import RankSpec
@@ -37,8 +39,13 @@ class Api:
         self.builder: RequestBuilder | None = None
         self._key = spec.api_key_value()
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
+        self._jobs: dict[str, Job] = {}  # those requests, for the batch occupancy a scrape reads
         self.capacity = spec.max_batch + spec.max_queue
         self._lock = threading.Lock()
+        self.metrics = Metrics(rank=spec.rank, max_batch=spec.max_batch, max_queue=spec.max_queue,
+                               queue_depth=jobs.__len__, occupancy=self.occupancy,
+                               serving=lambda: self.state == "serving")
+        self.metrics_open = metrics_open()  # read once, on rank 0: /metrics without the API key
         # The listen backlog holds connections not yet accepted. socketserver's default of 5 drops the SYNs of a
         # burst of clients (64 reconnecting at once): the kernel then retries after 1 s, so /health took 1 s.
         server_class = type("RankHTTPServer", (ThreadingHTTPServer,),
@@ -82,12 +89,24 @@ class Api:
                 raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
                                     "waiting", type="rate_limit_error", retry_after=RETRY_AFTER_S)
             self._inflight += 1
+            self._jobs[job.id] = job
         self.active.add(job.id)
         if not self.jobs.put(job):
             self.active.remove(job.id)
-            with self._lock:
-                self._inflight -= 1
+            self.release(job)
             raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+
+    def release(self, job: Job) -> None:
+        """The request's HTTP side is over (answered, refused, or its client left)."""
+        with self._lock:
+            self._inflight -= 1
+            self._jobs.pop(job.id, None)
+
+    def occupancy(self) -> int:
+        """Requests in the batch now: joined it, not yet finished (read by a scrape, not per token)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        return sum(1 for j in jobs if j.started_at is not None and j.finished_at is None)
 
     def authorized(self, header: str | None) -> bool:
         if self._key is None:
@@ -111,6 +130,22 @@ def _handler(api: Api):
 
         def log_message(self, fmt, *args):  # quiet: no request logs on stderr (prompts are private)
             pass
+
+        # -- one outcome per request, counted once it is over: the status sent, unless the handler says better
+        # (a stream that ended in an error or a cancel, a client that left); None: not counted (/health, /metrics)
+        _outcome: str | None = None
+
+        def handle_one_request(self):
+            self._outcome = None
+            try:
+                super().handle_one_request()
+            finally:
+                if self._outcome is not None:
+                    api.metrics.request_done(self._outcome)
+
+        def send_response(self, code, message=None):
+            self._outcome = outcome_of(code)
+            super().send_response(code, message)
 
         # -- helpers
         def send_error(self, code, message=None, explain=None):
@@ -180,6 +215,10 @@ def _handler(api: Api):
             if path == "/health":
                 ok = api.state == "serving"
                 self._json(200 if ok else 503, {"status": "ok" if ok else api.state})
+                self._outcome = None
+            elif path == "/metrics":
+                self._metrics()
+                self._outcome = None
             elif not self._auth():  # every route but /health: no key, no answer (not even which routes exist)
                 return
             elif path in ("/v1/models", "/v1/models/" + api.model_name):
@@ -187,6 +226,17 @@ def _handler(api: Api):
                 self._json(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
             else:
                 self._error(ApiError(404, f"no route {path}", type="not_found_error"))
+
+        def _metrics(self) -> None:
+            """Prometheus text (or OpenMetrics, if the scraper asks); the API key unless the operator opened it."""
+            if not api.metrics_open and not self._auth():
+                return
+            data, content_type = api.metrics.render(self.headers.get("Accept"))
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
         def do_POST(self):
             path = self.path.split("?", 1)[0]
@@ -215,9 +265,9 @@ def _handler(api: Api):
                 job.gone.set()
                 job.cancelled.set()
                 self.close_connection = True
+                self._outcome = "cancelled"
             finally:
-                with api._lock:
-                    api._inflight -= 1
+                api.release(job)
                 api.active.remove(job.id)
 
         def _not_allowed(self):
@@ -256,9 +306,26 @@ def _handler(api: Api):
                         job.cancelled.set()
                         self.close_connection = True
                 try:
-                    return job.events.get(timeout=CLIENT_POLL_S)
+                    event = job.events.get(timeout=CLIENT_POLL_S)
                 except queue.Empty:
-                    pass
+                    continue
+                if event[0] == "text" and job.first_token_at is None:
+                    job.first_token_at = time.monotonic()
+                    api.metrics.first_token(job.first_token_at - job.arrived_at)
+                elif event[0] == "done":
+                    self._finished(job, event[1])
+                return event
+
+        def _finished(self, job: Job, result: GenResult) -> None:
+            """A generation is over: its tokens, its time per output token, and a first token that came only
+            with the end (all its text was held back, e.g. by a possible stop string)."""
+            now, n = time.monotonic(), len(result.tokens)
+            api.metrics.tokens(result.prompt_tokens, n)
+            if n and job.first_token_at is None:
+                job.first_token_at = now
+                api.metrics.first_token(now - job.arrived_at)
+            elif n >= 2 and result.finish_reason != "cancelled":
+                api.metrics.per_output_token((now - job.first_token_at) / (n - 1))
 
         def _drain_body(self) -> None:
             try:
@@ -305,7 +372,9 @@ def _handler(api: Api):
             obj = "chat.completion" if chat else "text_completion"
             kind, value = self._next(job)
             if kind == "error":
-                if not job.gone.is_set():
+                if job.gone.is_set():
+                    self._outcome = "cancelled"
+                else:
                     self._error(value)
                 return
             if not job.stream:
@@ -314,6 +383,7 @@ def _handler(api: Api):
                     text.append(value)
                     kind, value = self._next(job)
                 if job.gone.is_set():
+                    self._outcome = "cancelled"
                     return  # the client is gone: nobody to answer
                 if kind == "error":
                     self._error(value)
@@ -328,6 +398,7 @@ def _handler(api: Api):
                     choice["token_ids"] = result.tokens
                 self._json(200, {"id": job.id, "object": obj, "created": job.created, "model": api.model_name,
                                  "choices": [choice], "usage": _usage(result)})
+                self._outcome = "cancelled" if result.finish_reason == "cancelled" else "ok"
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -361,11 +432,15 @@ def _handler(api: Api):
                 kind, value = self._next(job)
             if kind == "error":
                 if job.gone.is_set():
+                    self._outcome = "cancelled"
                     return  # an aborted request is never reported as a server error: nobody is there
+                self._outcome = outcome_of(value.status)  # the status line said 200; the request failed
                 self._sse({"error": value.body()["error"]})
                 self._sse("[DONE]")
                 return
             result = value
+            if result.finish_reason == "cancelled" or job.gone.is_set():
+                self._outcome = "cancelled"
             chunk(None if chat else "", result.finish_reason,
                   extra={"token_ids": result.tokens} if want_ids else None)
             if include_usage:

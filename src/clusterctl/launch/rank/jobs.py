@@ -25,7 +25,9 @@ class Job:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     gone: threading.Event = field(default_factory=threading.Event)  # the client left: nobody reads the answer
-    started_at: float | None = None
+    arrived_at: float = field(default_factory=time.monotonic)  # its body was read and checked
+    started_at: float | None = None  # joined the batch
+    first_token_at: float | None = None  # its HTTP thread saw the first generated text
     finished_at: float | None = None
 
 
@@ -82,6 +84,9 @@ class JobQueue:
         if self.on_put is not None:
             self.on_put()
         return True
+
+    def __len__(self) -> int:
+        return len(self._q)
 
     def pop(self, timeout: float = 0.0) -> Job | None:
         with self._cv:

@@ -231,6 +231,7 @@ class Rank:
 
         cancels = CancelWatch(spec.runtime_dir, spec.deployment_id, spec.job_id, log=_say) \
             if spec.rank == 0 and spec.cancel_checks else None
+        metrics = self.metrics
 
         def on_ack(epoch: int, applied: list[str], *, nonce: str | None = None, recent=()) -> None:
             try:
@@ -238,6 +239,10 @@ class Rank:
                           recent=recent)
             except ClusterctlError as e:
                 _say(f"rank {spec.rank}: cannot write the cancel ack: {e.message}")
+                if metrics is not None:
+                    metrics.ack_failed()
+            if metrics is not None:
+                metrics.cancel_acked(epoch, len(applied))
             marker.update(cancel_epoch=epoch)
             _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
 
@@ -250,6 +255,11 @@ class Rank:
         self._start_prober(loop)
         loop.run()
         return self._graceful()
+
+    @property
+    def metrics(self):
+        """Rank 0's metrics (launch/rank/metrics.py, served at /metrics); None on the other ranks."""
+        return self.api.metrics if self.api is not None else None
 
     # ---- the peer-loss ladder (launch/rank/peerprobe.py)
     def _ring_addresses(self) -> list[tuple[str, int]] | None:
@@ -303,10 +313,15 @@ class Rank:
         peers = {p: addrs[p] for p in watched_peers(spec.rank, spec.world_size)}
         ladder = Ladder(tolerance=spec.probe_tolerance, grace=spec.abort_grace_s)
         window = spec.probe_interval_s * spec.probe_tolerance
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.watch_peers(peers)
 
         def act(action: str, peer: int) -> None:
             if self.stopping.is_set():
                 return  # peers leave one by one during a stop; the stop alarm covers a stop that hangs
+            if metrics is not None:
+                metrics.ladder(action, peer)
             who = f"rank {spec.rank}: peer rank {peer}"
             if action == "suspect":
                 _say(f"{who} missed {spec.probe_tolerance} probes ({window:g} s): suspect")
