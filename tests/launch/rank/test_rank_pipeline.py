@@ -203,3 +203,111 @@ def test_the_last_rank_connects_only_after_the_others_announce_their_join(model,
         # rank can still meet MLX's own race, the last rank listening only after its connect: 1 red CI run.)
         assert "Attempt" not in c.logs(2) and "joining anyway" not in logs, logs
         assert _complete(c, prompt=PROMPTS[0], max_tokens=4, temperature=0)["finish_reason"] == "length"
+
+
+def _sampled(c, prompt: str, seed: int, n: int = 20) -> list[int]:
+    return _complete(c, prompt=prompt, max_tokens=n, temperature=0.9, seed=seed, return_token_ids=True)["token_ids"]
+
+
+def test_a_seeded_request_gives_the_same_tokens_whatever_else_is_in_the_batch(cluster, model):
+    """Each request samples from its own random stream (seeded by its seed): alone, or among three other sampled
+    requests that joined first, it gets the same tokens -- and alone, the tokens one process gives."""
+    import threading
+
+    alone = _sampled(cluster, PROMPTS[1], 4321)
+    assert alone == reference_tokens(model, PROMPTS[1], 20, temperature=0.9, seed=4321)
+    others, errors = [], []
+
+    def other(i):
+        try:
+            others.append(_sampled(cluster, BATCH_PROMPTS[2 + i], 10 + i, n=60))
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # they are decoding when ours joins
+    together = _sampled(cluster, PROMPTS[1], 4321)
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert together == alone
+
+
+def test_requests_join_leave_and_disconnect_while_others_are_in_flight(cluster, model):
+    """Requests of different lengths arrive at random times while others decode, one client hangs up mid-stream
+    and one stops at a stop string: every finished answer is still token-identical to one process."""
+    import http.client
+    import random
+    import threading
+
+    rnd = random.Random(5)
+    jobs = [(BATCH_PROMPTS[i % len(BATCH_PROMPTS)] + " " * (i // len(BATCH_PROMPTS)), rnd.randint(3, 40),
+             rnd.uniform(0, 1.2)) for i in range(10)]
+    got, errors = {}, []
+
+    def run(p, m, delay):
+        time.sleep(delay)
+        try:
+            got[(p, m)] = _stream_ids(cluster, prompt=p, max_tokens=m, temperature=0, return_token_ids=True)[0]
+        except Exception as e:
+            errors.append((p, repr(e)))
+
+    def hang_up():
+        time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        for _ in range(4):
+            r.readline()
+        conn.close()  # rank 0 notices at its next write and drops the request at the next meeting
+
+    threads = [threading.Thread(target=run, args=j) for j in jobs] + [threading.Thread(target=hang_up)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    assert got == {(p, m): reference_tokens(model, p, m) for p, m, _ in jobs}
+    text = _complete(cluster, prompt=PROMPTS[1], max_tokens=30, temperature=0)["text"]
+    assert len(text) > 6, text
+    stop = text[3:6]  # a stop string from the middle of the text ends it at its first match
+    cut = _complete(cluster, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.find(stop)]
+
+
+def test_the_lockstep_schedule_still_serves_identically(model, tmp_path):
+    """--schedule lockstep: every step on every rank together (the old behaviour, kept for the benchmark and for
+    operators who want it)."""
+    with RankCluster(tmp_path, model, [5, 3], overrides={"schedule": "lockstep"}, tag="lock") as c:
+        c.up()
+        assert "decode schedule lockstep" in c.logs(0)
+        for p in PROMPTS:
+            assert _complete(c, prompt=p, max_tokens=24, temperature=0, return_token_ids=True)["token_ids"] == \
+                reference_tokens(model, p, 24)
+
+
+def test_rank_0_reports_every_rank_s_step_time_idle_share_and_rss(cluster):
+    """The meetings carry each rank's recent numbers to rank 0, which serves them at /metrics, labelled by rank."""
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _complete(cluster, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    time.sleep(0.6)  # an idle meeting or two after the request
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    body = r.read().decode()
+    assert r.status == 200, body
+    fams = {f.name: f for f in text_string_to_metric_families(body)}
+    ranks = [str(r) for r in range(cluster.world)]
+    rss = {s.labels["rank"]: s.value for s in fams["clusterctl_rank_rss_bytes"].samples}
+    assert sorted(rss) == ranks and all(v > 50 << 20 for v in rss.values()), rss
+    idle = {s.labels["rank"]: s.value for s in fams["clusterctl_rank_idle_share"].samples}
+    assert sorted(idle) == ranks and all(0 <= v <= 1 for v in idle.values()), idle
+    step = {s.labels["rank"]: s.value for s in fams["clusterctl_rank_step_seconds"].samples}
+    assert sorted(step) == ranks and all(0 < v < 5 for v in step.values()), step

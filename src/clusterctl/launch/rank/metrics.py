@@ -44,7 +44,7 @@ def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]
     return encoder(registry), content_type
 
 
-class _Recent:
+class Recent:
     """Exponentially weighted sums (time constant ``tau``): the recent mean step time and idle share."""
 
     def __init__(self, tau: float = RECENT_S, clock: Callable[[], float] = time.monotonic):
@@ -80,7 +80,7 @@ class _RankStats:
     from what its step loop reports (``Metrics.steps``/``Metrics.idle``); the other ranks' from
     ``Metrics.set_rank_stats``."""
 
-    def __init__(self, rank: int, recent: _Recent):
+    def __init__(self, rank: int, recent: Recent):
         self.rank, self.recent = rank, recent
         self.others: dict[int, tuple[float | None, float | None, int | None]] = {}
         self._lock = threading.Lock()
@@ -161,7 +161,7 @@ class Metrics:
             g = Gauge(name, doc, registry=r)
             if fn is not None:
                 g.set_function(lambda fn=fn: float(fn()))
-        self._recent = _Recent(clock=clock)
+        self._recent = Recent(clock=clock)
         self._ranks = _RankStats(rank, self._recent)
         r.register(self._ranks)
 

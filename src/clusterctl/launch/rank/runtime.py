@@ -248,7 +248,7 @@ class Rank:
 
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
-                        idle=self._idle_wait(cancels))
+                        idle=self._idle_wait(cancels), metrics=self.metrics)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         self.loop = loop

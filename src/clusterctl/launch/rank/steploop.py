@@ -25,6 +25,47 @@ from clusterctl.launch.rank.watchdog import PeerLost
 KIND_IDLE, KIND_REQUEST = 0, 1
 
 
+class LoadWords:
+    """A rank's recent step time, idle share and RSS as three words of the meeting header (its own slot, the
+    others zero), so rank 0 learns every rank's numbers from the all_sum it holds anyway."""
+
+    RSS_EVERY_S = 1.0
+
+    def __init__(self, rank: int, world: int):
+        from clusterctl.launch.rank.metrics import Recent
+
+        self.rank, self.world = rank, world
+        self.recent = Recent()
+        self._rss, self._rss_at = 0, -1e9
+
+    def _rss_mb(self) -> int:
+        now = time.monotonic()
+        if now - self._rss_at >= self.RSS_EVERY_S:
+            self._rss_at = now
+            with contextlib.suppress(Exception):
+                import psutil
+
+                self._rss = psutil.Process().memory_info().rss >> 20
+        return min(self._rss, 2**31 - 1)
+
+    def words(self) -> list[int]:
+        step, idle = self.recent.read()
+        out = [0] * (3 * self.world)
+        out[3 * self.rank:3 * self.rank + 3] = [
+            min(int(step * 1e6), 2**31 - 1) + 1 if step is not None else 0,  # microseconds + 1 (0: unknown)
+            int(idle * 1000) + 1 if idle is not None else 0,  # per mille + 1
+            self._rss_mb() + 1]
+        return out
+
+    def read(self, words: list[int]) -> list[tuple[float | None, float | None, int | None]]:
+        out = []
+        for r in range(self.world):
+            s, i, m = words[3 * r:3 * r + 3]
+            out.append(((s - 1) / 1e6 if s > 0 else None, (i - 1) / 1000 if i > 0 else None,
+                        (m - 1) << 20 if m > 0 else None))
+        return out
+
+
 class StepLoop:
     """Runs on the main thread of every rank until the ranks agree to stop.
 
@@ -38,7 +79,7 @@ class StepLoop:
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  jobs: JobQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
-                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None):
+                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.jobs, self.marker = stop, jobs, marker
         if active is None:
@@ -63,6 +104,8 @@ class StepLoop:
         # ranks that can call each other to meetings keep a slow idle schedule (the contract says, so all agree)
         self.idle = idle or IdleWait()
         self.wakeable = spec.probes_on
+        self.metrics = metrics  # rank 0: every rank's step time, idle share and RSS, as the meetings report them
+        self.load = LoadWords(spec.rank, self.world)
         if jobs is not None:
             jobs.on_put = self.idle.local
 
@@ -96,6 +139,7 @@ class StepLoop:
         cadence, gap, ticks = Cadence(), FIRST_CHECKPOINT, 0
         try:
             while True:
+                t0 = time.monotonic()
                 stopping, gap = self._meet(gap)
                 if stopping:
                     return
@@ -104,9 +148,11 @@ class StepLoop:
                         self.idle.wait(idle_interval(ticks, self.wakeable), self.seq)
                     ticks += 1
                     cadence, gap = Cadence(), FIRST_CHECKPOINT
+                    self.load.recent.add(idle=time.monotonic() - t0)
                     continue
                 ticks = 0
                 steps = self._run(gap) if self.overlapped else self._steps(gap)
+                self.load.recent.add(steps=steps, busy=time.monotonic() - t0)
                 # a world of one meets itself for free: after every step (new requests join at once)
                 gap = 1 if self.world == 1 else cadence.next_gap(steps) if self.leader else gap
         finally:
@@ -131,12 +177,13 @@ class StepLoop:
         payload = json.dumps({"add": [r.__dict__ for r, _ in adds], "drop": drops},
                              separators=(",", ":")).encode() if adds or drops else b""
         if self.world == 1:
+            self._report_load(self.load.words())
             if stop_vote:
                 self._end_all(adds)
                 return True, gap
             self._apply(adds, drops)
             return False, gap
-        mine = [0] * HEADER_WORDS
+        mine = [0] * HEADER_WORDS + self.load.words()
         mine[3], mine[5] = stop_vote, 1
         if self.leader:
             mine[0:3] = [MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload)]
@@ -149,6 +196,7 @@ class StepLoop:
                          f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                          f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
         self.seq += 1
+        self._report_load(head[HEADER_WORDS:])
         self._ack(head[6])
         if head[3] > 0:
             self._end_all(adds)
@@ -160,6 +208,11 @@ class StepLoop:
                 adds, drops = self._decode_changes(data)
         self._apply(adds, drops)
         return False, head[7]
+
+    def _report_load(self, words: list[int]) -> None:
+        if self.metrics is not None:
+            for r, (step_s, idle_share, rss) in enumerate(self.load.read(words)):
+                self.metrics.set_rank_stats(r, step_s, idle_share, None if r == self.spec.rank else rss)
 
     def _take(self, room: int) -> list[tuple[GenRequest, Job | None]]:
         """Rank 0: queued jobs for the free slots, tokenized (the tokenizer lives on this thread)."""
