@@ -75,6 +75,8 @@ class RankSpec(BaseModel):
     # pipeline decode: "overlap" keeps one micro-batch per stage in flight (launch/rank/overlap.py), "lockstep"
     # runs every step on every rank together; overlap applies to a split pipeline of 2+ ranks, else lockstep
     schedule: Literal["lockstep", "overlap"] = "overlap"
+    # the prompt cache (launch/rank/promptcache.py): tokens of KV every rank keeps for reuse (0: off)
+    prompt_cache_tokens: int = Field(default=0, ge=0, le=1 << 26)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RankSpec":

@@ -57,7 +57,7 @@ class Seq:
 class Batch:
     """The requests in flight on this rank, decoded together; identical on every rank."""
 
-    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = 2048):
+    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = 2048, pcache=None):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
@@ -71,6 +71,7 @@ class Batch:
         self.seqs: dict[int, Seq] = {}  # by generator uid
         self.by_id: dict[str, Seq] = {}
         self.steps = 0
+        self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -82,7 +83,7 @@ class Batch:
     def ids(self) -> list[str]:
         return list(self.by_id)
 
-    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None) -> None:
+    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         if req.id in self.by_id:
@@ -91,13 +92,15 @@ class Batch:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
         procs = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else []
-        (uid,) = self.gen.insert([list(req.tokens)], max_tokens=[req.max_tokens], samplers=[sampler],
-                                 logits_processors=[procs])
+        n = req.cache_len if prefix is not None else 0  # tokens whose KV the prompt cache gave
+        (uid,) = self.gen.insert([list(req.tokens[n:])], max_tokens=[req.max_tokens], samplers=[sampler],
+                                 logits_processors=[procs], caches=[prefix] if prefix is not None else None,
+                                 all_tokens=[list(req.tokens[:n])])
         s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop))
         self.seqs[uid] = s
         self.by_id[req.id] = s
 
-    def drop(self, rid: str, finish: str) -> GenResult | None:
+    def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
         """Take a request out before it finished (cancelled, shutdown); None if it is not in the batch."""
         s = self.by_id.get(rid)
         if s is None:
@@ -136,7 +139,12 @@ class Batch:
             if finish is None:
                 continue
             if r.finish_reason is None:  # a stop string: the generator does not know, take it out here
-                self.gen.remove([s.uid])
+                kept = self.gen.remove([s.uid], return_prompt_caches=self.pcache is not None)
+                cache, tokens = kept.get(s.uid, (None, None))
+            else:
+                cache, tokens = r.prompt_cache, r.all_tokens
+            if self.pcache is not None and cache is not None:
+                self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took)
             del self.seqs[s.uid]
             del self.by_id[s.req.id]
             done.append((s.req.id, s.result(finish)))

@@ -52,6 +52,8 @@ class Row:
     seq: Seq | None = None
     sampler: RowSampler | None = None
     done: bool = False  # rank 0: answered; its row is computed and ignored until the next meeting
+    prefix: list | None = None  # the prompt cache's KV of the prompt's first req.cache_len tokens
+    sampled: list[int] = field(default_factory=list)  # rank 0: every token sampled for it (its KV's tail)
 
     @property
     def id(self) -> str:
@@ -77,7 +79,7 @@ class OverlapBatch:
     """The requests in flight on this rank, in micro-batches; the same rows on every rank."""
 
     def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int,
-                 prefill_step: int = 2048):
+                 prefill_step: int = 2048, pcache=None):
         self.model, self.tokenizer, self.group = model, tokenizer, group
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.rank, self.world = rank, world
@@ -85,6 +87,7 @@ class OverlapBatch:
         self.mbs = [MicroBatch() for _ in range(world)]
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0
+        self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
 
     # -- the batch's membership (the same calls, in the same order, on every rank)
 
@@ -114,19 +117,20 @@ class OverlapBatch:
         lefts += [q.max_tokens for q in joining]
         return min(lefts) if lefts else None
 
-    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None) -> None:
+    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
         if any(r.id == req.id for mb in self.mbs for r in (*mb.rows, *mb.fresh)):
             raise ValueError(f"request {req.id} is already in the batch")
         if not req.tokens or req.max_tokens < 1:
             raise ValueError(f"request {req.id} has an empty prompt or no tokens to make")
-        row = Row(req=req)
+        row = Row(req=req, prefix=prefix)
         if self.last:
             row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop))
             row.sampler = RowSampler(req)
         min(self.mbs, key=len).fresh.append(row)  # the emptiest micro-batch, the lowest index on a tie
 
-    def drop(self, rid: str, finish: str) -> GenResult | None:
-        """Take a request out at a meeting; None if it is not in the batch or was answered already."""
+    def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
+        """Take a request out at a meeting (``save``: it ended normally, keep its KV in the prompt cache); None if
+        it is not in the batch or was answered already."""
         for mb in self.mbs:
             for i, r in enumerate(mb.fresh):
                 if r.id == rid:
@@ -134,9 +138,20 @@ class OverlapBatch:
                     return self._result(r, finish)
             for i, r in enumerate(mb.rows):
                 if r.id == rid:
+                    if save:
+                        self._save(mb, i)
                     self._keep(mb, [j for j in range(len(mb.rows)) if j != i])
                     return self._result(r, finish)
         return None
+
+    def _save(self, mb: MicroBatch, i: int) -> None:
+        """Keep row ``i``'s KV in the prompt cache: its prompt and the tokens fed after it."""
+        if self.pcache is None or not self.pcache.on:
+            return
+        r = mb.rows[i]
+        count = len(r.req.tokens) - 1 + r.decoded
+        tokens = (list(r.req.tokens) + r.sampled)[:count] if self.last else None
+        self.pcache.save([c.extract(i) for c in mb.cache], count, tokens, took=r.req.took)
 
     def _result(self, r: Row, finish: str) -> GenResult | None:
         s = r.seq
@@ -178,6 +193,9 @@ class OverlapBatch:
                     mx.eval(mb.inputs)
         for mb in self.mbs:  # requests at their max_tokens leave on every rank alike
             if any(r.left <= 0 for r in mb.rows):
+                for i, r in enumerate(mb.rows):
+                    if r.left <= 0:
+                        self._save(mb, i)
                 self._keep(mb, [i for i, r in enumerate(mb.rows) if r.left > 0])
         self.steps += rounds
         return rounds
@@ -189,10 +207,15 @@ class OverlapBatch:
         from mlx_lm.models.cache import make_prompt_cache
 
         fresh, mb.fresh = mb.fresh, []
+        reused = [r.req.cache_len if r.prefix is not None else 0 for r in fresh]
         batch = PromptProcessingBatch(self.model, list(range(len(fresh))),
-                                      [make_prompt_cache(self.model) for _ in fresh],
-                                      tokens=[[] for _ in fresh], prefill_step_size=self.prefill_step)
-        prompts = [list(r.req.tokens[:-1]) for r in fresh]
+                                      [r.prefix if r.prefix is not None else make_prompt_cache(self.model)
+                                       for r in fresh],
+                                      tokens=[list(r.req.tokens[:n]) for r, n in zip(fresh, reused)],
+                                      prefill_step_size=self.prefill_step)
+        for r in fresh:
+            r.prefix = None
+        prompts = [list(r.req.tokens[n:-1]) for r, n in zip(fresh, reused)]
         if any(prompts):
             batch.prompt(prompts)
         mb.cache = _extend_cache(mb.cache, batch.prompt_cache)
@@ -222,6 +245,7 @@ class OverlapBatch:
         mx.eval(sent, states)
         for r, t in zip(mb.rows, tokens.tolist()):
             r.sampler.took(t)
+            r.sampled.append(t)
             if not r.done:
                 self._feed(r, t, on_done)
 

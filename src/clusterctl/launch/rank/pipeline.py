@@ -265,6 +265,13 @@ class GenRequest:
     repetition_penalty: Optional[float] = None
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
+    cache_from: Optional[int] = None
+    cache_len: int = 0
+
+    @property
+    def took(self) -> tuple[int, int] | None:
+        return (self.cache_from, self.cache_len) if self.cache_from is not None else None
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":"), ensure_ascii=True).encode()

@@ -106,6 +106,10 @@ class StepLoop:
         self.wakeable = spec.probes_on
         self.metrics = metrics  # rank 0: every rank's step time, idle share and RSS, as the meetings report them
         self.load = LoadWords(spec.rank, self.world)
+        from clusterctl.launch.rank.promptcache import PromptCache, reusable
+
+        # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
+        self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
         if jobs is not None:
             jobs.on_put = self.idle.local
 
@@ -121,10 +125,10 @@ class StepLoop:
             from clusterctl.launch.rank.overlap import OverlapBatch
 
             return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
-                                max_batch=self.spec.max_batch)
+                                max_batch=self.spec.max_batch, pcache=self.pcache)
         from clusterctl.launch.rank.batch import Batch
 
-        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch)
+        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache)
 
     @property
     def overlapped(self) -> bool:
@@ -164,24 +168,25 @@ class StepLoop:
         """Agree on the batch's next changes; returns (stop, steps until the next meeting)."""
         stop_vote = 1 if self.stop.is_set() else 0
         adds: list[tuple[GenRequest, Job]] = []
-        drops: list[str] = []
+        drops: list[str] = []  # cancelled, or their client left
+        fins: list[str] = []  # overlapped: answered early (EOS, a stop string); their KV goes to the prompt cache
         if self.leader and not stop_vote:
             self._apply_cancels()
             drops = [rid for rid, j in self.inflight.items() if j.cancelled.is_set()]
-            if self.overlapped:  # answered early (EOS, a stop string): their rows leave now
-                drops += [rid for rid in self.batch.ended() if rid not in drops]
-            adds = self._take(self.batch.room + len(drops))
+            if self.overlapped:
+                fins = [rid for rid in self.batch.ended() if rid not in drops]
+            adds = self._take(self.batch.room + len(drops) + len(fins))
             if self.overlapped:  # no request runs past its max_tokens: one ending by length ends the run
-                limit = self.batch.rounds_limit(drops, [r for r, _ in adds])
+                limit = self.batch.rounds_limit(drops + fins, [r for r, _ in adds])
                 gap = min(gap, limit) if limit is not None else gap
-        payload = json.dumps({"add": [r.__dict__ for r, _ in adds], "drop": drops},
-                             separators=(",", ":")).encode() if adds or drops else b""
+        changes = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
+        payload = json.dumps(changes, separators=(",", ":")).encode() if adds or drops or fins else b""
         if self.world == 1:
             self._report_load(self.load.words())
             if stop_vote:
                 self._end_all(adds)
                 return True, gap
-            self._apply(adds, drops)
+            self._apply(adds, drops, fins)
             return False, gap
         mine = [0] * HEADER_WORDS + self.load.words()
         mine[3], mine[5] = stop_vote, 1
@@ -205,8 +210,8 @@ class StepLoop:
             with self._guard("batch changes"):
                 data = share_payload(self.group, payload if self.leader else None, head[2])
             if not self.leader:
-                adds, drops = self._decode_changes(data)
-        self._apply(adds, drops)
+                adds, drops, fins = self._decode_changes(data)
+        self._apply(adds, drops, fins)
         return False, head[7]
 
     def _report_load(self, words: list[int]) -> None:
@@ -227,20 +232,35 @@ class StepLoop:
                 continue
             req = self._prepare(job)
             if req is not None:
+                hit = self.pcache.lookup(req.tokens) if self.pcache.on else None
+                if hit is not None:
+                    req.cache_from, req.cache_len = hit
                 out.append((req, job))
         return out
 
     @staticmethod
-    def _decode_changes(data: bytes) -> tuple[list, list[str]]:
+    def _decode_changes(data: bytes) -> tuple[list, list[str], list[str]]:
         from clusterctl.atomic import strict_loads
 
         doc = strict_loads(data, source="shared batch changes")
-        if not isinstance(doc, dict) or set(doc) != {"add", "drop"} or not isinstance(doc["drop"], list) \
-                or not isinstance(doc["add"], list) or not all(isinstance(d, str) for d in doc["drop"]):
+        if not isinstance(doc, dict) or not {"add", "drop"} <= set(doc) <= {"add", "drop", "fin"} \
+                or not isinstance(doc["add"], list) \
+                or not all(isinstance(d, list) and all(isinstance(x, str) for x in d)
+                           for d in (doc["drop"], doc.get("fin", []))):
             raise IntegrityError("shared batch changes have an unexpected shape")
-        return [(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"]
+        return ([(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"],
+                doc.get("fin", []))
 
-    def _apply(self, adds: list, drops: list[str]) -> None:
+    def _apply(self, adds: list, drops: list[str], fins: list[str] = ()) -> None:
+        # the prompt cache's prefixes first: the KV saved by the requests leaving now may evict an entry
+        prefixes = {req.id: self.pcache.take(req.cache_from, req.cache_len)
+                    for req, _ in adds if req.cache_from is not None}
+        if self.metrics is not None:
+            for req, _ in adds:
+                if req.id in prefixes:
+                    self.metrics.cache_hit(req.cache_len)
+        for rid in fins:
+            self.batch.drop(rid, "stop", save=True)
         for rid in drops:
             res = self.batch.drop(rid, "cancelled")
             job = self.inflight.pop(rid, None)
@@ -250,7 +270,7 @@ class StepLoop:
                 self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
         for req, job in adds:
             emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
-            self.batch.add(req, emit)
+            self.batch.add(req, emit, prefix=prefixes.get(req.id))
             self.active.add(req.id)
             if job is not None:
                 job.started_at = time.monotonic()

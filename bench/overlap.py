@@ -1,0 +1,168 @@
+"""Benchmark (issue 24): the overlapped pipeline against lockstep and against one mlx_lm.server process, side by
+side in one run, on the 7M tiny model and the real SmolLM2-135M-Instruct.
+
+Run: .venv/bin/python bench/overlap.py [--quick] [--models 7m,smollm2] [--clients 1,4,8] [--rounds N]
+
+Arms (one arm's processes alive at a time; the order rotates every round; medians over rounds):
+  a     mlx_lm.server    one process (`python -m mlx_lm.server --model PATH`)
+  lock  clusterctl       2 local ranks, balanced split, `plan --schedule lockstep` (every step on every rank)
+  over  clusterctl       the same 2 ranks, `plan --schedule overlap` (a micro-batch per stage in flight)
+Per arm and round: launch, a warm-up request, then for each C in --clients: C streaming greedy chat clients at
+once, each sending --per-client requests one after another (distinct prompts, the same for every arm): aggregate
+tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
+Then the peak RSS of every rank (its marker's peak) next to what the plan reserved for it.
+
+This machine's limit: one process timing a loop of MLX matmuls alone, then two such processes at once; the limit
+is how much more work two processes do together than one alone (2 x alone time / together time). A 2-rank
+pipeline can gain at most that over lockstep here; the overlap efficiency is the gain measured (over / lock)
+divided by the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat, table  # noqa: E402
+from serve import PROMPTS, Round, arm_clusterctl, arm_single, concurrent_load, marker_peak, pct, rotate  # noqa: E402
+
+ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap"}
+
+_MATMUL = """
+import sys, time
+import mlx.core as mx
+a = mx.random.normal((512, 512)); mx.eval(a)
+n = int(sys.argv[1])
+t = time.perf_counter()
+for _ in range(n):
+    b = a
+    for _ in range(8):
+        b = b @ a
+    mx.eval(b)
+print(time.perf_counter() - t)
+"""
+
+
+def machine_limit(n: int = 60) -> tuple[float, float, float]:
+    """(seconds alone, seconds each of two at once, the limit = 2 * alone / together)."""
+    def run(k: int) -> list[float]:
+        ps = [subprocess.Popen([PY, "-c", _MATMUL, str(n)], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        return [float(p.communicate()[0]) for p in ps]
+
+    run(1)  # warm the page cache and MLX's kernels
+    alone = med([run(1)[0] for _ in range(3)])
+    together = med([max(run(2)) for _ in range(3)])
+    return alone, together, 2 * alone / together
+
+
+def plan(workdir: Path, env: dict, path: Path, schedule: str, name: str) -> Path:
+    lines = ["[cluster]", f'name = "{name}"']
+    for node in "ab":
+        lines += ["[[node]]", f'name = "{node}"', "local = true", "memory_gb = 4",
+                  f'runtime_dir = "{workdir}/run-{name}-{node}"']
+    c = workdir / f"{name}.toml"
+    c.write_text("\n".join(lines) + "\n")
+    out = workdir / f"{name}.json"
+    check(clusterctl("plan", "-c", str(c), "-m", str(path), "--parallel", "pipeline", "--schedule", schedule,
+                     "--context", "1024", "-o", str(out), "-q", env=env), "clusterctl plan")
+    return out
+
+
+def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int) -> Round:
+    r = Round(arm, "")
+    try:
+        with ctx(r) as (_t0, base, pids, _layers, _all):
+            stream_chat(base, PROMPTS[-1], 4)  # warm-up
+            for c in clients:
+                r.loads[c] = concurrent_load(base, c, per_client, offset, tokens)
+            time.sleep(1.2)  # the marker heartbeat carries the peak
+            r.rss = [(rank, marker_peak(r.markers[rank]) if rank in r.markers else None) for rank in sorted(pids)]
+    except Exception as e:  # one arm failing must not hide the others
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
+    path = model(kind)
+    env = {"CLUSTERCTL_STATE_DIR": str(workdir / f"state-{kind}")}
+    deps = {s: plan(workdir, env, path, s, f"{kind}-{s}") for s in ("lockstep", "overlap")}
+    ctxs = {"a": lambda r: arm_single(path, r), "lock": lambda r: arm_clusterctl(deps["lockstep"], env, r),
+            "over": lambda r: arm_clusterctl(deps["overlap"], env, r)}
+    tokens = ns.tokens or (32 if kind == "smollm2" else 64)
+    rs: list[Round] = []
+    for i in range(ns.rounds):
+        for arm in rotate(list(ARMS), i):
+            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7)
+            rs.append(r)
+            log(f"{kind} round {i + 1} {ARMS[arm]}: " + ", ".join(
+                f"{c} client(s) {fmt(v[0], ' tok/s', 1)}" for c, v in r.loads.items())
+                + (f" ERROR {r.error}" if r.error else ""))
+    by = {a: [r for r in rs if r.arm == a and not r.error] for a in ARMS}
+
+    def agg(a: str, c: int):
+        return med([r.loads[c][0] for r in by[a] if c in r.loads])
+
+    def ttft(a: str, c: int):
+        return med([pct(r.loads[c][1], 0.5) for r in by[a] if c in r.loads])
+
+    rows = []
+    for c in ns.clients:
+        a, lock, over = agg("a", c), agg("lock", c), agg("over", c)
+        gain = over / lock if over and lock else None
+        rows.append([str(c), fmt(a, "", 1), fmt(lock, "", 1), fmt(over, "", 1), fmt(gain, "x"),
+                     fmt(over / a if over and a else None, "x"),
+                     fmt(gain / limit if gain and limit else None, "", 2),
+                     "/".join(fmt(ttft(x, c), "", 3) for x in ("a", "lock", "over")),
+                     str(sum(r.loads[c][2] for x in ARMS for r in by[x] if c in r.loads))])
+    say("")
+    say(f"== {kind}: {tokens} new tokens per request, {ns.per_client} request(s) per client, "
+        f"{ns.rounds} round(s), medians ==")
+    say(table(rows, ["clients", "a tok/s", "lock tok/s", "over tok/s", "over/lock", "over/a", "efficiency",
+                     "TTFT p50 s a/lock/over", "errors"]))
+    doc = json.loads(deps["overlap"].read_text())
+    planned = {x["rank"]: (x.get("planned") or {}).get("total") for x in doc["ranks"]}
+    for arm in ("lock", "over"):
+        peaks = {}
+        for r in by[arm]:
+            for rank, peak in r.rss:
+                if peak:
+                    peaks[rank] = max(peaks.get(rank, 0), peak)
+        say(f"peak RSS {arm}: " + ", ".join(
+            f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned.get(k) or 0) / 2**20, ' MiB', 0)})"
+            for k, v in sorted(peaks.items())))
+    for a in ARMS:
+        for r in rs:
+            if r.arm == a and r.error:
+                say(f"error in {a}: {r.error}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round")
+    ap.add_argument("--models", default="7m,smollm2", help="comma list of 7m, smollm2")
+    ap.add_argument("--clients", default="1,4,8", help="concurrent streaming clients (comma list)")
+    ap.add_argument("--per-client", type=int, default=2, help="requests each client sends in turn")
+    ap.add_argument("--rounds", type=int, help="rounds per arm (default 3; --quick 1)")
+    ap.add_argument("--tokens", type=int, help="new tokens per request (default 64; smollm2 32)")
+    ns = ap.parse_args()
+    ns.clients = tuple(int(c) for c in ns.clients.split(","))
+    ns.rounds = ns.rounds or (1 if ns.quick else 3)
+    say(f"bench/overlap.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  clients={ns.clients} x "
+        f"{ns.per_client}  rounds={ns.rounds}")
+    alone, together, limit = machine_limit()
+    say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
+        f"two processes do {limit:.2f}x the work of one")
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
+        for kind in ns.models.split(","):
+            bench_model(kind.strip(), Path(tmp), ns, limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
