@@ -24,7 +24,9 @@ def model():
 @pytest.fixture(scope="module", params=[[6, 2], [1, 5, 2]], ids=["2ranks-6-2", "3ranks-1-5-2"])
 def cluster(request, model, tmp_path_factory):
     split = request.param
-    c = RankCluster(tmp_path_factory.mktemp("pipe"), model, split, tag=f"pipe{len(split)}")
+    # the prompt cache on: every test below that repeats a prompt prefix also checks a cache hit changes nothing
+    c = RankCluster(tmp_path_factory.mktemp("pipe"), model, split, tag=f"pipe{len(split)}",
+                    overrides={"prompt_cache_tokens": 4096})
     c.up()
     yield c
     c.stop()
@@ -311,3 +313,49 @@ def test_rank_0_reports_every_rank_s_step_time_idle_share_and_rss(cluster):
     assert sorted(idle) == ranks and all(0 <= v <= 1 for v in idle.values()), idle
     step = {s.labels["rank"]: s.value for s in fams["clusterctl_rank_step_seconds"].samples}
     assert sorted(step) == ranks and all(0 < v < 5 for v in step.values()), step
+
+
+def _metric(c, name: str) -> float:
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=30)
+    conn.request("GET", "/metrics")
+    body = conn.getresponse().read().decode()
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name)
+
+
+def test_a_second_turn_reuses_the_first_turn_s_kv_and_answers_identically(cluster, model):
+    """A conversation's second request starts with the first one's prompt and answer: the ranks compute only the
+    new suffix (rank 0 counts the hit), and the tokens are those of one process computing it all; four such
+    requests at once, each a different continuation of the same cached turn, too."""
+    import threading
+
+    from mlx_lm import load
+
+    _, tok = load(str(model))
+    first = "import numpy as np\n" * 12
+    answer = _complete(cluster, prompt=first, max_tokens=16, temperature=0, return_token_ids=True)["token_ids"]
+    before = _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total")
+    second = tok.decode(tok.encode(first) + answer) + "\ndef f(x):"
+    got = _complete(cluster, prompt=second, max_tokens=16, temperature=0, return_token_ids=True)["token_ids"]
+    assert got == reference_tokens(model, second, 16)
+    assert _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total") - before >= len(tok.encode(first))
+    tails = ["\nclass A:", "\nx = 1", "\nfor i in y:", "\n# done"]
+    prompts = [second + t for t in tails]
+    got, errors = {}, []
+
+    def run(p):
+        try:
+            got[p] = _complete(cluster, prompt=p, max_tokens=12, temperature=0, return_token_ids=True)["token_ids"]
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert got == {p: reference_tokens(model, p, 12) for p in prompts}
