@@ -14,7 +14,7 @@ from typing import Optional, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import dumps, strict_loads
-from clusterctl.errors import IntegrityError
+from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.plan.fit import RankBytes
 from clusterctl.names import DeploymentIdent, Name
 from clusterctl.plan.inventory import Node
@@ -65,6 +65,8 @@ class PlanOptions(BaseModel):
     headroom_gb: float = Field(default=0.5, ge=0)
     embedding_offload: Literal["off", "on", "auto"] = "off"
     schedule: Literal["auto", "lockstep", "overlap"] = "auto"
+    # bytes per rank kept for the prompt cache (None: a file from before it, no cache)
+    prompt_cache_gb: Optional[float] = Field(default=None, ge=0, le=1 << 20)
 
 
 class Deployment(BaseModel):
@@ -95,6 +97,9 @@ class Deployment(BaseModel):
     # (None: a file from before schedules; the ranks overlap where they can)
     schedule: Optional[Literal["lockstep", "overlap"]] = None
     schedule_reason: Optional[str] = None
+    # tokens of KV every rank keeps for reuse: what options.prompt_cache_gb holds on the rank with the most KV
+    # bytes per token (0: no prompt cache)
+    prompt_cache_tokens: int = 0
 
     @property
     def batch_slots(self) -> int:
@@ -200,9 +205,7 @@ def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment f
     try:
         dep = Deployment.model_validate(doc)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise IntegrityError(f"{source}: {loc}: {err['msg']}") from None
+        raise IntegrityError(f"{source}: {pydantic_line(e)}") from None
     _check_consistent(dep, source)
     return Loaded(deployment=dep, migrated_from=migrated_from)
 

@@ -5,6 +5,7 @@ needed(rank) = bytes of its layers (pipeline) or 1/N of every layer (tensor)
              + KV: the sum over its layers of bytes/token x min(context, the layer's window) + a state layer's
                fixed bytes, x batch (tensor: 1/N of the per-head caches, the whole of an MLA latent)
              + headroom (MLX allocator, activations, the Python process)
+             + the prompt cache's reserve (plan --prompt-cache-gb)
 usable(node) = memory_gb x 2^30 x usable_fraction
 """
 
@@ -26,6 +27,7 @@ class RankBytes(BaseModel):
     kv: int
     headroom: int
     total: int
+    prompt_cache: int = 0
 
 
 def kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int = 1) -> int:
@@ -41,7 +43,8 @@ def kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int = 1) ->
 
 
 def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world: int,
-               context: int, batch: int, headroom_gb: float, embedding_offload: bool = False) -> RankBytes:
+               context: int, batch: int, headroom_gb: float, embedding_offload: bool = False,
+               prompt_cache_gb: float = 0.0) -> RankBytes:
     # With embedding offload the token embedding stays on SSD (read row by row by clusterctl.ple).
     shared = facts.shared_bytes - (facts.embed_bytes if embedding_offload else 0)
     if parallel == "tensor":
@@ -51,7 +54,23 @@ def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world:
         weights = sum(facts.layer_bytes[start:end]) + shared
         kv = kv_bytes(facts.kv_layer_list()[start:end], context, batch)
     headroom = int(headroom_gb * GIB)
-    return RankBytes(weights=weights, kv=kv, headroom=headroom, total=weights + kv + headroom)
+    cache = int(prompt_cache_gb * GIB)
+    return RankBytes(weights=weights, kv=kv, headroom=headroom, prompt_cache=cache,
+                     total=weights + kv + headroom + cache)
+
+
+def prompt_cache_tokens(facts: ModelFacts, ranges: list[tuple[int, int]], *, parallel: str,
+                        reserve: int) -> int:
+    """Tokens of KV the prompt cache may hold: what ``reserve`` bytes keep on the rank whose layers (or heads)
+    cost the most per token."""
+    world = len(ranges)
+    worst = 0
+    for s, e in ranges:
+        layers = facts.kv_layer_list() if parallel == "tensor" else facts.kv_layer_list()[s:e]
+        worst = max(worst, kv_bytes(layers, 1, 1, world if parallel == "tensor" else 1))
+    if reserve <= 0 or worst <= 0:
+        return 0
+    return min(reserve // worst, 1 << 26)
 
 
 def slots_that_fit(nodes: list[Node], one_slot: list[RankBytes]) -> int | None:
@@ -62,7 +81,7 @@ def slots_that_fit(nodes: list[Node], one_slot: list[RankBytes]) -> int | None:
         usable = node.usable_bytes
         if usable is None:
             return None
-        room = usable - need.weights - need.headroom
+        room = usable - need.weights - need.headroom - need.prompt_cache
         n = room // need.kv if need.kv > 0 else 1 << 20
         best = n if best is None else min(best, n)
     return max(0, best if best is not None else 0)

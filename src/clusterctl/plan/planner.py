@@ -11,7 +11,7 @@ from clusterctl.plan.backend import all_links_fast, choose_backend
 from clusterctl.plan.deployment import (
     Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash,
 )
-from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, rank_bytes, slots_that_fit
+from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, prompt_cache_tokens, rank_bytes, slots_that_fit
 from clusterctl.plan.inventory import Cluster, Node
 from clusterctl.plan.model import KvLayer, ModelFacts
 
@@ -129,7 +129,8 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         ranges = allocate.layer_ranges(counts)
     def needs_for(off: bool, batch: int | None = None):
         return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                           batch=batch or options.batch or 1, headroom_gb=options.headroom_gb, embedding_offload=off)
+                           batch=batch or options.batch or 1, headroom_gb=options.headroom_gb, embedding_offload=off,
+                           prompt_cache_gb=options.prompt_cache_gb or 0.0)
                 for s, e in ranges]
 
     offload = _resolve_offload(options.embedding_offload, facts, nodes, needs_for, warnings)
@@ -168,6 +169,8 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         options=given, parallel_reason=why, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
         slots=slots, batch=batch, schedule=schedule, schedule_reason=schedule_why,
+        prompt_cache_tokens=prompt_cache_tokens(facts, ranges, parallel=options.parallel,
+                                                reserve=needs[0].prompt_cache),
     )
 
 
