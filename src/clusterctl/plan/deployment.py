@@ -14,7 +14,7 @@ from typing import Optional, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import dumps, strict_loads
-from clusterctl.errors import IntegrityError, pydantic_line
+from clusterctl.errors import IntegrityError
 from clusterctl.plan.fit import RankBytes
 from clusterctl.names import DeploymentIdent, Name
 from clusterctl.plan.inventory import Node
@@ -205,7 +205,9 @@ def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment f
     try:
         dep = Deployment.model_validate(doc)
     except ValidationError as e:
-        raise IntegrityError(f"{source}: {pydantic_line(e)}") from None
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise IntegrityError(f"{source}: {loc}: {err['msg']}") from None
     _check_consistent(dep, source)
     return Loaded(deployment=dep, migrated_from=migrated_from)
 
