@@ -260,6 +260,27 @@ def test_a_frozen_peer_is_handled_by_the_ladder_not_a_hang(model, tmp_path):
         assert m.cancel_epoch is None or m.cancel_epoch >= 1
 
 
+def test_a_middle_stage_frozen_mid_flight_is_ended_by_the_ladder(model, tmp_path):
+    """Overlapped pipeline of 3 ranks, two requests in flight (one micro-batch each), the middle stage frozen:
+    rank 0 waits inside a receive, not a meeting; the ladder still ends it cleanly, in bounded time."""
+    over = {"probe_interval_s": 0.3, "abort_grace_s": 1.5}
+    with RankCluster(tmp_path, model, [3, 3, 2], overrides=over, tag="midfreeze") as c:
+        c.up()
+        streams = [_stream_forever(c), _stream_forever(c)]
+        assert all(s.wait(30) for s in streams), "the requests never started"
+        assert "decode schedule overlap" in c.logs(0)
+        c.signal(1, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert c.wait_exit(0, 30) == 69
+            assert time.monotonic() - t0 < 15
+        finally:
+            c.procs[1].send_signal(signal.SIGKILL)
+        log = c.logs(0)
+        assert "missed 2 probes" in log and " lost: " in log, log
+        assert c.marker(0).state == "lost" and len(_error_lines(c, 0)) == 1
+
+
 def test_a_peer_back_inside_the_grace_leaves_the_ranks_serving(model, tmp_path):
     over = {"probe_interval_s": 0.3, "abort_grace_s": 6.0}
     with RankCluster(tmp_path, model, [4, 4], overrides=over, tag="back") as c:

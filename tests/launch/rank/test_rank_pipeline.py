@@ -286,10 +286,10 @@ def test_the_lockstep_schedule_still_serves_identically(model, tmp_path):
     operators who want it)."""
     with RankCluster(tmp_path, model, [5, 3], overrides={"schedule": "lockstep"}, tag="lock") as c:
         c.up()
-        assert "decode schedule lockstep" in c.logs(0)
         for p in PROMPTS:
             assert _complete(c, prompt=p, max_tokens=24, temperature=0, return_token_ids=True)["token_ids"] == \
                 reference_tokens(model, p, 24)
+        assert "decode schedule lockstep" in c.logs(0)
 
 
 def test_rank_0_reports_every_rank_s_step_time_idle_share_and_rss(cluster):
