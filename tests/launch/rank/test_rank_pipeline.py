@@ -103,6 +103,10 @@ def test_concurrent_requests_are_batched_and_each_matches_one_process(cluster, m
         t.join(180)
     assert not errors, errors
     assert got == want
+    deadline = time.monotonic() + 10  # every rank lets the requests go (a teardown would find them busy)
+    while any(cluster.marker(r).active_requests for r in range(cluster.world)):
+        assert time.monotonic() < deadline, [cluster.marker(r).active_requests for r in range(cluster.world)]
+        time.sleep(0.1)
     if n > 1:  # served one after another, the last would see its first token after the first had finished
         first_done = min(end for _, end in spans.values())
         assert all(first < first_done for first, _ in spans.values()), spans

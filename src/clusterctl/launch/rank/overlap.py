@@ -175,9 +175,10 @@ class OverlapBatch:
     # -- a run
 
     def run(self, rounds: int, on_done: Callable[[str, GenResult], None] | None = None,
-            on_step: Callable[[], None] | None = None) -> int:
+            on_step: Callable[[], None] | None = None) -> list[str]:
         """``rounds`` steps of every micro-batch, overlapped across the stages. Rank 0 calls ``on_done`` for each
-        request the moment it finishes (its row stays until the next meeting). Returns the rounds run."""
+        request the moment it finishes (its row stays until the next meeting). Returns the requests that left
+        at the end of the run (their max_tokens reached)."""
         for j in range(rounds):
             for mb in self.mbs:
                 if j == 0 and mb.fresh:
@@ -191,14 +192,16 @@ class OverlapBatch:
                 if mb.rows:
                     mb.inputs = self._recv_tokens(len(mb.rows))
                     mx.eval(mb.inputs)
+        gone = []
         for mb in self.mbs:  # requests at their max_tokens leave on every rank alike
             if any(r.left <= 0 for r in mb.rows):
                 for i, r in enumerate(mb.rows):
                     if r.left <= 0:
                         self._save(mb, i)
+                        gone.append(r.id)
                 self._keep(mb, [i for i, r in enumerate(mb.rows) if r.left > 0])
         self.steps += rounds
-        return rounds
+        return gone
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first

@@ -261,6 +261,8 @@ class StepLoop:
                     self.metrics.cache_hit(req.cache_len)
         for rid in fins:
             self.batch.drop(rid, "stop", save=True)
+            if not self.leader:  # rank 0 let it go when it answered it (_done)
+                self.active.remove(rid)
         for rid in drops:
             res = self.batch.drop(rid, "cancelled")
             job = self.inflight.pop(rid, None)
@@ -326,11 +328,15 @@ class StepLoop:
     def _run(self, rounds: int) -> int:
         """Overlapped: ``rounds`` steps of every micro-batch (rank 0 answers each request as it finishes)."""
         try:
-            return self.batch.run(rounds, on_done=self._done,
+            gone = self.batch.run(rounds, on_done=self._done,
                                   on_step=self.marker.touch_step if self.marker is not None else None)
         except Exception as e:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
+        if not self.leader:  # rank 0 let them go when it answered them (_done)
+            for rid in gone:
+                self.active.remove(rid)
+        return rounds
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
