@@ -28,8 +28,6 @@ def run(*args: str, env: dict | None = None) -> Result:
     old = dict(os.environ)
     if env:
         os.environ.update(env)
-    cli.OUT.json = cli.OUT.quiet = False
-    cli.OUT._console = None
     try:
         with redirect_stdout(out), redirect_stderr(err):
             try:
@@ -40,7 +38,6 @@ def run(*args: str, env: dict | None = None) -> Result:
     finally:
         os.environ.clear()
         os.environ.update(old)
-        cli.OUT._console = None
     return Result(code, out.getvalue(), err.getvalue())
 
 

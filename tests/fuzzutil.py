@@ -192,8 +192,6 @@ def run_cli(argv: list[str], env: dict | None = None) -> CliResult:
     old_env = dict(os.environ)
     if env:
         os.environ.update(env)
-    cli.OUT.json = cli.OUT.quiet = False
-    cli.OUT._console = None
     stdout_error = None
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -211,8 +209,6 @@ def run_cli(argv: list[str], env: dict | None = None) -> CliResult:
     finally:
         os.environ.clear()
         os.environ.update(old_env)
-        cli.OUT._console = None
-        cli.OUT.json = cli.OUT.quiet = False
     return CliResult(code, out_b.getvalue().decode("utf-8", "replace"),
                      err_b.getvalue().decode("utf-8", "replace"), stdout_error)
 

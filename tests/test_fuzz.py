@@ -217,7 +217,7 @@ def _json_file_cases(tmp_path, name, reader, doc):
 
 
 def test_marker(tmp_path):
-    from clusterctl.launch.markers import read_marker
+    from clusterctl.launch.runtimefiles import read_marker
 
     _json_file_cases(tmp_path, "m.json", read_marker, {
         "schema_version": 1, "type": "rank-marker", "deployment_id": "d", "job_id": "j", "nonce": "n", "rank": 0,
@@ -226,14 +226,14 @@ def test_marker(tmp_path):
 
 
 def test_lease(tmp_path):
-    from clusterctl.launch.markers import read_lease
+    from clusterctl.launch.runtimefiles import read_lease
 
     _json_file_cases(tmp_path, "l.json", read_lease,
                      {"schema_version": 1, "type": "lease", "holder": "h", "seq": 4, "duration_s": 30.0})
 
 
 def test_cancel_file_and_ack(tmp_path):
-    from clusterctl.launch.cancelfile import read_ack, read_cancel
+    from clusterctl.launch.runtimefiles import read_ack, read_cancel
 
     _json_file_cases(tmp_path, "c.json", read_cancel, {"schema_version": 1, "type": "cancel", "deployment_id": "d",
                                                        "job_id": "j", "epoch": 2, "requests": ["a"],

@@ -201,7 +201,7 @@ class CancelMachine(RuleBasedStateMachine):
             for loop in self.loops.values():
                 loop._ack(loop0.epoch)
         count("rank steps")
-        from clusterctl.launch.cancelfile import ack_path
+        from clusterctl.launch.runtimefiles import ack_path
 
         for r in range(self.world):  # every ack a rank wrote: what a later "replay" may restore
             with contextlib.suppress(OSError):
@@ -334,7 +334,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_cancel_file(self, node, kind, epoch):
         """What may happen to a node's cancel file between commands: corruption, a file nobody can read (over
         64 KiB, another user's), another job's, an old one restored, or a valid one an operator wrote by hand."""
-        from clusterctl.launch.cancelfile import EPOCH_MAX, cancel_path
+        from clusterctl.launch.runtimefiles import EPOCH_MAX, cancel_path
 
         rd = self.rds.get(node) or self.rds["a"]
         path = cancel_path(rd, DEP)
@@ -388,7 +388,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_ack(self, rank, kind, pick):
         """What may happen to a rank's ack file: corruption, removal, another job's, or an older copy restored
         (only ever an ack some rank really wrote: a forged ack is outside what the epochs can detect)."""
-        from clusterctl.launch.cancelfile import ack_path
+        from clusterctl.launch.runtimefiles import ack_path
 
         rank %= self.world
         path = ack_path(self.rank_rd[rank], DEP, rank)

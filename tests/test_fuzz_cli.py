@@ -281,7 +281,7 @@ def world(tmp_path_factory):
         mp.delenv("CLUSTERCTL_CLUSTER", raising=False)
         mp.delenv("CLUSTERCTL_LAUNCHER_LEASE", raising=False)
         mp.delenv("CLUSTERCTL_API_KEY", raising=False)
-        mp.setattr("clusterctl.launch.supervisor.launch", fake_launch)
+        mp.setattr("clusterctl.launch.start.launch", fake_launch)
         mp.setattr("clusterctl.tinymodel.build", fake_build)
         mp.setattr("clusterctl.demo.run_demo", fake_demo)
         cache_typer_command(mp)
@@ -400,7 +400,7 @@ def test_every_command_is_fuzzed(bases):
 def test_the_launch_stub_takes_the_defaults():
     """The launch stub's check of the values (the rank contract they end up in) passes launch's own defaults: when
     it complains, it is about a fuzzed value, not about its own template."""
-    from clusterctl.launch.supervisor import LaunchOptions
+    from clusterctl.launch.jobplan import LaunchOptions
 
     assert _check_launch_options(LaunchOptions()) == []
 

@@ -9,7 +9,7 @@ product's own (``StateDir``, ``ManifestStore.path``, ``history.path_of``, ``canc
 ``teardown.reports_dir``) and, where the code builds the name inline, the same f-string (the locks
 ``locks/deploy-<id>.lock``, ``sync-<id>.lock``, ``replan-<cluster>.lock``; the launcher's job id
 ``<deployment>-<time>-<hex>`` and the rank files ``<job>-rank<r>.json/.contract/.hostfile.json/.log``,
-``<job>.gate``, ``<job>.lease``; see launch/supervisor.py, sync/engine.py, launch/replan.py, launch/reaper.py).
+``<job>.gate``, ``<job>.lease``; see launch/jobplan.py, launch/runtimefiles.py, sync/engine.py, launch/replan.py, launch/reaper.py).
 An id that passes is then handed to the real writers (save_deployment, ManifestStore save/remove, the teardown
 report, write_ack, cancel_here, the locks, the replan history) in a sandbox, and nothing may appear outside the
 state and runtime dirs. And an id the product makes from an accepted one (the launcher's job id) must pass the
@@ -200,7 +200,7 @@ def parse_contract(box, deployment, field, ident) -> dict:
 
 
 def parse_marker(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.markers import read_marker
+    from clusterctl.launch.runtimefiles import read_marker
 
     doc = {"schema_version": 1, "type": "rank-marker", "deployment_id": "d1", "job_id": "j1", "nonce": "n",
            "rank": 0, "node": "a", "host": "h", "pid": 123, "pgid": 123, "start_time": 1.5, "boot_id": "b",
@@ -220,7 +220,7 @@ def parse_cluster_toml(box, deployment, field, ident) -> dict:
 
 
 def parse_cancel(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.cancelfile import read_cancel
+    from clusterctl.launch.runtimefiles import read_cancel
 
     doc = {"schema_version": 1, "type": "cancel", "deployment_id": "d1", "job_id": "j1", "epoch": 2,
            "requests": None, "created_at": 1.0, field: ident}
@@ -229,7 +229,7 @@ def parse_cancel(box, deployment, field, ident) -> dict:
 
 
 def parse_ack(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.cancelfile import read_ack
+    from clusterctl.launch.runtimefiles import read_ack
 
     doc = {"schema_version": 1, "type": "cancel-ack", "deployment_id": "d1", "job_id": "j1", "rank": 1,
            "epoch": 2, "applied": [], "at": 1.0, field: ident}
@@ -259,13 +259,13 @@ SOURCES = {
 # ---- what the code derives from an accepted id ---------------------------------------------------------------------
 
 def job_of(deployment_id: str) -> str:
-    return f"{deployment_id}-{TS}-{HEX}"  # launch/supervisor.py, _launch_locked
+    return f"{deployment_id}-{TS}-{HEX}"  # launch/jobplan.py, new_job_id
 
 
 def derived_paths(box: Box, ids: dict) -> list[tuple[str, Path, Path]]:
     """(what, path, the folder it must be in) for every file the code names after these ids."""
     from clusterctl import history
-    from clusterctl.launch.cancelfile import ack_path, cancel_path
+    from clusterctl.launch.runtimefiles import ack_path, cancel_path
     from clusterctl.launch.manifest import ManifestStore
     from clusterctl.launch.teardown import reports_dir
 
@@ -316,7 +316,7 @@ def path_problems(what: str, path: Path, folder: Path) -> list[str]:
 def write_everything(box: Box, ids: dict, deployment) -> None:
     """The real writers, with ids that passed path_problems: each may only write where it should."""
     from clusterctl import history
-    from clusterctl.launch.cancelfile import cancel_here, write_ack
+    from clusterctl.launch.runtimefiles import cancel_here, write_ack
     from clusterctl.launch.manifest import LaunchManifest, ManifestStore
     from clusterctl.launch.teardown import TeardownReport, save_report
     from clusterctl.locks import Lock
@@ -351,7 +351,7 @@ def made_ids_read_back(box: Box, ids: dict) -> list[str]:
     from pydantic import ValidationError
 
     from clusterctl.launch.manifest import LaunchManifest
-    from clusterctl.launch.markers import Marker
+    from clusterctl.launch.runtimefiles import Marker
     from clusterctl.launch.rankspec import RankSpec
 
     if "deployment_id" not in ids or "job_id" in ids:

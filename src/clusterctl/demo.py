@@ -141,8 +141,10 @@ def _model(workdir: Path, which: str, out) -> Path:
 async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
                    check: bool = True) -> DemoResult:
     from clusterctl.launch.status import status
-    from clusterctl.launch.supervisor import LaunchOptions, launch
-    from clusterctl.plan.commands import plan_command
+    from clusterctl.launch.jobplan import LaunchOptions
+    from clusterctl.launch.runtimefiles import parse_marker
+    from clusterctl.launch.start import launch
+    from clusterctl.sync.planned import plan_command
 
     res = DemoResult(model=model)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -183,8 +185,8 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, m
         out.table(status_table(job))
         peaks = {}
         for r in running.manifest.ranks:
-            m = await running.hs[r.node].read_json(r.marker_path) or {}
-            peaks[r.rank] = m.get("peak_rss_bytes")
+            m = parse_marker(await running.hs[r.node].read_json(r.marker_path))
+            peaks[r.rank] = m.peak_rss_bytes if m else None
         res.ranks = [{"rank": r.rank, "node": r.node, "layers": r.end_layer - r.start_layer,
                       "range": [r.start_layer, r.end_layer], "pid": r.pid, "peak_rss_bytes": peaks.get(r.rank)}
                      for r in running.manifest.ranks]

@@ -48,6 +48,15 @@ def one_line(text: str) -> str:
     return text
 
 
+def pydantic_line(e, default: str = "", *, plain: bool = False) -> str:
+    """The first error of a pydantic ValidationError as ``field.path: message`` (values never echoed);
+    ``default`` names a field-less error, ``plain`` drops pydantic's "Value error, " before a validator's text."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ())) or default
+    msg = first.get("msg", "invalid")
+    return f"{where}: {msg.removeprefix('Value error, ') if plain else msg}"
+
+
 class ClusterctlError(Exception):
     """Base error: a one-line message, an exit code and an optional hint."""
 
@@ -138,4 +147,24 @@ class RemoteCommandFailed(ClusterctlError):
     def to_json(self) -> dict:
         out = super().to_json()
         out.update(host=self.host, argv=self.argv, returncode=self.returncode, stderr_tail=self.stderr_tail)
+        return out
+
+
+class LaunchFailed(ClusterctlError):
+    """A launch that did not reach ready; carries the ranks that failed and the report of the teardown of what
+    it had started (the launch error is reported, and so is a teardown that could not confirm)."""
+
+    exit_code = Exit.FAILED
+
+    def __init__(self, message: str, *, ranks: list[dict] | None = None, teardown=None,
+                 hint: str | None = None, exit_code: Exit | None = None):
+        super().__init__(message, hint=hint, exit_code=exit_code)
+        self.ranks = ranks or []
+        self.teardown = teardown  # a launch.teardown.TeardownReport, or None
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out["ranks"] = self.ranks
+        if self.teardown is not None:
+            out["teardown"] = self.teardown.to_json()
         return out

@@ -47,3 +47,15 @@ def current(state, cluster: str) -> str | None:
     """The deployment id the last applied replan made current (None before the first replan)."""
     items = entries(state, cluster)
     return items[-1]["to"] if items else None
+
+
+def clusters_of(state, target: str | None) -> list[str]:
+    """The clusters ``clusterctl history TARGET`` shows: every one with a history, the one named, or the cluster
+    of the deployment (file or id) named."""
+    folder = state.root / "history"
+    if target is None:
+        return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    if (folder / f"{target}.json").exists():
+        return [target]
+    _, loaded = state.load_deployment(target)
+    return [loaded.deployment.cluster]

@@ -38,6 +38,11 @@ class Output:
                                     ensure_ascii=False) + "\n")
         sys.stdout.flush()
 
+    def line(self, text: str) -> None:
+        """One plain line of data on stdout (an endpoint, a hash, a history entry); the caller decides when."""
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
     def info(self, message: str) -> None:
         """A human line on stderr; silent with --quiet or --json. Never read as markup (paths, remote text)."""
         if not self.quiet and not self.json:
@@ -228,3 +233,9 @@ class SyncView:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def history_line(cluster: str, e: dict, *, kept: bool) -> str:
+    """One applied replan, as `clusterctl history` prints it on stdout (``kept``: the old file still exists)."""
+    return (f"{cluster}  {e['applied_at']}  {e['from']} ({e['from_hash'][:12]}){'' if kept else ' [file gone]'}"
+            f" -> {e['to']} ({e['to_hash'][:12]})  {'; '.join(e.get('changes') or [])}")

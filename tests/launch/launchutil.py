@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.launch.procs import boot_id
+from clusterctl.node.procs import boot_id
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
 from diskutil import fill_disk  # noqa: F401  (the disk-full tests and bench/faults.py take it from here)

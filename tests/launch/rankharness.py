@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from clusterctl.errors import IntegrityError
-from clusterctl.launch.markers import Marker, read_marker
+from clusterctl.launch.runtimefiles import Marker, read_marker
 from clusterctl.launch.rankspec import layer_range
 
 PY = sys.executable
@@ -143,7 +143,7 @@ class RankCluster:
         return self
 
     def renew_lease(self, seq: int, duration: float | None = None) -> None:
-        from clusterctl.launch.markers import Lease, write_lease
+        from clusterctl.launch.runtimefiles import Lease, write_lease
 
         write_lease(self.lease, Lease(holder="harness", seq=seq, duration_s=duration or self.lease_seconds))
 

@@ -11,13 +11,13 @@ import time
 
 import psutil
 
-from clusterctl.launch import keeper
+from clusterctl.node import keeper
 
 PY = sys.executable
 
 
 def spawn(argv: list[str], *, grace: float = 1.0, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "clusterctl.launch.keeper", "--grace", str(grace), "--", *argv],
+    return subprocess.Popen([PY, "-m", "clusterctl.node.keeper", "--grace", str(grace), "--", *argv],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, **(env or {})}, **kw)
 
@@ -132,7 +132,7 @@ def test_parent_death_stops_the_child_even_with_stdin_open():
     r, w = os.pipe()
     parent = subprocess.Popen(
         [PY, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(120)",
-         PY, "-m", "clusterctl.launch.keeper", "--grace", "1", "--", "sleep", "60"],
+         PY, "-m", "clusterctl.node.keeper", "--grace", "1", "--", "sleep", "60"],
         stdin=r, stdout=subprocess.PIPE)
     os.close(r)
     try:
@@ -158,7 +158,7 @@ def test_leftovers_of_a_child_that_exited_are_stopped():
 
 
 def test_grace_from_env_and_not_leaked_to_the_child():
-    k = subprocess.Popen([PY, "-m", "clusterctl.launch.keeper", "--", "sh", "-c",
+    k = subprocess.Popen([PY, "-m", "clusterctl.node.keeper", "--", "sh", "-c",
                           "trap '' TERM; echo ${CLUSTERCTL_KEEPER_GRACE:-unset}; sleep 60"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**os.environ, keeper.GRACE_ENV: "0.5"})
@@ -185,7 +185,7 @@ def test_broken_output_channel_does_not_block_the_child(tmp_path):
 
 
 def test_usage_error_without_a_command():
-    r = subprocess.run([PY, "-m", "clusterctl.launch.keeper", "--grace", "1"], capture_output=True, text=True)
+    r = subprocess.run([PY, "-m", "clusterctl.node.keeper", "--grace", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "no command" in r.stderr
 
 

@@ -424,7 +424,8 @@ def test_a_port_block_in_use_is_replaced_by_another(tmp_path, tiny, env, monkeyp
     import asyncio
     import socket
 
-    from clusterctl.launch import hostfile, supervisor
+    from clusterctl.launch import hostfile, start
+    from clusterctl.launch.jobplan import LaunchOptions
     from clusterctl.state import StateDir
 
     dep = plan(tmp_path, tiny, env)
@@ -445,8 +446,8 @@ def test_a_port_block_in_use_is_replaced_by_another(tmp_path, tiny, env, monkeyp
     monkeypatch.setattr(hostfile, "choose_ports", first_block_taken)
     logs: list[str] = []
     try:
-        running = asyncio.run(supervisor.launch(dep, StateDir(tmp_path / "state"),
-                                                supervisor.LaunchOptions(detach=True, timeout=180), log=logs.append))
+        running = asyncio.run(start.launch(dep, StateDir(tmp_path / "state"),
+                                           LaunchOptions(detach=True, timeout=180), log=logs.append))
         assert len(blocks) == 2 and not set(blocks[0]) & set(blocks[1])
         assert running.manifest.ports == blocks[1]
         assert any("are in use; choosing another block" in m for m in logs), logs

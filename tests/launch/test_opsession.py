@@ -48,7 +48,7 @@ def sessions_under(root: int) -> int:
     n = 0
     for p in psutil.Process(root).children(recursive=True):
         try:
-            n += (p.cmdline() or [])[-2:] == ["clusterctl.launch.nodeops", "session"]
+            n += (p.cmdline() or [])[-2:] == ["clusterctl.node.nodeops", "session"]
         except psutil.Error:
             pass  # ended meanwhile
     return n
@@ -127,7 +127,7 @@ def test_the_session_answers_bad_lines_and_ends_at_eof():
 
     lines = [{"id": 1, "op": "read", "req": {"path": "/proc/self/status", "limit": 1 << 20}}, "not json",
              {"id": 2, "op": "probe", "req": []}]
-    p = subprocess.run([PY, "-m", "clusterctl.launch.nodeops", "session"], timeout=60, capture_output=True,
+    p = subprocess.run([PY, "-m", "clusterctl.node.nodeops", "session"], timeout=60, capture_output=True,
                        input="".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode())
     assert p.returncode == 0
     answers = [json.loads(x) for x in p.stdout.splitlines()]

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.launch.procs import Identity, boot_id, status_of, stop
+from clusterctl.node.procs import Identity, boot_id, status_of, stop
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
 from launchutil import IGNORE_TERM, cli, ident, make_job, spawn  # noqa: F401
@@ -117,7 +117,7 @@ def test_pid_reuse_inside_a_pid_namespace(tmp_path):
 import os, subprocess, sys, time
 sys.path[:0] = {sys.path!r}
 import psutil
-from clusterctl.launch.procs import Identity, stop
+from clusterctl.node.procs import Identity, stop
 env = dict(os.environ, CLUSTERCTL_NONCE="n1")
 rank = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
 ident = Identity(pid=rank.pid, start_time=psutil.Process(rank.pid).create_time(), nonce="n1", pgid=rank.pid)
@@ -221,7 +221,7 @@ def test_markers_of_other_jobs_are_never_touched(state):
 def test_a_nodes_sweep_signals_only_the_ranks_it_hosts_in_a_shared_runtime_dir(state):
     """Two nodes that are one machine share a runtime dir: node a's sweep must leave node b's rank to node b's
     own sweep, or that rank gets a second SIGTERM (a rank's "exit now", which cuts its clients' streams)."""
-    from clusterctl.launch.nodeops import op_sweep
+    from clusterctl.node.nodeops import op_sweep
 
     nonce = secrets.token_hex(8)
     ranks = [spawn(nonce), spawn(nonce)]

@@ -19,7 +19,7 @@ import pytest
 
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit, HostUnreachable, IntegrityError,
                                MissingInput, RemoteCommandFailed, UsageError)
-from clusterctl.launch import keeper
+from clusterctl.node import keeper
 from clusterctl.launch.ssh_policy import SshTarget
 from clusterctl.launch.nodes import make_transport
 from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Transport, shell_command_line
@@ -124,7 +124,8 @@ def test_bad_commands_are_refused_before_running():
 
 # ---------------------------------------------------------------------------------------------- files
 
-def test_write_file_is_atomic_and_read_file_is_careful(make, tmp_path):
+def test_write_file_is_atomic_and_read_file_is_careful(tmp_path):
+    """A local node's files (a remote node's go through its op session: test_opsession.py)."""
     target = tmp_path / "d i r" / "f'il\"e;$(x)"
     target.parent.mkdir()
     target.write_bytes(b"old")
@@ -134,7 +135,7 @@ def test_write_file_is_atomic_and_read_file_is_careful(make, tmp_path):
     payload = os.urandom(200_000)
 
     async def go():
-        t = make()
+        t = make_transport("local", local=True, target=None, python=PY)
         try:
             await t.write_file(str(target), payload, mode=0o600)
             got = await t.read_file(str(target), limit=300_000)
@@ -162,49 +163,6 @@ def test_write_file_is_atomic_and_read_file_is_careful(make, tmp_path):
     assert isinstance(errors["missing"], MissingInput)
     assert all(isinstance(errors[k], IntegrityError) for k in ("symlink", "dir", "big"))
     assert isinstance(errors["write"], CannotWrite)
-
-
-def test_put_file_streams_and_keeps_the_mode(make, tmp_path):
-    src = tmp_path / "src.bin"
-    src.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
-    os.chmod(src, 0o750)
-    dest = tmp_path / "out dir" / "copy.bin"
-
-    async def go():
-        t = make()
-        try:
-            await t.put_file(src, str(dest))
-            await t.put_file(src, str(dest) + ".ro", mode=0o400)
-            with pytest.raises(MissingInput):
-                await t.put_file(tmp_path / "absent", str(dest))
-        finally:
-            await t.close()
-
-    arun(go())
-    assert dest.read_bytes() == src.read_bytes()
-    assert dest.stat().st_mode & 0o777 == 0o750
-    assert Path(str(dest) + ".ro").stat().st_mode & 0o777 == 0o400
-
-
-@pytest.mark.slow
-def test_truncated_transfer_never_replaces_the_file(sshd, tmp_path):
-    # The stream ending early (a dropped connection looks like EOF) must not commit a short file.
-    from clusterctl.launch.sshnode import _WRITE_PROGRAM
-
-    target = tmp_path / "keep"
-    target.write_bytes(b"original")
-
-    async def go():
-        t = make_transport("n1", local=False, target=sshd.target(), python=PY)
-        try:
-            return await t.run([PY, "-I", "-c", _WRITE_PROGRAM, str(target), "644", "100"], input=b"short")
-        finally:
-            await t.close()
-
-    r = arun(go())
-    assert r.returncode == 3 and "truncated" in r.stderr_tail
-    assert target.read_bytes() == b"original"
-    assert os.listdir(tmp_path) == ["keep"]
 
 
 # ---------------------------------------------------------------------------------------------- start + keeper

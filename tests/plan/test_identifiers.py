@@ -50,7 +50,7 @@ def test_manifests_contracts_and_markers_refuse_path_ids(bad):
     from pydantic import ValidationError
 
     from clusterctl.launch.manifest import LaunchManifest
-    from clusterctl.launch.markers import Marker
+    from clusterctl.launch.runtimefiles import Marker
     from clusterctl.launch.rankspec import RankSpec
 
     for cls, field in ((LaunchManifest, "job_id"), (LaunchManifest, "deployment_id"), (Marker, "job_id"),

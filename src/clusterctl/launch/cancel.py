@@ -51,7 +51,8 @@ async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: fl
     ours once rank 0's does (the epoch reaches them in the meeting after rank 0 applied it)."""
     from pydantic import ValidationError
 
-    from clusterctl.launch.cancelfile import EPOCH_MAX, CancelAck, CancelFile, ack_path, cancel_path, new_nonce
+    from clusterctl.launch.runtimefiles import EPOCH_MAX, CancelAck, CancelFile, ack_path, cancel_path
+    from clusterctl.launch.runtimefiles import new_cancel_nonce as new_nonce
 
     hs = handles(m.nodes, ssh)
     t0 = time.monotonic()
@@ -113,7 +114,7 @@ def check_requests(requests: list[str] | None) -> None:
     import re
 
     from clusterctl.errors import UsageError
-    from clusterctl.launch.cancelfile import MAX_REQUEST_IDS, REQUEST_ID_PATTERN
+    from clusterctl.launch.runtimefiles import MAX_REQUEST_IDS, REQUEST_ID_PATTERN
 
     if requests is None:
         return
@@ -129,7 +130,7 @@ def valid_cancel(doc: dict | None):
     """A cancel file's contents as CancelFile, or None when it is not one."""
     from pydantic import ValidationError
 
-    from clusterctl.launch.cancelfile import CancelFile
+    from clusterctl.launch.runtimefiles import CancelFile
 
     try:
         return CancelFile.model_validate(doc) if doc else None

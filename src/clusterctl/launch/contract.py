@@ -51,7 +51,9 @@ def load_rank_contract(path: str | Path, node: str):
 
     path = Path(path)
     data = read_capped(path, limit=MAX_CONTRACT_BYTES, what="rank contract")
-    keys = trusted_keys(path.parent / "trusted-keys")
+    from clusterctl.launch.runtimefiles import TRUSTED_KEYS
+
+    keys = trusted_keys(path.parent / TRUSTED_KEYS)
     payload = verify_signed(data, contract_kind(node), keys, source=f"rank contract {path}")
     doc = strict_loads(payload, source=f"rank contract {path}")
     if not isinstance(doc, dict) or doc.get("type") != "rank-contract" or doc.get("schema_version") != CONTRACT_SCHEMA:

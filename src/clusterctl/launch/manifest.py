@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import atomic_write_bytes, dumps, move_aside, read_capped, strict_loads
-from clusterctl.errors import IntegrityError
+from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.names import Ident, Name
 from clusterctl.plan.inventory import Node
 from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
@@ -85,7 +85,7 @@ def now_iso() -> str:
 
 
 def this_coordinator(detached: bool = False) -> Coordinator:
-    from clusterctl.launch.procs import boot_id, start_time_of
+    from clusterctl.node.procs import boot_id, start_time_of
 
     return Coordinator(host=socket.gethostname(), pid=os.getpid(), start_time=start_time_of(os.getpid()),
                        boot_id=boot_id(), detached=detached)
@@ -119,8 +119,7 @@ class ManifestStore:
         try:
             return LaunchManifest.model_validate(doc)
         except ValidationError as e:
-            err = e.errors()[0]
-            raise IntegrityError(f"launch manifest {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            raise IntegrityError(f"launch manifest {path}: {pydantic_line(e)}") from None
 
     def all(self) -> tuple[list[tuple[Path, LaunchManifest]], list[tuple[Path, str]]]:
         """Every manifest on disk: (good ones, (path, error) for malformed ones, which are reported and kept)."""
@@ -161,7 +160,7 @@ def job_ref(state, target: str) -> str:
 
 def coordinator_alive(c: Coordinator) -> bool:
     """Is the coordinator that wrote a launch manifest still running (judged on this machine only)?"""
-    from clusterctl.launch.procs import Identity, boot_id, status_of
+    from clusterctl.node.procs import Identity, boot_id, status_of
 
     if c.detached:
         return True  # a detached job has no coordinator to outlive; only `teardown` ends it

@@ -1,6 +1,6 @@
 """One handle per node for the coordinator: its transport, its runtime dir, and node operations over it.
 
-Node operations (clusterctl.launch.nodeops) go through one ``OpSession`` per node and command: one process on the
+Node operations (clusterctl.node.nodeops) go through one ``OpSession`` per node and command: one process on the
 node (one SSH channel, one Python start-up) answers every request of a launch, a teardown or a sync, concurrently.
 Small files of a remote node are read and written through the same session; a local node's directly.
 """
@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed
+from clusterctl.errors import (CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed,
+                               pydantic_line)
 from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Pipe, Transport
 from clusterctl.plan.inventory import Node
 
@@ -57,9 +58,7 @@ def ssh_target(node: Node, ssh: SshOptions):
                          known_hosts=ssh.known_hosts, accept_new_host_keys=ssh.accept_new_host_keys,
                          connect_timeout=ssh.connect_timeout)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"node {node.name}: {'.'.join(map(str, err['loc'])) or 'ssh'}: "
-                          f"{err['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(f"node {node.name}: {pydantic_line(e, 'ssh', plain=True)}") from None
 
 
 def make_transport(node_name: str, *, local: bool, target, python: str, keeper_grace: float = 10.0) -> Transport:
@@ -81,7 +80,7 @@ def transport_for(node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) ->
 
 
 class OpSession:
-    """The coordinator's end of ``python -m clusterctl.launch.nodeops session`` on one node: requests by id,
+    """The coordinator's end of ``python -m clusterctl.node.nodeops session`` on one node: requests by id,
     answers matched as they arrive, any number in flight. When the process ends every waiting request fails
     with the last line it wrote to stderr."""
 
@@ -184,12 +183,12 @@ class NodeHandle:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._session is None or not self._session.alive:
-                argv = [self.transport.python, "-m", "clusterctl.launch.nodeops", "session"]
+                argv = [self.transport.python, "-m", "clusterctl.node.nodeops", "session"]
                 self._session = OpSession(self.name, await self.transport.open_pipe(argv), argv)
             return self._session
 
     async def op(self, op: str, req: dict, *, timeout: float = NODEOP_TIMEOUT) -> dict:
-        """Run one node operation (clusterctl.launch.nodeops) and return its JSON answer."""
+        """Run one node operation (clusterctl.node.nodeops) and return its JSON answer."""
         sess = await self.session()
         msg = await sess.call(op, req, timeout)
         if "error" in msg:
@@ -248,7 +247,7 @@ class NodeHandle:
             docs = [d if isinstance(d, dict) else None for d in ans["markers"]]
             exited = ans.get("exited") or [None] * len(paths)
             return {"markers": docs, "exited": [e if isinstance(e, dict) else None for e in exited]}
-        from clusterctl.launch.nodeops import look_at_markers
+        from clusterctl.node.nodeops import look_at_markers
 
         deadline = time.monotonic() + timeout
         while True:

@@ -110,3 +110,23 @@ async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs
         if q["state"] != "busy" or time.monotonic() >= deadline:
             return q
         await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+async def refuse_activity(jobs, ssh: SshOptions, *, refuse: tuple[str, ...], hints: dict[str, str],
+                          drain: float = 0.0, log=lambda msg: None, hs_of: dict | None = None) -> None:
+    """Raise Busy (exit 75) for the first job whose activity is in ``refuse`` (after ``drain`` seconds of
+    waiting for it to go idle), naming its ranks' requests or why they are unknown; ``hints`` by activity.
+    Teardown refuses ``busy`` only (stopping a broken job is its purpose); replan refuses ``unknown`` too.
+    ``hs_of``: node handles per job id to reuse."""
+    from clusterctl.errors import Busy
+
+    hs_of = hs_of or {}
+    if drain > 0:
+        log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
+        answers = await asyncio.gather(*(wait_idle(m, ssh, drain, hs=hs_of.get(m.job_id)) for m in jobs))
+    else:
+        answers = await asyncio.gather(*(quiescence(m, ssh, hs_of.get(m.job_id)) for m in jobs))
+    for q in answers:
+        if q["state"] in refuse:
+            waited = f" after draining {drain:g} s" if drain > 0 else ""
+            raise Busy(f"job {q['job_id']} is {q['state']}{waited}: {describe(q)}", hint=hints[q["state"]])

@@ -14,7 +14,7 @@ from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch.manifest import ManifestStore, coordinator_alive
 from clusterctl.launch.nodes import SshOptions
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
-from clusterctl.locks import Lock, locked
+from clusterctl.locks import Lock, deployment_lock_path, locked
 
 
 
@@ -90,7 +90,7 @@ async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run:
                                       "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
                 continue
             try:
-                lock = Lock(state.locks / f"deploy-{m.deployment_id}.lock")
+                lock = Lock(deployment_lock_path(state, m.deployment_id))
                 if m.deployment_id not in held:
                     lock.acquire(what=f"deployment {m.deployment_id}")
             except Busy:

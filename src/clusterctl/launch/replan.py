@@ -5,8 +5,8 @@ propose()  the current deployment (a file, a deployment id, a job id, or the onl
 apply()    under the cluster's replan lock: an unchanged plan only rewrites the deployment record; otherwise
            refuse unless every rank is idle (after ``drain`` seconds), verified teardown of the old job (if it
            cannot be verified, stop: the old deployment stays current), atomic swap of the deployment file the
-           operator named (the old one stays signed in the state dir), a history entry; the caller then
-           launches the new deployment the way the old job ran (detached or in the foreground).
+           operator named (the old one stays signed in the state dir), a history entry, and a launch of the new
+           deployment the way the old job ran (detached or in the foreground: launch/foreground.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import Busy, ClusterctlError, ConfigError, MissingInput, UsageError
+from clusterctl.errors import ClusterctlError, ConfigError, MissingInput, UsageError
 from clusterctl.plan.deployment import Deployment
 
 
@@ -63,14 +63,6 @@ def resolve_current(state, ref: str | None) -> tuple[Path, Deployment, Path | No
     return path, loaded.deployment, operator_file
 
 
-def _sign_model(state, dep: Deployment, model_path: str) -> Deployment:
-    from clusterctl.sync.planned import manifest_of_folder
-
-    manifest = manifest_of_folder(state, Path(model_path), name=dep.model.name)
-    dep.model = dep.model.model_copy(update={"manifest_hash": manifest.manifest_hash})
-    return dep
-
-
 def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: list[str] | None = None,
             options: dict | None = None, path_map: dict[str, str] | None = None, to: str | None = None
             ) -> Proposal:
@@ -89,6 +81,7 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
         inputs = {"given": {"to": new.deployment_id}, "derived": {}}
     else:
         from clusterctl.plan.commands import fill_memory
+        from clusterctl.sync.planned import record_manifest
         from clusterctl.plan.inventory import load_cluster
         from clusterctl.plan.model import inspect_model
         from clusterctl.plan.planner import make_deployment
@@ -101,7 +94,7 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
                                hint="run replan where the deployment was planned")
         new = make_deployment(ins.cluster, inspect_model(Path(ins.model_path)), ins.model_path, ins.options,
                               path_map=ins.path_map)
-        new = _sign_model(state, new, ins.model_path)
+        new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
     jobs = [m for m in _manifests(state) if m.deployment_id == old.deployment_id]
     return Proposal(old_path=old_path, old=old, new=new, diff=placement_diff(old, new), operator_file=operator_file,
@@ -127,25 +120,6 @@ def lock_for(state, p: Proposal):
     from clusterctl.locks import Lock
 
     return Lock(state.locks / f"replan-{p.old.cluster}.lock").acquire(what=f"replan of cluster {p.old.cluster}")
-
-
-async def refuse_unless_idle(jobs, ssh, *, drain: float, log) -> None:
-    """Replan stops nothing that works: busy OR unknown (a rank unreachable or stale) refuses, with counts."""
-    import asyncio
-
-    from clusterctl.launch.quiescence import describe, quiescence, wait_idle
-
-    if drain > 0:
-        log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
-        answers = await asyncio.gather(*(wait_idle(m, ssh, drain) for m in jobs))
-    else:
-        answers = await asyncio.gather(*(quiescence(m, ssh) for m in jobs))
-    for q in answers:
-        if q["state"] != "idle":
-            waited = f" after draining {drain:g} s" if drain > 0 else ""
-            raise Busy(f"job {q['job_id']} is {q['state']}{waited}: {describe(q)}",
-                       hint="wait (--drain SECONDS) or cancel the requests, then replan again"
-                       if q["state"] == "busy" else "check the ranks (clusterctl status), or tear the job down first")
 
 
 def write_new(state, p: Proposal):
@@ -194,11 +168,15 @@ def changes_of(p: Proposal) -> list[str]:
 
 async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) -> None:
     """Refuse unless idle, then verified teardown of every job of the old deployment."""
+    from clusterctl.launch.quiescence import refuse_activity
     from clusterctl.launch.teardown import teardown_command
 
     if not p.jobs:
         return
-    await refuse_unless_idle(p.jobs, ssh, drain=drain, log=log)
+    # replan stops nothing that works: busy OR unknown (a rank unreachable or stale) refuses
+    await refuse_activity(p.jobs, ssh, refuse=("busy", "unknown"), drain=drain, log=log, hints={
+        "busy": "wait (--drain SECONDS) or cancel the requests, then replan again",
+        "unknown": "check the ranks (clusterctl status), or tear the job down first"})
     for m in p.jobs:
         reports = await teardown_command(state, m.job_id, ssh, grace=grace, force=True, log=log)
         bad = [r for r in reports if not r.ok]
@@ -212,7 +190,7 @@ async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) 
 def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
                      seed: int, max_queue: int, host: str | None = None):
     """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
-    from clusterctl.launch.supervisor import LaunchOptions
+    from clusterctl.launch.jobplan import LaunchOptions
 
     m = p.jobs[0] if p.jobs else None
     old_host, port = "127.0.0.1", None
@@ -233,3 +211,65 @@ def deployment_ref(p: Proposal) -> str:
 def way_back(state, p: Proposal) -> str:
     return f"clusterctl replan {os.fspath(p.operator_file) if p.operator_file else p.new.deployment_id} " \
            f"--to {p.old.deployment_id} --yes"
+
+
+async def live_jobs_of(state, p: Proposal, ssh) -> list:
+    """The live jobs of the current deployment (``p.jobs`` lists its launch manifests, live or not)."""
+    from clusterctl.launch.manifest import ManifestStore
+    from clusterctl.launch.start import live_jobs
+
+    if not p.jobs:
+        return []
+    return await live_jobs(ManifestStore(state.launches, None, state.keyring.public_keys()), ssh,
+                           p.old.deployment_id)
+
+
+def apply(state, p: Proposal, ssh, opts, *, grace: float, drain: float, out, doc: dict) -> int:
+    """Apply a previewed replan under the cluster's replan lock (see the module docstring); ``out`` is the
+    command's output, ``doc`` the preview as data. Returns the exit code (of the new job, in the foreground)."""
+    import asyncio
+
+    from clusterctl.launch.foreground import run_foreground
+
+    lock = lock_for(state, p)
+    try:
+        if p.diff["unchanged"]:
+            write_new(state, p).commit()
+            record(state, p, changes=changes_of(p), relaunched=None)
+            if out.json:
+                out.data({**doc, "action": "unchanged"})
+            out.info(f"unchanged plan: {', '.join(p.diff['records_changed'])} updated in {deployment_ref(p)}; "
+                     "no rank was restarted")
+            return 0
+        staged = write_new(state, p)  # before anything stops: a full disk ends the replan here
+        try:
+            asyncio.run(stop_old(state, p, ssh, grace=grace, drain=drain, log=out.info))
+        except BaseException:
+            staged.discard()
+            raise
+        staged.commit()
+        if not p.jobs:
+            record(state, p, changes=changes_of(p), relaunched=None)
+            if out.json:
+                out.data({**doc, "action": "applied", "job": None})
+            out.info(f"deployment {p.new.deployment_id} is current (it was not running: nothing relaunched)")
+            return 0
+        return asyncio.run(run_foreground(out, lambda: _relaunch(state, p, opts, lock, out.info), opts.detach,
+                                          ready_extra={**doc, "action": "applied"}))
+    finally:
+        lock.release()
+
+
+async def _relaunch(state, p: Proposal, opts, lock, log):
+    from clusterctl.launch.start import launch
+
+    try:
+        running = await launch(deployment_ref(p), state, opts, log=log)
+    except ClusterctlError as e:
+        record(state, p, changes=changes_of(p), relaunched=None)
+        raise ClusterctlError(f"deployment {p.new.deployment_id} did not launch: {e.message}",
+                              hint=f"the previous deployment is kept: {way_back(state, p)}",
+                              exit_code=e.exit_code) from None
+    record(state, p, changes=changes_of(p), relaunched=running.manifest.job_id)
+    lock.release()  # the new job runs: another replan may now follow it
+    return running

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shlex
 import socket
-from pathlib import Path
 
 import asyncssh
 
-from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, HostUnreachable, IntegrityError,
-                               MissingInput, RemoteCommandFailed)
+from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
 from clusterctl.launch import ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
 from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
@@ -28,81 +25,9 @@ SHORT_CHANNELS = 4
 
 KILL_TIMEOUT = 15.0
 _KILL_PROGRAM = (
-    "import sys; from clusterctl.launch.keeper import kill_group_if_same as k; "
+    "import sys; from clusterctl.node.keeper import kill_group_if_same as k; "
     "a = sys.argv[1:]; k(int(a[0]), int(a[1]), None if a[2] == 'None' else float(a[2]), "
     "None if a[3] == 'None' else a[3])")
-
-_READ_PROGRAM = r"""
-import os, stat, sys
-path, limit = sys.argv[1], int(sys.argv[2])
-def fail(code, msg):
-    sys.stderr.write(msg + "\n"); sys.exit(code)
-try:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-except FileNotFoundError:
-    fail(2, "not found")
-except OSError as e:
-    fail(3, e.strerror or str(e))
-st = os.fstat(fd)
-if not stat.S_ISREG(st.st_mode):
-    fail(4, "not a regular file")
-chunks, total = [], 0
-while True:
-    b = os.read(fd, 1 << 20)
-    if not b:
-        break
-    total += len(b)
-    if total > limit:
-        fail(5, "larger than %d bytes" % limit)
-    chunks.append(b)
-sys.stdout.buffer.write(b"".join(chunks))
-"""
-
-_WRITE_PROGRAM = r"""
-import os, secrets, sys
-path, mode, want = sys.argv[1], int(sys.argv[2], 8), int(sys.argv[3])
-folder = os.path.dirname(path) or "."
-tmp = None
-try:
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    tmp = os.path.join(folder, ".%s.%d.%s.tmp" % (os.path.basename(path), os.getpid(), secrets.token_hex(4)))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        got = 0
-        while True:
-            b = os.read(0, 1 << 20)
-            if not b:
-                break
-            got += len(b)
-            v = memoryview(b)
-            while v:
-                v = v[os.write(fd, v):]
-        if got != want:
-            raise EOFError("got %d of %d bytes" % (got, want))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    tmp = None
-    dfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    os.close(dfd)
-except EOFError as e:
-    sys.stderr.write("transfer truncated: %s\n" % e); sys.exit(3)
-except OSError as e:
-    sys.stderr.write((e.strerror or str(e)) + "\n"); sys.exit(2)
-finally:
-    if tmp is not None:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-"""
-
 
 class _PolicyClient(asyncssh.SSHClient):
     """Routes host keys missing from known_hosts to ssh_policy, remembering why one was refused."""
@@ -271,17 +196,13 @@ class SshTransport:
         except (asyncssh.DisconnectError, OSError) as e:
             raise self._lost(str(e) or type(e).__name__) from None
 
-    async def _run_line(self, argv: list[str], command: str, *, input: bytes | None, timeout: float | None,
-                        stdin_chunks=None) -> CommandResult:
+    async def _run_line(self, argv: list[str], command: str, *, input: bytes | None,
+                        timeout: float | None) -> CommandResult:
         async with self._channels:
             proc = await self._open(command)
             try:
                 async with asyncio.timeout(timeout):
-                    if stdin_chunks is not None:
-                        async for chunk in stdin_chunks:
-                            proc.stdin.write(chunk)
-                            await proc.stdin.drain()
-                    elif input:
+                    if input:
                         proc.stdin.write(input)
                     proc.stdin.write_eof()
                     out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
@@ -321,59 +242,6 @@ class SshTransport:
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _SshPipe:
         check_argv(argv, env)
         return _SshPipe(self, await self._open(shell_command_line(argv, env, exec_=True)))
-
-    async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
-        argv = [self.python, "-I", "-c", _READ_PROGRAM, path, str(limit)]
-        result = await self.run(argv)
-        why = result.stderr_tail.splitlines()[-1] if result.stderr_tail else ""
-        if result.returncode == 0:
-            return result.stdout
-        if result.returncode == 2:
-            raise MissingInput(f"file not found on {self.node}: {path}")
-        if result.returncode in (3, 4, 5):
-            raise IntegrityError(f"cannot read {path} on {self.node}: {why}")
-        raise self._program_failed(argv, result, f"cannot read {path} on {self.node}")
-
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
-        data = bytes(data)
-        argv = [self.python, "-I", "-c", _WRITE_PROGRAM, path, f"{mode:o}", str(len(data))]
-        result = await self._run_line(argv, shell_command_line(argv), input=data, timeout=None)
-        self._check_write(argv, path, result)
-
-    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:
-        local_path = Path(local_path)
-        try:
-            f = open(local_path, "rb")
-        except FileNotFoundError:
-            raise MissingInput(f"file not found: {local_path}") from None
-        except OSError as e:
-            raise MissingInput(f"cannot read {local_path}: {e.strerror or e}") from None
-        with f:
-            st = os.fstat(f.fileno())
-            mode = (st.st_mode & 0o777) if mode is None else mode
-            argv = [self.python, "-I", "-c", _WRITE_PROGRAM, remote_path, f"{mode:o}", str(st.st_size)]
-
-            async def chunks():
-                while chunk := await asyncio.to_thread(f.read, 1 << 20):
-                    yield chunk
-
-            result = await self._run_line(argv, shell_command_line(argv), input=None, timeout=None,
-                                          stdin_chunks=chunks())
-        self._check_write(argv, remote_path, result)
-
-    def _check_write(self, argv: list[str], path: str, result: CommandResult) -> None:
-        if result.returncode == 0:
-            return
-        why = result.stderr_tail.splitlines()[-1] if result.stderr_tail else ""
-        if result.returncode in (2, 3):
-            raise CannotWrite(f"cannot write {path} on {self.node}: {why}")
-        raise self._program_failed(argv, result, f"cannot write {path} on {self.node}")
-
-    def _program_failed(self, argv: list[str], result: CommandResult, what: str) -> RemoteCommandFailed:
-        return RemoteCommandFailed(
-            f"{what}: {self.python} exited with {result.returncode}", host=self.node, argv=argv[:3],
-            returncode=result.returncode, stderr_tail=result.stderr_tail,
-            hint=f"is {self.python!r} a Python 3 interpreter on {self.node}?")
 
     async def close(self) -> None:
         """Stop everything started here (stdin EOF, grace, kill), then end the connection."""

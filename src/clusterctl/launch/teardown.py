@@ -155,6 +155,7 @@ async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions,
             await close_all(hs)
 
 
+BUSY_HINT = "wait for the requests to finish (--drain SECONDS), cancel them, or stop anyway with --force"
 MALFORMED_HINT = "inspect the file; stop its ranks by hand if they run, then remove it"
 
 
@@ -197,7 +198,10 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
     try:
         if not force:
-            await refuse_busy(jobs, ssh, drain=drain, log=log, hs_of=hs_of)
+            from clusterctl.launch.quiescence import refuse_activity
+
+            await refuse_activity(jobs, ssh, refuse=("busy",), hints={"busy": BUSY_HINT}, drain=drain, log=log,
+                                  hs_of=hs_of)
         return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
     finally:
         await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
@@ -209,9 +213,9 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
     import time
 
     from clusterctl.errors import Busy
-    from clusterctl.launch.procs import Identity, signal_process, status_of
+    from clusterctl.node.procs import Identity, signal_process, status_of
     from clusterctl.launch.manifest import coordinator_alive
-    from clusterctl.locks import Lock
+    from clusterctl.locks import Lock, deployment_lock_path
 
     reports = []
     for m in jobs:
@@ -223,7 +227,7 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
             deadline = time.monotonic() + grace + 60
             while time.monotonic() < deadline and status_of(ident) == "alive":
                 await asyncio.sleep(0.1)  # never time.sleep here: the node sessions' keepalives run on this loop
-        lock = Lock(state.locks / f"deploy-{m.deployment_id}.lock")
+        lock = Lock(deployment_lock_path(state, m.deployment_id))
         try:
             lock.acquire(blocking=False, what=f"deployment {m.deployment_id}")
         except Busy:
@@ -240,24 +244,3 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
         finally:
             lock.release()
     return reports
-
-
-async def refuse_busy(jobs, ssh: SshOptions, *, drain: float = 0.0, log=lambda msg: None,
-                      hs_of: dict | None = None) -> None:
-    """Raise Busy (exit 75) naming the ranks' active requests when any job is busy (after ``drain`` s).
-    ``hs_of``: node handles per job id to reuse."""
-    from clusterctl.errors import Busy
-    from clusterctl.launch.quiescence import describe, quiescence, wait_idle
-
-    hs_of = hs_of or {}
-    if drain > 0:
-        log(f"draining: waiting up to {drain:g} s for requests in flight to finish")
-        answers = await asyncio.gather(*(wait_idle(m, ssh, drain, hs=hs_of.get(m.job_id)) for m in jobs))
-    else:
-        answers = await asyncio.gather(*(quiescence(m, ssh, hs_of.get(m.job_id)) for m in jobs))
-    busy = [q for q in answers if q["state"] == "busy"]
-    if busy:
-        q = busy[0]
-        waited = f" after draining {drain:g} s" if drain > 0 else ""
-        raise Busy(f"job {q['job_id']} is busy{waited}: {describe(q)}",
-                   hint="wait for the requests to finish (--drain SECONDS), cancel them, or stop anyway with --force")

@@ -2,10 +2,10 @@
 
 Two implementations share this interface: ``LocalTransport`` (this machine, asyncio subprocesses) and
 ``SshTransport`` (``sshnode.py``, asyncssh, one connection per node; it builds on this module, never the other
-way round: ``nodes.make_transport`` picks one). Everything above this layer (supervisor,
+way round: ``nodes.make_transport`` picks one). Everything above this layer (start, foreground,
 sync) talks to ``Transport`` only, so it never builds a shell command or touches asyncssh itself.
 
-Long-lived processes always go through the keeper (``python -m clusterctl.launch.keeper``), locally and over
+Long-lived processes always go through the keeper (``python -m clusterctl.node.keeper``), locally and over
 SSH alike: the process lives exactly as long as the keeper's stdin stays open. A pipe (``open_pipe``) is a
 command whose stdin and stdout the caller keeps, line by line: the node-op session (``nodes.OpSession``).
 """
@@ -16,19 +16,17 @@ import asyncio
 import contextlib
 import os
 import re
-import secrets
 import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from clusterctl.atomic import atomic_write_bytes, fsync_dir, read_capped, strict_loads
-from clusterctl.errors import (CannotWrite, ClusterctlError, HostUnreachable, IntegrityError, MissingInput,
-                               RemoteCommandFailed, UsageError)
+from clusterctl.atomic import atomic_write_bytes, read_capped, strict_loads
+from clusterctl.errors import (ClusterctlError, HostUnreachable, IntegrityError, MissingInput, RemoteCommandFailed,
+                               UsageError)
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
@@ -80,12 +78,6 @@ class Transport(Protocol):
     async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
                     grace: float | None = None) -> "StartedProcess": ...
 
-    async def read_file(self, path: str, *, limit: int = 65536) -> bytes: ...
-
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None: ...
-
-    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None: ...
-
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> "Pipe": ...
 
     async def close(self) -> None: ...
@@ -135,7 +127,7 @@ def shell_command_line(argv: list[str], env: dict[str, str] | None = None, *, ex
 
 
 def keeper_argv(python: str, argv: list[str], grace: float) -> list[str]:
-    return [python, "-m", "clusterctl.launch.keeper", "--grace", f"{grace:g}", "--", *argv]
+    return [python, "-m", "clusterctl.node.keeper", "--grace", f"{grace:g}", "--", *argv]
 
 
 def keeper_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -364,7 +356,7 @@ class _LocalChannel:
             self.proc.stdin.close()
 
     async def force_kill(self, info: ChildInfo) -> None:
-        from clusterctl.launch.keeper import kill_group_if_same
+        from clusterctl.node.keeper import kill_group_if_same
 
         kill_group_if_same(info.pid, info.pgid, info.start_time, info.boot_id)
 
@@ -448,6 +440,8 @@ class LocalTransport:
         self._started = [p for p in self._started if p.returncode is None] + [sp]
         return sp
 
+    # A local node's small files are read and written here directly; a remote node's through its op session
+    # (NodeHandle.read_file / write_file).
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
         try:
             return await asyncio.to_thread(read_capped, path, limit=limit, what="file")
@@ -456,9 +450,6 @@ class LocalTransport:
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         await asyncio.to_thread(atomic_write_bytes, path, bytes(data), mode=mode)
-
-    async def put_file(self, local_path: str | os.PathLike, remote_path: str, *, mode: int | None = None) -> None:
-        await asyncio.to_thread(_copy_atomic, Path(local_path), Path(remote_path), mode)
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _LocalPipe:
         check_argv(argv, env)
@@ -476,38 +467,6 @@ class LocalTransport:
     async def close(self) -> None:
         started, self._started = self._started, []
         await stop_all(started)
-
-
-def _copy_atomic(src: Path, dest: Path, mode: int | None) -> None:
-    """Stream ``src`` into a temp file beside ``dest``, fsync, rename: big files never sit in memory."""
-    try:
-        fin = open(src, "rb")
-    except FileNotFoundError:
-        raise MissingInput(f"file not found: {src}") from None
-    except OSError as e:
-        raise MissingInput(f"cannot read {src}: {e.strerror or e}") from None
-    with fin:
-        st = os.fstat(fin.fileno())
-        mode = (st.st_mode & 0o777) if mode is None else mode
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.parent / f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise CannotWrite(f"cannot write {dest}: {e.strerror or e}") from None
-        try:
-            with os.fdopen(fd, "wb") as fout:
-                while chunk := fin.read(1 << 20):
-                    fout.write(chunk)
-                fout.flush()
-                os.fsync(fout.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, dest)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise CannotWrite(f"cannot write {dest}: {e.strerror or e}") from None
-    fsync_dir(dest.parent)
 
 
 __all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "Pipe", "StartedProcess", "LocalTransport",

@@ -1,4 +1,4 @@
-"""The plan command's core: read inputs, plan, sign and write. Called by the CLI; returns data."""
+"""The plan command's inputs: flags checked, memory filled in, the model inspected, the plan made; returns data."""
 
 from __future__ import annotations
 
@@ -45,16 +45,10 @@ def fill_memory(cluster, probe_remote=None):
     return cluster.model_copy(update={"nodes": nodes})
 
 
-def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None,
-                 **options) -> tuple[Deployment, list[Path]]:
+def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, **options) -> Deployment:
+    """Read the inventory and the model, plan: the deployment, not yet signed or written (sync/planned.py's
+    ``plan_command`` records the model's manifest in it and writes it)."""
     opts = plan_options(**options)
     cluster = fill_memory(load_cluster(cluster_file), probe_remote)
     facts = inspect_model(model)
-    dep = make_deployment(cluster, facts, str(model.resolve()), opts)
-    # the content every node's copy must match (launch preflight and `clusterctl sync` check it)
-    from clusterctl.sync.planned import manifest_of_folder
-
-    manifest = manifest_of_folder(state, model, name=dep.model.name)
-    dep.model = dep.model.model_copy(update={"manifest_hash": manifest.manifest_hash})
-    written = state.save_deployment(dep, out)
-    return dep, written
+    return make_deployment(cluster, facts, str(model.resolve()), opts)

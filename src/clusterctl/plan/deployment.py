@@ -14,7 +14,7 @@ from typing import Optional, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clusterctl.atomic import dumps, strict_loads
-from clusterctl.errors import IntegrityError
+from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.plan.fit import RankBytes
 from clusterctl.names import DeploymentIdent, Name
 from clusterctl.plan.inventory import Node
@@ -205,9 +205,7 @@ def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment f
     try:
         dep = Deployment.model_validate(doc)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise IntegrityError(f"{source}: {loc}: {err['msg']}") from None
+        raise IntegrityError(f"{source}: {pydantic_line(e)}") from None
     _check_consistent(dep, source)
     return Loaded(deployment=dep, migrated_from=migrated_from)
 
@@ -215,12 +213,14 @@ def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment f
 def migrate_v1(doc: dict) -> dict:
     """v1 had one ``model.path`` for every node; v2 has a per-node ``path_map``."""
     doc = dict(doc)
-    model = dict(doc.get("model") or {})
+    # tolerant of what is not a v1 file (the schema check after migration names the field)
+    model = dict(doc["model"]) if isinstance(doc.get("model"), dict) else {}
     path = model.pop("path", None)
     model.setdefault("source_path", path or "")
     doc["model"] = model
-    nodes = doc.get("nodes") or []
-    doc["path_map"] = {n["name"]: (n.get("model_path") or path or "") for n in nodes if isinstance(n, dict)}
+    nodes = doc.get("nodes") if isinstance(doc.get("nodes"), list) else []
+    doc["path_map"] = {n["name"]: (n.get("model_path") or path or "") for n in nodes
+                       if isinstance(n, dict) and isinstance(n.get("name"), str)}
     doc["schema_version"] = SCHEMA_VERSION
     return doc
 

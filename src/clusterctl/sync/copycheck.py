@@ -76,3 +76,19 @@ def free_bytes(folder: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def local_rsync() -> tuple[str | None, str | None]:
+    """(path, first line of --version) of this machine's rsync; (None, None) when it is not installed. The
+    coordinator asks it of itself, a node of itself (nodeops), to choose rsync's options on both sides."""
+    import shutil
+    import subprocess
+
+    path = shutil.which("rsync")
+    if not path:
+        return None, None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return path, None
+    return path, (out.splitlines() or [""])[0]

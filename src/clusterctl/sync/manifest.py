@@ -31,7 +31,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clusterctl.errors import ClusterctlError, Exit, IntegrityError, MissingInput
+from clusterctl.errors import ClusterctlError, Exit, IntegrityError, MissingInput, pydantic_line
 
 SCHEMA_VERSION = 1
 PARTIAL_PATTERNS = ("*.incomplete", "*.tmp", "*.part", "*.partial")
@@ -82,9 +82,7 @@ def check_manifest(doc, source: str = "manifest") -> Manifest:
     try:
         m = Manifest.model_validate(doc)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "document"
-        raise IntegrityError(f"{source}: not a model manifest ({where}: {err['msg']})") from None
+        raise IntegrityError(f"{source}: not a model manifest ({pydantic_line(e, 'document')})") from None
     if manifest_hash(m.files) != m.manifest_hash:
         raise IntegrityError(f"{source}: manifest hash does not match its file list (tampered or damaged)")
     paths = [f.path for f in m.files]

@@ -46,3 +46,20 @@ def planned_manifest(state, dep) -> Manifest | None:
             hint="restore that copy, or run `clusterctl plan` again for the model as it is now")
     save_manifest(state.manifests, m)
     return m
+
+
+def record_manifest(state, dep, folder: str | Path):
+    """``dep`` with the manifest hash of the model at ``folder`` (built here, stored in the state dir): the
+    content every node's copy must match (launch preflight and `clusterctl sync` check it)."""
+    manifest = manifest_of_folder(state, Path(folder), name=dep.model.name)
+    dep.model = dep.model.model_copy(update={"manifest_hash": manifest.manifest_hash})
+    return dep
+
+
+def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None, **options):
+    """``clusterctl plan``: plan (plan/commands.py), record the model's manifest, sign and write the
+    deployment. Returns (deployment, the files written)."""
+    from clusterctl.plan.commands import plan_deployment
+
+    dep = record_manifest(state, plan_deployment(cluster_file, model, probe_remote=probe_remote, **options), model)
+    return dep, state.save_deployment(dep, out)

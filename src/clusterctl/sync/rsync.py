@@ -13,15 +13,16 @@ import asyncio
 import contextlib
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 from clusterctl.launch import ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.sync.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
 
 PARTIAL_DIR = ".rsync-partial"
+
 _GNU = re.compile(r"rsync\s+version\s+v?(\d+)\.(\d+)(?:\.(\d+))?")
 _PROGRESS = re.compile(rb"^\s*([\d,.]+)\s+\d+%")
 
@@ -30,20 +31,6 @@ def gnu_version(version_line: str | None) -> tuple[int, int, int] | None:
     """(major, minor, patch) of GNU rsync's ``--version`` first line; None for openrsync or unknown."""
     m = _GNU.search(version_line or "")
     return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
-
-
-def local_rsync() -> tuple[str | None, str | None]:
-    """(path, first line of --version) of this machine's rsync; (None, None) when it is not installed."""
-    import subprocess
-
-    path = shutil.which("rsync")
-    if not path:
-        return None, None
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return path, None
-    return path, (out.splitlines() or [""])[0]
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Literal
 
 import psutil
 
+from clusterctl.node.identity import boot_id, start_time_of  # noqa: F401  (one copy for both sides)
+
 NONCE_ENV = "CLUSTERCTL_NONCE"
 Status = Literal["alive", "dead", "foreign", "unverifiable"]
 START_TOLERANCE = 0.02
@@ -33,26 +35,6 @@ class Identity:
     def from_dict(cls, d: dict) -> "Identity":
         return cls(pid=int(d["pid"]), start_time=d.get("start_time"), nonce=d.get("nonce"), pgid=d.get("pgid"),
                    boot_id=d.get("boot_id"))
-
-
-def boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        try:
-            return f"boot-{psutil.boot_time():.0f}"
-        except Exception:
-            return None
-
-
-def start_time_of(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-    except psutil.AccessDenied:
-        return None
 
 
 def _nonce_of(proc: psutil.Process) -> str | None:

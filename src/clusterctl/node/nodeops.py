@@ -2,10 +2,10 @@
 transport, so the code that signals processes is the same everywhere and always runs next to the processes (and
 judges ages on the node's own clock).
 
-Two ways in: ``python -m clusterctl.launch.nodeops session`` (what the coordinator uses: one process per node for
+Two ways in: ``python -m clusterctl.node.nodeops session`` (what the coordinator uses: one process per node for
 a whole command, JSON lines ``{"id", "op", "req"}`` in and ``{"id", "answer"|"error"}`` out, each request on its
 own thread, so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
-``python -m clusterctl.launch.nodeops OP`` with one JSON request on stdin and one answer on stdout.
+``python -m clusterctl.node.nodeops OP`` with one JSON request on stdin and one answer on stdout.
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
@@ -100,7 +100,7 @@ def _copy_state(manifest: dict, path: str, verify: bool) -> dict:
 def op_probe(req: dict) -> dict:
     import psutil
 
-    from clusterctl.launch.procs import boot_id
+    from clusterctl.node.procs import boot_id
 
     out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": _versions(),
            "mem_available": psutil.virtual_memory().available, "mem_total": psutil.virtual_memory().total,
@@ -139,7 +139,7 @@ def op_probe(req: dict) -> dict:
 
 
 def op_stop(req: dict) -> dict:
-    from clusterctl.launch.procs import Identity, stop
+    from clusterctl.node.procs import Identity, stop
 
     idents = [Identity.from_dict(d) for d in req.get("targets", [])]
     results = stop(idents, grace=float(req.get("grace", 10.0)))
@@ -167,9 +167,10 @@ def job_markers(runtime_dir: str, job_id: str) -> list[tuple[Path, dict | None]]
         names = sorted(os.listdir(folder))
     except OSError:
         return out
-    prefix = f"{job_id}-rank"
+    from clusterctl.launch.runtimefiles import marker_rank
+
     for n in names:
-        if n.startswith(prefix) and n.endswith(".json") and n[len(prefix):-5].isdigit():
+        if marker_rank(n, job_id) is not None:
             p = folder / n
             out.append((p, _read_json(p)))
     return out
@@ -190,7 +191,7 @@ def op_markers(req: dict) -> dict:
 
 def marker_identity(doc: dict, nonce: str):
     """The process a marker names, or None when its fields are not what a rank writes."""
-    from clusterctl.launch.procs import Identity
+    from clusterctl.node.procs import Identity
 
     pid, start, pgid, boot = doc.get("pid"), doc.get("start_time"), doc.get("pgid"), doc.get("boot_id")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
@@ -211,15 +212,15 @@ def op_sweep(req: dict) -> dict:
     ``ranks`` (optional): only the markers of these rank numbers (``<job>-rank<r>.json``). Nodes that are one
     machine share a runtime dir, and each node's sweep must signal only its own ranks: a rank takes a second
     SIGTERM as "exit now", which cuts its clients' streams without a last event."""
-    from clusterctl.launch.procs import Identity, stop
+    from clusterctl.node.procs import Identity, stop
+    from clusterctl.launch.runtimefiles import marker_rank
 
     only = req.get("ranks")
     only = None if only is None else {str(int(r)) for r in only}
-    prefix = f"{req['job_id']}-rank"
     idents = []
     seen = set()
     for path, doc in job_markers(req["runtime_dir"], req["job_id"]):
-        if only is not None and path.name[len(prefix):-len(".json")] not in only:
+        if only is not None and marker_rank(path.name, req["job_id"]) not in only:
             continue  # another node's rank (compared as written: a rank's marker is <job>-rank<r>.json)
         if not doc or doc.get("job_id") != req["job_id"] or doc.get("nonce") != req["nonce"]:
             continue  # a marker of another job or deployment is never touched
@@ -240,13 +241,15 @@ def op_sweep(req: dict) -> dict:
 
 def op_alive(req: dict) -> dict:
     """Which of these processes are still ours and running (no signal sent)."""
-    from clusterctl.launch.procs import Identity, status_of
+    from clusterctl.node.procs import Identity, status_of
 
     return {"status": [status_of(Identity.from_dict(d)) for d in req.get("targets", [])]}
 
 
 def op_clean(req: dict) -> dict:
     """Remove a job's files from the runtime dir (only names that start with the job id)."""
+    from clusterctl.launch.runtimefiles import belongs_to_job, is_cancel_or_ack
+
     folder = Path(req["runtime_dir"])
     job = req["job_id"]
     removed = []
@@ -255,8 +258,8 @@ def op_clean(req: dict) -> dict:
     except OSError:
         return {"removed": removed}
     for n in names:
-        mine = n.startswith(job + "-rank") or n in (f"{job}.gate", f"{job}.lease")
-        if not mine and n.endswith(("-cancel.json", "-ack.json")):  # named by deployment: check whose it is
+        mine = belongs_to_job(n, job)
+        if not mine and is_cancel_or_ack(n):  # named by deployment: check whose it is
             doc = _read_json(folder / n)
             mine = doc is not None and doc.get("job_id") == job
         if mine:
@@ -272,7 +275,7 @@ def op_spawn(req: dict) -> dict:
     """Start a rank detached from any channel: its own session, output to a log file, stdin from /dev/null."""
     import psutil
 
-    from clusterctl.launch.procs import boot_id
+    from clusterctl.node.procs import boot_id
 
     env = {**os.environ, **req.get("env", {}), "PYTHONUNBUFFERED": "1"}
     log = os.fdopen(os.open(req["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab",
@@ -323,17 +326,12 @@ def op_model_status(req: dict) -> dict:
 
 def _rsync_facts() -> dict:
     """Which rsync runs here as the remote side of a sync: missing, GNU rsync (version), or openrsync."""
-    import shutil
+    from clusterctl.sync.copycheck import local_rsync
 
-    path = shutil.which("rsync")
+    path, line = local_rsync()
     if not path:
         return {"path": None}
-    try:
-        first = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"path": path, "version": None}
-    line = (first.splitlines() or [""])[0]
-    return {"path": path, "version": line[:200]}
+    return {"path": path, "version": line[:200] if line is not None else None}
 
 
 def op_model_prepare(req: dict) -> dict:
@@ -425,7 +423,7 @@ def look_at_markers(paths: list[str], states: set[str], watch: list[dict | None]
     its ``log_path``. Nobody waits on a detached rank's exit, so a rank that dies at start would otherwise keep
     its launch waiting for the whole timeout: a watched process that is gone (identity-checked, a zombie counts
     as gone) while its marker is short of ``states`` gets the last lines of its log in ``exited``."""
-    from clusterctl.launch.procs import Identity, status_of
+    from clusterctl.node.procs import Identity, status_of
 
     watch = list(watch or []) + [None] * (len(paths) - len(watch or []))
     # the processes first, their markers after: a rank that wrote its last marker and exited is judged by it
@@ -529,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["session"]:
         return session()
     if len(argv) != 1 or argv[0] not in OPS:
-        print(f"usage: python -m clusterctl.launch.nodeops {{session,{','.join(OPS)}}} < request.json",
+        print(f"usage: python -m clusterctl.node.nodeops {{session,{','.join(OPS)}}} < request.json",
               file=sys.stderr)
         return 2
     try:

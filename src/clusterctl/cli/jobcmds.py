@@ -1,0 +1,342 @@
+"""The commands of running jobs: launch, teardown, replan, history, cancel, reap, status."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, DrainOpt, GraceOpt, HostOpt,
+                                    JsonOpt, KnownHostsOpt, MaxQueueOpt,
+                                    NoApiKeyOpt, PortOpt, QuietOpt, SeedOpt,
+                                    StateOpt, TimeoutOpt, api_key_of, app,
+                                    complete_targets, number, output, ssh_options,
+                                    state_of)
+from clusterctl.errors import Exit, UsageError
+
+
+@app.command()
+def launch(
+    ctx: typer.Context,
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id.", autocompletion=complete_targets)],
+    detach: Annotated[bool, typer.Option("--detach", help="Return once ready; `clusterctl teardown` ends it.")] = False,
+    timeout: TimeoutOpt = 600,
+    grace: GraceOpt = 10.0,
+    lease: Annotated[Optional[float], typer.Option("--lease", envvar="CLUSTERCTL_LAUNCHER_LEASE",
+                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.",
+                                                   parser=number(1, 3600), metavar="SECONDS")] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    seed: SeedOpt = 0,
+    max_queue: MaxQueueOpt = 64,
+    verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Preflight every node, start one rank per node, wait until all are ready, then supervise them."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch.apikey import check_exposure
+    from clusterctl.launch.foreground import run_foreground
+    from clusterctl.launch.jobplan import LaunchOptions
+    from clusterctl.launch.start import launch as do_launch
+
+    opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
+                         api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
+                         ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify)
+    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
+    if lease is not None:
+        opts.lease_seconds = lease
+
+    code = asyncio.run(run_foreground(o, lambda: do_launch(deployment, state_of(state_dir), opts, log=o.info), detach))
+    raise typer.Exit(code)
+
+
+@app.command()
+def teardown(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="A deployment file, deployment id or job id (default: every job).",
+                                                    autocompletion=complete_targets)] = None,
+    grace: GraceOpt = 10.0,
+    force: Annotated[bool, typer.Option("--force", help="Stop even while ranks report requests in flight.")] = False,
+    drain: DrainOpt = 0.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch.teardown import MALFORMED_HINT, teardown_command
+
+    malformed: list[dict] = []
+    reports = asyncio.run(teardown_command(state_of(state_dir), target, ssh_options(known_hosts, accept_new_host_keys),
+                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed))
+    ok = all(r.ok for r in reports) and not malformed
+    if o.json:
+        o.data({"ok": ok, "jobs": [r.to_json() for r in reports], "malformed": malformed})
+    for m in malformed:
+        o.error(f"malformed manifest kept, not acted on: {m['manifest']}: {m['error']} ({MALFORMED_HINT})")
+    for r in reports:
+        if r.ok:
+            o.info(f"job {r.job_id}: every rank confirmed gone")
+        else:
+            o.error(f"job {r.job_id}: could not confirm: " + "; ".join(r.survivors())
+                    + " (manifest kept; run teardown again)")
+    if not reports:
+        o.info("nothing to tear down")
+    raise typer.Exit(0 if ok else int(Exit.FAILED))
+
+
+def _path_map(text: str | None) -> dict[str, str] | None:
+    """--path-map "a=/models/x,b=/models/y"; an empty string is an explicit empty map."""
+    if text is None:
+        return None
+    out: dict[str, str] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        node, eq, path = part.partition("=")
+        if not eq or not node or not path.startswith("/"):
+            raise UsageError(f"--path-map: {part!r} is not NODE=/absolute/path")
+        if node in out:
+            raise UsageError(f"--path-map: node {node} given twice")
+        out[node] = path
+    return out
+
+
+@app.command()
+def replan(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="The current deployment: file, deployment id or job id (default: the one running).",
+                                                    autocompletion=complete_targets)] = None,
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="A cluster.toml whose nodes replace the current ones (needed to add a node).")] = None,
+    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None,
+    allocation: Annotated[Optional[str], typer.Option(help="balanced | proportional | speed.")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
+    parallel: Annotated[Optional[str], typer.Option(help="auto | pipeline | tensor (default: the current deployment's).")] = None,
+    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
+    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
+    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path).')] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
+    drain: DrainOpt = 0.0,
+    detach: Annotated[bool, typer.Option("--detach", help="The new job runs detached (default: as the old one did).")] = False,
+    foreground: Annotated[bool, typer.Option("--foreground", help="The new job runs in the foreground (default: as the old one did).")] = False,
+    timeout: TimeoutOpt = 600,
+    grace: GraceOpt = 10.0,
+    host: HostOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    seed: SeedOpt = 0,
+    max_queue: MaxQueueOpt = 64,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Preview a new plan for a running deployment, then drain, stop verified, swap the deployment file and
+    relaunch. Whatever is not given is derived from the current deployment."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch import replan as rp
+    from clusterctl.launch.apikey import check_exposure
+
+    if detach and foreground:
+        raise UsageError("--detach and --foreground contradict each other: give one")
+    state = state_of(state_dir)
+    ssh = ssh_options(known_hosts, accept_new_host_keys)
+    given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("parallel", parallel),
+                               ("context", context), ("batch", batch)) if v is not None}
+    node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
+    p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
+                   path_map=_path_map(path_map), to=to)
+
+    p.jobs = asyncio.run(rp.live_jobs_of(state, p, ssh))
+    doc = p.to_json()
+    _preview(o, p)
+    if p.diff["unchanged"] and not p.diff["records_changed"]:
+        if o.json:
+            o.data({**doc, "action": "unchanged"})
+        o.info("unchanged: the plan and its records are the same; nothing to do")
+        raise typer.Exit(0)
+    if not yes and not _confirmed(o, doc):
+        raise typer.Exit(int(Exit.NOT_APPLIED))
+    # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
+    opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
+                               grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
+                               max_queue=max_queue, host=host)
+    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
+    raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
+
+
+def _preview(o, p) -> None:
+    """The replan preview: stderr, like plan's table (stdout is data)."""
+    from clusterctl.plan.replan import diff_lines
+
+    for k, v in p.inputs.get("given", {}).items():
+        o.info(f"given    {k}: {v}")
+    for k, v in p.inputs.get("derived", {}).items():
+        o.info(f"derived  {k}: {v}")
+    o.info(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
+           + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
+    for line in diff_lines(p.diff):
+        o.info(line)
+
+
+def _confirmed(o, doc: dict) -> bool:
+    """Asked on a terminal; anywhere else the preview is all (exit 3)."""
+    if not sys.stdin.isatty():
+        if o.json:
+            o.data({**doc, "action": "previewed"})
+        o.info("previewed only (not a terminal): run again with --yes to apply")
+        return False
+    if not typer.confirm("apply this replan?", default=False, err=True):
+        if o.json:
+            o.data({**doc, "action": "previewed"})
+        return False
+    return True
+
+
+@app.command()
+def history(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="A deployment file, deployment id or cluster name (default: every cluster).",
+                                                    autocompletion=complete_targets)] = None,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Applied replans, oldest first: when, from which deployment to which (plan_hash), and what changed."""
+    o = output(ctx, json, quiet)
+    from clusterctl import history as hist
+    from clusterctl.render import history_line
+
+    state = state_of(state_dir)
+    found = {c: hist.entries(state, c) for c in hist.clusters_of(state, target)}
+    if o.json:
+        o.data({"clusters": [{"cluster": c, "current": (e[-1]["to"] if e else None), "entries": e}
+                             for c, e in found.items()]})
+        return
+    for c, items in found.items():
+        for e in items:
+            o.line(history_line(c, e, kept=(state.deployments / f"{e['from']}.json").exists()))
+    if not any(found.values()):
+        o.info("no replan applied yet")
+
+
+@app.command()
+def cancel(
+    ctx: typer.Context,
+    target: Annotated[str, typer.Argument(help="A deployment file, deployment id or job id.",
+                                          autocompletion=complete_targets)],
+    request: Annotated[Optional[list[str]], typer.Option("--request", "-r", help="A request id to cancel (repeatable).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Cancel every request in flight or queued.")] = False,
+    wait: Annotated[float, typer.Option("--wait", help="Wait up to S seconds for every rank to ack this cancel (0: write it and return without proof).",
+                                        parser=number(0, 86400), metavar="SECONDS")] = 10.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Cancel requests on a running deployment (at the ranks' next step boundary; the ranks stay up)."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.errors import UsageError
+    from clusterctl.launch.cancel import CancelNotAcked, cancel_command
+
+    if bool(request) == all_:
+        raise UsageError("say which requests: --request ID (repeatable) or --all")
+    try:
+        results = asyncio.run(cancel_command(state_of(state_dir), target, ssh_options(known_hosts, accept_new_host_keys),
+                                             requests=None if all_ else list(request), wait=wait))
+    except CancelNotAcked as e:
+        if not o.json:
+            raise
+        o.data({"ok": False, **e.to_json(), "jobs": e.results})
+        o.error(e.message)
+        raise typer.Exit(int(e.exit_code))
+    if o.json:
+        o.data({"ok": True, "jobs": results})
+        return
+    for r in results:
+        what = "every request" if r["requests"] is None else ", ".join(r["requests"])
+        acked = f"; acked by all {len(r['acks'])} rank(s) in {r['seconds']:.2f} s" if r["waited"] else ""
+        hit = f"; cancelled {', '.join(r['cancelled'])}" if r["cancelled"] else ""
+        o.info(f"job {r['job_id']}: cancel epoch {r['epoch']} for {what}{acked}{hit}")
+
+
+@app.command()
+def reap(
+    ctx: typer.Context,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be reaped; signal nothing.")] = False,
+    grace: GraceOpt = 10.0,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """For cron: reap the ranks of launches whose coordinator died. Silent when there is nothing to do."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch.reaper import reap as do_reap
+
+    report = asyncio.run(do_reap(state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), grace=grace,
+                                 dry_run=dry_run, log=o.info))
+    if o.json:
+        o.data({"ok": not report.failed and not report.malformed, **report.to_json()})
+    for m in report.malformed:
+        o.error(f"malformed manifest kept, not acted on: {m['manifest']}: {m['error']}")
+    for j in report.reaped:
+        o.info(f"{'would reap' if dry_run else 'reaped'} job {j['job_id']}")
+    for j in report.failed:
+        o.error(f"job {j['job_id']}: could not confirm every rank gone; manifest kept"
+                + (f": {'; '.join(j['survivors'])}" if j.get("survivors") else f": {j.get('error', '')}"))
+    raise typer.Exit(int(Exit.FAILED) if report.failed or report.malformed else 0)
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    target: Annotated[Optional[str], typer.Argument(help="Only this deployment: its file, deployment id or job id.",
+                                                    autocompletion=complete_targets)] = None,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Show every column.")] = False,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """What runs where, per rank: node, pid, state, layers, heartbeat age, active requests, endpoint."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch.status import status as do_status
+
+    doc = asyncio.run(do_status(state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), ref=target))
+    if o.json:
+        o.data(doc)
+        return
+    from clusterctl.render import status_table
+
+    if not doc["jobs"]:
+        o.info(f"no launches of {target}" if target else "no launches")
+    for job in doc["jobs"]:
+        o.table(status_table(job, wide=all_))
+    for m in doc["malformed"]:
+        o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")

@@ -1,0 +1,198 @@
+"""What every command shares: the Typer app, the options defined once, the helpers that turn flags into the
+core's arguments, and the error edge (an expected failure is one line, a JSON document with --json, an exit code).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from clusterctl import __version__
+from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.render import Output
+
+
+def report_error(o: Output, e: ClusterctlError, *, hint: bool = True) -> int:
+    """Say a failure: the JSON error document with --json, one line on stderr (and its hint); its exit code."""
+    if o.json:
+        o.data({"ok": False, **e.to_json()})
+    # "lock held" is routine for cron: with --quiet it only shows in the exit code (75)
+    if not (o.quiet and e.exit_code == Exit.TEMPFAIL):
+        print(f"error: {e.message}", file=sys.stderr)
+        if hint and e.hint and not o.quiet:
+            print(f"hint: {e.hint}", file=sys.stderr)
+    return int(e.exit_code)
+
+
+def os_error(e: OSError) -> ClusterctlError:
+    """A path the filesystem refuses where no command expected it (a name over 255 bytes, a path through a
+    file): the operator's input, said in one line, not an internal error."""
+    import errno
+
+    where = f": {e.filename}" if e.filename else ""
+    code = Exit.CANTCREAT if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) else Exit.NOINPUT
+    return ClusterctlError(f"{e.strerror or type(e).__name__}{where}", exit_code=code)
+
+
+class Group(TyperGroup):
+    """Typer's group with clusterctl's error edge, so ``main()`` and ``typer.testing.CliRunner`` see the same
+    exit codes, stdout and stderr."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ClusterctlError as e:
+            raise typer.Exit(report_error(output_of(ctx), e)) from None
+        except OSError as e:
+            raise typer.Exit(report_error(output_of(ctx), os_error(e), hint=False)) from None
+
+
+app = typer.Typer(
+    name="clusterctl",
+    help="Serve one LLM across several machines with MLX distributed ranks.\n\n"
+         "Plan a placement, launch one rank per node, tear it down verified.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    cls=Group,
+)
+model_app = typer.Typer(help="Build and inspect models.", no_args_is_help=True, cls=Group)
+app.add_typer(model_app, name="model")
+
+# ---- options shared by every command, defined once --------------------------------------------------------------
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else on stdout).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")]
+StateOpt = Annotated[Optional[Path], typer.Option(
+    "--state-dir", envvar="CLUSTERCTL_STATE_DIR", help="Where keys, deployments and launch manifests live.",
+    show_default="the user state dir")]
+ClusterOpt = Annotated[Path, typer.Option(
+    "--cluster", "-c", envvar="CLUSTERCTL_CLUSTER", help="The cluster inventory (cluster.toml).")]
+
+
+def number(lo: float, hi: float):
+    """A parser of a float flag: finite and within [lo, hi] when the command line is parsed (exit 2), so that
+    'inf', 'nan' or 1e309 never reach the code that sleeps, multiplies or converts to an integer."""
+    def parse(value) -> float:
+        import math
+
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{str(value)[:40]!r} is not a number") from None
+        if not (math.isfinite(x) and lo <= x <= hi):
+            raise typer.BadParameter(f"{str(value)[:40]} is not a number in [{lo:g}, {hi:g}]")
+        return x
+    return parse
+
+
+def bind_host(value: str) -> str:
+    """--host: an IP address or a host name to bind, checked when the command line is parsed."""
+    from clusterctl.launch.apikey import check_bind_host
+
+    try:
+        return check_bind_host(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def output(ctx: typer.Context, json: bool, quiet: bool) -> Output:
+    """This call's output (made by the root callback, or given by ``main`` or a test), set to the flags."""
+    o = output_of(ctx)
+    o.json, o.quiet = json, quiet
+    return o
+
+
+def output_of(ctx: typer.Context) -> Output:
+    root = ctx.find_root()
+    if root.obj is None:
+        root.obj = Output()
+    return root.obj
+
+
+def state_of(state_dir: Path | None):
+    from clusterctl.state import StateDir
+
+    return StateDir(state_dir).check_safe()
+
+
+def api_key_of(env_name: str | None, no_key: bool) -> str | None:
+    from clusterctl.launch.apikey import api_key_from_env
+
+    return api_key_from_env(env_name, no_key=no_key)
+
+
+def complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of what names a deployment: deployment and job ids of the state dir, and deployment
+    files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""
+    import glob
+
+    from clusterctl.state import StateDir
+
+    out: set[str] = set()
+    try:
+        st = StateDir((ctx.params or {}).get("state_dir") or os.environ.get("CLUSTERCTL_STATE_DIR") or None)
+        for folder in (st.deployments, st.launches):
+            if folder.is_dir():
+                out.update(p.stem for p in folder.glob("*.json"))
+        for p in glob.glob(glob.escape(incomplete) + "*"):
+            if os.path.isdir(p):
+                out.add(p.rstrip("/") + "/")
+            elif p.endswith(".json"):
+                out.add(p)
+    except Exception:
+        pass
+    return sorted(x for x in out if x.startswith(incomplete))
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"clusterctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(ctx: typer.Context,
+          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Show the version and exit.")] = False) -> None:
+    output_of(ctx)  # one Output per call, shared by the command and the error edge
+
+
+
+GraceOpt = Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.", parser=number(0, 3600),
+                                         metavar="SECONDS")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for every rank to be ready.",
+                                           parser=number(1, 7 * 86400), metavar="SECONDS")]
+DrainOpt = Annotated[float, typer.Option("--drain", help="Wait up to S seconds for requests in flight to finish first.",
+                                         parser=number(0, 86400), metavar="SECONDS")]
+HostOpt = Annotated[Optional[str], typer.Option("--host", help="Address rank 0's HTTP API binds (an IP address or host name).",
+                                                callback=lambda v: None if v is None else bind_host(v),
+                                                show_default="127.0.0.1; replan: the old job's")]
+PortOpt = Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP port (default: a fresh one).", min=1, max=65535)]
+ApiKeyEnvOpt = Annotated[Optional[str], typer.Option(
+    "--api-key-env", help="Name of the env var holding the API key (never on argv); it must be set and not empty.",
+    show_default="CLUSTERCTL_API_KEY, when set")]
+NoApiKeyOpt = Annotated[bool, typer.Option(
+    "--no-api-key", help="Serve without an API key even when rank 0 listens beyond loopback (anyone who reaches "
+                         "the port can use the model).")]
+SeedOpt = Annotated[int, typer.Option(help="Sampling seed shared by all ranks.", min=0, max=2**31 - 1)]
+MaxQueueOpt = Annotated[int, typer.Option("--max-queue", help="Requests held waiting for a batch slot; beyond them rank 0 answers 429 with Retry-After.", min=0, max=65536)]
+MAX_CONTEXT = 1 << 24  # tokens per sequence
+MAX_BATCH = 1024  # batch slots (a rank contract's bound)
+KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for SSH nodes.",
+                                                       show_default="~/.ssh/known_hosts")]
+AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
+                                            help="Trust an SSH host key seen for the first time (a changed key is still refused).")]
+
+
+def ssh_options(known_hosts: Path | None, accept_new: bool):
+    from clusterctl.launch.nodes import SshOptions
+
+    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
+
+

@@ -1,0 +1,89 @@
+"""plan and verify: the signed deployment file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ClusterOpt, JsonOpt, QuietOpt, StateOpt, app,
+                                    complete_targets, number, output, ssh_options,
+                                    state_of)
+
+
+# ---- plan ---------------------------------------------------------------------------------------------------------
+@app.command()
+def plan(
+    ctx: typer.Context,
+    cluster: ClusterOpt,
+    model: Annotated[Path, typer.Option("--model", "-m", help="The model folder on this machine (config.json + safetensors).")],
+    allocation: Annotated[str, typer.Option(help="balanced | proportional (RAM-weighted) | speed (measured speed).")] = "balanced",
+    backend: Annotated[str, typer.Option(help="auto | ring | jaccl | mpi.")] = "auto",
+    parallel: Annotated[str, typer.Option(help="auto | pipeline | tensor (auto: tensor when every pair of nodes "
+                                               "has a declared fast link and the model shards evenly).")] = "auto",
+    context: Annotated[int, typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = 4096,
+    batch: Annotated[Optional[int], typer.Option(
+        help="Batch slots: requests decoded together, each with a KV cache of --context tokens "
+             "(default: as many as fit, up to 8; a number that does not fit is refused).", min=1, max=MAX_BATCH)] = None,
+    headroom_gb: Annotated[float, typer.Option("--headroom-gb", help="Per-rank headroom (GiB) for runtime memory.",
+                                               parser=number(0, 1e6), metavar="GIB")] = 0.5,
+    embedding_offload: Annotated[str, typer.Option("--embedding-offload",
+                                                   help="off | on | auto: serve the token embedding from SSD (auto: only when it would not fit).")] = "off",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
+    probe: Annotated[bool, typer.Option("--probe", help="Read memory_gb of remote nodes that lack it over SSH.")] = False,
+    known_hosts: Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for --probe.")] = None,
+    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="With --probe: trust a new host key once.")] = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Split the model's layers across the nodes, check the fit, and write a signed deployment file."""
+    o = output(ctx, json, quiet)
+    from clusterctl.sync.planned import plan_command
+
+    probe_remote = None
+    if probe:
+        from clusterctl.launch.nodes import probe_memory
+
+        def probe_remote(nodes):
+            return probe_memory(nodes, ssh_options(known_hosts, accept_new_host_keys))
+
+    dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
+                                context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
+                                probe_remote=probe_remote, embedding_offload=embedding_offload)
+    for w in dep.warnings:
+        o.warn(w)
+    if o.json:
+        o.data(dep.model_dump(mode="json"))
+        return
+    from clusterctl.render import deployment_table
+
+    o.table(deployment_table(dep))
+    if dep.parallel_reason:
+        o.info(f"parallel {dep.parallel_reason}")
+    o.info(f"wrote {', '.join(str(p) for p in written)}")
+
+
+# ---- verify -------------------------------------------------------------------------------------------------------
+@app.command()
+def verify(
+    ctx: typer.Context,
+    file: Annotated[str, typer.Argument(help="A deployment file, or a deployment id in the state dir.",
+                                        autocompletion=complete_targets)],
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Check a deployment file's signature and schema (exit 65 when it is tampered with or unsigned)."""
+    o = output(ctx, json, quiet)
+    path, loaded = state_of(state_dir).load_deployment(file)
+    dep = loaded.deployment
+    doc = {"ok": True, "file": str(path), "deployment_id": dep.deployment_id, "plan_hash": dep.plan_hash,
+           "placement": dep.placement, "migrated_from": loaded.migrated_from}
+    if o.json:
+        o.data(doc)
+    else:
+        if loaded.migrated_from:
+            o.info(f"migrated {path} from schema version {loaded.migrated_from} to {dep.schema_version}")
+        o.info(f"ok: {path}: deployment {dep.deployment_id}, placement {dep.placement}, signature valid")

@@ -1,0 +1,188 @@
+"""The foreground of a launch: the launcher lease, the stop signals, and supervision until a stop or a rank
+failure, then a verified teardown.
+
+``run_foreground`` is what ``clusterctl launch`` (and a replan's relaunch) runs: start the job, say it is ready,
+and in the foreground stay until Ctrl-C / SIGTERM / SIGHUP or a rank's exit. Ctrl-C while the ranks load
+cancels the launch, which tears down what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore
+from clusterctl.launch.runtimefiles import Lease, encode_lease
+from clusterctl.launch.nodes import NodeHandle, close_all
+from clusterctl.launch.teardown import TeardownReport, teardown_job
+from clusterctl.launch.transport import StartedProcess
+from clusterctl.locks import Lock
+
+
+@dataclass
+class Running:
+    """A launched job: the manifest, the node handles, and (in the foreground) each rank's keeper process."""
+
+    manifest: LaunchManifest
+    store: ManifestStore
+    hs: dict[str, NodeHandle]
+    procs: dict[int, StartedProcess]
+    lock: Lock
+    opts: LaunchOptions
+    lease_task: asyncio.Task | None = None
+    failure: str | None = None
+    failed_rank: dict | None = None  # the rank whose exit ended supervision: rank, node, exit_code, detail
+    waiters: dict[int, asyncio.Task] = field(default_factory=dict)  # one wait() per foreground rank
+    report: TeardownReport | None = None
+
+    def watch(self, rank: int, p: StartedProcess) -> None:
+        self.procs[rank] = p
+        self.waiters[rank] = asyncio.ensure_future(p.wait())
+
+    def exited(self, rank: int) -> bool:
+        t = self.waiters.get(rank)
+        return t is not None and t.done()
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.manifest.endpoint
+
+    def summary(self) -> dict:
+        m = self.manifest
+        return {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint, "state": m.state,
+                "manifest": str(self.store.path(m.job_id)),
+                "ranks": [{"rank": r.rank, "node": r.node, "host": r.host, "pid": r.pid, "state": r.state}
+                          for r in m.ranks]}
+
+    async def supervise(self, stop: asyncio.Event) -> int:
+        """Stay in the foreground until asked to stop or a rank dies; then tear down verified. Returns exit code."""
+        waits = {t: r for r, t in self.waiters.items()}
+        stopper = asyncio.ensure_future(stop.wait())
+        code = 0
+        try:
+            done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t in waits:
+                    self._rank_exited(waits[t], t)
+                    code = int(Exit.FAILED)
+        finally:
+            stopper.cancel()
+        report = await self.teardown()
+        if not report.ok:
+            code = int(Exit.FAILED)
+        self.report = report
+        return code
+
+    def _rank_exited(self, r: int, t: asyncio.Task) -> None:
+        rc = t.result() if not t.exception() else None
+        tail = self.procs[r].stderr_tail.decode("utf-8", "replace").strip().splitlines()
+        node = self.manifest.ranks[r].node
+        self.failure = f"rank {r} on {node} exited with code {rc}" + (f": {tail[-1]}" if tail else "")
+        self.failed_rank = {"rank": r, "node": node, "exit_code": rc, "detail": tail[-1] if tail else ""}
+
+    async def teardown(self) -> TeardownReport:
+        if self.lease_task:
+            self.lease_task.cancel()
+        for p in self.procs.values():
+            await p.close_stdin()  # the keeper TERMs, waits its grace, KILLs
+        self.manifest.state = "stopping"
+        with contextlib.suppress(ClusterctlError):
+            self.store.save(self.manifest)
+        if self.waiters:
+            # Let the keepers finish their own stop first, so no rank gets a second SIGTERM from the sweep
+            # (a second signal means "exit at once" to a rank); the sweep then verifies and catches stragglers.
+            await asyncio.wait([asyncio.shield(t) for t in self.waiters.values()], timeout=self.opts.grace + 5)
+        try:
+            return await teardown_job(self.manifest, self.store, self.opts.ssh, grace=self.opts.grace, hs=self.hs)
+        finally:
+            for t in self.waiters.values():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(t), timeout=self.opts.grace + 5)
+            await close_all(self.hs)
+            self.lock.release()
+
+
+# ---- the launcher lease -------------------------------------------------------------------------------------------
+
+async def renew_leases(hs: dict[str, NodeHandle], paths: dict[str, str], duration: float, seq: int) -> None:
+    """Write the lease (``seq`` bumped by each renewal) on every node; a node that fails is retried next time."""
+    body = encode_lease(Lease(holder=f"{socket.gethostname()}:{os.getpid()}", seq=seq, duration_s=duration))
+    await asyncio.gather(*(hs[node].write_file(path, body) for node, path in paths.items()), return_exceptions=True)
+
+
+async def lease_loop(hs: dict[str, NodeHandle], paths: dict[str, str], duration: float) -> None:
+    seq = 0
+    while True:
+        await asyncio.sleep(duration / 3)
+        seq += 1
+        await renew_leases(hs, paths, duration, seq)
+
+
+# ---- stop signals and the foreground run --------------------------------------------------------------------------
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = None) -> int:
+    """Start a launch (``start()`` -> Running), print it ready through the output ``o``, and in the foreground
+    supervise it until a stop or a rank failure. Returns the exit code."""
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    starting = asyncio.ensure_future(start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            o.error("launch interrupted; everything it started was stopped")
+            return 130
+    stopper.cancel()
+    running = starting.result()
+    stop.clear()
+    doc = running.summary()
+    _say_ready(o, running, doc, detach, ready_extra)
+    if detach:
+        return 0
+    code = await running.supervise(stop)
+    _say_stopped(o, running, doc, code)
+    return code
+
+
+def _say_ready(o, running: Running, doc: dict, detach: bool, ready_extra: dict | None) -> None:
+    if o.json and detach:
+        o.data({**(ready_extra or {}), **doc} if ready_extra else doc)
+    elif o.json:
+        if ready_extra:
+            o.event("replanned", ready_extra)
+        o.event("ready", doc)  # then one line per later event: docs/cli.md, "launch --json"
+    elif not o.quiet:
+        o.line(running.endpoint)
+        o.info(f"job {doc['job_id']}: {len(doc['ranks'])} rank(s) ready at {running.endpoint}"
+               + ("" if detach else " (Ctrl-C to stop)"))
+
+
+def _say_stopped(o, running: Running, doc: dict, code: int) -> None:
+    if running.failure:
+        o.error(running.failure)
+        if o.json:
+            o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank})
+    report = running.report
+    if o.json:
+        o.event("teardown", {**report.to_json(), "reason": "rank_failed" if running.failure else "stopped",
+                             "exit_code": code})
+    if not report.ok:
+        o.error("teardown could not confirm: " + "; ".join(report.survivors()))
+    else:
+        o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")

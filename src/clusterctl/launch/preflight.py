@@ -1,0 +1,155 @@
+"""Preflight: before anything changes on a node, check every node at once and name every problem.
+
+Each node answers one ``probe`` op (versions, backend, model folder and copy, free memory, ports, runtime dir);
+``preflight`` turns the answers into one error naming every failure on every node (exit 69 when model copies
+are the only problem, ``PortsBusy`` when busy ports are). ``check_inputs_unchanged`` is the coordinator's own
+check: the deployment still plans the same from its inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from clusterctl import __version__
+from clusterctl.errors import ClusterctlError, Exit, IntegrityError, LaunchFailed
+from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, first_error_code
+from clusterctl.plan.deployment import Deployment, diff_placement
+
+
+class PortsBusy(LaunchFailed):
+    """Preflight found nothing wrong but ports of the chosen block in use: another block may do."""
+
+    def __init__(self, message: str, busy: set[int], **kw):
+        super().__init__(message, **kw)
+        self.busy = busy
+
+
+def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
+    import sys
+    from importlib import metadata
+
+    errors, warnings = [], []
+    v = probe.get("versions", {})
+    ours = {"clusterctl": __version__}
+    for dist in ("mlx", "mlx-lm"):
+        try:
+            ours[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            ours[dist] = None
+    for dist, want in ours.items():
+        have = v.get(dist)
+        if have is None:
+            errors.append(f"{dist} is not installed")
+        elif want is not None and have != want:
+            errors.append(f"{dist} {have} differs from the coordinator's {want}")
+    py = v.get("python", "0.0").split(".")
+    mine = [str(x) for x in sys.version_info[:2]]
+    if py[0] != mine[0]:
+        errors.append(f"python {v.get('python')} (coordinator has {'.'.join(mine)}): major versions differ")
+    elif py[:2] != mine:
+        warnings.append(f"node {node}: python {v.get('python')} differs from the coordinator's {'.'.join(mine)}")
+    return errors, warnings
+
+
+def copy_problem(copy: dict, path: str, dep_ref: str) -> str | None:
+    """One line for a node whose model copy is not the planned one (None when it is), naming the fix."""
+    state = copy.get("state")
+    if state == "ok":
+        return None
+    if state == "error":
+        return f"cannot check the model copy at {path}: {copy.get('detail')}"
+    counts = {"missing": f"{copy.get('n_missing', 0)} file(s) missing", "stale": f"{copy.get('n_stale', 0)} file(s) differ"}
+    what = ", ".join(counts[k] for k in ("stale", "missing") if copy.get(f"n_{k}"))
+    first = f", e.g. {copy['first']}" if copy.get("first") else ""
+    return (f"model copy at {path} is {state} ({what or copy.get('detail', 'not the planned model')}{first}); "
+            f"run `clusterctl sync {dep_ref}`")
+
+
+async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str, list[int]], *,
+                    manifest=None, verify: bool = False, dep_ref: str | None = None) -> list[str]:
+    """Probe every node concurrently; raise one error naming every failure on every node. Returns warnings.
+
+    With ``manifest`` each node also compares its copy of the model with it (sizes and cached hashes; every
+    byte re-hashed with ``verify``). When copies are the only problem the exit code is 69 (unavailable).
+    """
+    warnings: list[str] = []
+    copy_only: dict[str, bool] = {}
+    busy_only: dict[str, set[int]] = {}
+    mdoc = manifest.model_dump(mode="json") if manifest is not None else None
+
+    async def one(h: NodeHandle) -> list[str]:
+        rank = dep.rank_of(h.name)
+        path = dep.path_map[h.name]
+        probe = await h.op("probe", {"backend": dep.backend if len(dep.ranks) > 1 else None,
+                                     "model_path": path, "runtime_dir": h.runtime_dir,
+                                     "ports": ports.get(h.name, []), "manifest": mdoc, "verify": verify},
+                           timeout=NODEOP_TIMEOUT if not verify else 3600.0)
+        h.probe = probe
+        h.runtime_dir = probe["runtime_dir"]["path"]
+        errs, warns = _version_problems(probe, h.name)
+        warnings.extend(warns)
+        if len(dep.ranks) > 1 and not probe.get("backend_available", False):
+            errs.append(f"mlx cannot use the {dep.backend} backend here"
+                        + (f" ({probe['mlx_error']})" if probe.get("mlx_error") else ""))
+        model = probe.get("model", {})
+        copy = copy_problem(probe["model_copy"], path, dep_ref or dep.deployment_id) if "model_copy" in probe else None
+        if copy:
+            errs.append(copy)  # names the fix; the folder check below would only repeat part of it
+        elif not model.get("ok"):
+            errs.append(model.get("error", "model check failed"))
+        need = rank.planned.weights + rank.planned.kv
+        if probe.get("mem_available", 0) < need:
+            errs.append(f"needs {need / 2**30:.2f} GiB free memory, has {probe.get('mem_available', 0) / 2**30:.2f} GiB")
+        if probe.get("ports_busy"):
+            errs.append(f"ports already in use: {', '.join(map(str, probe['ports_busy']))}")
+        if not probe["runtime_dir"]["ok"]:
+            errs.append(f"runtime dir {probe['runtime_dir']['path']} is not usable: {probe['runtime_dir'].get('error')}")
+        copy_only[h.name] = errs == [copy] if copy else False
+        if probe.get("ports_busy") and len(errs) == 1:
+            busy_only[h.name] = {int(p) for p in probe["ports_busy"]}
+        return errs
+
+    results = await asyncio.gather(*(one(h) for h in hs.values()), return_exceptions=True)
+    problems, errors = [], []
+    for h, res in zip(hs.values(), results):
+        if isinstance(res, BaseException):
+            if not isinstance(res, ClusterctlError):
+                raise res
+            errors.append(res)
+            problems.append(f"{h.name}: {res.message}")
+        elif res:
+            errors.append(ClusterctlError(res[0], exit_code=Exit.UNAVAILABLE if copy_only.get(h.name) else Exit.FAILED))
+            problems.extend(f"{h.name}: {p}" for p in res)
+    if busy_only:  # busy ports, a node's only problem: another block first, then whatever else is wrong
+        raise PortsBusy("preflight failed: " + "; ".join(problems), set().union(*busy_only.values()))
+    if problems:
+        code = first_error_code(errors) if all(isinstance(e, ClusterctlError) and e.message for e in errors) \
+            else Exit.FAILED
+        raise LaunchFailed(f"preflight failed on {len({p.split(':')[0] for p in problems})} node(s): "
+                           + "; ".join(problems), exit_code=code)
+    return warnings
+
+
+async def warm(hs: dict[str, NodeHandle], dep: Deployment) -> None:
+    """Start every node's session and import there what preflight and the ranks' start need; a failure here is
+    left for preflight to report (one error naming every node)."""
+    modules = ["psutil"] + (["mlx.core"] if len(dep.ranks) > 1 else [])
+    await asyncio.gather(*(h.op("warm", {"modules": modules}) for h in hs.values()), return_exceptions=True)
+
+
+def check_inputs_unchanged(dep: Deployment) -> None:
+    """Re-derive the plan from the deployment's own inputs and the model as it is now; refuse on any difference."""
+    from clusterctl.plan.model import inspect_model
+    from clusterctl.plan.planner import replan_same_inputs
+
+    if not Path(dep.model.source_path).is_dir():
+        return  # the coordinator holds no copy; each node's copy is checked in preflight
+    try:
+        new = replan_same_inputs(dep, inspect_model(dep.model.source_path, classify=False))
+    except ClusterctlError as e:
+        raise IntegrityError(f"deployment {dep.deployment_id} no longer plans from its inputs: {e.message}") from None
+    if new.plan_hash != dep.plan_hash or new.placement != dep.placement:
+        diff = diff_placement(dep, new)
+        raise IntegrityError(f"deployment {dep.deployment_id} no longer matches its inputs: " + "; ".join(
+            d.replace("\n", " / ") for d in diff), hint="run clusterctl plan again")

@@ -1,0 +1,293 @@
+"""Start one rank per node, wait until every rank is ready, open the gate, prove tokens flow.
+
+Order of a launch (docs/launch.md):
+  verify the deployment and re-derive its plan -> lock the deployment -> reap dead jobs -> preflight every node
+  concurrently (all failures at once; another port block when only ports are busy) -> the job plan
+  (launch/jobplan.py: every rank's validated spec and files) -> write the launch manifest -> write trusted key,
+  hostfile and signed contract on each node -> start the ranks (manifest updated as each starts) -> renew the
+  launcher lease -> wait for every marker to say ready -> write the gate -> wait for rank 0 to serve -> canary
+  request -> ready. A launch that fails part-way tears down what it started; the launch error is reported, and
+  so is a teardown error. What follows (supervision, lease renewals, stop signals) is launch/foreground.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import time
+from pathlib import Path
+
+from clusterctl.errors import Busy, ClusterctlError, Exit, LaunchFailed
+from clusterctl.launch import hostfile, runtimefiles as rf
+from clusterctl.launch.contract import encode_contract
+from clusterctl.launch.foreground import Running, lease_loop, renew_leases
+from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
+    plan_job, port_requests, rank_addresses
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore, now_iso, this_coordinator
+from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
+from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
+from clusterctl.locks import Lock, deployment_lock_path
+from clusterctl.plan.deployment import Deployment
+
+PORT_ATTEMPTS = 5
+POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
+
+
+async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | None = None) -> list[LaunchManifest]:
+    from clusterctl.launch.reaper import job_is_live
+
+    good, _ = store.all()
+    return [m for _, m in good
+            if (deployment_id is None or m.deployment_id == deployment_id) and await job_is_live(m, ssh)]
+
+
+async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
+    from clusterctl.launch.reaper import reap
+
+    dep_path, loaded = state.load_deployment(dep_ref)
+    dep: Deployment = loaded.deployment
+    # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
+    # deployment, the model and the other launches: preflight then finds them ready. Nothing on a node changes.
+    hs = handles([dep.node(r.node) for r in dep.ranks], opts.ssh, keeper_grace=opts.grace)
+    warming = asyncio.ensure_future(warm(hs, dep))
+    try:
+        manifest = None
+        if opts.check_model:
+            from clusterctl.sync.planned import planned_manifest
+
+            # in a thread: the event loop meanwhile drives the nodes' SSH handshakes
+            await asyncio.to_thread(check_inputs_unchanged, dep)
+            manifest = await asyncio.to_thread(planned_manifest, state, dep)
+        key = state.keyring.signing_key()
+        store = ManifestStore(state.launches, key, state.keyring.public_keys())
+        lock = Lock(deployment_lock_path(state, dep.deployment_id)).acquire(what=f"deployment {dep.deployment_id}")
+    except BaseException:
+        warming.cancel()
+        await close_all(hs)
+        raise
+    try:
+        if opts.reap_first:
+            with contextlib.suppress(Busy):
+                await reap(state, opts.ssh, grace=opts.grace, log=log, held=frozenset({dep.deployment_id}))
+        running = await live_jobs(store, opts.ssh, dep.deployment_id)
+        if running:
+            raise Busy(f"deployment {dep.deployment_id} is already running as job {running[0].job_id}",
+                       hint="clusterctl teardown it first")
+        await asyncio.gather(warming, return_exceptions=True)
+        return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log, hs, manifest=manifest,
+                                    dep_ref=shlex.quote(dep_ref))
+    except BaseException:
+        warming.cancel()
+        await close_all(hs)
+        lock.release()
+        raise
+
+
+async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: LaunchOptions, log, *, manifest,
+                           dep_ref) -> list[int]:
+    """Preflight with a fresh port block (world + 1 ports); another block when only ports are busy."""
+    good, _ = store.all()
+    avoid = {p for _, m in good for p in m.ports}
+    for attempt in range(PORT_ATTEMPTS):
+        block = hostfile.choose_ports(len(dep.ranks) + 1, avoid)
+        try:
+            warnings = await preflight(dep, hs, port_requests(dep, block, opts.http_port), manifest=manifest,
+                                       verify=opts.verify_model, dep_ref=dep_ref)
+        except PortsBusy as e:
+            # a random block met ports in use (often short-lived client sockets): another block, unless the
+            # operator fixed the HTTP port and that is the one taken
+            if attempt == PORT_ATTEMPTS - 1 or (opts.http_port is not None and opts.http_port in e.busy):
+                raise LaunchFailed(e.message, exit_code=Exit.FAILED) from None
+            log(f"ports {', '.join(map(str, sorted(e.busy)))} are in use; choosing another block")
+            avoid |= set(block)
+            continue
+        for w in warnings:
+            log(f"warning: {w}")
+        return block
+    raise AssertionError("unreachable")
+
+
+def _plan(dep: Deployment, state, opts: LaunchOptions, hs, block: list[int], addrs: list[str], job_id: str,
+          nonce: str) -> JobPlan:
+    # the ranks' settings read from this machine's environment, and the MLX environment every rank applies
+    # (the rank modules own them; these three import no more than the standard library and the rank spec)
+    from clusterctl.launch.rank.peerprobe import grace_from_env
+    from clusterctl.launch.rank.pipeline import ENV_DEFAULTS
+    from clusterctl.launch.rank.priority import nice_from_env
+
+    pub = state.keyring.public_keys()[0]
+    return plan_job(dep, opts, block=block, runtime_dirs={n: h.runtime_dir for n, h in hs.items()}, addrs=addrs,
+                    job_id=job_id, nonce=nonce, trusted_key=(pub.key_id, pub.to_text()),
+                    abort_grace_s=grace_from_env(), compute_nice=nice_from_env(), mlx_env=mlx_view(ENV_DEFAULTS))
+
+
+async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
+                         dep_ref: str | None = None) -> Running:
+    job_id, nonce = new_job_id(dep.deployment_id), new_nonce()
+    try:
+        addrs = rank_addresses(dep)
+        block = await _preflight_ports(dep, hs, store, opts, log, manifest=manifest, dep_ref=dep_ref)
+        plan = _plan(dep, state, opts, hs, block, addrs, job_id, nonce)
+    except BaseException:
+        await close_all(hs)
+        raise
+    m = LaunchManifest(
+        job_id=job_id, deployment_id=dep.deployment_id, plan_hash=dep.plan_hash, deployment_file=str(dep_path),
+        created_at=now_iso(), nonce=nonce, coordinator=this_coordinator(detached=opts.detach),
+        http_port=plan.http_port, ports=plan.block, lease_seconds=plan.lease_seconds or None,
+        mlx_launch_hostfile=plan.mlx_launch_hostfile, nodes=[dep.node(r.node) for r in dep.ranks],
+        ranks=plan.records())
+    store.save(m)  # BEFORE the first rank starts: a crash from here on leaves a trail for the reaper
+    run = Running(manifest=m, store=store, hs=hs, procs={}, lock=lock, opts=opts)
+    try:
+        await _start(run, plan, dep, Path(dep_path).read_bytes(), key, log)
+        if opts.detach:
+            await close_all(hs)
+            lock.release()
+        return run
+    except BaseException as e:
+        other = await _after_failure(run, e)
+        if other is None:
+            raise
+        raise other from None
+
+
+async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_bytes: bytes, key, log) -> None:
+    """Files, lease, ranks, ready, gate, serving, canary: the job from its plan to ready."""
+    hs, opts, records = run.hs, run.opts, run.manifest.ranks
+    save_lock = asyncio.Lock()
+
+    async def save() -> None:
+        async with save_lock:
+            await asyncio.to_thread(run.store.save, run.manifest)
+
+    await asyncio.gather(*(_write_files(hs[node], plan, dep_bytes, key) for node in dict.fromkeys(
+        r.node for r in plan.ranks)))
+    if plan.lease_seconds:
+        await renew_leases(hs, plan.lease_paths(), plan.lease_seconds, seq=0)
+        run.lease_task = asyncio.ensure_future(lease_loop(hs, plan.lease_paths(), plan.lease_seconds))
+    results = await asyncio.gather(*(_start_rank(run, r, save) for r in dep.ranks), return_exceptions=True)
+    errs = [e for e in results if isinstance(e, BaseException)]
+    if errs:
+        raise errs[0]
+    log(f"started {plan.world} rank(s); waiting for them to load")
+    await _wait_markers(run, dep, {"ready", "serving"}, opts.timeout, "load and become ready")
+    for r in dep.ranks:
+        records[r.rank].state = "ready"
+    await asyncio.gather(*(hs[n].write_file(p, rf.GATE_OPEN) for n, p in plan.gate_paths().items()))
+    await _wait_markers(run, dep, {"serving"}, opts.timeout, "start serving", only_rank=0)
+    rank0 = hs[dep.ranks[0].node]
+    m0 = rf.parse_marker(await rank0.read_json(records[0].marker_path))
+    endpoint = (m0.endpoint if m0 else None) or f"http://{opts.http_host}:{plan.http_port}"
+    if opts.canary:
+        ans = await rank0.op("canary", {"url": endpoint, "api_key": opts.api_key, "timeout": 120})
+        if not ans.get("ok"):
+            raise LaunchFailed(f"canary request to rank 0 produced no tokens: {ans.get('error', ans)}")
+    run.manifest.state, run.manifest.endpoint = "ready", endpoint
+    await save()
+
+
+async def _write_files(h: NodeHandle, plan: JobPlan, dep_bytes: bytes, key) -> None:
+    """A node's files of the plan, in order: trusted key, hostfile, contract (signed now)."""
+    for f in plan.files_of(h.name):
+        data = f.data if f.spec is None else encode_contract(dep_bytes, contract_payload(f.spec), key)
+        await h.write_file(f.path, data, mode=f.mode)
+
+
+async def _start_rank(run: Running, r, save) -> None:
+    h, rec, opts = run.hs[r.node], run.manifest.ranks[r.rank], run.opts
+    argv = [h.transport.python, "-m", "clusterctl.launch.rank", "--contract", rec.contract_path, "--node", r.node]
+    env = {"CLUSTERCTL_NONCE": run.manifest.nonce}
+    if opts.detach:
+        info = await h.op("spawn", {"argv": argv, "env": env, "log_path": rec.log_path})
+        rec.pid, rec.pgid, rec.start_time, rec.boot_id = info["pid"], info["pgid"], info["start_time"], info["boot_id"]
+    else:
+        p = await h.transport.start(argv, env=env, grace=opts.grace)
+        run.watch(r.rank, p)
+        rec.pid, rec.pgid, rec.start_time, rec.boot_id = p.info.pid, p.info.pgid, p.info.start_time, p.info.boot_id
+    rec.state = "started"
+    await save()
+
+
+async def _after_failure(run: Running, launch_error: BaseException) -> BaseException | None:
+    """Tear down what a failed launch started. Returns the error to raise instead, or None: raise the original."""
+    try:
+        report = await run.teardown()
+    except Exception as te:  # the teardown error is reported too, never instead
+        report = None
+        teardown_note = f"; teardown also failed: {te}"
+    else:
+        teardown_note = "" if report.ok else "; teardown could not confirm: " + "; ".join(report.survivors())
+    if isinstance(launch_error, (KeyboardInterrupt, asyncio.CancelledError)):
+        if report is not None and not report.ok:
+            return LaunchFailed("launch interrupted" + teardown_note, teardown=report)
+        return None
+    if isinstance(launch_error, LaunchFailed):
+        launch_error.teardown = report
+        launch_error.message += teardown_note
+        launch_error.args = (launch_error.message,)
+        return None
+    if isinstance(launch_error, ClusterctlError):
+        return LaunchFailed(launch_error.message + teardown_note, teardown=report, hint=launch_error.hint,
+                            exit_code=launch_error.exit_code)
+    return None
+
+
+async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout: float, what: str,
+                        only_rank: int | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    ranks = [r for r in dep.ranks if only_rank is None or r.rank == only_rank]
+    last: dict[int, str] = {}
+    while True:
+        for r in ranks:
+            p = run.procs.get(r.rank)
+            if p is not None and run.exited(r.rank):
+                tail = p.stderr_tail.decode("utf-8", "replace").strip().splitlines()
+                raise LaunchFailed(f"rank {r.rank} on {r.node} exited with code {p.returncode} before it was ready"
+                                   + (f": {tail[-1]}" if tail else ""),
+                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:])}])
+        # one long poll per node (answers as soon as its markers are there, one failed, or a detached rank's
+        # process is gone); a foreground rank that exits is noticed within one poll
+        by_node: dict[str, list] = {}
+        for r in ranks:
+            by_node.setdefault(r.node, []).append(r)
+        wait = max(0.05, min(POLL, deadline - time.monotonic()))
+        got = await asyncio.gather(*(run.hs[n].wait_markers([run.manifest.ranks[r.rank].marker_path for r in rs],
+                                                             states, wait, watch=[_detached(run, r) for r in rs])
+                                     for n, rs in by_node.items()))
+        found = {r.rank: (d, e) for rs, ans in zip(by_node.values(), got)
+                 for r, d, e in zip(rs, ans["markers"], ans["exited"])}
+        pending = []
+        for r in ranks:
+            doc, exited = found[r.rank]
+            mk = rf.parse_marker(doc)
+            st = mk.state if mk else "starting"
+            last[r.rank] = st
+            if st == "failed":
+                raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {mk.error or 'no reason given'}",
+                                   ranks=[{"rank": r.rank, "node": r.node, "error": mk.error}])
+            if exited is not None:
+                tail = [str(x) for x in exited.get("log_tail") or []]
+                log_path = run.manifest.ranks[r.rank].log_path
+                raise LaunchFailed(f"rank {r.rank} on {r.node} exited before it was ready"
+                                   + (f": {tail[-1]}" if tail else f" (nothing in {log_path})"),
+                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:]),
+                                           "log_path": log_path}])
+            if st not in states:
+                pending.append(r)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchFailed(f"timed out after {timeout:g} s waiting for ranks to {what}: " + ", ".join(
+                f"rank {r.rank} on {r.node} is {last.get(r.rank)}" for r in pending))
+
+
+def _detached(run: Running, r) -> dict | None:
+    """What the marker wait watches of a detached rank: its process (pid, start time, nonce) and its log. A
+    foreground rank is watched through its keeper instead."""
+    rec = run.manifest.ranks[r.rank]
+    if r.rank in run.procs or not rec.pid or not rec.log_path:
+        return None
+    return {"pid": rec.pid, "start_time": rec.start_time, "nonce": run.manifest.nonce, "pgid": rec.pgid,
+            "boot_id": rec.boot_id, "log_path": rec.log_path}

@@ -1,0 +1,63 @@
+"""The commands through ``typer.testing.CliRunner``: exit codes, stdout and stderr, in this process and fast.
+
+Each call gets its own ``render.Output`` (``ctx.obj``), and an expected failure goes through the app's error edge,
+so what a test sees here is what a shell sees from ``clusterctl``.
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from clusterctl.cli import app
+from clusterctl.render import Output
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLUSTERCTL_STATE_DIR", str(tmp_path / "state"))
+
+    def go(*args, obj=None):
+        return CliRunner().invoke(app, list(args), obj=obj)
+    return go
+
+
+def test_version_on_stdout(run):
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.startswith("clusterctl ") and r.stderr == ""
+
+
+def test_history_with_nothing_applied(run):
+    r = run("history")
+    assert r.exit_code == 0 and r.stdout == "" and "no replan applied yet" in r.stderr
+    r = run("history", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["clusters"] == [] and r.stderr == ""
+
+
+def test_status_and_teardown_with_no_launches(run):
+    r = run("status")
+    assert (r.exit_code, r.stdout) == (0, "") and "no launches" in r.stderr
+    r = run("teardown", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == {"schema_version": 1, "ok": True, "jobs": [], "malformed": []}
+
+
+def test_an_expected_failure_is_one_line_its_code_and_a_json_document(run):
+    r = run("verify", "no-such-deployment", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == doc["exit_code"] == 66 and doc["ok"] is False
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    r = run("replan", "--detach", "--foreground")
+    assert r.exit_code == 2 and r.stdout == "" and "contradict" in r.stderr
+
+
+def test_quiet_hides_the_lines_but_not_the_data(run):
+    r = run("history", "-q")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "", "")
+
+
+def test_each_call_has_its_own_output(run):
+    mine = Output()
+    r = run("history", "--json", obj=mine)
+    assert r.exit_code == 0 and mine.json is True
+    r = run("history")
+    assert r.exit_code == 0 and r.stdout == ""  # the --json of the call before does not leak into this one
