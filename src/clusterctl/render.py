@@ -89,9 +89,11 @@ def deployment_table(dep) -> Any:
     from rich.table import Table
 
     t = Table(title=esc(f"deployment {dep.deployment_id}  placement {dep.placement}  backend {dep.backend}  "
-                        f"{dep.parallel}/{dep.allocation}  batch {dep.batch_slots}"
+                        f"{dep.parallel}/{dep.allocation}  {dep.schedule or 'overlap'}  batch {dep.batch_slots}"
                         + (f" of {dep.slots} slots that fit" if dep.slots is not None else "")
-                        + f" x {dep.options.context} tokens"), title_justify="left", box=None, pad_edge=False)
+                        + f" x {dep.options.context} tokens"
+                        + (f"  prompt cache {dep.prompt_cache_tokens} tokens" if dep.prompt_cache_tokens else "")),
+              title_justify="left", box=None, pad_edge=False)
     for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):
         t.add_column(col, justify="right" if col in ("RANK", "LAYERS", "WEIGHTS", "KV", "USED", "USABLE") else "left")
     for r in dep.ranks:

@@ -171,3 +171,19 @@ def test_plan_refuses_a_model_folder_whose_files_live_elsewhere(c3, model32, sta
     r = run("plan", "-c", str(c3), "-m", str(model32))
     assert r.code == 65 and "absolute target" in r.stderr and "cp -rL" in r.stderr
     assert not (state / "deployments").exists() or not list((state / "deployments").iterdir())
+
+
+def test_schedule_and_prompt_cache_are_planned_and_shown(c3, model32, state):
+    """overlap by default for a split pipeline (with why), lockstep on request; the prompt cache's reserve is in
+    every rank's budget and its tokens in the file; overlap where it cannot apply is refused."""
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--json")
+    doc = r.json()
+    assert r.code == 0 and doc["schedule"] == "overlap" and doc["schedule_reason"]
+    assert doc["options"]["prompt_cache_gb"] == 0.25 and doc["prompt_cache_tokens"] > 0
+    assert all(x["planned"]["prompt_cache"] == 1 << 28 for x in doc["ranks"])
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--schedule", "lockstep", "--prompt-cache-gb", "0")
+    assert r.code == 0 and "schedule lockstep: asked for" in r.stderr and "prompt cache" not in r.stderr
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--parallel", "tensor", "--schedule", "overlap")
+    assert r.code != 0 and "--schedule overlap" in r.stderr and len(r.stderr.strip().splitlines()) <= 2
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--schedule", "sideways")
+    assert r.code == 2 and "auto, overlap, lockstep" in r.stderr

@@ -124,6 +124,7 @@ def replan(
     allocation: Annotated[Optional[str], typer.Option(help="balanced | proportional | speed.")] = None,
     backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="auto | pipeline | tensor (default: the current deployment's).")] = None,
+    schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None,
     context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
     batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
     path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path).')] = None,
@@ -158,7 +159,7 @@ def replan(
     state = state_of(state_dir)
     ssh = ssh_options(known_hosts, accept_new_host_keys)
     given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("parallel", parallel),
-                               ("context", context), ("batch", batch)) if v is not None}
+                               ("schedule", schedule), ("context", context), ("batch", batch)) if v is not None}
     node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
                    path_map=_path_map(path_map), to=to)

@@ -30,6 +30,11 @@ def plan(
                                                parser=number(0, 1e6), metavar="GIB")] = 0.5,
     embedding_offload: Annotated[str, typer.Option("--embedding-offload",
                                                    help="off | on | auto: serve the token embedding from SSD (auto: only when it would not fit).")] = "off",
+    schedule: Annotated[str, typer.Option(help="auto | overlap | lockstep: how a pipeline decodes (overlap: a "
+                                               "micro-batch per stage in flight; auto: overlap where it can).")] = "auto",
+    prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Per-rank memory (GiB) kept for the "
+                                                   "prompt cache (0: none).", parser=number(0, 1e6),
+                                                   metavar="GIB")] = 0.25,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
     probe: Annotated[bool, typer.Option("--probe", help="Read memory_gb of remote nodes that lack it over SSH.")] = False,
     known_hosts: Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for --probe.")] = None,
@@ -51,7 +56,8 @@ def plan(
 
     dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
-                                probe_remote=probe_remote, embedding_offload=embedding_offload)
+                                probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
+                                prompt_cache_gb=prompt_cache_gb)
     for w in dep.warnings:
         o.warn(w)
     if o.json:
@@ -62,6 +68,8 @@ def plan(
     o.table(deployment_table(dep))
     if dep.parallel_reason:
         o.info(f"parallel {dep.parallel_reason}")
+    if dep.schedule_reason:
+        o.info(f"schedule {dep.schedule}: {dep.schedule_reason}")
     o.info(f"wrote {', '.join(str(p) for p in written)}")
 
 

@@ -191,6 +191,7 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                          start_layer=r.start_layer, end_layer=r.end_layer)
         doc = {"deployment_id": dep.deployment_id, "job_id": job_id, "nonce": nonce, "node": r.node,
                "rank": r.rank, "world_size": world, "backend": dep.backend, "parallel": dep.parallel,
+               "schedule": dep.schedule or "overlap", "prompt_cache_tokens": dep.prompt_cache_tokens,
                "model_path": dep.path_map[r.node], "start_layer": r.start_layer, "end_layer": r.end_layer,
                "layer_counts": counts, "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,

@@ -20,7 +20,8 @@ def plan_options(**kw) -> PlanOptions:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "option"
         choices = {"allocation": "balanced, proportional, speed", "backend": "auto, ring, jaccl, mpi",
-                   "parallel": "auto, pipeline, tensor", "embedding_offload": "off, on, auto"}
+                   "parallel": "auto, pipeline, tensor", "embedding_offload": "off, on, auto",
+                   "schedule": "auto, overlap, lockstep"}
         extra = f" (choose from {choices[field]})" if field in choices else ""
         raise UsageError(f"--{field.replace('_', '-')}: {kw.get(field)!r} is not valid{extra}") from None
 

@@ -17,7 +17,8 @@ from clusterctl.errors import ConfigError, UsageError
 from clusterctl.plan.deployment import Deployment, PlanOptions
 from clusterctl.plan.inventory import Cluster
 
-OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload")
+OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload",
+                 "schedule", "prompt_cache_gb")
 
 
 @dataclass
@@ -145,6 +146,7 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
         })
     other = []
     for what, x, y in (("backend", old.backend, new.backend), ("parallel", old.parallel, new.parallel),
+                       ("schedule", old.schedule or "overlap", new.schedule or "overlap"),
                        ("allocation", old.allocation, new.allocation), ("batch", old.batch_slots, new.batch_slots),
                        ("context", old.options.context, new.options.context),
                        ("model", old.model.facts_hash[:12], new.model.facts_hash[:12])):
