@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +128,7 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
               box=None, pad_edge=False)
     cols = ["RANK", "NODE", "HOST", "PID", "STATE", "LAYERS", "HEARTBEAT", "ACTIVE"]
     if wide:
-        cols += ["REQUESTS", "CANCEL EPOCH", "ENDPOINT", "ERROR"]
+        cols += ["REQUESTS", "CANCEL EPOCH", "PROMPT CACHE", "ENDPOINT", "ERROR"]
     for c in cols:
         t.add_column(c)
     for r in job["ranks"]:
@@ -141,9 +142,49 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
             ids = r.get("active_request_ids") or []
             row += [esc(", ".join(ids[:3]) + (f" +{len(ids) - 3}" if len(ids) > 3 else "") or "-"),
                     str(r.get("cancel_epoch") if r.get("cancel_epoch") is not None else "-"),
-                    esc(r["endpoint"] or "-"), esc(r["error"] or "")]
+                    _cache(r.get("prompt_cache")), esc(r["endpoint"] or "-"), esc(r["error"] or "")]
         t.add_row(*row)
     return t
+
+
+def watch_view(doc: dict) -> Any:
+    """``status --watch``: per job, per rank its state, layers, batch, queue, tok/s, step time, RSS, heartbeat age
+    and the peer-loss ladder's last stage."""
+    from rich.console import Group
+    from rich.table import Table
+
+    tables = []
+    for job in doc["jobs"]:
+        t = Table(title=esc(f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  "
+                            f"{time.strftime('%H:%M:%S')}"), title_justify="left", box=None, pad_edge=False)
+        for c in ("RANK", "NODE", "STATE", "LAYERS", "BATCH", "QUEUE", "TOK/S", "STEP", "IDLE", "RSS", "HEARTBEAT",
+                  "CACHE", "LADDER"):
+            t.add_column(c, justify="right" if c in ("BATCH", "QUEUE", "TOK/S", "STEP", "IDLE", "RSS") else "left")
+        for r in job["ranks"]:
+            st = str(r["state"])
+            style = STATE_STYLE.get(st, "")
+            pc = r.get("prompt_cache")
+            t.add_row(str(r["rank"]), esc(r["node"]), f"[{style}]{esc(st)}[/{style}]" if style else esc(st),
+                      esc(f"[{r['layers'][0]}, {r['layers'][1]})") if r["layers"] and r["layers"][0] is not None
+                      else "-",
+                      _num(r.get("batch")), _num(r.get("queued")),
+                      f"{r['tok_s']:.1f}" if r.get("tok_s") is not None else "-",
+                      f"{r['step_s'] * 1000:.1f} ms" if r.get("step_s") is not None else "-",
+                      f"{r['idle_share'] * 100:.0f}%" if r.get("idle_share") is not None else "-",
+                      human_bytes(r["rss_bytes"]) if r.get("rss_bytes") is not None else "-",
+                      _age(r["heartbeat_age"]) + (" [red]stale[/red]" if r["stale"] else ""),
+                      f"{pc[1]}/{pc[2]} tok" if pc else "-", esc(r.get("ladder") or "-"))
+        tables.append(t)
+    return Group(*tables) if tables else "no launches"
+
+
+def _cache(pc) -> str:
+    """A rank's prompt cache: entries and tokens held of the tokens allowed."""
+    return f"{pc[0]} entries, {pc[1]}/{pc[2]} tokens" if pc else "-"
+
+
+def _num(v) -> str:
+    return "-" if v is None else str(v)
 
 
 def demo_summary_table(res) -> Any:

@@ -317,6 +317,10 @@ def status(
     target: Annotated[Optional[str], typer.Argument(help="Only this deployment: its file, deployment id or job id.",
                                                     autocompletion=complete_targets)] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Show every column.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C (with --json: one "
+                                                              "JSON line per refresh).")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes of --watch.",
+                                            parser=number(0.2, 3600), metavar="S")] = 2.0,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -329,6 +333,9 @@ def status(
 
     from clusterctl.launch.status import status as do_status
 
+    if watch:
+        _watch(o, state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), target, interval)
+        return
     doc = asyncio.run(do_status(state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), ref=target))
     if o.json:
         o.data(doc)
@@ -341,3 +348,20 @@ def status(
         o.table(status_table(job, wide=all_))
     for m in doc["malformed"]:
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
+
+
+def _watch(o, state, ssh, target, interval: float) -> None:
+    """The live view: a Rich table redrawn in place on a terminal, one JSON line per refresh with --json."""
+    from clusterctl.launch.watch import watch
+    from clusterctl.render import watch_view
+
+    if o.json:
+        watch(state, ssh, target, interval, lambda doc: o.event("status", doc))
+        return
+    if not o.console.is_terminal:  # piped: one table per refresh, nothing redrawn
+        watch(state, ssh, target, interval, lambda doc: o.table(watch_view(doc)))
+        return
+    from rich.live import Live
+
+    with Live(console=o.console, auto_refresh=False, transient=False) as live:
+        watch(state, ssh, target, interval, lambda doc: live.update(watch_view(doc), refresh=True))

@@ -59,6 +59,13 @@ class MarkerWriter:
             except ClusterctlError:
                 pass  # a full or vanished runtime dir must not kill serving; the heartbeat retries
 
+    def note(self, **fields) -> None:
+        """Change fields without writing: the next heartbeat (at most ``interval`` later) carries them."""
+        with self._lock:
+            if not self._final:
+                for k, v in fields.items():
+                    setattr(self.marker, k, v)
+
     def touch_step(self) -> None:
         # called per token from the step loop: no I/O here, the heartbeat carries it
         self.marker.last_step_at = time.time()

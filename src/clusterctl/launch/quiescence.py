@@ -58,6 +58,17 @@ def clean_marker(mk: dict) -> dict:
     out["cancel_epoch"] = ce if isinstance(ce, int) and not isinstance(ce, bool) else None
     ar = mk.get("active_requests")
     out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
+    for key in ("batch", "queued", "tokens_out", "rss_bytes"):  # the step loop's load (status --watch)
+        v = mk.get(key)
+        out[key] = v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    for key in ("step_s", "idle_share"):
+        v = mk.get(key)
+        out[key] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 else None
+    v = mk.get("ladder")
+    out["ladder"] = v[:200] if isinstance(v, str) else None
+    pc = mk.get("prompt_cache")
+    out["prompt_cache"] = pc if isinstance(pc, list) and len(pc) == 3 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in pc) else None
     return out
 
 

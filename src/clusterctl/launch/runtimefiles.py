@@ -141,6 +141,17 @@ class Marker(BaseModel):
     start_layer: Optional[int] = None
     end_layer: Optional[int] = None
     peak_rss_bytes: Optional[int] = None
+    # what the step loop last said of its load (status --watch): requests in its batch, waiting (rank 0), tokens
+    # generated so far (rank 0), recent step time and idle share, resident memory now, the peer-loss ladder's
+    # last stage, the prompt cache (entries, tokens held, tokens allowed)
+    batch: Optional[int] = None
+    queued: Optional[int] = None
+    tokens_out: Optional[int] = None
+    step_s: Optional[float] = None
+    idle_share: Optional[float] = None
+    rss_bytes: Optional[int] = None
+    ladder: Optional[str] = None
+    prompt_cache: Optional[list[int]] = None
 
 
 class Lease(BaseModel):

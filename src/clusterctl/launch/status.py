@@ -34,6 +34,8 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                 "active_requests": len(mk.get("active_requests") or []),
                 "active_request_ids": mk.get("active_requests") or [], "cancel_epoch": mk.get("cancel_epoch"),
                 "endpoint": mk.get("endpoint"), "error": info.get("error") or mk.get("error"),
+                **{k: mk.get(k) for k in ("batch", "queued", "tokens_out", "step_s", "idle_share", "rss_bytes",
+                                          "ladder", "prompt_cache")},
             })
         q = judge(m, markers) if probe_nodes else None
         jobs.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "state": m.state,

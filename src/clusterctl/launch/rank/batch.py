@@ -72,6 +72,7 @@ class Batch:
         self.by_id: dict[str, Seq] = {}
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
+        self.produced = 0  # tokens generated (EOS included)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -125,6 +126,7 @@ class Batch:
             s = self.seqs.get(r.uid)
             if s is None:
                 continue
+            self.produced += 1
             finish = r.finish_reason
             if finish == "stop" and r.token in self.eos:
                 pass  # the EOS token ends the text, it is not part of it

@@ -88,6 +88,7 @@ class OverlapBatch:
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
+        self.produced = 0  # rank 0: tokens generated for requests not yet answered (EOS included)
 
     # -- the batch's membership (the same calls, in the same order, on every rank)
 
@@ -253,6 +254,7 @@ class OverlapBatch:
                 self._feed(r, t, on_done)
 
     def _feed(self, r: Row, token: int, on_done) -> None:
+        self.produced += 1
         s = r.seq
         finish = None
         if token in self.eos:

@@ -320,6 +320,8 @@ class Rank:
         def act(action: str, peer: int) -> None:
             if self.stopping.is_set():
                 return  # peers leave one by one during a stop; the stop alarm covers a stop that hangs
+            if self.marker is not None:
+                self.marker.note(ladder=f"{action} (peer rank {peer}) at {time.strftime('%H:%M:%S')}")
             if metrics is not None:
                 metrics.ladder(action, peer)
             who = f"rank {spec.rank}: peer rank {peer}"
