@@ -21,6 +21,7 @@ divided by the limit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat, table  # noqa: E402
 from serve import PROMPTS, Round, arm_clusterctl, arm_single, concurrent_load, marker_peak, pct, rotate  # noqa: E402
 
-ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap"}
+ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap",
+        "scrape": "overlap, /metrics scraped every 0.5 s"}
 
 _MATMUL = """
 import sys, time
@@ -74,17 +76,48 @@ def plan(workdir: Path, env: dict, path: Path, schedule: str, name: str) -> Path
     return out
 
 
+def scraper(base: str, stop) -> None:
+    """A Prometheus that scrapes twice a second (ten times the usual rate)."""
+    import urllib.request
+
+    while not stop.wait(0.5):
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+                resp.read()
+
+
+def metrics_update_cost(n: int = 2000) -> float:
+    """Seconds of metrics work per request (what the API records for one request), measured in-process."""
+    from clusterctl.launch.rank.metrics import Metrics
+
+    m = Metrics(queue_depth=lambda: 0, occupancy=lambda: 0)
+    t = time.perf_counter()
+    for _ in range(n):
+        m.request_done("ok")
+        m.tokens(30, 64)
+        m.first_token(0.05)
+        m.per_output_token(0.01)
+    return (time.perf_counter() - t) / n
+
+
 def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int) -> Round:
+    import threading
+
     r = Round(arm, "")
+    stop = threading.Event()
     try:
         with ctx(r) as (_t0, base, pids, _layers, _all):
             stream_chat(base, PROMPTS[-1], 4)  # warm-up
+            if arm == "scrape":
+                threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
             for c in clients:
                 r.loads[c] = concurrent_load(base, c, per_client, offset, tokens)
+            stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
             r.rss = [(rank, marker_peak(r.markers[rank]) if rank in r.markers else None) for rank in sorted(pids)]
     except Exception as e:  # one arm failing must not hide the others
         r.error = f"{type(e).__name__}: {e}"
+    stop.set()
     return r
 
 
@@ -93,7 +126,8 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     env = {"CLUSTERCTL_STATE_DIR": str(workdir / f"state-{kind}")}
     deps = {s: plan(workdir, env, path, s, f"{kind}-{s}") for s in ("lockstep", "overlap")}
     ctxs = {"a": lambda r: arm_single(path, r), "lock": lambda r: arm_clusterctl(deps["lockstep"], env, r),
-            "over": lambda r: arm_clusterctl(deps["overlap"], env, r)}
+            "over": lambda r: arm_clusterctl(deps["overlap"], env, r),
+            "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r)}
     tokens = ns.tokens or (32 if kind == "smollm2" else 64)
     rs: list[Round] = []
     for i in range(ns.rounds):
@@ -115,16 +149,18 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     for c in ns.clients:
         a, lock, over = agg("a", c), agg("lock", c), agg("over", c)
         gain = over / lock if over and lock else None
+        scr = agg("scrape", c)
         rows.append([str(c), fmt(a, "", 1), fmt(lock, "", 1), fmt(over, "", 1), fmt(gain, "x"),
                      fmt(over / a if over and a else None, "x"),
                      fmt(gain / limit if gain and limit else None, "", 2),
                      "/".join(fmt(ttft(x, c), "", 3) for x in ("a", "lock", "over")),
+                     fmt(scr / over if scr and over else None, "x"),
                      str(sum(r.loads[c][2] for x in ARMS for r in by[x] if c in r.loads))])
     say("")
     say(f"== {kind}: {tokens} new tokens per request, {ns.per_client} request(s) per client, "
         f"{ns.rounds} round(s), medians ==")
     say(table(rows, ["clients", "a tok/s", "lock tok/s", "over tok/s", "over/lock", "over/a", "efficiency",
-                     "TTFT p50 s a/lock/over", "errors"]))
+                     "TTFT p50 s a/lock/over", "scraped/over", "errors"]))
     doc = json.loads(deps["overlap"].read_text())
     planned = {x["rank"]: (x.get("planned") or {}).get("total") for x in doc["ranks"]}
     for arm in ("lock", "over"):
@@ -158,6 +194,8 @@ def main() -> int:
     alone, together, limit = machine_limit()
     say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
         f"two processes do {limit:.2f}x the work of one")
+    say(f"metrics work per request (counters and histograms the API moves): "
+        f"{metrics_update_cost() * 1e6:.1f} us")
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         for kind in ns.models.split(","):
             bench_model(kind.strip(), Path(tmp), ns, limit)
