@@ -63,7 +63,8 @@ def machine_limit(n: int = 60) -> tuple[float, float, float]:
     return alone, together, 2 * alone / together
 
 
-def plan(workdir: Path, env: dict, path: Path, schedule: str, name: str) -> Path:
+def plan(workdir: Path, env: dict, path: Path, name: str, *flags: str, context: int = 1024) -> Path:
+    """A signed deployment of ``path`` on two local nodes (4 GB each), pipeline, with ``flags`` for `plan`."""
     lines = ["[cluster]", f'name = "{name}"']
     for node in "ab":
         lines += ["[[node]]", f'name = "{node}"', "local = true", "memory_gb = 4",
@@ -71,8 +72,8 @@ def plan(workdir: Path, env: dict, path: Path, schedule: str, name: str) -> Path
     c = workdir / f"{name}.toml"
     c.write_text("\n".join(lines) + "\n")
     out = workdir / f"{name}.json"
-    check(clusterctl("plan", "-c", str(c), "-m", str(path), "--parallel", "pipeline", "--schedule", schedule,
-                     "--context", "1024", "-o", str(out), "-q", env=env), "clusterctl plan")
+    check(clusterctl("plan", "-c", str(c), "-m", str(path), "--parallel", "pipeline", *flags,
+                     "--context", str(context), "-o", str(out), "-q", env=env), "clusterctl plan")
     return out
 
 
@@ -124,7 +125,7 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
 def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     path = model(kind)
     env = {"CLUSTERCTL_STATE_DIR": str(workdir / f"state-{kind}")}
-    deps = {s: plan(workdir, env, path, s, f"{kind}-{s}") for s in ("lockstep", "overlap")}
+    deps = {s: plan(workdir, env, path, f"{kind}-{s}", "--schedule", s) for s in ("lockstep", "overlap")}
     ctxs = {"a": lambda r: arm_single(path, r), "lock": lambda r: arm_clusterctl(deps["lockstep"], env, r),
             "over": lambda r: arm_clusterctl(deps["overlap"], env, r),
             "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r)}

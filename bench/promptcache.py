@@ -26,7 +26,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import check, clusterctl, fmt, log, machine_note, med, model, say, table  # noqa: E402
+from _common import fmt, log, machine_note, med, model, say, table  # noqa: E402
+from overlap import plan  # noqa: E402
 from serve import Round, arm_clusterctl, arm_single  # noqa: E402
 
 WORDS = ["river", "stone", "ledger", "orbit", "lantern", "cedar", "signal", "harbor", "quartz", "meadow", "copper",
@@ -75,19 +76,6 @@ def cache_counts(base: str) -> tuple[float, float]:
     return got.get("clusterctl_prompt_tokens_total", 0.0), got.get("clusterctl_prompt_cache_hit_tokens_total", 0.0)
 
 
-def plan(workdir: Path, env: dict, path: Path, name: str, cache_gb: float) -> Path:
-    lines = ["[cluster]", f'name = "{name}"']
-    for node in "ab":
-        lines += ["[[node]]", f'name = "{node}"', "local = true", "memory_gb = 4",
-                  f'runtime_dir = "{workdir}/run-{name}-{node}"']
-    c = workdir / f"{name}.toml"
-    c.write_text("\n".join(lines) + "\n")
-    out = workdir / f"{name}.json"
-    check(clusterctl("plan", "-c", str(c), "-m", str(path), "--parallel", "pipeline", "--context", "4096",
-                     "--prompt-cache-gb", str(cache_gb), "-o", str(out), "-q", env=env), "clusterctl plan")
-    return out
-
-
 def run_arm(arm: str, ctx, ns) -> dict:
     r = Round(arm, "")
     res = {"t1": [], "t2": [], "hit": None, "error": None}
@@ -126,7 +114,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-pcache-") as tmp:
         work = Path(tmp)
         env = {"CLUSTERCTL_STATE_DIR": str(work / "state")}
-        deps = {"pp2": plan(work, env, path, "pcon", 0.25), "off": plan(work, env, path, "pcoff", 0.0)}
+        deps = {"pp2": plan(work, env, path, "pcon", "--prompt-cache-gb", "0.25", context=4096),
+                "off": plan(work, env, path, "pcoff", "--prompt-cache-gb", "0", context=4096)}
         ctxs = {"a": lambda r: arm_single(path, r), "pp2": lambda r: arm_clusterctl(deps["pp2"], env, r),
                 "off": lambda r: arm_clusterctl(deps["off"], env, r)}
         got = {arm: run_arm(arm, ctxs[arm], ns) for arm in ("a", "pp2", "off")}
