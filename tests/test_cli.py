@@ -106,3 +106,20 @@ def test_model_import_refuses_a_file_that_is_not_gguf_in_one_line(tmp_path):
     r = run("model", "import", str(bad), str(tmp_path / "m"), "--json")
     _one_error_line(r, 65)
     assert r.json()["ok"] is False and not (tmp_path / "m").exists()
+
+
+def test_a_path_with_an_undecodable_byte_never_breaks_stdout(tmp_path):
+    """argv bytes that are not UTF-8 come back as lone surrogates; with --json the error document must still be
+    written (valid JSON, the path escaped) under a strict UTF-8 stdout, not end in an internal error (exit 70).
+    Found by test_random_combinations[model import]."""
+    import json as _json
+
+    from fuzzutil import run_cli
+
+    bad = str(tmp_path / b"\xff\xfe-not-utf8".decode("utf-8", "surrogateescape"))
+    r = run_cli(["model", "import", bad, str(tmp_path / "dest"), "--json"])
+    assert r.code == 66 and r.stdout_error is None, (r.code, r.stderr[-300:])
+    doc = _json.loads(r.stdout)
+    assert doc["ok"] is False and "\udcff" in doc["error"]
+    r = run_cli(["model", "import", bad, str(tmp_path / "dest")])
+    assert r.code == 66 and "not-utf8" in r.stderr and r.stdout_error is None

@@ -11,6 +11,18 @@ from typing import Any
 JSON_SCHEMA_VERSION = 1
 
 
+def json_text(doc, indent: int | None = None) -> str:
+    """JSON for stdout: UTF-8 text, except when a string holds what UTF-8 cannot encode (a path argument with an
+    undecodable byte comes back as a lone surrogate): then every non-ASCII character is escaped, so the document
+    stays valid JSON and writing it never fails."""
+    text = json.dumps(doc, indent=indent, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(doc, indent=indent, ensure_ascii=True)
+    return text
+
+
 @dataclass
 class Output:
     json: bool = False
@@ -30,17 +42,21 @@ class Output:
     def data(self, doc: dict) -> None:
         """The one JSON document of a --json run, on stdout."""
         doc = {"schema_version": JSON_SCHEMA_VERSION, **doc} if "schema_version" not in doc else doc
-        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(json_text(doc, indent=2) + "\n")
         sys.stdout.flush()
 
     def event(self, name: str, doc: dict) -> None:
         """One JSON line on stdout (a foreground `launch --json` follows the job with these)."""
-        sys.stdout.write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, "event": name, **doc},
-                                    ensure_ascii=False) + "\n")
+        sys.stdout.write(json_text({"schema_version": JSON_SCHEMA_VERSION, "event": name, **doc}) + "\n")
         sys.stdout.flush()
 
     def line(self, text: str) -> None:
-        """One plain line of data on stdout (an endpoint, a hash, a history entry); the caller decides when."""
+        """One plain line of data on stdout (an endpoint, a hash, a history entry); the caller decides when. What
+        UTF-8 cannot encode (a lone surrogate from an undecodable path byte) is written as a backslash escape."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
 
