@@ -51,7 +51,7 @@ print(time.perf_counter() - t)
 """
 
 
-def machine_limit(n: int = 60) -> tuple[float, float, float]:
+def machine_limit(n: int = 25) -> tuple[float, float, float]:
     """(seconds alone, seconds each of two at once, the limit = 2 * alone / together)."""
     def run(k: int) -> list[float]:
         ps = [subprocess.Popen([PY, "-c", _MATMUL, str(n)], stdout=subprocess.PIPE, text=True) for _ in range(k)]
