@@ -46,7 +46,7 @@ def chat(base: str, messages: list[dict], max_tokens: int = 16) -> tuple[float, 
     """(seconds to the first content chunk, the answer) of a streamed greedy chat completion."""
     u = urllib.parse.urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.monotonic()
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -98,6 +98,7 @@ def run_arm(arm: str, ctx, ns) -> dict:
                 res["hit"] = hit / prompt if prompt > 0 else None
     except Exception as e:  # one arm failing must not hide the others
         res["error"] = f"{type(e).__name__}: {e}"
+        log(f"{arm} failed: {res['error']}")
     if r.error:
         res["error"] = (res["error"] or "") + r.error
     return res
