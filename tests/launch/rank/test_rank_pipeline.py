@@ -160,18 +160,39 @@ def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, spli
 
 def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
     """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 0.5 s):
-    the rank that has the work calls the others to the next meeting over the peer-probe port."""
+    the rank that has the work calls the others to the next meeting over the peer-probe port. While busy,
+    overlapped ranks never meet: requests of different lengths arriving one after another join and leave between
+    two slots (a meeting would drain the pipeline), and every answer is still identical to one process."""
+    import threading
+
     with RankCluster(tmp_path, model, [4, 4], tag="wake") as c:
         c.up()
         for prompt in PROMPTS:
             time.sleep(0.7)  # idle, past a scheduled meeting
             assert _complete(c, prompt=prompt, max_tokens=2, temperature=0)["finish_reason"] == "length"
+        time.sleep(0.7)
+        jobs = [(BATCH_PROMPTS[i], m, 0.15 * i) for i, m in enumerate([30, 3, 17, 9, 12])]
+        got = {}
+
+        def run(p, m, delay):
+            time.sleep(delay)
+            got[(p, m)] = _stream_ids(c, prompt=p, max_tokens=m, temperature=0, return_token_ids=True)[0]
+
+        threads = [threading.Thread(target=run, args=j) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == {(p, m): reference_tokens(model, p, m) for p, m, _ in jobs}
+        time.sleep(0.7)  # idle again (the last answer can come before the ranks have met after it)
         c.signal(0, signal.SIGTERM)
         assert [c.wait_exit(r, 20) for r in range(2)] == [0, 0], [c.logs(r) for r in range(2)]
-        counts = [re.search(r"stopped \((\d+) wake-up call\(s\) sent, (\d+) heard\)", c.logs(r)) for r in range(2)]
+        pattern = r"stopped \((\d+) wake-up call\(s\) sent, (\d+) heard; (\d+) meeting\(s\) while busy\)"
+        counts = [re.search(pattern, c.logs(r)) for r in range(2)]
         assert all(counts), [c.logs(r) for r in range(2)]
-        assert int(counts[0][1]) >= 3  # rank 0 called rank 1 for each request and for the stop
+        assert int(counts[0][1]) >= 4  # rank 0 called rank 1 for each request to an idle deployment and the stop
         assert int(counts[1][2]) >= 1  # and rank 1 left its sleep for a call
+        assert [int(m[3]) for m in counts] == [0, 0], [c.logs(r) for r in range(2)]
 
 
 @pytest.mark.parametrize("split", [[8], [5, 3]], ids=["1rank", "2ranks-5-3"])

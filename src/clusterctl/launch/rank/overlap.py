@@ -8,39 +8,51 @@ micro-batch k+1. Stages are in mlx-lm's order (stage.py): rank ``world - 1`` emb
 hidden states flow down to rank 0, which runs the last blocks, samples, streams the text to its clients and sends
 only the sampled token ids back to rank ``world - 1`` over the ring's wrap-around link.
 
-Runs and meetings. Between two meetings (steploop.py) every rank runs the same ``run(rounds)``: in each round
-every non-empty micro-batch, in index order, takes one step (its requests that joined at the meeting first
-process their prompts, in that micro-batch's first step). Rank 0 chooses ``rounds`` at the meeting, never more
-than any request's remaining ``max_tokens``, so a request that ends by length ends with the run. A request that
-ends early (EOS, a stop string) is answered at once by rank 0 and keeps its row, computed and ignored, until the
-next meeting drops it; cancels, joins and stops happen at meetings only. So which rows every micro-batch has, and
-the shape of every message, is a function of what the meetings said, identical on every rank.
+Slots and controls. A run (between two meetings, steploop.py) is a sequence of slots: slot s of micro-batch k is
+one step of its rows (its new rows' prompts first). Every rank walks the positions (s, k) in the same order,
+slot-major: (0, 0), (0, 1), ..., (1, 0), ... Before each slot every rank applies that slot's control: which rows
+leave (finished: their KV goes to the prompt cache; or cancelled), which requests join, and whether the
+micro-batch's run ends here. The controls of slot 0 are the meeting's; rank 0 decides the control of slot s + 1
+of micro-batch k right after it sampled slot s of it (so a finished row leaves at its very next slot and a queued
+request joins there: no meeting, no drained pipeline), and sends it with the tokens to rank ``world - 1``, which
+passes it down with the slot's hidden state: each link carries, per slot, a header (flags, the changes' length,
+the cancel epoch, a check word, every rank's load words), the changes' bytes when there are any, then the
+slot's hidden states when it computes. Rank 0 ends the run (every micro-batch's next control says "end") when it
+wants a meeting: a stop (its own, or a flag another rank set in a header), an empty batch. Cancels and their
+acks travel in the headers too.
 
 Why every rank issues its sends and receives in the same order (MLX's ring matches messages by order alone):
-- every rank walks the same list of work items in the same order: (round, micro-batch, prompt chunk or step),
-  derived from the same meeting decisions; an item's messages on a link depend only on the item;
-- the hidden-state link from rank r+1 to rank r: rank r+1 sends exactly one message per chunk or step of every
-  item, in item order, and rank r receives one per item in the same order (the first stage receives none);
-- the token link from rank 0 to rank world-1: rank 0 sends the tokens of every step of every item in item order;
-  rank world-1 receives the tokens of step (j, k) just before its step (j+1, k), which comes later in item
-  order, and the last round's after its last item; so both ends see the tokens of (0,0), (0,1), ..., in order;
-- a meeting (an all_sum on every link) begins only after a rank has issued every message of the run, and the
-  peer it exchanges with has too, so no meeting byte is read as part of a run and no run byte as a meeting's.
-And why it cannot deadlock: each item waits only for the same item on the stage before it, or for the previous
-round of the same micro-batch on the last stage, both earlier in the one order every rank follows; token
-messages are a few bytes, so rank 0's sends never wait for the first stage's receives.
+- every rank walks the same positions in the same order and applies the same control at each, so which rows a
+  slot has, whether it computes, and the shape of every message are the same everywhere; a control reaches a
+  rank before the slot it governs (rank ``world - 1`` gets the control of (s + 1, k) with the tokens of (s, k),
+  which it needs anyway; every other rank gets it in the header of (s + 1, k) from the rank before it);
+- the link from rank r + 1 to rank r: per position, rank r + 1 sends the header, the changes, then (when the slot
+  computes) the hidden states, and rank r receives the same messages in the same order; the first stage
+  receives none;
+- the link from rank 0 to rank ``world - 1``: rank 0 sends one message per slot it runs (tokens and the next
+  control) and the changes' bytes; rank ``world - 1`` receives them at its next position of that micro-batch,
+  and both walk the positions in the same order;
+- a meeting (an all_sum on every link) begins only after every rank has run every position of the run, so no
+  meeting byte is read as part of a run or the other way round.
+And why it cannot deadlock: each position waits only for the same position on the stage before it, or (rank
+``world - 1``) for the previous slot of the same micro-batch on the last stage, both earlier in the one order
+every rank follows; headers and tokens are a few bytes, so a send never waits for its receive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
 from clusterctl.launch.rank.batch import Seq
 from clusterctl.launch.rank.pipeline import GenRequest, GenResult, StopMatcher
 from clusterctl.launch.rank.sampling import RowSampler, sample_rows
+from clusterctl.launch.rank.watchdog import PeerLost
+
+END, MEET = 1, 2  # a control's flags: the micro-batch's run ends here; a rank asks rank 0 for a meeting
+CONTROL_WORDS = 4  # flags, the changes' length in bytes, the cancel epoch, the check word
 
 
 @dataclass
@@ -65,11 +77,42 @@ class Row:
 
 
 @dataclass
+class Control:
+    """What happens before one slot of one micro-batch (rank 0 decides it; every rank applies it)."""
+
+    flags: int = 0
+    changes: bytes = b""  # JSON, the meeting's shape: {"add": [...], "drop": [...], "fin": [...]}
+    epoch: int = 0  # the newest cancel epoch whose drops every rank has applied by now
+    load: list[int] = field(default_factory=list)  # every rank's load words, summed on the way down
+
+    @property
+    def end(self) -> bool:
+        return bool(self.flags & END)
+
+
+class Hooks(Protocol):
+    """What a run asks of the step loop (steploop.py)."""
+
+    def decide(self, k: int, live: list[int]) -> Control: ...  # rank 0: the control of k's next slot
+
+    def apply(self, k: int, changes: bytes) -> None: ...  # every rank: the changes, into micro-batch k
+
+    def received(self, c: Control) -> None: ...  # every rank: a control arrived (its epoch, flags, load words)
+
+    def wants_meeting(self) -> bool: ...  # this rank would like to stop
+
+    def load_words(self) -> list[int]: ...
+
+    def slot_done(self) -> None: ...
+
+
+@dataclass
 class MicroBatch:
     rows: list[Row] = field(default_factory=list)
     fresh: list[Row] = field(default_factory=list)  # joined at the last meeting: prompt first
     cache: list = field(default_factory=list)  # mlx-lm's per-layer batch caches of ``rows``
     inputs: mx.array | None = None  # first stage: each row's next input token (rows order)
+    computed: int = 0  # rows in its last slot (the tokens rank 0 sends back for it)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.fresh)
@@ -107,18 +150,16 @@ class OverlapBatch:
         return [r.id for mb in self.mbs for r in (*mb.rows, *mb.fresh) if not r.done]
 
     def ended(self) -> list[str]:
-        """Rank 0: requests answered early (EOS, stop string) whose rows the next meeting should drop."""
-        return [r.id for mb in self.mbs for r in mb.rows if r.done and r.left > 0]
+        """Rank 0: requests answered (EOS, a stop string, max_tokens) whose rows are still in the batch."""
+        return [r.id for mb in self.mbs for r in mb.rows if r.done]
 
-    def rounds_limit(self, leaving: list[str], joining: list[GenRequest]) -> int | None:
-        """Rank 0 at a meeting: the most rounds the next run may have, so that no request runs past its
-        max_tokens (None: no requests would be left)."""
-        gone = set(leaving)
-        lefts = [r.left for mb in self.mbs for r in (*mb.rows, *mb.fresh) if not r.done and r.id not in gone]
-        lefts += [q.max_tokens for q in joining]
-        return min(lefts) if lefts else None
+    def sizes(self) -> list[int]:
+        """Rank 0: each micro-batch's rows not yet answered."""
+        return [sum(not r.done for r in (*mb.rows, *mb.fresh)) for mb in self.mbs]
 
-    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
+    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
+            into: int | None = None) -> None:
+        """A request joins micro-batch ``into`` (None: the emptiest, the lowest index on a tie) at its next slot."""
         if any(r.id == req.id for mb in self.mbs for r in (*mb.rows, *mb.fresh)):
             raise ValueError(f"request {req.id} is already in the batch")
         if not req.tokens or req.max_tokens < 1:
@@ -127,11 +168,11 @@ class OverlapBatch:
         if self.last:
             row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop))
             row.sampler = RowSampler(req)
-        min(self.mbs, key=len).fresh.append(row)  # the emptiest micro-batch, the lowest index on a tie
+        (min(self.mbs, key=len) if into is None else self.mbs[into]).fresh.append(row)
 
     def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
-        """Take a request out at a meeting (``save``: it ended normally, keep its KV in the prompt cache); None if
-        it is not in the batch or was answered already."""
+        """Take a request out (``save``: it ended normally, keep its KV in the prompt cache); None if it is not
+        in the batch or was answered already."""
         for mb in self.mbs:
             for i, r in enumerate(mb.fresh):
                 if r.id == rid:
@@ -175,34 +216,95 @@ class OverlapBatch:
 
     # -- a run
 
-    def run(self, rounds: int, on_done: Callable[[str, GenResult], None] | None = None,
-            on_step: Callable[[], None] | None = None) -> list[str]:
-        """``rounds`` steps of every micro-batch, overlapped across the stages. Rank 0 calls ``on_done`` for each
-        request the moment it finishes (its row stays until the next meeting). Returns the requests that left
-        at the end of the run (their max_tokens reached)."""
-        for j in range(rounds):
-            for mb in self.mbs:
-                if j == 0 and mb.fresh:
+    def run(self, hooks: Hooks, run_id: int, on_done: Callable[[str, GenResult], None] | None = None) -> int:
+        """Slots of every micro-batch, overlapped across the stages, until rank 0 ends the run; rank 0 calls
+        ``on_done`` for each request the moment it finishes. Returns the number of slots that computed."""
+        live = list(range(len(self.mbs)))
+        computed, s = 0, 0
+        while live:
+            for k in list(live):
+                mb = self.mbs[k]
+                c = self._control(mb, s, k, run_id)
+                if c.changes:
+                    hooks.apply(k, c.changes)
+                hooks.received(c)
+                if not self.last:
+                    self._pass_down(c, hooks, self._check(run_id, s, k))
+                if c.end:
+                    live.remove(k)
+                    continue
+                if mb.fresh:
                     self._prompt(mb)
+                mb.computed = len(mb.rows)
                 if mb.rows:
-                    self._step(mb, j, on_done)
-            if on_step is not None:
-                on_step()
-        if self.first:  # the last round's tokens: the next run's inputs
-            for mb in self.mbs:
-                if mb.rows:
-                    mb.inputs = self._recv_tokens(len(mb.rows))
-                    mx.eval(mb.inputs)
-        gone = []
-        for mb in self.mbs:  # requests at their max_tokens leave on every rank alike
-            if any(r.left <= 0 for r in mb.rows):
-                for i, r in enumerate(mb.rows):
-                    if r.left <= 0:
-                        self._save(mb, i)
-                        gone.append(r.id)
-                self._keep(mb, [i for i, r in enumerate(mb.rows) if r.left > 0])
-        self.steps += rounds
-        return gone
+                    self._step(mb, on_done)
+                    computed += 1
+                if self.last:
+                    self._send_up(mb, hooks.decide(k, live), self._check(run_id, s + 1, k))
+                hooks.slot_done()
+            s += 1
+        self.steps += computed
+        return computed
+
+    @staticmethod
+    def _check(run_id: int, s: int, k: int) -> int:
+        """The check word of the control of slot ``s`` of micro-batch ``k``: the same on every rank."""
+        return (run_id * 1_000_003 + s * 64 + k) % 2**30
+
+    def _control(self, mb: MicroBatch, s: int, k: int, run_id: int) -> Control:
+        """This slot's control: the meeting's for slot 0 on the first stage (there is nothing to receive), else
+        what the previous stage (or, on the first stage, rank 0 with the tokens of the previous slot) sent."""
+        import numpy as np
+
+        if self.first and s == 0:
+            return Control()
+        if self.first:
+            words = self._recv((mb.computed + CONTROL_WORDS,), 0)
+            mb.inputs = mx.array(words[:mb.computed], dtype=mx.int32) if mb.computed else None
+            ctrl = words[mb.computed:]
+            load = []
+        else:
+            words = self._recv((CONTROL_WORDS + 3 * self.world,), self.rank + 1)
+            ctrl, load = words[:CONTROL_WORDS], words[CONTROL_WORDS:]
+        flags, length, epoch, check = ctrl
+        if check != self._check(run_id, s, k) or length < 0 or flags & ~(END | MEET):
+            raise PeerLost.ring(self.rank, f"slot {s} of micro-batch {k}: check word {check}, flags {flags}, "
+                                           f"{length} bytes of changes")
+        changes = b""
+        if length:
+            padded = mx.distributed.recv(((length + 3) // 4,), mx.int32,
+                                         0 if self.first else self.rank + 1, group=self.group)
+            changes = np.array(padded, copy=True).view(np.uint8)[:length].tobytes()
+        return Control(flags=flags, changes=changes, epoch=epoch, load=load)
+
+    def _recv(self, shape: tuple[int, ...], src: int) -> list[int]:
+        import numpy as np
+
+        got = mx.distributed.recv(shape, mx.int32, src, group=self.group)
+        return np.array(got, copy=True).tolist()
+
+    def _send(self, words: list[int], changes: bytes, dst: int) -> None:
+        import numpy as np
+
+        # one eval each: MLX may run two independent sends of one eval in either order
+        mx.eval(mx.distributed.send(mx.array(np.array(words, dtype=np.int32)), dst, group=self.group))
+        if changes:
+            buf = np.zeros((len(changes) + 3) // 4 * 4, dtype=np.uint8)
+            buf[:len(changes)] = np.frombuffer(changes, dtype=np.uint8)
+            mx.eval(mx.distributed.send(mx.array(buf.view(np.int32)), dst, group=self.group))
+
+    def _pass_down(self, c: Control, hooks: Hooks, check: int) -> None:
+        """The header of this slot (and its changes) to the next stage, with this rank's load words added and its
+        wish for a meeting."""
+        mine = hooks.load_words()
+        load = [a + b for a, b in zip(mine, c.load)] if c.load else mine
+        flags = c.flags | (MEET if hooks.wants_meeting() else 0)
+        self._send([flags, len(c.changes), c.epoch, check, *load], c.changes, self.rank - 1)
+
+    def _send_up(self, mb: MicroBatch, c: Control, check: int) -> None:
+        """Rank 0: the slot's tokens and the control of the micro-batch's next slot, to the first stage."""
+        tokens = [r.sampled[-1] for r in mb.rows] if mb.computed else []
+        self._send([*tokens, c.flags, len(c.changes), c.epoch, check], c.changes, self.world - 1)
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
@@ -228,15 +330,9 @@ class OverlapBatch:
             last = mx.array([r.req.tokens[-1] for r in fresh], dtype=mx.int32)
             mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
 
-    def _recv_tokens(self, n: int) -> mx.array:
-        return mx.distributed.recv((n,), mx.int32, 0, group=self.group)
-
-    def _step(self, mb: MicroBatch, j: int, on_done) -> None:
+    def _step(self, mb: MicroBatch, on_done) -> None:
         n = len(mb.rows)
-        if self.first:
-            x = mb.inputs if j == 0 else self._recv_tokens(n)
-        else:
-            x = mx.zeros((n,), dtype=mx.int32)  # shape only: this stage receives hidden states
+        x = mb.inputs if self.first else mx.zeros((n,), dtype=mx.int32)  # others: shape only (they receive)
         out = self.model(x[:, None], cache=mb.cache)
         states = [c.state for c in mb.cache]
         for r in mb.rows:
@@ -244,9 +340,8 @@ class OverlapBatch:
         if not self.last:
             mx.eval(states)
             return
-        tokens = sample_rows([r.sampler for r in mb.rows], out[:, -1, :]).astype(mx.int32)
-        sent = mx.distributed.send(tokens, self.world - 1, group=self.group)
-        mx.eval(sent, states)
+        tokens = sample_rows([r.sampler for r in mb.rows], out[:, -1, :])
+        mx.eval(tokens, states)
         for r, t in zip(mb.rows, tokens.tolist()):
             r.sampler.took(t)
             r.sampled.append(t)

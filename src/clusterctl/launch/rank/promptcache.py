@@ -82,9 +82,12 @@ class PromptCache:
                 best = (eid, n)
         return best
 
-    def take(self, eid: int, n: int) -> list:
-        """The first ``n`` tokens of entry ``eid`` as a fresh cache; the entry becomes the most recently used."""
+    def take(self, eid: int, n: int, *, missing_ok: bool = False) -> list | None:
+        """The first ``n`` tokens of entry ``eid`` as a fresh cache; the entry becomes the most recently used.
+        ``missing_ok``: None when the entry is gone (evicted since rank 0 chose it; gone on every rank alike)."""
         e = self.entries.get(eid)
+        if e is None and missing_ok:
+            return None
         if e is None or not 0 < n <= e.count:
             raise IntegrityError(f"prompt cache entry {eid} ({n} tokens) is not on this rank: the ranks disagree")
         self.entries.move_to_end(eid)

@@ -116,8 +116,10 @@ class Rank:
             pass
         self.marker.update(state="stopping", final=True)
         idle = self.loop.idle if self.loop is not None else None
-        _say(f"rank {self.spec.rank}: stopped" + (f" ({idle.sent} wake-up call(s) sent, {idle.heard} heard)"
-                                                   if idle is not None and idle.can_call else ""))
+        said = [f"{idle.sent} wake-up call(s) sent, {idle.heard} heard"] if idle is not None and idle.can_call else []
+        if self.loop is not None and self.spec.world_size > 1:
+            said.append(f"{self.loop.checkpoints} meeting(s) while busy")
+        _say(f"rank {self.spec.rank}: stopped" + (f" ({'; '.join(said)})" if said else ""))
         return 0
 
     # ---- the life of a rank

@@ -156,7 +156,10 @@ class StepLoop:
                     self.load.recent.add(idle=time.monotonic() - t0)
                     continue
                 ticks = 0
-                steps = self._run(gap) if self.overlapped else self._steps(gap)
+                if self.overlapped:  # runs until rank 0 asks for a meeting; it accounts its own load
+                    self._run()
+                    continue
+                steps = self._steps(gap)
                 self.load.recent.add(steps=steps, busy=time.monotonic() - t0)
                 # a world of one meets itself for free: after every step (new requests join at once)
                 gap = 1 if self.world == 1 else cadence.next_gap(steps) if self.leader else gap
@@ -177,9 +180,6 @@ class StepLoop:
             if self.overlapped:
                 fins = [rid for rid in self.batch.ended() if rid not in drops]
             adds = self._take(self.batch.room + len(drops) + len(fins))
-            if self.overlapped:  # no request runs past its max_tokens: one ending by length ends the run
-                limit = self.batch.rounds_limit(drops + fins, [r for r, _ in adds])
-                gap = min(gap, limit) if limit is not None else gap
         changes = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
         payload = json.dumps(changes, separators=(",", ":")).encode() if adds or drops or fins else b""
         if self.world == 1:
@@ -260,10 +260,14 @@ class StepLoop:
         return ([(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"],
                 doc.get("fin", []))
 
-    def _apply(self, adds: list, drops: list[str], fins: list[str] = ()) -> None:
+    def _apply(self, adds: list, drops: list[str], fins: list[str] = (), *, into: int | None = None,
+               soft: bool = False) -> None:
+        """The batch's changes, on every rank alike. ``into``: the micro-batch new requests join (overlapped);
+        ``soft``: a prompt-cache entry rank 0 chose may have been evicted since (it decided during a run): the
+        request then processes its whole prompt, on every rank alike."""
         # the prompt cache's prefixes first: the KV saved by the requests leaving now may evict an entry
-        prefixes = {req.id: self.pcache.take(req.cache_from, req.cache_len)
-                    for req, _ in adds if req.cache_from is not None}
+        prefixes = {req.id: p for req, _ in adds if req.cache_from is not None
+                    and (p := self.pcache.take(req.cache_from, req.cache_len, missing_ok=soft)) is not None}
         if self.metrics is not None:
             for req, _ in adds:
                 if req.id in prefixes:
@@ -281,7 +285,7 @@ class StepLoop:
                 self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
         for req, job in adds:
             emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
-            self.batch.add(req, emit, prefix=prefixes.get(req.id))
+            self.batch.add(req, emit, prefix=prefixes.get(req.id), **({"into": into} if into is not None else {}))
             self.active.add(req.id)
             if job is not None:
                 job.started_at = time.monotonic()
@@ -335,18 +339,18 @@ class StepLoop:
                 self._finish(job, res)
         return n
 
-    def _run(self, rounds: int) -> int:
-        """Overlapped: ``rounds`` steps of every micro-batch (rank 0 answers each request as it finishes)."""
+    def _run(self) -> None:
+        """Overlapped: slots of every micro-batch until rank 0 wants a meeting; requests join and leave in
+        between (inband.py); rank 0 answers each request as it finishes."""
+        from clusterctl.launch.rank.inband import InBand
+
+        control = InBand(self)
         try:
-            gone = self.batch.run(rounds, on_done=self._done,
-                                  on_step=self.marker.touch_step if self.marker is not None else None)
+            self.batch.run(control, self.seq, on_done=self._done)
         except Exception as e:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
-        if not self.leader:  # rank 0 let them go when it answered them (_done)
-            for rid in gone:
-                self.active.remove(rid)
-        return rounds
+        control.flush()
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
@@ -417,4 +421,4 @@ class StepLoop:
         # A broken ring does not always raise: MLX can hand back a stale buffer ("Failing pending tasks"), so
         # every meeting carries a sequence number and a head count.
         if not ok:
-            raise PeerLost(f"rank {self.spec.rank}: lost a ring peer or the ring is corrupted ({what})")
+            raise PeerLost.ring(self.spec.rank, what)

@@ -22,6 +22,12 @@ from clusterctl.launch.keeper import PID_ENV as KEEPER_PID_ENV
 class PeerLost(ClusterctlError):
     exit_code = Exit.UNAVAILABLE
 
+    @classmethod
+    def ring(cls, rank: int, what: str) -> "PeerLost":
+        """A message that is not what it must be: MLX's ring can hand back a stale buffer after a peer died
+        ("Failing pending tasks") instead of raising."""
+        return cls(f"rank {rank}: lost a ring peer or the ring is corrupted ({what})")
+
 
 class LeaseExpired(ClusterctlError):
     exit_code = Exit.UNAVAILABLE

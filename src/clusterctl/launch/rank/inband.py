@@ -1,0 +1,119 @@
+"""What an overlapped run asks of the step loop between meetings (overlap.py ``Hooks``): rank 0 decides each
+micro-batch's next control (finished rows leave, cancelled ones are dropped, queued requests join, the run ends
+when a meeting is wanted or the batch is empty), and every rank applies the controls the way it applies a
+meeting's changes, acks cancel epochs and reports its load as the headers bring them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from clusterctl.launch.rank.overlap import END, MEET, Control
+
+
+class InBand:
+    """The step loop's side of one overlapped run (steploop.py ``StepLoop._run``)."""
+
+    CANCEL_POLL_S = 0.05  # rank 0 looks at the cancel file this often during a run
+    REPORT_S = 0.5  # load accounting and the marker's note, this often
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.ending = False  # rank 0: every micro-batch's next control ends its run
+        self.jobs: dict = {}  # rank 0: the jobs of requests decided to join, until their control is applied
+        self.epoch_out = loop.epoch  # rank 0: the cancel epoch the controls carry
+        self._epoch_wait: set[int] = set()  # micro-batches still to be decided since the newest epoch
+        self._polled = 0.0
+        self._load = [0] * (3 * loop.world)
+        self._slots, self._since = 0, time.monotonic()
+
+    # -- rank 0
+
+    def decide(self, k: int, live: list[int]) -> Control:
+        loop, batch = self.loop, self.loop.batch
+        self._poll_cancels(live)
+        rows = batch.mbs[k].rows
+        fins = [r.id for r in rows if r.done]
+        drops = [r.id for r in rows if not r.done and (job := loop.inflight.get(r.id)) is not None
+                 and job.cancelled.is_set()]
+        self.ending = self.ending or loop.stop.is_set()
+        adds = [] if self.ending else self._joiners(k, len(fins) + len(drops), len(drops))
+        if not adds and sum(batch.sizes()) - len(drops) <= 0:
+            self.ending = True  # nothing left to decode: meet (and idle) until work comes
+        self._epoch_wait.discard(k)
+        if not self._epoch_wait:
+            self.epoch_out = loop.epoch
+        changes = b""
+        if adds or drops or fins:
+            for req, job in adds:
+                self.jobs[req.id] = job
+            doc = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
+            changes = json.dumps(doc, separators=(",", ":")).encode()
+        return Control(flags=END if self.ending else 0, changes=changes, epoch=self.epoch_out)
+
+    def _joiners(self, k: int, leaving: int, cancelled: int) -> list:
+        """Queued requests for micro-batch ``k`` while it is the emptiest and the batch has room (rows answered
+        but still in a micro-batch hold their memory until their next slot)."""
+        batch = self.loop.batch
+        sizes = batch.sizes()
+        sizes[k] -= cancelled
+        room = batch.max_batch - (len(batch) - leaving)
+        out = []
+        while room > 0 and sizes[k] == min(sizes):
+            got = self.loop._take(1)
+            if not got:
+                break
+            out += got
+            sizes[k] += 1
+            room -= 1
+        return out
+
+    def _poll_cancels(self, live: list[int]) -> None:
+        now = time.monotonic()
+        if now - self._polled < self.CANCEL_POLL_S:
+            return
+        self._polled = now
+        before = self.loop.epoch
+        self.loop._apply_cancels()
+        if self.loop.epoch != before:  # its drops are decided for each micro-batch in turn: then it travels
+            self._epoch_wait = set(live)
+
+    # -- every rank
+
+    def apply(self, k: int, changes: bytes) -> None:
+        loop = self.loop
+        adds, drops, fins = loop._decode_changes(changes)
+        if loop.leader:
+            adds = [(req, self.jobs.pop(req.id, None)) for req, _ in adds]
+        loop._apply(adds, drops, fins, into=k, soft=True)
+
+    def received(self, c: Control) -> None:
+        self.loop._ack(c.epoch)
+        if self.loop.leader:
+            if c.flags & MEET:
+                self.ending = True
+            if c.load:
+                self._load = c.load
+
+    def wants_meeting(self) -> bool:
+        return self.loop.stop.is_set()
+
+    def load_words(self) -> list[int]:
+        return self.loop.load.words()
+
+    def slot_done(self) -> None:
+        loop = self.loop
+        if loop.marker is not None:
+            loop.marker.touch_step()
+        self._slots += 1
+        if time.monotonic() - self._since >= self.REPORT_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Account the slots run since the last report as busy time, and report every rank's load."""
+        loop, now = self.loop, time.monotonic()
+        if self._slots:  # a step is a round: one slot of every micro-batch
+            loop.load.recent.add(steps=self._slots / len(loop.batch.mbs), busy=now - self._since)
+        self._slots, self._since = 0, now
+        mine = loop.load.words()
+        loop._report_load([a + b for a, b in zip(mine, self._load)] if loop.leader else mine)
