@@ -49,7 +49,10 @@ def layer_tensors(i: int, hidden: int, kv_dim: int, inter: int, dtype: str = "F1
 
 def make_model(folder: Path, *, layers: int = 8, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                inter: int = 128, vocab: int = 256, shards: int = 1, model_type: str = "qwen2",
-               dtype: str = "F16", quant_bits: int | None = None, tie: bool = False) -> Path:
+               dtype: str = "F16", quant_bits: int | None = None, tie: bool = False,
+               embed_bits: int | None = None) -> Path:
+    """``quant_bits``: the layers quantized (packed U32 + scales + biases, groups of 64); ``embed_bits``: the
+    embedding too, at its own bits (mlx-lm's per-module override in config ``quantization``)."""
     folder.mkdir(parents=True, exist_ok=True)
     head_dim = hidden // heads
     config = {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
@@ -58,8 +61,16 @@ def make_model(folder: Path, *, layers: int = 8, hidden: int = 64, heads: int = 
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     if quant_bits:
         config["quantization"] = {"group_size": 64, "bits": quant_bits}
+    if embed_bits:
+        config.setdefault("quantization", {"group_size": 64, "bits": 4})["model.embed_tokens"] = {
+            "group_size": 64, "bits": embed_bits}
+        embed = {"model.embed_tokens.weight": ("U32", [vocab, hidden * embed_bits // 32]),
+                 "model.embed_tokens.scales": (dtype, [vocab, hidden // 64]),
+                 "model.embed_tokens.biases": (dtype, [vocab, hidden // 64])}
+    else:
+        embed = {"model.embed_tokens.weight": (dtype, [vocab, hidden])}
     (folder / "config.json").write_text(json.dumps(config))
-    tensors = {"model.embed_tokens.weight": (dtype, [vocab, hidden]), "model.norm.weight": (dtype, [hidden])}
+    tensors = {**embed, "model.norm.weight": (dtype, [hidden])}
     if not tie:
         tensors["lm_head.weight"] = (dtype, [vocab, hidden])
     for i in range(layers):

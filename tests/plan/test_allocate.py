@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from clusterctl.errors import ConfigError
-from clusterctl.plan.allocate import balanced, exact_quotas, largest_remainder, layer_ranges
+from clusterctl.plan.allocate import balanced, by_work, exact_quotas, largest_remainder, layer_ranges
 
 
 def test_proportional_64_128_192_by_hand():
@@ -92,3 +92,56 @@ def test_balanced_properties():
         for layers in range(n, 80):
             c = balanced(layers, n)
             assert sum(c) == layers and max(c) - min(c) <= 1
+
+
+# ---- by work ------------------------------------------------------------------------------------------------------
+
+SMOLLM2_BLOCK, SMOLLM2_HEAD = 3_540_096, 28_311_552  # logical parameters of SmolLM2-135M's block and tied head
+
+
+def test_a_heavy_head_gives_rank_0_fewer_layers():
+    # measured: [19, 30) + head on rank 0 and [0, 19) on rank 1 decode at 15.0 tok/s, 15/15 at 12.7
+    assert by_work([SMOLLM2_BLOCK] * 30, SMOLLM2_HEAD, 2) == [11, 19]
+    # the 7M test model: a head lighter than a block changes nothing
+    assert by_work([590_848] * 8, 524_288, 2) == [4, 4]
+
+
+def test_three_ranks_and_ties():
+    # head = 8 layers: 5 + 8 = 13 on rank 0, then 12 / 13 (a tie between 12 and 13 goes to the fewer layers)
+    assert by_work([1] * 30, 8, 3) == [5, 12, 13]
+    # equal layers, no head: within one layer of each other, the extra ones on the last ranks
+    assert by_work([1] * 9, 0, 4) == [2, 2, 2, 3]
+    assert by_work([1] * 10, 0, 3) == [3, 3, 4]
+    # a heavy layer in the middle gets a stage of its own
+    assert by_work([1, 1, 1, 10, 1, 1, 1], 0, 3) == [3, 1, 3]
+
+
+def test_every_rank_keeps_one_layer():
+    assert by_work([1] * 5, 100, 2) == [1, 4]
+    assert by_work([1, 1, 1], 10**12, 3) == [1, 1, 1]
+    with pytest.raises(ConfigError, match="every rank needs at least one layer"):
+        by_work([1, 1], 0, 3)
+
+
+def _best_bottleneck(work, head, n):
+    """By brute force: every contiguous split of the layers into n stages of at least one layer."""
+    from itertools import combinations
+
+    best = None
+    for cuts in combinations(range(1, len(work)), n - 1):
+        bounds = [len(work), *reversed(cuts), 0]  # rank 0 first: the last layers
+        stages = [sum(work[bounds[i + 1]:bounds[i]]) + (head if i == 0 else 0) for i in range(n)]
+        best = max(stages) if best is None else min(best, max(stages))
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(work=st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=10),
+       head=st.integers(min_value=0, max_value=200), n=st.integers(min_value=1, max_value=4))
+def test_by_work_finds_the_smallest_bottleneck(work, head, n):
+    if n > len(work):
+        return
+    counts = by_work(work, head, n)
+    assert sum(counts) == len(work) and all(c >= 1 for c in counts)
+    stages = [sum(work[s:e]) + (head if i == 0 else 0) for i, (s, e) in enumerate(layer_ranges(counts))]
+    assert max(stages) == _best_bottleneck(work, head, n)

@@ -30,6 +30,14 @@ def test_plan_table_shows_the_same(c3, model32, state):
     rows = [line for line in lines if line and line[0] in ("0", "1", "2")]
     assert [row[3] for row in rows] == ["5", "11", "16"]
     assert "[27," in r.stderr and "[0, 16)" in r.stderr
+    assert "allocation proportional: asked for" in r.stderr
+
+
+def test_plan_allocation_defaults_to_auto(c3, model32, state):
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--json")
+    doc = r.json()
+    assert (doc["allocation"], doc["options"]["allocation"], doc["schedule"]) == ("work", "auto", "overlap")
+    assert "slowest sets the pace" in doc["allocation_reason"]
 
 
 def test_quiet_prints_nothing(c3, model32, state):

@@ -87,7 +87,7 @@ def test_kv_counts_context_and_batch(facts):
 
 def test_batch_slots_default_to_as_many_as_fit_up_to_eight_and_more_are_refused(facts):
     kv1 = facts.kv_bytes_per_token_per_layer * 11 * 1000  # rank 0 holds 11 layers of the balanced split
-    big = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000))
+    big = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000, allocation="balanced"))
     assert big.batch == 8 and big.options.batch is None and big.slots is not None and big.slots > 8
     assert big.ranks[0].planned.kv == 8 * kv1
     # node a with room for exactly 3 slots (weights + headroom + 3 x KV, a few bytes spare)
@@ -98,12 +98,13 @@ def test_batch_slots_default_to_as_many_as_fit_up_to_eight_and_more_are_refused(
     usable = tight.nodes[0].usable_bytes
     want = (usable - r.planned.weights - r.planned.headroom) // kv1
     assert 2 <= want < 8
-    auto = make_deployment(tight, facts, "/m", PlanOptions(context=1000))
+    auto = make_deployment(tight, facts, "/m", PlanOptions(context=1000, allocation="balanced"))
     assert auto.slots == want and auto.batch == min(8, want) >= 1
     assert auto.ranks[0].planned.total <= usable
     with pytest.raises(DoesNotFit, match="node a needs"):
-        make_deployment(tight, facts, "/m", PlanOptions(context=1000, batch=want + 1))
-    assert make_deployment(tight, facts, "/m", PlanOptions(context=1000, batch=want)).batch == want
+        make_deployment(tight, facts, "/m", PlanOptions(context=1000, allocation="balanced", batch=want + 1))
+    exact = make_deployment(tight, facts, "/m", PlanOptions(context=1000, allocation="balanced", batch=want))
+    assert exact.batch == want
 
 
 def test_backend_rules(facts):
@@ -148,6 +149,65 @@ def test_parallel_auto_takes_tensor_only_over_fast_links_and_even_shards(facts):
     assert dep.parallel == "pipeline" and "do not divide by 3" in dep.parallel_reason
     dep = make_deployment(_two(cluster(**fast)), facts, "/m", PlanOptions(allocation="proportional"))
     assert dep.parallel == "pipeline" and "proportional" in dep.parallel_reason
+
+
+def test_allocation_auto_is_work_when_the_stages_overlap_else_balanced(facts):
+    fast = {n: {"links": [{"peer": p, "type": "thunderbolt"} for p in "abc" if p != n]} for n in "abc"}
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions())
+    assert (dep.schedule, dep.allocation, dep.options.allocation) == ("overlap", "work", "auto")
+    assert "slowest sets the pace" in dep.allocation_reason
+    assert dep.model.layer_work == facts.layer_work and dep.model.head_work == facts.head_work
+    assert [r.layers for r in dep.ranks] == [10, 11, 11]  # the head weighs less than a layer here
+    lockstep = make_deployment(cluster(), facts, "/m", PlanOptions(schedule="lockstep"))
+    assert lockstep.allocation == "balanced" and "lockstep" in lockstep.allocation_reason
+    assert [r.layers for r in lockstep.ranks] == [11, 11, 10]
+    tensor = make_deployment(_two(cluster(**fast)), facts, "/m", PlanOptions())
+    assert (tensor.parallel, tensor.allocation) == ("tensor", "balanced")
+    asked = make_deployment(cluster(), facts, "/m", PlanOptions(allocation="work", schedule="lockstep"))
+    assert asked.allocation == "work" and asked.allocation_reason == "asked for"
+    with pytest.raises(ConfigError, match="--allocation work is pipeline-only"):
+        make_deployment(_two(cluster()), facts, "/m", PlanOptions(parallel="tensor", allocation="work"))
+    assert make_deployment(_two(cluster(**fast)), facts, "/m", PlanOptions(allocation="work")).parallel == "pipeline"
+
+
+def test_work_allocation_of_a_smollm2_shape(tmp_path):
+    # SmolLM2-135M's figures (30 blocks of 3.54M logical parameters, a tied head of 28.3M) on two nodes
+    f = inspect_model(make_model(tmp_path / "m30", layers=30, hidden=64))
+    f = f.model_copy(update={"layer_work": [3_540_096] * 30, "head_work": 28_311_552})
+    dep = make_deployment(_two(cluster()), f, "/m", PlanOptions())
+    assert [(r.start_layer, r.end_layer) for r in dep.ranks] == [(19, 30), (0, 19)]
+    # facts without work figures: balanced, saying why
+    bare = make_deployment(_two(cluster()), f.model_copy(update={"layer_work": [], "head_work": 0}), "/m",
+                           PlanOptions())
+    assert bare.allocation == "balanced" and "no per-layer work" in bare.allocation_reason
+    assert [r.layers for r in bare.ranks] == [15, 15]
+
+
+def test_the_launch_recheck_keeps_the_recorded_work_and_allocation(facts):
+    # planned with mlx-lm's own (lockstep) pipeline; the launch re-check does not build the class (pipeline None)
+    dep = make_deployment(cluster(), facts.model_copy(update={"pipeline": "mlx-lm"}), "/m", PlanOptions())
+    assert (dep.schedule, dep.allocation) == ("lockstep", "balanced")
+    bare = facts.model_copy(update={"pipeline": None, "model_class": None})
+    assert replan_same_inputs(dep, bare).plan_hash == dep.plan_hash
+    # a newer work estimate of the same model never moves an approved placement
+    dep = make_deployment(cluster(), facts, "/m", PlanOptions())
+    heavier = facts.model_copy(update={"head_work": 100 * facts.head_work})
+    assert make_deployment(cluster(), heavier, "/m", PlanOptions()).plan_hash != dep.plan_hash
+    assert replan_same_inputs(dep, heavier).plan_hash == dep.plan_hash
+
+
+def test_a_file_from_before_work_figures_loads_and_replans_the_same(facts, tmp_path):
+    st = StateDir(tmp_path / "state")
+    dep = make_deployment(cluster(), facts, "/models/m", PlanOptions(allocation="balanced"), now=NOW)
+    doc = dep.model_dump(mode="json")
+    for key in ("layer_work", "head_work"):
+        del doc["model"][key]
+    del doc["allocation_reason"]
+    f = tmp_path / "old.json"
+    f.write_bytes(_resign(doc, st.keyring.signing_key()))
+    old = st.load_deployment(str(f))[1].deployment
+    assert old.model.layer_work == [] and old.allocation_reason is None
+    assert replan_same_inputs(old, facts).plan_hash == dep.plan_hash
 
 
 def test_pipeline_support_comes_from_the_class_mlx_lm_builds(tmp_path):

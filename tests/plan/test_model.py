@@ -4,7 +4,7 @@ import struct
 import pytest
 
 from clusterctl.errors import IntegrityError, MissingInput
-from clusterctl.plan.model import inspect_model
+from clusterctl.plan.model import inspect_model, work
 
 from modelfiles import make_model
 
@@ -30,6 +30,33 @@ def test_quantized_weights_count_scales_and_biases(tmp_path):
     full = inspect_model(make_model(tmp_path / "f", layers=2, hidden=128, inter=256))
     assert q.quantization == {"group_size": 64, "bits": 4}
     assert q.layer_bytes[0] < full.layer_bytes[0] / 2
+
+
+def test_work_is_logical_parameters_whatever_the_bits(tmp_path):
+    # SmolLM2-135M's layout at toy size: 4-bit layers, the tied embedding (the head) at 8 bits by mlx-lm's
+    # per-module override. Stage time follows these counts, not bytes (docs/allocation.md).
+    dims = dict(layers=3, hidden=128, heads=4, kv_heads=2, inter=256, vocab=512)
+    folder = make_model(tmp_path / "q", tie=True, quant_bits=4, embed_bits=8, **dims)
+    per_layer = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 256 + 2 * 128  # q, o; k, v; gate, up, down; two norms
+    for classify in (True, False):  # what mlx-lm's loader keeps, and the names as the files hold them
+        q = inspect_model(folder, classify=classify)
+        assert q.layer_work == [per_layer] * 3 and q.head_work == 512 * 128
+    plain = inspect_model(make_model(tmp_path / "f", **dims))  # 16-bit, an untied lm_head of the same shape
+    assert (plain.layer_work, plain.head_work) == (q.layer_work, q.head_work)
+    assert plain.layer_bytes[0] > 3 * q.layer_bytes[0]
+
+
+def test_routed_experts_count_the_share_a_token_goes_through():
+    common = {"model.layers.0.mlp.gate.weight": ("BF16", [4, 16]),  # the router and a shared expert: every token
+              "model.layers.0.mlp.shared_experts.up_proj.weight": ("BF16", [8, 16]),
+              "model.embed_tokens.weight": ("BF16", [100, 16]), "lm_head.weight": ("BF16", [100, 16])}
+    projections = ("gate_proj", "up_proj", "down_proj")
+    one_each = {f"model.layers.0.mlp.experts.{e}.{p}.weight": ("BF16", [8, 16]) for e in range(4) for p in projections}
+    stacked = {f"model.layers.0.mlp.switch_mlp.{p}.weight": ("BF16", [4, 8, 16]) for p in projections}
+    config = {"num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2}
+    two_of_four = 4 * 16 + 8 * 16 + 2 * 3 * 8 * 16
+    assert work({**common, **one_each}, config, 1) == work({**common, **stacked}, config, 1) == ([two_of_four], 1600)
+    assert work({**common, **stacked}, {"num_hidden_layers": 1}, 1) == ([two_of_four + 2 * 3 * 8 * 16], 1600)
 
 
 def test_tied_embeddings_have_no_head(tmp_path):

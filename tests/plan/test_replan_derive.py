@@ -53,10 +53,21 @@ def test_given_allocation_moves_layers_and_the_diff_says_how(facts):
     d = placement_diff(old, new)
     assert not d["unchanged"]
     by = {r["node"]: r for r in d["nodes"]}
-    assert by["a"]["layers_before"] == [21, 32] and by["a"]["layers_after"] == [27, 32]
+    # the old plan's auto is work (the stages overlap): rank 0 gets one layer fewer for the head
+    assert by["a"]["layers_before"] == [22, 32] and by["a"]["layers_after"] == [27, 32]
     assert by["a"]["change"] == "moves" and by["a"]["memory_after"] < by["a"]["memory_before"]
-    assert {"field": "allocation", "before": "balanced", "after": "proportional"} in d["other"]
+    assert {"field": "allocation", "before": "work", "after": "proportional"} in d["other"]
     assert any("a" in line and "moves" in line for line in diff_lines(d))
+
+
+def test_an_auto_allocation_is_resolved_again(facts):
+    old = plan(facts, cluster())
+    assert (old.options.allocation, old.allocation) == ("auto", "work")
+    ins = derive(old, options={"schedule": "lockstep"})
+    assert ins.derived["allocation"] == "auto"
+    new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
+    assert new.allocation == "balanced" and new.options.allocation == "auto"
+    assert {"field": "allocation", "before": "work", "after": "balanced"} in placement_diff(old, new)["other"]
 
 
 def test_a_node_removed_leaves_and_speeds_travel_with_node_names(facts):

@@ -121,7 +121,8 @@ def replan(
                                                     autocompletion=complete_targets)] = None,
     cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="A cluster.toml whose nodes replace the current ones (needed to add a node).")] = None,
     nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None,
-    allocation: Annotated[Optional[str], typer.Option(help="balanced | proportional | speed.")] = None,
+    allocation: Annotated[Optional[str], typer.Option(help="auto | balanced | proportional | speed | work "
+                                                           "(default: the current deployment's).")] = None,
     backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="auto | pipeline | tensor (default: the current deployment's).")] = None,
     schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None,

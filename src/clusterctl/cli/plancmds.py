@@ -18,7 +18,9 @@ def plan(
     ctx: typer.Context,
     cluster: ClusterOpt,
     model: Annotated[Path, typer.Option("--model", "-m", help="The model folder on this machine (config.json + safetensors).")],
-    allocation: Annotated[str, typer.Option(help="balanced | proportional (RAM-weighted) | speed (measured speed).")] = "balanced",
+    allocation: Annotated[str, typer.Option(help="auto | balanced | proportional (RAM-weighted) | speed (measured "
+                                                 "speed) | work (the slowest stage as fast as it can be; auto: work "
+                                                 "when the stages overlap, else balanced).")] = "auto",
     backend: Annotated[str, typer.Option(help="auto | ring | jaccl | mpi.")] = "auto",
     parallel: Annotated[str, typer.Option(help="auto | pipeline | tensor (auto: tensor when every pair of nodes "
                                                "has a declared fast link and the model shards evenly).")] = "auto",
@@ -70,6 +72,8 @@ def plan(
         o.info(f"parallel {dep.parallel_reason}")
     if dep.schedule_reason:
         o.info(f"schedule {dep.schedule}: {dep.schedule_reason}")
+    if dep.allocation_reason:
+        o.info(f"allocation {dep.allocation}: {dep.allocation_reason}")
     o.info(f"wrote {', '.join(str(p) for p in written)}")
 
 

@@ -4,11 +4,14 @@
 - proportional / speed: largest remainder on exact quotas L * w_i / sum(w), at least one layer per node.
   Nodes whose exact quota is below one layer get exactly one and the rest is re-apportioned among the others.
   Ties are broken by larger remainder, then larger weight, then node name (so input order never matters).
+- work: the contiguous split with the smallest largest stage, rank 0's stage holding the head (see ``by_work``).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from fractions import Fraction
+from itertools import accumulate, takewhile
 from typing import Sequence
 
 from clusterctl.errors import ConfigError
@@ -51,6 +54,56 @@ def largest_remainder(num_layers: int, weights: Sequence[Fraction | int], names:
     for i in order[:left]:
         counts[i] += 1
     return counts
+
+
+def by_work(layer_work: Sequence[int], head_work: int, n: int) -> list[int]:
+    """Layers per rank for a pipeline whose stages compute at the same time (the slowest sets the pace): the
+    contiguous split, in mlx-lm's order (rank 0 the last layers, plus ``head_work``), whose largest stage work is
+    the smallest possible, every rank at least one layer. Works are non-negative integers; exact.
+
+    Among the splits with that bottleneck, ranks are filled from rank 0: each takes the number of layers whose
+    stage work comes closest to an equal share of the work still to place (the rank itself and those after it),
+    the fewer layers on a tie. So equal layers without a head split within one layer of each other."""
+    _check(len(layer_work), n)
+    prefix = list(accumulate(layer_work, initial=0))  # prefix[j]: the work of layers [0, j)
+    cap = _bottleneck(prefix, head_work, n)
+    need = [0]  # need[j]: the fewest stages of at most ``cap`` that layers [0, j) fit in
+    for j in range(1, len(prefix)):
+        need.append(1 + need[_first_layer(prefix, j, cap)])
+    counts, end, head = [], len(layer_work), head_work
+    for left in range(n, 0, -1):  # ranks still to fill, this one included
+        def stage(c: int) -> int:
+            return prefix[end] - prefix[end - c] + head
+
+        fits = [c for c in takewhile(lambda c: stage(c) <= cap, range(1, end - left + 2)) if need[end - c] < left]
+        counts.append(min(fits, key=lambda c: (abs(left * stage(c) - prefix[end] - head), c)))
+        end, head = end - counts[-1], 0
+    return counts
+
+
+def _first_layer(prefix: list[int], end: int, budget: int) -> int:
+    """The lowest layer a stage ending at ``end`` can start at with at most ``budget`` of work (``end``: none)."""
+    return bisect_left(prefix, prefix[end] - budget, 0, end)
+
+
+def _bottleneck(prefix: list[int], head: int, n: int) -> int:
+    """The smallest cap such that the layers fit in n stages of at most that work, rank 0's with the head."""
+    def fits(cap: int) -> bool:
+        end, budget = len(prefix) - 1, cap - head
+        for _ in range(n):  # greedy from the top: each stage takes as many layers as fit
+            start = _first_layer(prefix, end, budget)
+            if start == end:
+                return False
+            end, budget = start, cap
+            if end == 0:
+                return True
+        return False
+
+    low, high = 0, prefix[-1] + head
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid + 1, high)
+    return low
 
 
 def exact_quotas(num_layers: int, weights: Sequence[Fraction | int]) -> list[Fraction]:

@@ -169,19 +169,18 @@ _MX_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
               "U8": "uint8", "BOOL": "bool_"}
 
 
-def kept_tensors(config: dict, tensors: dict[str, tuple[str, list[int]]]) -> dict[str, int] | None:
-    """What mlx-lm's loader keeps of a checkpoint, by name, with bytes: the class's own ``sanitize`` run on
-    stand-ins of the real shapes (never computed), so per-expert tensors come back stacked and layers it drops
-    (multi-token-prediction heads) are gone. None when that cannot be found out (then the names are taken as
-    they are)."""
-    import math
-
+def kept_tensors(config: dict, tensors: dict[str, tuple[str, list[int]]]) -> dict[str, tuple[str, list[int]]] | None:
+    """What mlx-lm's loader keeps of a checkpoint, by name, with (safetensors dtype, shape): the class's own
+    ``sanitize`` run on stand-ins of the real shapes (never computed), so per-expert tensors come back stacked and
+    layers it drops (multi-token-prediction heads) are gone. None when that cannot be found out (then the names
+    are taken as they are)."""
     import mlx.core as mx
 
     try:
         model = build_lazy(config)
         stand_ins = {n: mx.zeros(tuple(shape), dtype=getattr(mx, _MX_DTYPES[dt])) for n, (dt, shape) in tensors.items()}
         kept = model.sanitize(stand_ins) if hasattr(model, "sanitize") else stand_ins
-        return {n: math.prod(v.shape) * v.dtype.size for n, v in kept.items()}
+        names = {getattr(mx, m): st for st, m in _MX_DTYPES.items()}
+        return {n: (names[v.dtype], list(v.shape)) for n, v in kept.items()}
     except Exception:
         return None

@@ -19,7 +19,7 @@ def plan_options(**kw) -> PlanOptions:
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "option"
-        choices = {"allocation": "balanced, proportional, speed", "backend": "auto, ring, jaccl, mpi",
+        choices = {"allocation": "auto, balanced, proportional, speed, work", "backend": "auto, ring, jaccl, mpi",
                    "parallel": "auto, pipeline, tensor", "embedding_offload": "off, on, auto",
                    "schedule": "auto, overlap, lockstep"}
         extra = f" (choose from {choices[field]})" if field in choices else ""

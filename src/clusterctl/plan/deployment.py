@@ -40,6 +40,10 @@ class ModelRef(BaseModel):
     # each layer's KV cache as planned (model.KvLayer: bytes per token, sliding window, fixed state, sharded);
     # None in files planned before per-layer estimates: every layer kv_bytes_per_token_per_layer, the whole context
     kv_layers: Optional[list[KvLayer]] = None
+    # logical parameters a token goes through in each layer and in the head (model.work), what --allocation work
+    # splits by; empty / 0 in files planned before them
+    layer_work: list[int] = Field(default_factory=list)
+    head_work: int = 0
 
 
 class RankAssignment(BaseModel):
@@ -57,7 +61,8 @@ class RankAssignment(BaseModel):
 
 class PlanOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    allocation: Literal["balanced", "proportional", "speed"] = "balanced"
+    # auto: work when the stages overlap, else balanced (planner.choose_allocation)
+    allocation: Literal["auto", "balanced", "proportional", "speed", "work"] = "auto"
     backend: Literal["auto", "ring", "jaccl", "mpi"] = "auto"
     parallel: Literal["auto", "pipeline", "tensor"] = "auto"
     context: int = Field(default=4096, ge=1)
@@ -82,7 +87,8 @@ class Deployment(BaseModel):
     ranks: list[RankAssignment]
     backend: Literal["ring", "jaccl", "mpi"]
     parallel: Literal["pipeline", "tensor"]
-    allocation: Literal["balanced", "proportional", "speed"]
+    allocation: Literal["balanced", "proportional", "speed", "work"]  # resolved: options.allocation is as given
+    allocation_reason: Optional[str] = None  # why the plan split the layers this way (None: a file from before)
     options: PlanOptions
     path_map: dict[str, str]
     speeds: dict[str, float] = Field(default_factory=dict)

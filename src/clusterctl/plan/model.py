@@ -4,13 +4,15 @@ Reads ``config.json`` tolerantly (external file: unknown keys are fine, a nested
 top level lacks the text model's fields) and the safetensors headers strictly (8-byte little-endian length, a JSON
 header, offsets that fit the file), giving bytes per layer, bytes of everything else (embedding, norm, head) and
 the KV cache of every layer (``kv_layers``: bytes per token, a sliding window's cap, a state layer's fixed size),
-derived from config.json alone the way mlx-lm's model classes build their caches (see ``kv_layers``).
+derived from config.json alone the way mlx-lm's model classes build their caches (see ``kv_layers``), and the work
+of every layer and of the head (``work``: logical parameters, what one token multiplies through).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -36,6 +38,8 @@ MAX_SIZE = 1 << 24  # hidden size, heads, vocabulary: far above any real model, 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
 _KV_PATH_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales)$|norm[^.]*\.weight$")
+_HEAD_RE = re.compile(r"(?:^|\.)lm_head\.weight$")
+_EXPERTS_RE = re.compile(r"(?:^|\.)(?:experts|switch_mlp)\.")  # routed experts, one per expert or stacked
 
 
 class TensorInfo(BaseModel):
@@ -96,6 +100,9 @@ class ModelFacts(BaseModel):
     notes: list[str] = []  # what the plan should tell the operator about the checkpoint
     intermediate_size: int = 0
     kv_layers: list[KvLayer] = Field(default_factory=list)  # one per layer; empty: the uniform legacy estimate
+    # logical parameters a token goes through (``work``): one per layer, and the head; empty / 0: not known
+    layer_work: list[int] = Field(default_factory=list)
+    head_work: int = 0
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -266,6 +273,60 @@ def kv_dtype_bytes(dtypes: dict[str, int], path_dtypes: set[str], config: dict) 
     return TORCH_DTYPE_BYTES.get(str(_cfg(text_config(config), "torch_dtype", "dtype", default="")), 2)
 
 
+# ---- work: what one token costs in each layer and in the head --------------------------------------------------
+#
+# Measured on a CPU with SmolLM2-135M (4-bit layers, an 8-bit tied embedding used as the head): a stage's time is
+# proportional to the logical parameters it multiplies through, whatever their bit width (docs/allocation.md), so
+# work is counted in logical parameters, never in bytes.
+
+def work(tensors: dict[str, tuple[str, list[int]]], config: dict, num_layers: int) -> tuple[list[int], int]:
+    """(work of every layer, work of the head) in logical parameters: multiply-accumulates per token. ``tensors``:
+    name -> (safetensors dtype, shape), every layer's index below ``num_layers``.
+
+    Routed experts (tensors under an ``experts`` or ``switch_mlp`` module: one per expert as checkpoints hold
+    them, or stacked as mlx-lm's loader keeps them) count num_experts_per_tok / num_experts of theirs when the
+    config gives both (all of them otherwise). The head is ``lm_head.weight``, else the tied embedding used as
+    one; looking a token up in the embedding is no work."""
+    text = text_config(config)
+    quant = _cfg(config, "quantization", "quantization_config")
+    dense, routed = [0] * num_layers, [0] * num_layers
+    for name in tensors:
+        if m := _LAYER_RE.search(name):
+            (routed if _EXPERTS_RE.search(name) else dense)[int(m.group(1))] += logical_elements(name, tensors, quant)
+    active, experts = _cfg(text, "num_experts_per_tok"), _cfg(text, "num_experts", "num_local_experts",
+                                                              "n_routed_experts")
+    if not (_positive(active) and _positive(experts)):
+        active = experts = 1
+    heads = [n for n in tensors if _HEAD_RE.search(n)] or \
+            [n for n in tensors if _EMBED_RE.search(n) and n.endswith(".weight")]
+    head = max((logical_elements(n, tensors, quant) for n in heads), default=0)
+    return [d + r * active // experts for d, r in zip(dense, routed)], head
+
+
+def logical_elements(name: str, tensors: dict[str, tuple[str, list[int]]], quantization) -> int:
+    """One tensor's logical parameters: its elements; a quantized weight (packed U32 beside its ``.scales``)
+    unpacked, elements x 32 / bits, and the scales and biases of one none (they are part of it). Bits: the
+    module's own entry in config ``quantization`` (mlx-lm's per-module override), else the top-level bits, else
+    mlx's default 4."""
+    module, _, kind = name.rpartition(".")
+    weight = tensors.get(module + ".weight")
+    packed = weight is not None and weight[0] == "U32" and module + ".scales" in tensors
+    if packed and kind in ("scales", "biases"):
+        return 0
+    elements = math.prod(tensors[name][1])
+    if not (packed and kind == "weight"):
+        return elements
+    q = quantization if isinstance(quantization, dict) else {}
+    own = q.get(module) if isinstance(q.get(module), dict) else {}
+    bits = own.get("bits", q.get("bits"))
+    return elements * 32 // (bits if _positive(bits) else 4)
+
+
+def _positive(v) -> bool:
+    """A count from config.json: an integer above zero (true/false are not numbers)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
     """Return (tensors, raw header bytes, data start offset). Raises IntegrityError on any inconsistency."""
     try:
@@ -395,7 +456,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
 
     digest = hashlib.sha256()
     digest.update(b"config.json\0" + config_raw)
-    raw_tensors: dict[str, tuple[str, list[int], int]] = {}  # name -> (dtype, shape, bytes), as the files hold them
+    raw_tensors: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, shape), as the files hold them
     dtype_counts: dict[str, int] = {}
     path_dtypes: set[str] = set()  # dtypes on the way to the keys: the embedding (or its scales) and the norms
     files = _weight_files(folder)
@@ -404,7 +465,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         digest.update(f"\0{path.name}\0".encode() + raw)
         for name, t in tensors.items():
             nbytes = t["end"] - t["begin"]
-            raw_tensors[name] = (t["dtype"], t["shape"], nbytes)
+            raw_tensors[name] = (t["dtype"], t["shape"])
             if t["dtype"] in _FLOAT_BYTES:
                 dtype_counts[t["dtype"]] = dtype_counts.get(t["dtype"], 0) + nbytes
                 if _KV_PATH_RE.search(name):
@@ -414,8 +475,9 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     if classify:
         from clusterctl.plan.archs import kept_tensors
 
-        kept = kept_tensors(config, {n: (d, s) for n, (d, s, _) in raw_tensors.items()})
-    sizes = kept if kept is not None else {n: b for n, (_, _, b) in raw_tensors.items()}
+        kept = kept_tensors(config, raw_tensors)
+    shapes = kept if kept is not None else raw_tensors
+    sizes = {n: math.prod(shape) * DTYPE_BYTES[dtype] for n, (dtype, shape) in shapes.items()}
     notes = []
     if kept is not None:
         beyond = sorted({int(m.group(1)) for n in set(raw_tensors) - set(kept) if (m := _LAYER_RE.search(n))
@@ -442,6 +504,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         raise IntegrityError(f"{folder}: no layer tensors found in the safetensors headers")
     kv_bytes = kv_dtype_bytes(dtype_counts, path_dtypes, config)
     kv = kv_layers(config, kv_bytes, folder=folder)
+    layer_work, head_work = work(shapes, config, num_layers)
     cap = None
     if classify:
         from clusterctl.plan.archs import capability
@@ -461,5 +524,6 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         head_dim=int(head_dim), vocab_size=int(vocab), tie_word_embeddings=tie,
         quantization=quant if isinstance(quant, dict) else None,
         layer_bytes=layer_bytes, shared_bytes=shared, embed_bytes=embed, kv_dtype_bytes=kv_bytes,
-        facts_hash=digest.hexdigest(), files=[p.name for p in files], kv_layers=kv,
+        facts_hash=digest.hexdigest(), files=[p.name for p in files], kv_layers=kv, layer_work=layer_work,
+        head_work=head_work,
     )

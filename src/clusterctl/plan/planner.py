@@ -32,15 +32,33 @@ def _weights(nodes: list[Node], allocation: str) -> list[Fraction]:
     raise ConfigError(f"unknown allocation {allocation!r}")
 
 
-def layer_counts(nodes: list[Node], num_layers: int, options: PlanOptions) -> list[int]:
+def choose_allocation(asked: str, facts: ModelFacts, parallel: str, schedule: str) -> tuple[str, str]:
+    """(balanced | proportional | speed | work, why). auto: work when the stages overlap (the slowest stage sets
+    the pace, and rank 0 also runs the head), else balanced (ranks that take turns go at the same pace however
+    the layers are split). Tensor parallel shards every layer evenly: only balanced."""
+    if asked == "auto":
+        if schedule != "overlap":
+            return "balanced", "the ranks run in lockstep: the split does not set the pace, so layers spread evenly"
+        asked, why = "work", "the stages overlap: the slowest sets the pace, and rank 0 also runs the head"
+    else:
+        why = "asked for"
+    if parallel == "tensor" and asked != "balanced":
+        raise ConfigError(f"--allocation {asked} is pipeline-only; tensor parallel shards every layer evenly",
+                          hint="use --allocation balanced with --parallel tensor")
+    if asked == "work" and not any(facts.layer_work):
+        return "balanced", "the model's facts have no per-layer work figures: layers spread evenly"
+    return asked, why
+
+
+def layer_counts(nodes: list[Node], facts: ModelFacts, options: PlanOptions) -> list[int]:
+    """Layers per rank for the resolved ``options.allocation`` (``choose_allocation``)."""
     if options.parallel == "tensor":
-        if options.allocation != "balanced":
-            raise ConfigError(f"--allocation {options.allocation} is pipeline-only; tensor parallel shards every layer "
-                              "evenly", hint="use --allocation balanced with --parallel tensor")
-        return [num_layers] * len(nodes)
+        return [facts.num_layers] * len(nodes)
     if options.allocation == "balanced":
-        return allocate.balanced(num_layers, len(nodes))
-    return allocate.largest_remainder(num_layers, _weights(nodes, options.allocation), [n.name for n in nodes])
+        return allocate.balanced(facts.num_layers, len(nodes))
+    if options.allocation == "work":
+        return allocate.by_work(facts.layer_work, facts.head_work, len(nodes))
+    return allocate.largest_remainder(facts.num_layers, _weights(nodes, options.allocation), [n.name for n in nodes])
 
 
 def _resolve_offload(mode: str, facts: ModelFacts, nodes: list[Node], needs_for, warnings: list[str]) -> bool:
@@ -60,7 +78,7 @@ def _resolve_offload(mode: str, facts: ModelFacts, nodes: list[Node], needs_for,
         return True
 
 
-def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], allocation: str = "balanced"
+def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], allocation: str = "auto"
                     ) -> tuple[str, str | None]:
     """(pipeline | tensor, why) for --parallel auto: tensor when every pair of nodes has a declared fast link
     and the model shards evenly over them, else pipeline. A mode asked for by name is kept (checked later)."""
@@ -68,7 +86,7 @@ def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], alloca
         return requested, None
     if len(nodes) == 1:
         return "pipeline", None
-    if allocation != "balanced":
+    if allocation not in ("balanced", "auto"):
         return "pipeline", f"pipeline: --allocation {allocation} splits layers (tensor parallel shards them evenly)"
     if not all_links_fast(nodes):
         return "pipeline", "pipeline: not every pair of nodes has a declared fast link (tensor parallel would " \
@@ -106,9 +124,10 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
     warnings: list[str] = list(facts.notes)
     given = options
     parallel, why = choose_parallel(options.parallel, facts, nodes, options.allocation)
-    options = options.model_copy(update={"parallel": parallel})
-    counts = layer_counts(nodes, facts.num_layers, options)
     schedule, schedule_why = choose_schedule(options.schedule, facts, nodes, parallel)
+    allocation, allocation_why = choose_allocation(options.allocation, facts, parallel, schedule)
+    options = options.model_copy(update={"parallel": parallel, "allocation": allocation})
+    counts = layer_counts(nodes, facts, options)
     if parallel == "tensor" and len(nodes) > 1:
         blockers = facts.tensor_blockers(len(nodes))
         if blockers:
@@ -164,9 +183,11 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         model=ModelRef(name=facts.name, model_type=facts.model_type, source_path=model_path,
                        facts_hash=facts.facts_hash, num_layers=facts.num_layers, layer_bytes=facts.layer_bytes,
                        shared_bytes=facts.shared_bytes, kv_bytes_per_token_per_layer=facts.kv_bytes_per_token_per_layer,
-                       embed_bytes=facts.embed_bytes, kv_layers=facts.kv_layer_list()),
+                       embed_bytes=facts.embed_bytes, kv_layers=facts.kv_layer_list(), layer_work=facts.layer_work,
+                       head_work=facts.head_work),
         nodes=nodes, ranks=ranks, backend=backend, parallel=options.parallel, allocation=options.allocation,
-        options=given, parallel_reason=why, path_map=pm, speeds={n.name: n.speed for n in nodes if n.speed is not None},
+        allocation_reason=allocation_why, options=given, parallel_reason=why, path_map=pm,
+        speeds={n.name: n.speed for n in nodes if n.speed is not None},
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
         slots=slots, batch=batch, schedule=schedule, schedule_reason=schedule_why,
         prompt_cache_tokens=prompt_cache_tokens(facts, ranges, parallel=options.parallel,
@@ -177,16 +198,27 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
 def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:
     """Recompute a deployment from its own recorded inputs and the model as it is now (for launch/replan checks).
 
-    While the model is unchanged (same facts hash) the KV cache is counted as the deployment recorded it, so a
-    newer estimate never invalidates an approved placement; a file from before per-layer estimates
-    (``model.kv_layers`` None) recorded one size for every layer."""
+    While the model is unchanged (same facts hash) the KV cache and the work are counted as the deployment
+    recorded them, so a newer estimate never invalidates an approved placement; a file from before per-layer
+    estimates (``model.kv_layers`` None) recorded one size for every layer. The allocation is the one the plan
+    resolved: auto follows the schedule, which needs mlx-lm's class (the launch re-check does not build it)."""
     cluster = Cluster(name=dep.cluster, nodes=dep.nodes)
     if facts.facts_hash == dep.model.facts_hash and dep.model.num_layers == facts.num_layers:
-        recorded = dep.model.kv_layers or [KvLayer(kind="full", bytes_per_token=dep.model.kv_bytes_per_token_per_layer)
-                                           ] * dep.model.num_layers
-        if len(recorded) == facts.num_layers:
-            facts = facts.model_copy(update={"kv_layers": recorded})
-    new = make_deployment(cluster, facts, dep.model.source_path, dep.options, path_map=dep.path_map)
+        facts = _as_recorded(dep, facts)
+    options = dep.options.model_copy(update={"allocation": dep.allocation})
+    new = make_deployment(cluster, facts, dep.model.source_path, options, path_map=dep.path_map)
     if dep.model.kv_layers is None:
         new = new.model_copy(update={"model": new.model.model_copy(update={"kv_layers": None})})
     return new
+
+
+def _as_recorded(dep: Deployment, facts: ModelFacts) -> ModelFacts:
+    """The facts with the KV cache and the work the deployment recorded (those it has, one per layer)."""
+    recorded = dep.model.kv_layers or [KvLayer(kind="full", bytes_per_token=dep.model.kv_bytes_per_token_per_layer)
+                                       ] * dep.model.num_layers
+    update = {}
+    if len(recorded) == facts.num_layers:
+        update["kv_layers"] = recorded
+    if len(dep.model.layer_work) == facts.num_layers:
+        update.update(layer_work=dep.model.layer_work, head_work=dep.model.head_work)
+    return facts.model_copy(update=update)
