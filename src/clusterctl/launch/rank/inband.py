@@ -52,21 +52,18 @@ class InBand:
         return Control(flags=END if self.ending else 0, changes=changes, epoch=self.epoch_out)
 
     def _joiners(self, k: int, leaving: int, cancelled: int) -> list:
-        """Queued requests for micro-batch ``k`` while it is the emptiest and the batch has room (rows answered
-        but still in a micro-batch hold their memory until their next slot)."""
-        batch = self.loop.batch
+        """Queued requests for micro-batch ``k``: up to its share of the rows once the queue is in (the batch
+        split evenly, so that a burst of requests is spread over the micro-batches in one round and their prompts
+        are processed side by side on the stages), within the batch's room (rows answered but still in a
+        micro-batch hold their memory until their next slot)."""
+        loop, batch = self.loop, self.loop.batch
         sizes = batch.sizes()
         sizes[k] -= cancelled
         room = batch.max_batch - (len(batch) - leaving)
-        out = []
-        while room > 0 and sizes[k] == min(sizes):
-            got = self.loop._take(1)
-            if not got:
-                break
-            out += got
-            sizes[k] += 1
-            room -= 1
-        return out
+        waiting = len(loop.jobs) if loop.jobs is not None else 0
+        share = -(-(sum(sizes) + min(room, waiting)) // len(sizes))
+        want = min(room, share - sizes[k])
+        return loop._take(want) if want > 0 else []
 
     def _poll_cancels(self, live: list[int]) -> None:
         now = time.monotonic()
