@@ -339,3 +339,23 @@ def test_lower_compute_renices_the_main_and_native_threads_not_python_threads():
     assert len(native) >= 2 and set(doc["changed"]) <= set(native)  # the main thread and at least one of MLX's
     assert sorted(set(doc["all"].values())) == [0, 7]
     assert doc["late"] == [7]
+
+
+def test_prompt_groups_keep_padding_small_and_are_the_same_for_the_same_lengths():
+    """Joining prompts are processed in groups padded to their longest: prompts the prompt cache covers whole
+    (nothing left) go together, and one long prompt does not make three short ones pay its length."""
+    from clusterctl.launch.rank.overlap import PAD_WASTE, prompt_groups
+
+    assert prompt_groups([]) == []
+    assert prompt_groups([0, 0, 22, 0]) == [[0, 1, 3], [2]]
+    assert prompt_groups([22, 25, 30, 1]) == [[3], [0, 1, 2]]
+    import random
+
+    rnd = random.Random(3)
+    for _ in range(200):
+        lengths = [rnd.choice([0, 1, rnd.randint(2, 300)]) for _ in range(rnd.randint(1, 9))]
+        groups = prompt_groups(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            assert len(g) * max(lengths[i] for i in g) <= PAD_WASTE * sum(lengths[i] for i in g) or len(g) == 1
+        assert groups == prompt_groups(list(lengths))

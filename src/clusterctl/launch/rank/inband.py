@@ -20,7 +20,7 @@ class InBand:
     def __init__(self, loop):
         self.loop = loop
         self.ending = False  # rank 0: every micro-batch's next control ends its run
-        self.jobs: dict = {}  # rank 0: the jobs of requests decided to join, until their control is applied
+        self.jobs: dict = {}  # rank 0: request id -> (micro-batch, job) decided to join, until its control is applied
         self.epoch_out = loop.epoch  # rank 0: the cancel epoch the controls carry
         self._epoch_wait: set[int] = set()  # micro-batches still to be decided since the newest epoch
         self._polled = 0.0
@@ -38,7 +38,7 @@ class InBand:
                  and job.cancelled.is_set()]
         self.ending = self.ending or loop.stop.is_set()
         adds = [] if self.ending else self._joiners(k, len(fins) + len(drops), len(drops))
-        if not adds and sum(batch.sizes()) - len(drops) <= 0:
+        if not adds and sum(self._sizes()) - len(drops) <= 0:
             self.ending = True  # nothing left to decode: meet (and idle) until work comes
         self._epoch_wait.discard(k)
         if not self._epoch_wait:
@@ -46,7 +46,7 @@ class InBand:
         changes = b""
         if adds or drops or fins:
             for req, job in adds:
-                self.jobs[req.id] = job
+                self.jobs[req.id] = (k, job)
             doc = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
             changes = json.dumps(doc, separators=(",", ":")).encode()
         return Control(flags=END if self.ending else 0, changes=changes, epoch=self.epoch_out)
@@ -57,13 +57,20 @@ class InBand:
         are processed side by side on the stages), within the batch's room (rows answered but still in a
         micro-batch hold their memory until their next slot)."""
         loop, batch = self.loop, self.loop.batch
-        sizes = batch.sizes()
+        sizes = self._sizes()
         sizes[k] -= cancelled
-        room = batch.max_batch - (len(batch) - leaving)
+        room = batch.max_batch - (len(batch) + len(self.jobs) - leaving)
         waiting = len(loop.jobs) if loop.jobs is not None else 0
         share = -(-(sum(sizes) + min(room, waiting)) // len(sizes))
         want = min(room, share - sizes[k])
         return loop._take(want) if want > 0 else []
+
+    def _sizes(self) -> list[int]:
+        """Each micro-batch's rows not yet answered, and the requests decided to join it (not yet applied)."""
+        sizes = self.loop.batch.sizes()
+        for k, _ in self.jobs.values():
+            sizes[k] += 1
+        return sizes
 
     def _poll_cancels(self, live: list[int]) -> None:
         now = time.monotonic()
@@ -81,7 +88,7 @@ class InBand:
         loop = self.loop
         adds, drops, fins = loop._decode_changes(changes)
         if loop.leader:
-            adds = [(req, self.jobs.pop(req.id, None)) for req, _ in adds]
+            adds = [(req, self.jobs.pop(req.id, (k, None))[1]) for req, _ in adds]
         loop._apply(adds, drops, fins, into=k, soft=True)
 
     def received(self, c: Control) -> None:

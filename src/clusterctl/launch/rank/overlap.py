@@ -118,6 +118,25 @@ class MicroBatch:
         return len(self.rows) + len(self.fresh)
 
 
+PAD_WASTE = 1.25  # a prompt group pads to at most this many times the tokens its prompts hold
+
+
+def prompt_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of prompts to process together, shortest first: a group grows while padding everything to its
+    longest costs at most PAD_WASTE times its tokens. The same lengths give the same groups on every rank."""
+    groups: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= PAD_WASTE * (held + n):
+            groups[-1].append(i)
+            held += n
+        else:
+            groups.append([i])
+            held = n
+    return groups
+
+
 class OverlapBatch:
     """The requests in flight on this rank, in micro-batches; the same rows on every rank."""
 
@@ -308,27 +327,38 @@ class OverlapBatch:
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
-        step's input, as in mlx-lm) and merge their caches into the micro-batch's."""
+        step's input, as in mlx-lm) and merge their caches into the micro-batch's: in groups of similar length
+        (a batch pads every prompt to its longest, and on a CPU every padded token costs a real one; a prompt the
+        prompt cache covers whole has nothing left to process)."""
+        fresh, mb.fresh = mb.fresh, []
+        for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in fresh]):
+            rows = [fresh[i] for i in group]
+            self._prompt_group(mb, rows)
+            mb.rows.extend(rows)
+            if self.first:
+                last = mx.array([r.req.tokens[-1] for r in rows], dtype=mx.int32)
+                mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
+
+    @staticmethod
+    def _reused(r: Row) -> int:
+        return r.req.cache_len if r.prefix is not None else 0
+
+    def _prompt_group(self, mb: MicroBatch, rows: list[Row]) -> None:
         from mlx_lm.generate import PromptProcessingBatch, _extend_cache
         from mlx_lm.models.cache import make_prompt_cache
 
-        fresh, mb.fresh = mb.fresh, []
-        reused = [r.req.cache_len if r.prefix is not None else 0 for r in fresh]
-        batch = PromptProcessingBatch(self.model, list(range(len(fresh))),
+        reused = [self._reused(r) for r in rows]
+        batch = PromptProcessingBatch(self.model, list(range(len(rows))),
                                       [r.prefix if r.prefix is not None else make_prompt_cache(self.model)
-                                       for r in fresh],
-                                      tokens=[list(r.req.tokens[:n]) for r, n in zip(fresh, reused)],
+                                       for r in rows],
+                                      tokens=[list(r.req.tokens[:n]) for r, n in zip(rows, reused)],
                                       prefill_step_size=self.prefill_step)
-        for r in fresh:
+        for r in rows:
             r.prefix = None
-        prompts = [list(r.req.tokens[n:-1]) for r, n in zip(fresh, reused)]
+        prompts = [list(r.req.tokens[n:-1]) for r, n in zip(rows, reused)]
         if any(prompts):
             batch.prompt(prompts)
         mb.cache = _extend_cache(mb.cache, batch.prompt_cache)
-        mb.rows.extend(fresh)
-        if self.first:
-            last = mx.array([r.req.tokens[-1] for r in fresh], dtype=mx.int32)
-            mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
 
     def _step(self, mb: MicroBatch, on_done) -> None:
         n = len(mb.rows)
