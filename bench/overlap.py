@@ -5,8 +5,9 @@ Run: .venv/bin/python bench/overlap.py [--quick] [--models 7m,smollm2] [--client
 
 Arms (one arm's processes alive at a time; the order rotates every round; medians over rounds):
   a     mlx_lm.server    one process (`python -m mlx_lm.server --model PATH`)
-  lock  clusterctl       2 local ranks, balanced split, `plan --schedule lockstep` (every step on every rank)
-  over  clusterctl       the same 2 ranks, `plan --schedule overlap` (a micro-batch per stage in flight)
+  lock  clusterctl       2 local ranks, `plan --schedule lockstep` (every step on every rank; auto = balanced split)
+  over  clusterctl       the same 2 ranks, `plan --schedule overlap` (a micro-batch per stage in flight; the default
+                         `--allocation auto` then splits by work: rank 0 also runs the head)
 Per arm and round: launch, a warm-up request, then for each C in --clients: C streaming greedy chat clients at
 once, each sending --per-client requests one after another (distinct prompts, the same for every arm): aggregate
 tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
@@ -107,7 +108,8 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
     r = Round(arm, "")
     stop = threading.Event()
     try:
-        with ctx(r) as (_t0, base, pids, _layers, _all):
+        with ctx(r) as (_t0, base, pids, layers, _all):
+            r.rss = [(rank, layers.get(rank), None) for rank in sorted(pids)]  # the split; peaks below
             stream_chat(base, PROMPTS[-1], 4)  # warm-up
             if arm == "scrape":
                 threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
@@ -115,7 +117,8 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
                 r.loads[c] = concurrent_load(base, c, per_client, offset, tokens)
             stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
-            r.rss = [(rank, marker_peak(r.markers[rank]) if rank in r.markers else None) for rank in sorted(pids)]
+            r.rss = [(rank, layers.get(rank), marker_peak(r.markers[rank]) if rank in r.markers else None)
+                     for rank in sorted(pids)]
     except Exception as e:  # one arm failing must not hide the others
         r.error = f"{type(e).__name__}: {e}"
     stop.set()
@@ -162,16 +165,17 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
         f"{ns.rounds} round(s), medians ==")
     say(table(rows, ["clients", "a tok/s", "lock tok/s", "over tok/s", "over/lock", "over/a", "efficiency",
                      "TTFT p50 s a/lock/over", "scraped/over", "errors"]))
-    doc = json.loads(deps["overlap"].read_text())
-    planned = {x["rank"]: (x.get("planned") or {}).get("total") for x in doc["ranks"]}
+    planned = {arm: {x["rank"]: (x.get("planned") or {}).get("total") for x in json.loads(deps[s].read_text())["ranks"]}
+               for arm, s in (("lock", "lockstep"), ("over", "overlap"))}
     for arm in ("lock", "over"):
-        peaks = {}
+        peaks, split = {}, {}
         for r in by[arm]:
-            for rank, peak in r.rss:
+            for rank, layers, peak in r.rss:
+                split[rank] = layers
                 if peak:
                     peaks[rank] = max(peaks.get(rank, 0), peak)
-        say(f"peak RSS {arm}: " + ", ".join(
-            f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned.get(k) or 0) / 2**20, ' MiB', 0)})"
+        say(f"{arm}: layers " + ", ".join(f"rank {k} {v}" for k, v in sorted(split.items())) + "; peak RSS " + ", ".join(
+            f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned[arm].get(k) or 0) / 2**20, ' MiB', 0)})"
             for k, v in sorted(peaks.items())))
     for a in ARMS:
         for r in rs:
