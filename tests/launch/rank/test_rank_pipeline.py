@@ -160,9 +160,11 @@ def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, spli
 
 def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
     """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 0.5 s):
-    the rank that has the work calls the others to the next meeting over the peer-probe port. While busy,
-    overlapped ranks never meet: requests of different lengths arriving one after another join and leave between
-    two slots (a meeting would drain the pipeline), and every answer is still identical to one process."""
+    the rank that has the work calls the others to the next meeting over the peer-probe port. While both
+    micro-batches are busy, overlapped ranks do not meet: short requests arriving one after another join and leave
+    between two slots (a meeting would drain the pipeline), and every answer is still identical to one process.
+    (One meeting at most while busy: if the second long request comes after the first run's first slot, the
+    empty micro-batch sat the run out and a meeting places the newcomer.)"""
     import threading
 
     with RankCluster(tmp_path, model, [4, 4], tag="wake") as c:
@@ -171,7 +173,7 @@ def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
             time.sleep(0.7)  # idle, past a scheduled meeting
             assert _complete(c, prompt=prompt, max_tokens=2, temperature=0)["finish_reason"] == "length"
         time.sleep(0.7)
-        jobs = [(BATCH_PROMPTS[i], m, 0.15 * i) for i, m in enumerate([30, 3, 17, 9, 12])]
+        jobs = [(BATCH_PROMPTS[i], m, d) for i, (m, d) in enumerate([(80, 0), (80, 0), (3, 0.15), (5, 0.25), (4, 0.35)])]
         got = {}
 
         def run(p, m, delay):
@@ -192,7 +194,8 @@ def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
         assert all(counts), [c.logs(r) for r in range(2)]
         assert int(counts[0][1]) >= 4  # rank 0 called rank 1 for each request to an idle deployment and the stop
         assert int(counts[1][2]) >= 1  # and rank 1 left its sleep for a call
-        assert [int(m[3]) for m in counts] == [0, 0], [c.logs(r) for r in range(2)]
+        busy = [int(m[3]) for m in counts]
+        assert busy[0] == busy[1] <= 1, [c.logs(r) for r in range(2)]
 
 
 @pytest.mark.parametrize("split", [[8], [5, 3]], ids=["1rank", "2ranks-5-3"])

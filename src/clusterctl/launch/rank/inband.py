@@ -36,10 +36,14 @@ class InBand:
         fins = [r.id for r in rows if r.done]
         drops = [r.id for r in rows if not r.done and (job := loop.inflight.get(r.id)) is not None
                  and job.cancelled.is_set()]
-        self.ending = self.ending or loop.stop.is_set()
+        # a stop; or requests wait while a micro-batch sits the run out: meet, and place them evenly
+        self.ending = self.ending or loop.stop.is_set() or (len(live) < len(batch.mbs) and self._waiting() > 0)
         adds = [] if self.ending else self._joiners(k, len(fins) + len(drops), len(drops))
         if not adds and sum(self._sizes()) - len(drops) <= 0:
             self.ending = True  # nothing left to decode: meet (and idle) until work comes
+        # an empty micro-batch sits the rest of the run out: its slots would only carry headers around the ring,
+        # in the way of the others' (one request alone: every round would pay for two)
+        park = not adds and len(rows) == len(fins) + len(drops)
         self._epoch_wait.discard(k)
         if not self._epoch_wait:
             self.epoch_out = loop.epoch
@@ -49,7 +53,7 @@ class InBand:
                 self.jobs[req.id] = (k, job)
             doc = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
             changes = json.dumps(doc, separators=(",", ":")).encode()
-        return Control(flags=END if self.ending else 0, changes=changes, epoch=self.epoch_out)
+        return Control(flags=END if self.ending or park else 0, changes=changes, epoch=self.epoch_out)
 
     def _joiners(self, k: int, leaving: int, cancelled: int) -> list:
         """Queued requests for micro-batch ``k``: up to its share of the rows once the queue is in (the batch
@@ -60,10 +64,13 @@ class InBand:
         sizes = self._sizes()
         sizes[k] -= cancelled
         room = batch.max_batch - (len(batch) + len(self.jobs) - leaving)
-        waiting = len(loop.jobs) if loop.jobs is not None else 0
+        waiting = self._waiting()
         share = -(-(sum(sizes) + min(room, waiting)) // len(sizes))
         want = min(room, share - sizes[k])
         return loop._take(want) if want > 0 else []
+
+    def _waiting(self) -> int:
+        return len(self.loop.jobs) if self.loop.jobs is not None else 0
 
     def _sizes(self) -> list[int]:
         """Each micro-batch's rows not yet answered, and the requests decided to join it (not yet applied)."""
