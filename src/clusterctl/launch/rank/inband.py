@@ -32,7 +32,8 @@ class InBand:
     def decide(self, k: int, live: list[int]) -> Control:
         loop, batch = self.loop, self.loop.batch
         self._poll_cancels(live)
-        rows = batch.mbs[k].rows
+        mb = batch.mbs[k]
+        rows = mb.rows
         fins = [r.id for r in rows if r.done]
         drops = [r.id for r in rows if not r.done and (job := loop.inflight.get(r.id)) is not None
                  and job.cancelled.is_set()]
@@ -43,7 +44,7 @@ class InBand:
             self.ending = True  # nothing left to decode: meet (and idle) until work comes
         # an empty micro-batch sits the rest of the run out: its slots would only carry headers around the ring,
         # in the way of the others' (one request alone: every round would pay for two)
-        park = not adds and len(rows) == len(fins) + len(drops)
+        park = not adds and not mb.fresh and len(rows) == len(fins) + len(drops)
         self._epoch_wait.discard(k)
         if not self._epoch_wait:
             self.epoch_out = loop.epoch

@@ -13,30 +13,35 @@ one step of its rows (its new rows' prompts first). Every rank walks the positio
 slot-major: (0, 0), (0, 1), ..., (1, 0), ... Before each slot every rank applies that slot's control: which rows
 leave (finished: their KV goes to the prompt cache; or cancelled), which requests join, and whether the
 micro-batch's run ends here. The controls of slot 0 are the meeting's; rank 0 decides the control of slot s + 1
-of micro-batch k right after it sampled slot s of it (so a finished row leaves at its very next slot and a queued
-request joins there: no meeting, no drained pipeline), and sends it with the tokens to rank ``world - 1``, which
-passes it down with the slot's hidden state: each link carries, per slot, a header (flags, the changes' length,
-the cancel epoch, a check word, every rank's load words), the changes' bytes when there are any, then the
-slot's hidden states when it computes. Rank 0 ends the run (every micro-batch's next control says "end") when it
+of micro-batch k just before it computes slot s of it (from what the tokens up to slot s - 1 said: a finished
+row is computed once more, ignored, then leaves; a queued request joins at the next slot: no meeting, no drained
+pipeline) and sends it to rank ``world - 1``; the slot's sampled tokens follow from inside the step, so no
+Python runs between rank 0 sampling and the first stage computing on. Rank ``world - 1`` passes each control
+down with the slot's hidden state: each link carries, per slot, a header (flags, the changes' length, the cancel
+epoch, a check word, every rank's load words), the changes' bytes when there are any, then the slot's hidden
+states when it computes. An empty micro-batch sits the rest of the run out. Rank 0 ends the run (every micro-batch's next control says "end") when it
 wants a meeting: a stop (its own, or a flag another rank set in a header), an empty batch. Cancels and their
 acks travel in the headers too.
 
 Why every rank issues its sends and receives in the same order (MLX's ring matches messages by order alone):
 - every rank walks the same positions in the same order and applies the same control at each, so which rows a
   slot has, whether it computes, and the shape of every message are the same everywhere; a control reaches a
-  rank before the slot it governs (rank ``world - 1`` gets the control of (s + 1, k) with the tokens of (s, k),
-  which it needs anyway; every other rank gets it in the header of (s + 1, k) from the rank before it);
+  rank before the slot it governs (rank ``world - 1`` gets the control of (s + 1, k) just before the tokens of
+  (s, k); every other rank gets it in the header of (s + 1, k) from the rank before it);
 - the link from rank r + 1 to rank r: per position, rank r + 1 sends the header, the changes, then (when the slot
   computes) the hidden states, and rank r receives the same messages in the same order; the first stage
   receives none;
-- the link from rank 0 to rank ``world - 1``: rank 0 sends one message per slot it runs (tokens and the next
-  control) and the changes' bytes; rank ``world - 1`` receives them at its next position of that micro-batch,
-  and both walk the positions in the same order;
+- the link from rank 0 to rank ``world - 1``: at each position rank 0 sends the next slot's control (and its
+  changes' bytes), then, when the slot computes, its tokens; rank ``world - 1`` receives them in that order at its
+  next position of that micro-batch (the control before it passes the header down, then the tokens, queued
+  without waiting, which its step waits for), and both walk the positions in the same order;
 - a meeting (an all_sum on every link) begins only after every rank has run every position of the run, so no
   meeting byte is read as part of a run or the other way round.
 And why it cannot deadlock: each position waits only for the same position on the stage before it, or (rank
-``world - 1``) for the previous slot of the same micro-batch on the last stage, both earlier in the one order
-every rank follows; headers and tokens are a few bytes, so a send never waits for its receive.
+``world - 1``) for the previous slot of the same micro-batch on the last stage (its control was sent before
+that slot computed), all earlier in the one order every rank follows; headers, controls and tokens are a few
+bytes, so a send never waits for its receive. Two sends are never put into one ``mx.eval``: MLX may run
+independent sends of one eval in either order.
 """
 
 from __future__ import annotations
@@ -243,23 +248,26 @@ class OverlapBatch:
         while live:
             for k in list(live):
                 mb = self.mbs[k]
-                c = self._control(mb, s, k, run_id)
+                c = self._control(s, k, run_id)
+                if not self.last:
+                    self._pass_down(c, hooks, self._check(run_id, s, k))
+                if self.first and s > 0 and mb.computed:  # the previous slot's tokens: received in turn, waited
+                    mb.inputs = mx.distributed.recv((mb.computed,), mx.int32, 0, group=self.group)  # for by the step
+                    mx.async_eval(mb.inputs)
                 if c.changes:
                     hooks.apply(k, c.changes)
                 hooks.received(c)
-                if not self.last:
-                    self._pass_down(c, hooks, self._check(run_id, s, k))
                 if c.end:
                     live.remove(k)
                     continue
+                if self.last:  # the next slot's control goes out before this slot computes
+                    self._send_control(hooks.decide(k, live), self._check(run_id, s + 1, k))
                 if mb.fresh:
                     self._prompt(mb)
                 mb.computed = len(mb.rows)
                 if mb.rows:
                     self._step(mb, on_done)
                     computed += 1
-                if self.last:
-                    self._send_up(mb, hooks.decide(k, live), self._check(run_id, s + 1, k))
                 hooks.slot_done()
             s += 1
         self.steps += computed
@@ -270,18 +278,15 @@ class OverlapBatch:
         """The check word of the control of slot ``s`` of micro-batch ``k``: the same on every rank."""
         return (run_id * 1_000_003 + s * 64 + k) % 2**30
 
-    def _control(self, mb: MicroBatch, s: int, k: int, run_id: int) -> Control:
+    def _control(self, s: int, k: int, run_id: int) -> Control:
         """This slot's control: the meeting's for slot 0 on the first stage (there is nothing to receive), else
-        what the previous stage (or, on the first stage, rank 0 with the tokens of the previous slot) sent."""
+        what the previous stage (or, on the first stage, rank 0) sent."""
         import numpy as np
 
         if self.first and s == 0:
             return Control()
         if self.first:
-            words = self._recv((mb.computed + CONTROL_WORDS,), 0)
-            mb.inputs = mx.array(words[:mb.computed], dtype=mx.int32) if mb.computed else None
-            ctrl = words[mb.computed:]
-            load = []
+            ctrl, load = self._recv((CONTROL_WORDS,), 0), []
         else:
             words = self._recv((CONTROL_WORDS + 3 * self.world,), self.rank + 1)
             ctrl, load = words[:CONTROL_WORDS], words[CONTROL_WORDS:]
@@ -320,10 +325,9 @@ class OverlapBatch:
         flags = c.flags | (MEET if hooks.wants_meeting() else 0)
         self._send([flags, len(c.changes), c.epoch, check, *load], c.changes, self.rank - 1)
 
-    def _send_up(self, mb: MicroBatch, c: Control, check: int) -> None:
-        """Rank 0: the slot's tokens and the control of the micro-batch's next slot, to the first stage."""
-        tokens = [r.sampled[-1] for r in mb.rows] if mb.computed else []
-        self._send([*tokens, c.flags, len(c.changes), c.epoch, check], c.changes, self.world - 1)
+    def _send_control(self, c: Control, check: int) -> None:
+        """Rank 0: the control of a micro-batch's next slot, to the first stage (its tokens follow in the step)."""
+        self._send([c.flags, len(c.changes), c.epoch, check], c.changes, self.world - 1)
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
@@ -370,8 +374,8 @@ class OverlapBatch:
         if not self.last:
             mx.eval(states)
             return
-        tokens = sample_rows([r.sampler for r in mb.rows], out[:, -1, :])
-        mx.eval(tokens, states)
+        tokens = sample_rows([r.sampler for r in mb.rows], out[:, -1, :]).astype(mx.int32)
+        mx.eval(mx.distributed.send(tokens, self.world - 1, group=self.group), states)
         for r, t in zip(mb.rows, tokens.tolist()):
             r.sampler.took(t)
             r.sampled.append(t)
