@@ -29,6 +29,30 @@ from clusterctl.plan.archs import text_model
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _call_parameters(block: nn.Module) -> list[str]:
+    """The names of the arguments a block's ``__call__`` takes after the hidden state, in order. Blocks differ:
+    most take (x, mask, cache), ministral3 and mistral4 (x, attn_scale, mask, cache=...)."""
+    import inspect
+
+    while isinstance(block, _Around):
+        block = block.block
+    try:
+        params = inspect.signature(block.__call__).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return named[1:]
+
+
+def _cache_of(names: list[str], args: tuple, kwargs: dict):
+    """The cache a call passes the block (by keyword or by position), else None."""
+    if "cache" in kwargs:
+        return kwargs["cache"]
+    if "cache" in names:
+        return args[names.index("cache")] if names.index("cache") < len(args) else None
+    return next((a for a in args if hasattr(a, "update_and_fetch")), None)  # a signature that hides its names
+
+
 class Skip(nn.Module):
     """A block that runs on another rank."""
 
@@ -38,8 +62,10 @@ class Skip(nn.Module):
         for k, v in vars(block).items():
             if not k.startswith("_") and isinstance(v, _PLAIN):
                 object.__setattr__(self, k, v)
+        object.__setattr__(self, "_params", _call_parameters(block))
 
-    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+    def __call__(self, x, *args, **kwargs):
+        cache = _cache_of(self._params, args, kwargs)
         if cache is not None and hasattr(cache, "update_and_fetch"):
             empty = mx.zeros((x.shape[0], 1, x.shape[1], 0), dtype=x.dtype)
             cache.update_and_fetch(empty, empty)
@@ -54,6 +80,7 @@ class _Around(nn.Module):
         self.block = block
         self.peer = peer
         self._group = group
+        object.__setattr__(self, "_params", _call_parameters(block))  # plain attributes: not module children
 
     def __getattr__(self, name):
         if (v := self.get(name)) is not None:
@@ -66,17 +93,30 @@ class _Around(nn.Module):
 
 class Recv(_Around):
     """What arrives is what a block makes of the embedding (the embedding may be float16 and the blocks float32):
-    its dtype is the one this block gives the same input (a graph is built for it, never computed)."""
+    its dtype is the one this block gives the same input (a graph is built for it once per input dtype, never
+    computed: the call's own arguments, without its mask and cache)."""
+
+    def __init__(self, block: nn.Module, peer: int, group):
+        super().__init__(block, peer, group)
+        object.__setattr__(self, "_dtypes", {})
 
     def __call__(self, x, *args, **kwargs):
-        dtype = self.block(mx.zeros((1, 1, x.shape[-1]), dtype=x.dtype), None, None).dtype
+        dtype = self._dtypes.get(x.dtype)
+        if dtype is None:
+            probe = list(args)
+            for name in ("mask", "cache"):
+                if name in self._params and self._params.index(name) < len(probe):
+                    probe[self._params.index(name)] = None
+            extra = {k: (None if k in ("mask", "cache") else v) for k, v in kwargs.items()}
+            dtype = self._dtypes[x.dtype] = self.block(mx.zeros(x.shape, dtype=x.dtype), *probe, **extra).dtype
         h = mx.distributed.recv(x.shape, dtype, self.peer, group=self._group)
         return self.block(h, *args, **kwargs)
 
 
 class Send(_Around):
-    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
-        h = mx.distributed.send(self.block(x, mask, cache, *args, **kwargs), self.peer, group=self._group)
+    def __call__(self, x, *args, **kwargs):
+        h = mx.distributed.send(self.block(x, *args, **kwargs), self.peer, group=self._group)
+        cache = _cache_of(self._params, args, kwargs)
         if cache is not None and getattr(cache, "keys", None) is not None:
             cache.keys = mx.depends(cache.keys, h)
         return h
