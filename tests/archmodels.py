@@ -130,3 +130,156 @@ def build_hf_layout(family: str, folder: Path, tokenizer_from: Path, *, mtp: boo
         shutil.copy(src / name, folder / name)
     (folder / "config.json").write_text(json.dumps({**config, "_hf": mtp}))
     return folder
+
+
+# ---- released layouts: the config keys and tensor names of the checkpoints as their families publish them ----
+#
+# Built from mlx-lm's class like the others, then written back the way the released checkpoint holds them, so the
+# loader's own ``sanitize`` (and clusterctl's plan and weight checks, which run it) meet the real names.
+
+_YARN = {"rope_type": "yarn", "type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+         "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+         # small, so that llama-4 attention scaling (1 + beta * log(1 + floor(pos / this))) changes within a prompt
+         "original_max_position_embeddings": 8}
+_VISION = {"model_type": "pixtral", "hidden_size": 32, "num_hidden_layers": 6, "num_attention_heads": 2,
+           "intermediate_size": 64, "head_dim": 16, "image_size": 64, "patch_size": 16, "num_channels": 3,
+           "rope_theta": 10000.0}
+
+
+def _text(extra: dict, model_type: str) -> dict:
+    return {"model_type": model_type, **{k: v for k, v in BASE.items() if k != "rope_theta"}, **extra}
+
+
+RELEASED: dict[str, dict] = {
+    # Ministral-3 (3B/8B/14B-2512): Mistral3ForConditionalGeneration around a ministral3 text model, yarn RoPE in
+    # ``rope_parameters`` with llama-4 attention scaling; tensors under ``model.language_model.``, the head at
+    # ``lm_head``, a Pixtral vision tower and projector beside them (mlx-lm drops those)
+    "ministral3": {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                   "image_token_index": 10, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
+                   "multimodal_projector_bias": False, "vision_feature_layer": -1, "vision_config": _VISION,
+                   "text_config": _text({"rope_parameters": {**_YARN, "rope_theta": 1000000.0, "factor": 16.0},
+                                         "max_position_embeddings": 16 * 8,
+                                         "sliding_window": None, "hidden_act": "silu"}, "ministral3")},
+    # Mistral-4 (Mistral-Small-4-119B-2603): the same wrapper around mistral4 (MLA with q/kv LoRA, experts, yarn
+    # with llama-4 scaling); attention keeps ``kv_b_proj`` (mlx-lm absorbs it), experts are fused
+    # (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``: one tensor each for all experts)
+    "mistral4": {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                 "image_token_index": 10, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
+                 "multimodal_projector_bias": False, "vision_feature_layer": -1, "vision_config": _VISION,
+                 "text_config": _text({
+                     "num_key_value_heads": 4, "head_dim": 24, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0,
+                     "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                     "first_k_dense_replace": 1, "rope_interleave": True, "attention_bias": False,
+                     "max_position_embeddings": 128 * 8,
+                     "rope_parameters": {**_YARN, "rope_theta": 10000.0, "factor": 128.0,
+                                         "partial_rotary_factor": 1 / 3}}, "mistral4")},
+    # GLM-4.5 / 4.6 / 4.7: one tensor per expert, and the multi-token-prediction layer after the last one
+    # (``model.layers.<num_hidden_layers>.``: a whole decoder layer plus eh_proj, enorm, hnorm, embed_tokens and
+    # shared_head), which mlx-lm drops
+    "glm4_moe": {**config_of("glm4_moe"), "architectures": ["Glm4MoeForCausalLM"], "num_nextn_predict_layers": 1},
+}
+
+
+def _vision_tensors(vision: dict) -> dict:
+    import mlx.core as mx
+
+    d, f = vision["hidden_size"], vision["intermediate_size"]
+    out = {"model.vision_tower.patch_conv.weight": mx.zeros((d, 16, 16, 3)),
+           "model.vision_tower.ln_pre.weight": mx.ones((d,)),
+           "model.multi_modal_projector.norm.weight": mx.ones((d,)),
+           "model.multi_modal_projector.patch_merger.merging_layer.weight": mx.zeros((d, 4 * d)),
+           "model.multi_modal_projector.linear_1.weight": mx.zeros((BASE["hidden_size"], d)),
+           "model.multi_modal_projector.linear_2.weight": mx.zeros((BASE["hidden_size"], BASE["hidden_size"]))}
+    for i in range(vision["num_hidden_layers"]):  # more vision layers than text ones, as in Ministral-3 3B
+        p = f"model.vision_tower.transformer.layers.{i}."
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[p + f"attention.{m}.weight"] = mx.zeros((d, d))
+        for m, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+            out[p + f"feed_forward.{m}.weight"] = mx.zeros(shape)
+        out[p + "attention_norm.weight"] = mx.ones((d,))
+        out[p + "ffn_norm.weight"] = mx.ones((d,))
+    return out
+
+
+def _released_names(name: str, config: dict, weights: dict) -> dict:
+    """mlx-lm's parameter names (what ``save_model`` writes) -> the released checkpoint's."""
+    import re
+
+    import mlx.core as mx
+
+    out = {}
+    if name == "glm4_moe":
+        for k, w in weights.items():
+            m = re.match(r"(.*)\.switch_mlp\.(\w+)\.weight$", k)
+            if m:
+                for e in range(w.shape[0]):
+                    out[f"{m.group(1)}.experts.{e}.{m.group(2)}.weight"] = w[e]
+            else:
+                out[k] = w
+        n = config["num_hidden_layers"]
+        for k, w in list(out.items()):  # the MTP layer: a copy of the last decoder layer, plus its own parts
+            if k.startswith(f"model.layers.{n - 1}."):
+                out[k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.", 1)] = w
+        h, v = config["hidden_size"], config["vocab_size"]
+        p = f"model.layers.{n}."
+        out.update({p + "eh_proj.weight": mx.zeros((h, 2 * h)), p + "enorm.weight": mx.ones((h,)),
+                    p + "hnorm.weight": mx.ones((h,)), p + "embed_tokens.weight": weights["model.embed_tokens.weight"],
+                    p + "shared_head.norm.weight": mx.ones((h,)), p + "shared_head.head.weight": weights["lm_head.weight"]})
+        return out
+    text = config["text_config"]
+    for k, w in weights.items():
+        k = k.replace("language_model.model.", "model.language_model.", 1).replace("language_model.lm_head.",
+                                                                                    "lm_head.", 1)
+        if name == "mistral4":
+            if m := re.match(r"(.*)\.switch_mlp\.(gate|up)_proj\.weight$", k):
+                if m.group(2) == "gate":
+                    up = weights[k.replace("model.language_model.", "language_model.model.", 1)
+                                 .replace("gate_proj", "up_proj")]
+                    out[f"{m.group(1)}.experts.gate_up_proj"] = mx.concatenate([w, up], axis=1)
+                continue
+            if m := re.match(r"(.*)\.switch_mlp\.down_proj\.weight$", k):
+                out[f"{m.group(1)}.experts.down_proj"] = w
+                continue
+            if m := re.match(r"(.*)\.self_attn\.(embed_q|unembed_out)\.weight$", k):
+                if m.group(2) == "embed_q":  # kv_b_proj: per head, the nope rows of keys then the value rows
+                    wv = weights[k.replace("model.language_model.", "language_model.model.", 1)
+                                 .replace("embed_q", "unembed_out")]
+                    kv_b = mx.concatenate([w.swapaxes(-1, -2), wv], axis=1)
+                    out[f"{m.group(1)}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, text["kv_lora_rank"])
+                continue
+        out[k] = w
+    out.update(_vision_tensors(config["vision_config"]))
+    return out
+
+
+def build_released(name: str, folder: Path, tokenizer_from: Path | None, *, seed: int = 0) -> Path:
+    """A model of ``RELEASED[name]``: mlx-lm's class with random weights, written in the released layout
+    (``tokenizer_from`` None: no tokenizer, for plans only)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    from clusterctl.atomic import atomic_write_json
+    from clusterctl.plan.archs import build_lazy
+
+    folder = Path(folder)
+    config = RELEASED[name]
+    done = folder / "config.json"
+    if done.exists() and json.loads(done.read_text()).get("_test_config") == config:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = build_lazy(json.loads(json.dumps(config)))  # mlx-lm's ModelArgs may fill in the dicts it is given
+    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    out = _released_names(name, config, weights)
+    mx.eval(out)
+    mx.save_safetensors(str(folder / "model.safetensors"), out, metadata={"format": "pt"})
+    atomic_write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": {
+        n: "model.safetensors" for n in sorted(out)}})
+    for f in ("tokenizer.json", "tokenizer_config.json") if tokenizer_from else ():
+        shutil.copy(Path(tokenizer_from) / f, folder / f)
+    (folder / "config.json").write_text(json.dumps({**config, "_test_config": config}, indent=1))
+    return folder

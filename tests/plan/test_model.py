@@ -152,3 +152,30 @@ def test_index_that_is_a_folder(tmp_path):
     (m / "model.safetensors.index.json").mkdir()
     with pytest.raises(IntegrityError, match="not a regular file"):
         inspect_model(m)
+
+
+@pytest.mark.parametrize("name,note", [("glm4_moe", "layer(s) 4 beyond num_hidden_layers"),
+                                       ("ministral3", "60 tensors of other modalities")])
+def test_a_released_layout_plans_and_passes_the_launch_recheck(name, note, tmp_path):
+    """GLM-4.5's multi-token-prediction layer (``model.layers.<num_hidden_layers>.eh_proj`` ...) and Ministral-3's
+    vision tower (more layers than the text model): mlx-lm's loader drops both. The plan says so and counts what
+    it keeps; the launch's re-check of the deployment (no class built) applies the same rules: no exit 65."""
+    from archmodels import build_released
+
+    from clusterctl.launch.preflight import check_inputs_unchanged
+    from clusterctl.plan.deployment import PlanOptions
+    from clusterctl.plan.inventory import parse_cluster
+    from clusterctl.plan.planner import make_deployment
+
+    path = build_released(name, tmp_path / name, None)
+    facts = inspect_model(path)
+    assert any(note in n for n in facts.notes), facts.notes
+    recheck = inspect_model(path, classify=False)
+    assert (recheck.layer_bytes, recheck.shared_bytes, recheck.layer_work, recheck.kv_layers, recheck.notes) == \
+        (facts.layer_bytes, facts.shared_bytes, facts.layer_work, facts.kv_layers, facts.notes)
+    nodes = [{"name": n, "memory_gb": 8, "host": f"10.0.0.{i}", "ips": [f"10.0.0.{i}"], "model_path": str(path)}
+             for i, n in enumerate("ab", 1)]
+    dep = make_deployment(parse_cluster({"cluster": {"name": "lab"}, "node": nodes}), facts, str(path),
+                          PlanOptions(parallel="pipeline"))
+    assert any(note in w for w in dep.warnings)
+    check_inputs_unchanged(dep)  # raised IntegrityError "... is for layer 4, but config.json says 4 layers"

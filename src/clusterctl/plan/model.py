@@ -432,9 +432,33 @@ def read_config(folder: Path) -> tuple[dict, bytes]:
     return config, raw
 
 
+_OTHER_MODALITY_RE = re.compile(r"(?:^|\.)(?:vision\w*|visual|multi_modal\w*|mm_projector|audio\w*|image\w*)\.")
+
+
+def dropped_notes(raw: dict[str, tuple[str, list[int]]], kept: dict[str, tuple[str, list[int]]],
+                  num_layers: int) -> list[str]:
+    """What the plan tells the operator about the parts of the checkpoint mlx-lm's loader drops (the names it
+    renames or stacks are not dropped: only layers past the last one and other modalities are named)."""
+    gone = set(raw) - set(kept)
+    other = {n for n in gone if _OTHER_MODALITY_RE.search(n)}
+    beyond = sorted({int(m.group(1)) for n in gone - other
+                     if (m := _LAYER_RE.search(n)) and int(m.group(1)) >= num_layers})
+    notes = []
+    if beyond:
+        notes.append(f"the checkpoint's layer(s) {', '.join(map(str, beyond))} beyond num_hidden_layers "
+                     f"(e.g. multi-token prediction) are dropped by mlx-lm's loader: not served")
+    if other:
+        nbytes = sum(math.prod(raw[n][1]) * DTYPE_BYTES[raw[n][0]] for n in other)
+        notes.append(f"the checkpoint's {len(other)} tensors of other modalities (vision or audio encoders and "
+                     f"projectors, {nbytes / 2**20:.1f} MiB) are dropped by mlx-lm's loader: text only")
+    return notes
+
+
 def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
-    """The facts of a model folder. ``classify``: also build mlx-lm's class for it (lazily: no weights) to find
-    how it splits over ranks (plan/archs.py); a launch re-checking a planned deployment skips that."""
+    """The facts of a model folder. ``classify``: also find how it splits over ranks and whether mlx-lm batches
+    it (plan/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
+    checkpoint is found the same way either way (``archs.kept_tensors``, the loader's own ``sanitize``), so the
+    plan and the launch's re-check of it apply the same rules."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingInput(f"model folder not found: {folder}")
@@ -457,34 +481,26 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     digest = hashlib.sha256()
     digest.update(b"config.json\0" + config_raw)
     raw_tensors: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, shape), as the files hold them
-    dtype_counts: dict[str, int] = {}
-    path_dtypes: set[str] = set()  # dtypes on the way to the keys: the embedding (or its scales) and the norms
     files = _weight_files(folder)
     for path in files:
         tensors, raw, _ = read_safetensors_header(path)
         digest.update(f"\0{path.name}\0".encode() + raw)
-        for name, t in tensors.items():
-            nbytes = t["end"] - t["begin"]
-            raw_tensors[name] = (t["dtype"], t["shape"])
-            if t["dtype"] in _FLOAT_BYTES:
-                dtype_counts[t["dtype"]] = dtype_counts.get(t["dtype"], 0) + nbytes
-                if _KV_PATH_RE.search(name):
-                    path_dtypes.add(t["dtype"])
-    # what the ranks will hold is what mlx-lm's loader keeps (its sanitize: experts stacked, MTP layers dropped)
-    kept = None
-    if classify:
-        from clusterctl.plan.archs import kept_tensors
+        raw_tensors.update({name: (t["dtype"], t["shape"]) for name, t in tensors.items()})
+    # what the ranks will hold is what mlx-lm's loader keeps (its sanitize: experts stacked, MTP layers and
+    # other modalities dropped); the ranks check their weights against the same function (launch/rank/pipeline.py)
+    from clusterctl.plan.archs import kept_tensors
 
-        kept = kept_tensors(config, raw_tensors)
+    kept = kept_tensors(config, raw_tensors)
     shapes = kept if kept is not None else raw_tensors
     sizes = {n: math.prod(shape) * DTYPE_BYTES[dtype] for n, (dtype, shape) in shapes.items()}
-    notes = []
-    if kept is not None:
-        beyond = sorted({int(m.group(1)) for n in set(raw_tensors) - set(kept) if (m := _LAYER_RE.search(n))
-                         and int(m.group(1)) >= num_layers})
-        if beyond:
-            notes.append(f"the checkpoint's layer(s) {', '.join(map(str, beyond))} beyond num_hidden_layers "
-                         f"(e.g. multi-token prediction) are dropped by mlx-lm's loader: not served")
+    dtype_counts: dict[str, int] = {}
+    path_dtypes: set[str] = set()  # dtypes on the way to the keys: the embedding (or its scales) and the norms
+    for name, (dtype, _) in shapes.items():
+        if dtype in _FLOAT_BYTES:
+            dtype_counts[dtype] = dtype_counts.get(dtype, 0) + sizes[name]
+            if _KV_PATH_RE.search(name):
+                path_dtypes.add(dtype)
+    notes = dropped_notes(raw_tensors, kept, num_layers) if kept is not None else []
     layer_bytes = [0] * num_layers
     shared = 0
     embed = 0
