@@ -38,12 +38,16 @@ def test_golden_balanced_plan_hash(facts):
     dep = make_deployment(cluster(), facts, "/models/m", PlanOptions(allocation="balanced"), now=NOW)
     assert [(r.start_layer, r.end_layer) for r in dep.ranks] == [(21, 32), (10, 21), (0, 10)]
     assert dep.plan_hash == GOLDEN_BALANCED
-    assert dep.deployment_id == "lab-" + GOLDEN_BALANCED[:10]
+    # the id names the deployment's identity (placement and everything else it runs with), not the placement alone;
+    # changed on 2026-12-05 (issue 30: the id was plan_hash's, so a schedule or path change overwrote the old file)
+    assert dep.deployment_hash == GOLDEN_BALANCED_IDENTITY
+    assert dep.deployment_id == "lab-" + GOLDEN_BALANCED_IDENTITY[:10]
 
 
 # changed once on 2026-12-04: the fixture's config.json gained what mlx-lm needs to build the class (rms_norm_eps,
 # rope_theta), which changes the model's facts hash, not the way a plan is hashed
 GOLDEN_BALANCED = "3ea37ff5f4b14afbcb321285343054710a710f16346cdad3c22701f35f8b7d7c"
+GOLDEN_BALANCED_IDENTITY = "743f2c82e369deabb8ca55307e04214ccca5d078bc00c687da8ba1d3217a42f6"
 
 
 def test_proportional_plan(facts):
@@ -203,6 +207,7 @@ def test_a_file_from_before_work_figures_loads_and_replans_the_same(facts, tmp_p
     for key in ("layer_work", "head_work"):
         del doc["model"][key]
     del doc["allocation_reason"]
+    del doc["deployment_hash"]  # files from before work figures predate the identity hash too
     f = tmp_path / "old.json"
     f.write_bytes(_resign(doc, st.keyring.signing_key()))
     old = st.load_deployment(str(f))[1].deployment
@@ -285,6 +290,7 @@ def test_v1_migrates_on_disk(facts, tmp_path, monkeypatch):
     doc = dep.model_dump(mode="json")
     doc["schema_version"] = 1
     del doc["path_map"]
+    del doc["deployment_hash"]
     doc["model"]["path"] = "/models/m"
     del doc["model"]["source_path"]
     for n in doc["nodes"]:

@@ -106,9 +106,14 @@ def test_path_map_is_carried_and_an_explicit_empty_one_wins(facts):
     assert empty.path_map == {} and empty.given["path_map"] == "(empty)"
     new = make_deployment(empty.cluster, facts, empty.model_path, empty.options, path_map=empty.path_map)
     d = placement_diff(old, new)
-    assert d["unchanged"] and d["records_changed"] == ["path_map"]  # the same plan, another record
+    # the same placement, but node a's ranks would load another folder: another deployment, another id
+    assert d["placement_unchanged"] and not d["unchanged"] and d["fields_changed"] == ["path_map"]
+    assert new.deployment_id != old.deployment_id
+    assert {r["node"]: (r["path_before"], r["path_after"]) for r in d["nodes"]}["a"] == ("/fast/m", "/models/m")
     with pytest.raises(ConfigError, match="not among"):
         derive(old, path_map={"z": "/m"})
+    with pytest.raises(UsageError, match="not an absolute path"):
+        derive(old, path_map={"a": "models/m"})
 
 
 def test_replan_keeps_the_mode_and_can_change_it(facts):

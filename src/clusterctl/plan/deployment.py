@@ -2,7 +2,10 @@
 
 See docs/deployment-file.md. ``plan_hash`` covers only what decides placement (model facts, layer ranges, nodes'
 names and addresses, backend, parallel mode): moving a model folder (path_map), a new timestamp or a new signature
-never changes it. Version 1 files (no path_map: one model path for every node) are migrated in memory.
+never changes it. ``deployment_hash`` (the id's suffix) covers everything a deployment runs with and everything a
+replan derives from (placement, schedule, prompt cache, batch, context, path_map, options as given, node records),
+so two plans that differ in any of it never share an id. Version 1 files (no path_map: one model path for every
+node) are migrated in memory.
 """
 
 from __future__ import annotations
@@ -106,6 +109,9 @@ class Deployment(BaseModel):
     # tokens of KV every rank keeps for reuse: what options.prompt_cache_gb holds on the rank with the most KV
     # bytes per token (0: no prompt cache)
     prompt_cache_tokens: int = 0
+    # SHA-256 of the deployment's identity (``deployment_hash()``); the id is ``<cluster>-`` + its first 10 hex.
+    # None in files planned before it (their id came from plan_hash: it is kept, never recomputed)
+    deployment_hash: Optional[str] = None
 
     @property
     def batch_slots(self) -> int:
@@ -141,6 +147,37 @@ def plan_hash(model_facts_hash: str, num_layers: int, nodes: list[Node], ranks: 
         "parallel": parallel,
     }
     return hashlib.sha256(canonical(doc)).hexdigest()
+
+
+# Not in the identity: the id and the hash themselves, timestamps, measured speeds (a measurement, carried by
+# node name; an allocation by speed shows in the ranks), warnings and the planner's reasons (text derived from the
+# rest), the placement digest (derived from the ranks), and the model's manifest hash (recorded after planning,
+# checked by launch preflight on every node). Values equal to their defaults are left out, so a field added later
+# with a default never changes the hash of a file written before it.
+_NOT_IDENTITY = {"deployment_id": True, "created_at": True, "deployment_hash": True, "speeds": True,
+                 "warnings": True, "allocation_reason": True, "parallel_reason": True, "schedule_reason": True,
+                 "placement": True, "nodes": {"__all__": {"speed"}}, "model": {"manifest_hash"}}
+
+
+def identity_doc(dep: "Deployment") -> dict:
+    """What the deployment's id stands for: every field that changes what runs or what a replan derives."""
+    return {"v": 1, **dep.model_dump(mode="json", exclude_defaults=True, exclude=_NOT_IDENTITY)}
+
+
+def deployment_hash(dep: "Deployment") -> str:
+    return hashlib.sha256(canonical(identity_doc(dep))).hexdigest()
+
+
+def with_identity(dep: "Deployment") -> "Deployment":
+    """``dep`` named by its identity: ``deployment_hash`` set and the id ``<cluster>-<hash[:10]>``."""
+    h = deployment_hash(dep)
+    return dep.model_copy(update={"deployment_hash": h, "deployment_id": f"{dep.cluster}-{h[:10]}"})
+
+
+def identity_changes(old: "Deployment", new: "Deployment") -> list[str]:
+    """The identity's top-level fields that differ between two deployments (empty: the same deployment)."""
+    a, b = identity_doc(old), identity_doc(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def placement_signature(ranks: list[RankAssignment]) -> str:
@@ -244,3 +281,5 @@ def _check_consistent(dep: Deployment, source: str) -> None:
                          [(r.node, r.start_layer, r.end_layer) for r in dep.ranks], dep.backend, dep.parallel)
     if expected != dep.plan_hash:
         raise IntegrityError(f"{source}: plan_hash does not match its contents")
+    if dep.deployment_hash is not None and dep.deployment_hash != deployment_hash(dep):
+        raise IntegrityError(f"{source}: deployment_hash does not match its contents")

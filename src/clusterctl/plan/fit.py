@@ -98,7 +98,7 @@ def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
         usable = node.usable_bytes
         if usable is None or need.total > usable:
             bad.append({"node": node.name, "needs": need.total, "usable": usable, "weights": need.weights,
-                        "kv": need.kv, "headroom": need.headroom})
+                        "kv": need.kv, "headroom": need.headroom, "prompt_cache": need.prompt_cache})
     if not bad:
         return
     parts = []
@@ -106,7 +106,10 @@ def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
         if b["usable"] is None:
             parts.append(f"node {b['node']} has no memory_gb (set it in cluster.toml, or plan --probe)")
         else:
+            # every term of the total, so the parts add up to what is needed
             parts.append(f"node {b['node']} needs {gib(b['needs'])} (weights {gib(b['weights'])} + KV {gib(b['kv'])} "
-                         f"+ headroom {gib(b['headroom'])}) but has {gib(b['usable'])} usable")
+                         f"+ headroom {gib(b['headroom'])} + prompt cache {gib(b['prompt_cache'])}) but has "
+                         f"{gib(b['usable'])} usable")
     raise DoesNotFit("the model does not fit: " + "; ".join(parts), nodes=bad,
-                     hint="add memory_gb, use more nodes, a smaller --context/--batch, or --allocation proportional")
+                     hint="add memory_gb, use more nodes, a smaller --context/--batch/--prompt-cache-gb, or "
+                          "--allocation proportional")

@@ -9,7 +9,7 @@ from clusterctl.errors import ConfigError
 from clusterctl.plan import allocate
 from clusterctl.plan.backend import all_links_fast, choose_backend
 from clusterctl.plan.deployment import (
-    Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash,
+    Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash, with_identity,
 )
 from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, prompt_cache_tokens, rank_bytes, slots_that_fit
 from clusterctl.plan.inventory import Cluster, Node
@@ -172,12 +172,15 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         if not p:
             raise ConfigError(f"node {n.name} has no model_path (its copy of the model)",
                               hint="set model_path for every remote node in cluster.toml")
+        if not p.startswith("/") or "\x00" in p or "\n" in p:
+            # such a file would not load (deployment._check_consistent): refuse it before writing
+            raise ConfigError(f"node {n.name}: model path {p!r} is not an absolute path")
         pm[n.name] = p
     h = plan_hash(facts.facts_hash, facts.num_layers, nodes, [(r.node, r.start_layer, r.end_layer) for r in ranks],
                   backend, options.parallel)
     created = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Deployment(
-        deployment_id=f"{cluster.name}-{h[:10]}",
+    return with_identity(Deployment(
+        deployment_id=f"{cluster.name}-{h[:10]}",  # replaced by with_identity: the id names everything that runs
         created_at=created,
         cluster=cluster.name,
         model=ModelRef(name=facts.name, model_type=facts.model_type, source_path=model_path,
@@ -192,7 +195,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         slots=slots, batch=batch, schedule=schedule, schedule_reason=schedule_why,
         prompt_cache_tokens=prompt_cache_tokens(facts, ranges, parallel=options.parallel,
                                                 reserve=needs[0].prompt_cache),
-    )
+    ))
 
 
 def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:
@@ -208,7 +211,7 @@ def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:
     options = dep.options.model_copy(update={"allocation": dep.allocation})
     new = make_deployment(cluster, facts, dep.model.source_path, options, path_map=dep.path_map)
     if dep.model.kv_layers is None:
-        new = new.model_copy(update={"model": new.model.model_copy(update={"kv_layers": None})})
+        new = with_identity(new.model_copy(update={"model": new.model.model_copy(update={"kv_layers": None})}))
     return new
 
 

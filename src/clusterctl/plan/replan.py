@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterctl.errors import ConfigError, UsageError
-from clusterctl.plan.deployment import Deployment, PlanOptions
+from clusterctl.plan.deployment import Deployment, PlanOptions, identity_changes
 from clusterctl.plan.inventory import Cluster
 
 OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload",
@@ -103,6 +103,10 @@ def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] 
         unknown = sorted(set(path_map) - {n.name for n in out_nodes})
         if unknown:
             raise ConfigError(f"--path-map: {', '.join(unknown)} not among the new plan's nodes")
+        bad = [f"{k}={v!r}" for k, v in sorted(path_map.items())
+               if not isinstance(v, str) or not v.startswith("/") or "\x00" in v or "\n" in v]
+        if bad:
+            raise UsageError(f"--path-map: not an absolute path: {', '.join(bad)}")
         pm = dict(path_map)
         given["path_map"] = _show(pm)
     else:
@@ -149,28 +153,31 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
                        ("schedule", old.schedule or "overlap", new.schedule or "overlap"),
                        ("allocation", old.allocation, new.allocation), ("batch", old.batch_slots, new.batch_slots),
                        ("context", old.options.context, new.options.context),
+                       ("prompt_cache_tokens", old.prompt_cache_tokens, new.prompt_cache_tokens),
+                       ("embedding_offload", old.embedding_offload, new.embedding_offload),
                        ("model", old.model.facts_hash[:12], new.model.facts_hash[:12])):
         if x != y:
             other.append({"field": what, "before": x, "after": y})
-    unchanged = old.plan_hash == new.plan_hash
+    for k in ("allocation", "backend", "parallel", "batch", "headroom_gb", "embedding_offload", "schedule",
+              "prompt_cache_gb"):  # as given (what a later replan derives from); context is listed above
+        x, y = getattr(old.options, k), getattr(new.options, k)
+        if x != y:
+            other.append({"field": f"options.{k}", "before": _show(x), "after": _show(y)})
+    # the same deployment (same identity, so the same id): nothing that runs changes
+    fields = identity_changes(old, new)
     return {"plan_hash_before": old.plan_hash, "plan_hash_after": new.plan_hash,
             "deployment_before": old.deployment_id, "deployment_after": new.deployment_id,
-            "unchanged": unchanged, "nodes": rows, "other": other,
+            "unchanged": not fields, "placement_unchanged": old.plan_hash == new.plan_hash,
+            "fields_changed": fields, "nodes": rows, "other": other,
             "records_changed": records_changed(old, new)}
 
 
 def records_changed(old: Deployment, new: Deployment) -> list[str]:
-    """What differs between two deployments of the same plan that the deployment file records (path_map, batch,
-    speeds and other metadata): what an unchanged replan writes back."""
+    """What differs outside the deployment's identity (measured speeds, the model manifest's hash): what an
+    unchanged replan writes back in place, under the same id, without restarting a rank."""
     out = []
-    if old.path_map != new.path_map:
-        out.append("path_map")
-    if old.batch_slots != new.batch_slots:
-        out.append("batch")
-    if old.speeds != new.speeds:
+    if old.speeds != new.speeds or [n.speed for n in old.nodes] != [n.speed for n in new.nodes]:
         out.append("speeds")
-    if old.options != new.options:
-        out.append("options")
     if old.model.manifest_hash != new.model.manifest_hash:
         out.append("model manifest")
     return out
@@ -185,7 +192,9 @@ def diff_lines(diff: dict) -> list[str]:
         return "-" if x is None else f"[{x[0]}, {x[1]})"
 
     lines = [f"plan_hash {diff['plan_hash_before'][:16]} -> {diff['plan_hash_after'][:16]}"
-             + ("  (unchanged)" if diff["unchanged"] else "")]
+             + ("  (unchanged)" if diff["unchanged"] else "  (same placement)" if diff["placement_unchanged"] else "")]
+    if not diff["unchanged"]:
+        lines.append(f"  what runs changes: {', '.join(diff['fields_changed'])} (the ranks restart)")
     for r in diff["nodes"]:
         lines.append(f"  {r['node']:<12} {r['change']:<8} layers {rng(r['layers_before'])} -> {rng(r['layers_after'])}"
                      f"   memory {mem(r['memory_before'])} -> {mem(r['memory_after'])}"
