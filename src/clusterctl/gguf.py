@@ -1,9 +1,10 @@
 """Reading the header of a GGUF file (llama.cpp's single-file model format) without trusting it.
 
 ``read_header(path)`` returns the metadata (key -> Python value) and the tensor table (name, shape, GGML type,
-byte range). Every length and count is checked against the file's size before it is used, so a file that is
-not GGUF, is truncated or has a damaged header gives an IntegrityError naming what is wrong before any tensor
-is loaded. The tensor types matter before loading too: ``mx.load`` (mlx 0.32.4) silently dequantizes the types
+byte range). Every length and count is checked against the file's size before it is used (and against a
+fixed cap: a multi-GB file must not make a 4-million-entry array of empty strings cost gigabytes of Python
+objects), so a file that is not GGUF, is truncated or has a damaged header gives an IntegrityError naming what
+is wrong before anything is built from it and before any tensor is loaded. The tensor types matter before loading too: ``mx.load`` (mlx 0.32.4) silently dequantizes the types
 it has no quantized form for (Q4_K, Q6_K, BF16 ...) to float16.
 
 Layout (little-endian, versions 2 and 3): magic ``GGUF``, version u32, tensor count u64, metadata count u64;
@@ -27,6 +28,13 @@ from clusterctl.errors import IntegrityError, MissingInput
 MAGIC = b"GGUF"
 MAX_COUNT = 1 << 20  # tensors or metadata keys: real models have a few thousand
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY = 1 << 22  # entries of one metadata array: the largest vocabularies (and their merges) have ~262,000
+MAX_ITEMS = 1 << 23  # array entries of all the metadata together
+MAX_KEY = 1 << 16  # bytes of a metadata key (GGUF's own limit)
+MAX_NAME = 256  # bytes of a tensor name (llama.cpp's GGML_MAX_NAME is 64)
+# the fewest bytes one metadata key or one tensor info can take: a key of 0 bytes, its type and a 1-byte
+# value; a name of 0 bytes, n_dims, one dimension, type and offset
+MIN_KEY_BYTES, MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
 
 # GGML tensor types: name, (elements per block, bytes per block) where the importer needs the size.
 GGML_TYPES: dict[int, str] = {
@@ -77,6 +85,7 @@ class Header:
 class _Cursor:
     def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+        self.items = 0  # metadata array entries read so far (MAX_ITEMS)
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -90,8 +99,10 @@ class _Cursor:
         self.pos += n
         return v[0] if len(v) == 1 else v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int | None = None) -> str:
         n = self.unpack("<Q", what)
+        if limit is not None and n > limit:
+            raise IntegrityError(f"{self.path}: {what} is {n} bytes long (at most {limit})")
         self.need(n, what)
         raw = self.buf[self.pos:self.pos + n]
         self.pos += n
@@ -108,6 +119,10 @@ def _value(c: _Cursor, vtype: int, key: str):
         return c.string(f"metadata {key!r}")
     if vtype == _ARRAY:
         etype, count = c.unpack("<IQ", f"metadata {key!r}")
+        c.items += count
+        if count > MAX_ARRAY or c.items > MAX_ITEMS:
+            raise IntegrityError(f"{c.path}: metadata {key!r} is an array of {count} entries (at most {MAX_ARRAY}, "
+                                 f"{MAX_ITEMS} in all arrays)")
         if etype == _STRING:
             c.need(count * 8, f"metadata {key!r}")  # each string has at least its 8-byte length
             return [c.string(f"metadata {key!r}") for _ in range(count)]
@@ -159,16 +174,19 @@ def _parse(buf, path: Path, size: int) -> Header:
     n_tensors, n_kv = c.unpack("<QQ", "header")
     if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
         raise IntegrityError(f"{path}: damaged header ({n_tensors} tensors, {n_kv} metadata keys)")
+    if c.pos + n_kv * MIN_KEY_BYTES + n_tensors * MIN_TENSOR_BYTES > size:
+        raise IntegrityError(f"{path} is truncated or damaged: its header lists {n_tensors} tensors and {n_kv} "
+                             f"metadata keys, more than a file of {size} bytes can hold")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = c.string("a metadata key")
+        key = c.string("a metadata key", MAX_KEY)
         vtype = c.unpack("<I", f"metadata {key!r}")
         if key in metadata:
             raise IntegrityError(f"{path}: metadata key {key!r} appears twice")
         metadata[key] = _value(c, vtype, key)
     infos = []
     for _ in range(n_tensors):
-        name = c.string("a tensor name")
+        name = c.string("a tensor name", MAX_NAME)
         ndim = c.unpack("<I", f"tensor {name!r}")
         if not 1 <= ndim <= MAX_DIMS:
             raise IntegrityError(f"{path}: tensor {name!r} has {ndim} dimensions")

