@@ -81,12 +81,16 @@ class Running:
 
     def _rank_exited(self, r: int, t: asyncio.Task) -> None:
         rc = t.result() if not t.exception() else None
-        tail = self.procs[r].stderr_tail.decode("utf-8", "replace").strip().splitlines()
+        from clusterctl.launch.ranklogs import last_lines
+
+        tail = [ln.strip() for ln in last_lines(self.procs[r].stderr_tail, 1)]
         node = self.manifest.ranks[r].node
         self.failure = f"rank {r} on {node} exited with code {rc}" + (f": {tail[-1]}" if tail else "")
         self.failed_rank = {"rank": r, "node": node, "exit_code": rc, "detail": tail[-1] if tail else ""}
 
-    async def teardown(self) -> TeardownReport:
+    async def teardown(self, before_clean=None) -> TeardownReport:
+        """Stop every rank verified (keepers first, then the sweep); ``before_clean`` runs once they are stopped,
+        before the job's node files are removed (teardown.teardown_job)."""
         if self.lease_task:
             self.lease_task.cancel()
         for p in self.procs.values():
@@ -99,7 +103,8 @@ class Running:
             # (a second signal means "exit at once" to a rank); the sweep then verifies and catches stragglers.
             await asyncio.wait([asyncio.shield(t) for t in self.waiters.values()], timeout=self.opts.grace + 5)
         try:
-            return await teardown_job(self.manifest, self.store, self.opts.ssh, grace=self.opts.grace, hs=self.hs)
+            return await teardown_job(self.manifest, self.store, self.opts.ssh, grace=self.opts.grace, hs=self.hs,
+                                      before_clean=before_clean)
         finally:
             for t in self.waiters.values():
                 with contextlib.suppress(Exception):
@@ -149,7 +154,11 @@ async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = N
             o.error("launch interrupted; everything it started was stopped")
             return 130
     stopper.cancel()
-    running = starting.result()
+    try:
+        running = starting.result()
+    except ClusterctlError as e:
+        _say_rank_log(o, e)
+        raise
     stop.clear()
     doc = running.summary()
     _say_ready(o, running, doc, detach, ready_extra)
@@ -158,6 +167,18 @@ async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = N
     code = await running.supervise(stop)
     _say_stopped(o, running, doc, code)
     return code
+
+
+def _say_rank_log(o, e: ClusterctlError) -> None:
+    """Before a failed launch's error line: the failing rank's last lines (printable, see launch/ranklogs.py)
+    and where every rank's log was kept. --json carries them in the error document instead."""
+    logs = getattr(e, "logs", None)
+    f = logs.of(logs.failing) if logs is not None else None
+    if f is None or not f.tail or o.json or o.quiet:
+        return
+    o.info(f"rank {f.rank} on {f.node}, last {len(f.tail)} line(s) of its log ({f.file}):")
+    for line in f.tail:
+        o.info(f"  {line}")
 
 
 def _say_ready(o, running: Running, doc: dict, detach: bool, ready_extra: dict | None) -> None:

@@ -27,6 +27,7 @@ from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, 
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, now_iso, this_coordinator
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
+from clusterctl.launch.ranklogs import last_lines, printable
 from clusterctl.locks import Lock, deployment_lock_path
 from clusterctl.plan.deployment import Deployment
 
@@ -211,12 +212,26 @@ async def _start_rank(run: Running, r, save) -> None:
 
 
 async def _after_failure(run: Running, launch_error: BaseException) -> BaseException | None:
-    """Tear down what a failed launch started. Returns the error to raise instead, or None: raise the original."""
+    """Tear down what a failed launch started. Returns the error to raise instead, or None: raise the original.
+
+    A launch that failed after ranks started (load, join, gate, serving, canary) keeps every rank's log under
+    ``<state>/reports/<job>/`` once the ranks are stopped and before their node files go, and its error names
+    the failing rank's last line and that folder (launch/ranklogs.py). An interrupted launch keeps nothing."""
+    failed = isinstance(launch_error, ClusterctlError) and any(r.pid for r in run.manifest.ranks)
+    kept: list = []
+
+    async def keep() -> None:
+        if failed and not kept:
+            kept.append(await _keep_logs(run, launch_error, gone))
+
+    gone = await _gone_ranks(run) if failed else {}
     try:
-        report = await run.teardown()
+        report = await run.teardown(before_clean=keep)
     except Exception as te:  # the teardown error is reported too, never instead
         report = None
         teardown_note = f"; teardown also failed: {te}"
+        with contextlib.suppress(Exception):
+            await keep()  # what the coordinator holds (a foreground rank's output) is kept all the same
     else:
         teardown_note = "" if report.ok else "; teardown could not confirm: " + "; ".join(report.survivors())
     if isinstance(launch_error, (KeyboardInterrupt, asyncio.CancelledError)):
@@ -224,14 +239,59 @@ async def _after_failure(run: Running, launch_error: BaseException) -> BaseExcep
             return LaunchFailed("launch interrupted" + teardown_note, teardown=report)
         return None
     if isinstance(launch_error, LaunchFailed):
-        launch_error.teardown = report
-        launch_error.message += teardown_note
-        launch_error.args = (launch_error.message,)
+        err = launch_error
+    elif isinstance(launch_error, ClusterctlError):
+        err = LaunchFailed(launch_error.message, hint=launch_error.hint, exit_code=launch_error.exit_code)
+    else:
         return None
-    if isinstance(launch_error, ClusterctlError):
-        return LaunchFailed(launch_error.message + teardown_note, teardown=report, hint=launch_error.hint,
-                            exit_code=launch_error.exit_code)
-    return None
+    err.teardown = report
+    if kept and kept[0] is not None:
+        from clusterctl.launch.ranklogs import explain
+
+        err = explain(err, kept[0])
+    err.message += teardown_note
+    err.args = (err.message,)
+    return None if err is launch_error else err
+
+
+async def _gone_ranks(run: Running) -> dict[int, bool]:
+    """The started ranks whose process is gone now, as the launch fails (before its teardown stops the rest),
+    each with whether it only followed another: it exited for a lost peer, lease or parent (exit 69, or a
+    marker that says so). A foreground rank's keeper has exited; a detached rank's process is dead on its node
+    (identity-checked)."""
+    from clusterctl.errors import Exit
+
+    gone = {r: run.procs[r].returncode == int(Exit.UNAVAILABLE) for r in run.procs if run.exited(r)}
+    detached = [rec for rec in run.manifest.ranks if rec.pid and rec.rank not in run.procs]
+    by_node: dict[str, list] = {}
+    for rec in detached:
+        by_node.setdefault(rec.node, []).append(rec)
+
+    async def one(node: str, recs: list) -> None:
+        targets = [{"pid": x.pid, "start_time": x.start_time, "nonce": run.manifest.nonce, "pgid": x.pgid,
+                    "boot_id": x.boot_id} for x in recs]
+        with contextlib.suppress(ClusterctlError, KeyError, TypeError):
+            ans = await run.hs[node].op("alive", {"targets": targets}, timeout=30)
+            for x, st in zip(recs, ans["status"]):
+                if st in ("dead", "foreign"):
+                    mk = rf.parse_marker(await run.hs[node].read_json(x.marker_path))
+                    gone[x.rank] = mk is not None and (mk.state == "lost" or "lost a ring peer" in (mk.error or ""))
+
+    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
+    return gone
+
+
+async def _keep_logs(run: Running, error: BaseException, gone: dict[int, bool]):
+    """Every rank's log into ``<state>/reports/<job>/``; None when even that folder cannot be made."""
+    from clusterctl.launch.ranklogs import failing_rank, keep_logs
+    from clusterctl.launch.teardown import reports_dir
+
+    try:
+        logs = await keep_logs(run, reports_dir(run.store) / run.manifest.job_id)
+    except (OSError, ClusterctlError):
+        return None
+    logs.failing = failing_rank(error, run, gone)
+    return logs
 
 
 async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout: float, what: str,
@@ -243,10 +303,10 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
         for r in ranks:
             p = run.procs.get(r.rank)
             if p is not None and run.exited(r.rank):
-                tail = p.stderr_tail.decode("utf-8", "replace").strip().splitlines()
+                tail = last_lines(p.stderr_tail)
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited with code {p.returncode} before it was ready"
-                                   + (f": {tail[-1]}" if tail else ""),
-                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:])}])
+                                   + (f": {tail[-1].strip()}" if tail else ""),
+                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail)}])
         # one long poll per node (answers as soon as its markers are there, one failed, or a detached rank's
         # process is gone); a foreground rank that exits is noticed within one poll
         by_node: dict[str, list] = {}
@@ -265,10 +325,10 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
             st = mk.state if mk else "starting"
             last[r.rank] = st
             if st == "failed":
-                raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {mk.error or 'no reason given'}",
+                raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {printable(mk.error or 'no reason given')}",
                                    ranks=[{"rank": r.rank, "node": r.node, "error": mk.error}])
             if exited is not None:
-                tail = [str(x) for x in exited.get("log_tail") or []]
+                tail = [printable(str(x)) for x in exited.get("log_tail") or []]
                 log_path = run.manifest.ranks[r.rank].log_path
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited before it was ready"
                                    + (f": {tail[-1]}" if tail else f" (nothing in {log_path})"),

@@ -139,11 +139,16 @@ async def clean_job(m: LaunchManifest, hs: dict[str, NodeHandle]) -> None:
 
 
 async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions, *,
-                       grace: float = DEFAULT_GRACE, hs: dict[str, NodeHandle] | None = None) -> TeardownReport:
+                       grace: float = DEFAULT_GRACE, hs: dict[str, NodeHandle] | None = None,
+                       before_clean=None) -> TeardownReport:
+    """Stop every rank verified; only then remove the node files and the manifest. ``before_clean``: awaited
+    once the ranks are stopped, before their files go (a failed launch keeps their logs there)."""
     own = hs is None
     hs = hs or handles(m.nodes, ssh)
     try:
         report = await stop_job(m, hs, grace=grace)
+        if before_clean is not None:
+            await before_clean()
         if report.ok:
             await clean_job(m, hs)
             report.manifest_removed = True

@@ -1,0 +1,207 @@
+"""A failed launch explains itself: every rank's log is kept under ``<state>/reports/<job>/`` before the
+teardown removes the node files, and the failing rank's last lines go into the error.
+
+Where a rank's output lives: a detached rank writes ``<job>-rank<r>.log`` in its node's runtime dir (read here
+through the node's transport, the last ``KEEP_BYTES`` of it); a foreground rank writes to its keeper's channel,
+of which the coordinator keeps the last 64 KiB (transport.StartedProcess). A node that cannot be reached is noted
+in the index (``ranks.json``) and the error, never fatal: the launch error is what matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clusterctl.errors import ClusterctlError, LaunchFailed
+
+KEEP_BYTES = 4 << 20  # the last 4 MiB of each rank's log
+TAIL_LINES = 20  # of the failing rank, in --json (the error line carries the last one)
+LINE_CHARS = 500
+READ_TIMEOUT = 60.0
+
+# Run on the node with its own Python (argv: path, limit): the file's size on the first line, then its last
+# ``limit`` bytes. Never follows a symlink, never blocks on a FIFO planted at the path, reads regular files only.
+_TAIL_PY = r"""
+import os, stat, sys
+path, limit = sys.argv[1], int(sys.argv[2])
+try:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+except OSError as e:
+    sys.stderr.write(f"cannot open {path}: {e.strerror or e}\n"); sys.exit(3)
+st = os.fstat(fd)
+if not stat.S_ISREG(st.st_mode):
+    sys.stderr.write(f"{path} is not a regular file\n"); sys.exit(3)
+os.lseek(fd, max(0, st.st_size - limit), 0)
+out = sys.stdout.buffer
+out.write(b"%d\n" % st.st_size)
+left = limit
+while left > 0:
+    b = os.read(fd, min(left, 1 << 20))
+    if not b:
+        break
+    out.write(b); left -= len(b)
+out.flush()
+"""
+
+
+def printable(text: str, limit: int = LINE_CHARS) -> str:
+    """One line of untrusted output (a rank's log) made safe for a terminal and a one-line error: control and
+    format characters (ANSI escapes, carriage returns, bidi overrides) shown as escapes, trailing blanks
+    dropped (the indentation of a traceback kept), cut to ``limit``."""
+    out = []
+    for ch in text:
+        if ch == "\t":
+            out.append(" ")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    s = "".join(out).rstrip()
+    return s if len(s) <= limit else s[:limit] + "…"
+
+
+def last_lines(data: bytes, n: int = TAIL_LINES) -> list[str]:
+    """The last ``n`` non-empty lines of a log, each made printable."""
+    lines = [ln for ln in data[-(n * 4096):].decode("utf-8", "replace").splitlines() if ln.strip()]
+    return [printable(ln) for ln in lines[-n:]]
+
+
+@dataclass
+class KeptLog:
+    rank: int
+    node: str
+    file: str | None = None  # where it was kept; None when it could not be read
+    bytes: int = 0
+    truncated: bool = False  # only the last KEEP_BYTES (a detached rank) or 64 KiB (a foreground one)
+    source: str = ""  # the node's log path, or "keeper channel"
+    error: str | None = None
+    tail: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "node": self.node, "file": self.file, "bytes": self.bytes,
+                "truncated": self.truncated, "source": self.source, "error": self.error}
+
+
+@dataclass
+class KeptLogs:
+    folder: Path
+    ranks: list[KeptLog]
+    failing: int | None = None  # the rank whose last lines explain the failure
+
+    def of(self, rank: int | None) -> KeptLog | None:
+        return next((k for k in self.ranks if k.rank == rank), None)
+
+    def to_json(self) -> dict:
+        f = self.of(self.failing)
+        return {"folder": str(self.folder), "failing_rank": self.failing,
+                "failing_tail": f.tail if f else [], "ranks": [k.to_json() for k in self.ranks]}
+
+
+async def _read_node_log(h, path: str) -> tuple[int, bytes]:
+    """(size, last KEEP_BYTES) of a log on a node, through its transport (a local node runs the same)."""
+    res = await h.transport.run([h.transport.python, "-c", _TAIL_PY, path, str(KEEP_BYTES)], timeout=READ_TIMEOUT)
+    if res.returncode != 0:
+        why = res.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise ClusterctlError(printable(why[-1]) if why else f"reading {path} exited {res.returncode}")
+    head, _, data = res.stdout.partition(b"\n")
+    return int(head), data
+
+
+async def _collect(run, r) -> tuple[KeptLog, bytes]:
+    rec = run.manifest.ranks[r.rank]
+    k = KeptLog(rank=r.rank, node=r.node)
+    p = run.procs.get(r.rank)
+    if p is not None:
+        from clusterctl.launch.transport import TAIL_BYTES
+
+        err, out = p.stderr_tail, p.stdout_tail
+        data = err + (b"\n--- stdout ---\n" + out if out.strip() else b"")
+        k.source, k.truncated = "keeper channel", len(err) >= TAIL_BYTES or len(out) >= TAIL_BYTES
+        return k, data
+    if not rec.pid:
+        k.error = "never started"
+        return k, b""
+    if not rec.log_path:
+        k.error = "no log file"
+        return k, b""
+    k.source = rec.log_path
+    try:
+        size, data = await _read_node_log(run.hs[r.node], rec.log_path)
+    except (ClusterctlError, OSError, ValueError, TimeoutError) as e:
+        k.error = printable(getattr(e, "message", None) or str(e) or type(e).__name__)
+        return k, b""
+    k.truncated = size > len(data)
+    return k, data
+
+
+async def keep_logs(run, folder: Path) -> KeptLogs:
+    """Copy every started rank's log of ``run`` into ``folder`` (``rank<r>.log``, atomically, 0600) and write
+    the index ``ranks.json``. Per-rank problems are noted, never raised."""
+    from clusterctl.atomic import atomic_write_bytes, atomic_write_json
+
+    ranks = sorted(run.manifest.ranks, key=lambda r: r.rank)
+    got = await asyncio.gather(*(_collect(run, r) for r in ranks), return_exceptions=True)
+    kept = []
+    for r, g in zip(ranks, got):
+        if isinstance(g, BaseException):
+            kept.append(KeptLog(rank=r.rank, node=r.node, error=printable(str(g) or type(g).__name__)))
+            continue
+        k, data = g
+        if k.error is None:
+            try:
+                path = folder / f"rank{r.rank}.log"
+                await asyncio.to_thread(atomic_write_bytes, path, data, mode=0o600)
+                k.file, k.bytes, k.tail = str(path), len(data), last_lines(data)
+            except (OSError, ClusterctlError) as e:
+                k.error = f"cannot write {folder}: {getattr(e, 'message', None) or e}"
+        kept.append(k)
+    logs = KeptLogs(folder=folder, ranks=kept)
+    try:
+        await asyncio.to_thread(atomic_write_json, folder / "ranks.json", {"ranks": [k.to_json() for k in kept]})
+    except (OSError, ClusterctlError):
+        pass  # the logs themselves are what matters
+    return logs
+
+
+def failing_rank(error: BaseException, run, gone: dict[int, bool]) -> int | None:
+    """The rank whose log explains ``error``: the one the error names, else the first whose process was gone
+    when the launch failed (one that failed on its own before one that only followed a lost peer: ``gone``
+    maps rank -> followed), else rank 0 (it answered the canary and waits for every other rank)."""
+    named = [x.get("rank") for x in getattr(error, "ranks", None) or [] if isinstance(x, dict)]
+    if named and isinstance(named[0], int):
+        return named[0]
+    if gone:
+        return min(gone, key=lambda r: (gone[r], r))
+    return 0 if run.manifest.ranks else None
+
+
+class LaunchFailedWithLogs(LaunchFailed):
+    """A LaunchFailed whose ranks' logs were kept: its JSON names the folder, each file and the failing rank's
+    last lines (``logs``); ``kind`` stays ``LaunchFailed``."""
+
+    def __init__(self, e: LaunchFailed, logs: KeptLogs):
+        super().__init__(e.message, ranks=e.ranks, teardown=e.teardown, hint=e.hint, exit_code=e.exit_code)
+        self.logs = logs
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out["kind"] = "LaunchFailed"
+        out["logs"] = self.logs.to_json()
+        return out
+
+
+def explain(e: LaunchFailed, logs: KeptLogs) -> LaunchFailedWithLogs:
+    """The launch error with the failing rank's last line (unless the error already carries it) and where
+    the logs are, still one line."""
+    f = logs.of(logs.failing)
+    msg = e.message
+    if f is not None and f.tail and f.tail[-1].strip() not in msg:
+        msg += f"; rank {f.rank} on {f.node} last logged: {f.tail[-1].strip()}"
+    unread = [f"rank {k.rank} on {k.node}: {k.error}" for k in logs.ranks if k.error and k.error != "never started"]
+    msg += f"; rank logs kept in {logs.folder}" + (f" (not kept: {'; '.join(unread)})" if unread else "")
+    out = LaunchFailedWithLogs(e, logs)
+    out.message = msg
+    out.args = (msg,)
+    return out
