@@ -320,7 +320,11 @@ def test_request_bodies(tokenizer):
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
                     marker_path="/r/m", gate_path="/r/g")
-    builder = RequestBuilder(spec, context=512)
+    from clusterctl.launch.rank.admission import Limits, Preparer
+
+    builder = RequestBuilder(spec, Limits(context=512, model_context=4096, vocab=len(tokenizer.get_vocab()),
+                                          token_bytes=82))
+    preparer = Preparer(tokenizer)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.5, "top_p": 0.9,
             "stop": ["x"], "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
     completion = {"prompt": "def f():", "max_tokens": 8, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1}
@@ -328,7 +332,7 @@ def test_request_bodies(tokenizer):
     def one(kind, body):
         try:
             job = builder.chat(body) if kind == "chat" else builder.completion(body)
-            req = job.prepare(tokenizer)
+            req = preparer.prepare(job)
         except ApiError as e:
             assert 400 <= e.status < 500 and e.message, (e.status, e.message)
             count("refused")

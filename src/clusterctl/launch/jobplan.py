@@ -200,7 +200,7 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                "lease_path": rf.lease_path(d, job_id) if lease_seconds else None,
                "lease_seconds": lease_seconds or DEFAULT_LEASE, "embedding_offload": dep.embedding_offload,
                "abort_grace_s": abort_grace_s, "compute_nice": compute_nice, "max_batch": dep.batch_slots,
-               "max_queue": opts.max_queue}
+               "max_queue": opts.max_queue, "context_tokens": dep.options.context if r.rank == 0 else None}
         spec = parse_rank_spec(doc, source=f"the rank contract of rank {r.rank} on {r.node}")
         ranks.append(PlannedRank(rank=r.rank, node=r.node, runtime_dir=d, spec=spec, record=rec))
         key_id, key_text = trusted_key

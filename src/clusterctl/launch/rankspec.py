@@ -77,6 +77,9 @@ class RankSpec(BaseModel):
     schedule: Literal["lockstep", "overlap"] = "overlap"
     # the prompt cache (launch/rank/promptcache.py): tokens of KV every rank keeps for reuse (0: off)
     prompt_cache_tokens: int = Field(default=0, ge=0, le=1 << 26)
+    # rank 0: the most tokens (prompt + completion) one request may hold: the plan's per-slot context, for which
+    # every rank reserved KV (None: the model's own max_position_embeddings, a contract from before)
+    context_tokens: Optional[int] = Field(default=None, ge=2, le=1 << 26)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RankSpec":

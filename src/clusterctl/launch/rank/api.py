@@ -37,6 +37,7 @@ class Api:
         self.model_name = model_name
         self.state = "loading"
         self.builder: RequestBuilder | None = None
+        self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
         self._key = spec.api_key_value()
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
         self._jobs: dict[str, Job] = {}  # those requests, for the batch occupancy a scrape reads
@@ -67,8 +68,12 @@ class Api:
     def start(self) -> None:
         self._thread.start()
 
-    def serving(self, context: int) -> None:
-        self.builder = RequestBuilder(self.spec, context)
+    def serving(self, limits, tokenizer) -> None:
+        """Take requests: ``limits`` (admission.Limits) bound them, ``tokenizer`` prepares them."""
+        from clusterctl.launch.rank.admission import Preparer
+
+        self.builder = RequestBuilder(self.spec, limits)
+        self.preparer = Preparer(tokenizer, wait_s=self.spec.http_timeout_s)
         self.state = "serving"
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -83,7 +88,9 @@ class Api:
         self.httpd.server_close()
 
     def admit(self, job: Job) -> None:
-        """Take a request if the batch and the queue behind it have room; else 429 (raised as ApiError)."""
+        """Take a request if the batch and the queue behind it have room (else 429, raised as ApiError), prepare
+        it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it. On an error
+        the request holds nothing."""
         with self._lock:
             if self._inflight >= self.capacity:
                 raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
@@ -91,10 +98,22 @@ class Api:
             self._inflight += 1
             self._jobs[job.id] = job
         self.active.add(job.id)
-        if not self.jobs.put(job):
+        try:
+            job.req = self.preparer.prepare(job)
+            if not self.jobs.put(job):
+                raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+        except BaseException:
             self.active.remove(job.id)
             self.release(job)
-            raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+            raise
+
+    def leave_queue(self, job: Job) -> bool:
+        """Its client left before it joined the batch: out of the queue at once (its admission slot frees now,
+        not when the batch has room). False if the step loop took it already."""
+        if not self.jobs.remove(job):
+            return False
+        job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
+        return True
 
     def release(self, job: Job) -> None:
         """The request's HTTP side is over (answered, refused, or its client left)."""
@@ -305,6 +324,7 @@ def _handler(api: Api):
                         job.gone.set()
                         job.cancelled.set()
                         self.close_connection = True
+                        api.leave_queue(job)
                 try:
                     event = job.events.get(timeout=CLIENT_POLL_S)
                 except queue.Empty:

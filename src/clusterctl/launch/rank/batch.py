@@ -34,6 +34,7 @@ class Seq:
     parts: list[str] = field(default_factory=list)
     stops: StopMatcher = None  # type: ignore[assignment]
     stopped_by_text: bool = False
+    guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
 
     def out(self, s: str) -> None:
         if s:
@@ -85,7 +86,9 @@ class Batch:
         return list(self.by_id)
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+        from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+
+        from clusterctl.launch.rank.sampling import Guard
 
         if req.id in self.by_id:
             raise ValueError(f"request {req.id} is already in the batch")
@@ -93,11 +96,16 @@ class Batch:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
         procs = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else []
+        # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
+        guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
+        if guard is not None:
+            sampler, procs = guard.sampler, guard.procs
         n = req.cache_len if prefix is not None else 0  # tokens whose KV the prompt cache gave
         (uid,) = self.gen.insert([list(req.tokens[n:])], max_tokens=[req.max_tokens], samplers=[sampler],
                                  logits_processors=[procs], caches=[prefix] if prefix is not None else None,
                                  all_tokens=[list(req.tokens[:n])])
-        s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop))
+        s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
+                guard=guard)
         self.seqs[uid] = s
         self.by_id[req.id] = s
 
@@ -128,6 +136,11 @@ class Batch:
                 continue
             self.produced += 1
             finish = r.finish_reason
+            if s.guard is not None and s.guard.failed:  # its own values broke its sampling: it alone ends
+                self._forget(s)
+                done.append((s.req.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
+                                                 prompt_tokens=len(s.req.tokens), error=s.guard.failed)))
+                continue
             if finish == "stop" and r.token in self.eos:
                 pass  # the EOS token ends the text, it is not part of it
             else:

@@ -15,12 +15,15 @@ from clusterctl.launch.rank.pipeline import GenRequest
 
 @dataclass
 class Job:
-    """One HTTP request waiting for, or in, generation. ``prepare`` runs in the step loop (tokenizer thread)."""
+    """One HTTP request waiting for, or in, generation. ``prepare`` (template and tokenizer) runs on its HTTP
+    thread before it is queued (admission.py), and leaves ``req`` for the step loop."""
 
     id: str
     kind: str  # "chat" | "completion"
     prepare: Callable[[Any], GenRequest]
     stream: bool
+    req: GenRequest | None = None
+    prepare_s: float = 0.0  # how long its template and tokenizer took
     created: int = field(default_factory=lambda: int(time.time()))
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -93,6 +96,15 @@ class JobQueue:
             if not self._q and timeout > 0:
                 self._cv.wait(timeout)
             return self._q.popleft() if self._q else None
+
+    def remove(self, job: Job) -> bool:
+        """Take a job out before the step loop pops it (its client left while it waited)."""
+        with self._cv:
+            for i, queued in enumerate(self._q):
+                if queued is job:
+                    del self._q[i]
+                    return True
+            return False
 
     def cancel(self, ids: list[str] | None) -> list[str]:
         """Mark queued jobs cancelled (all when ``ids`` is None); the step loop ends them when it pops them."""

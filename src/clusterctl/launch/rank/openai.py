@@ -1,5 +1,5 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) checked and turned into Jobs whose tokenization
-runs later in the step loop, and OpenAI's error shape (``ApiError``): what a client may ask, refused with a 4xx
+runs next, on the request's HTTP thread (admission.py ``Preparer``), and OpenAI's error shape (``ApiError``): what a client may ask, refused with a 4xx
 before it reaches the ranks."""
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from clusterctl.launch.rank.pipeline import GenRequest
 from clusterctl.launch.rankspec import RankSpec
 
 MAX_STOPS = 4
+# below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
+# logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
+GREEDY_BELOW = 1e-6
+SEED_RANGE = (-(1 << 63), 1 << 63)  # OpenAI's seed is a signed 64-bit integer; negatives map to 2^64 + seed
 
 
 class ApiError(Exception):
@@ -52,15 +56,17 @@ def _stops(body: dict) -> list[str]:
 class RequestBuilder:
     """Turns an OpenAI request body into a Job whose ``prepare`` builds the GenRequest."""
 
-    def __init__(self, spec: RankSpec, context: int):
+    def __init__(self, spec: RankSpec, limits):
         self.spec = spec
-        self.context = context
+        self.limits = limits  # admission.Limits of the served model and the plan
+        self.context = limits.context
         self._count = 0
         self._lock = threading.Lock()
 
     def _seed(self, body: dict) -> int:
         if body.get("seed") is not None:
-            return _num(body, "seed", 0, kind=int) & 0x7FFFFFFF
+            seed = _num(body, "seed", 0, SEED_RANGE[0], SEED_RANGE[1] - 1, kind=int)
+            return seed + (1 << 64) if seed < 0 else seed  # one-to-one onto MLX's unsigned 64-bit seeds
         with self._lock:
             self._count += 1
             return (self.spec.seed * 1_000_003 + self._count) & 0x7FFFFFFF
@@ -71,12 +77,18 @@ class RequestBuilder:
         if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
             raise ApiError(400, "logprobs are not supported", param="logprobs")
         max_tokens = body.get(max_key, body.get("max_tokens"))
+        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+        top_k = _num(body, "top_k", 0, 0, 1 << 20, kind=int)
+        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", min(self.spec.max_tokens_default,
+                                                                         self.context - 1), 1, 1 << 40, kind=int)
+        if max_tokens >= self.context:  # a prompt holds one token at least
+            raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
+                                f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
         return dict(
-            max_tokens=_num({"max_tokens": max_tokens}, "max_tokens", self.spec.max_tokens_default, 1,
-                            self.context, kind=int),
-            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
-            top_k=_num(body, "top_k", 0, 0, 1 << 20, kind=int),
+            top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
             min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
             repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
                                 if body.get("repetition_penalty") is not None else None),
@@ -88,8 +100,15 @@ class RequestBuilder:
         if not tokens:
             raise ApiError(400, "the prompt is empty")
         if len(tokens) + max_tokens > self.context:
-            raise ApiError(400, f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                f"context of {self.context} tokens", code="context_length_exceeded")
+            raise ApiError(400, f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                f"{self.limits.describe()}", code="context_length_exceeded")
+
+    def _check_bytes(self, n: int) -> None:
+        """Before any tokenizing: a prompt of more bytes than the context can hold tokens is refused unread."""
+        if n > self.limits.prompt_bytes:
+            raise ApiError(400, f"the prompt ({n} bytes) cannot fit {self.limits.describe()} (no token of this "
+                                f"model stands for more than {self.limits.token_bytes} bytes)",
+                           code="context_length_exceeded")
 
     def completion(self, body: dict) -> Job:
         prompt = body.get("prompt")
@@ -101,6 +120,12 @@ class RequestBuilder:
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         params = self._common(body, "max_tokens")
+        if isinstance(prompt, str):
+            self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
+        elif len(prompt) + params["max_tokens"] > self.context:
+            self._check_len(prompt, params["max_tokens"])
+        elif any(t < 0 or t >= self.limits.vocab for t in prompt):
+            raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         job_id = "cmpl-" + secrets.token_hex(12)
 
         def prepare(tokenizer) -> GenRequest:
@@ -108,9 +133,6 @@ class RequestBuilder:
                 add = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
-                vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else None
-                if vocab and any(t < 0 or t >= max(vocab, 1) for t in prompt):
-                    raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
                 tokens = list(prompt)
             self._check_len(tokens, params["max_tokens"])
             return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
@@ -137,6 +159,7 @@ class RequestBuilder:
                 raise ApiError(400, "message content must be a string", param="messages")
             clean.append({"role": m["role"], "content": content})
         params = self._common(body, "max_completion_tokens")
+        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in clean))
         job_id = "chatcmpl-" + secrets.token_hex(12)
 
         def prepare(tokenizer) -> GenRequest:
@@ -148,7 +171,3 @@ class RequestBuilder:
 
         return Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
 
-
-def context_length(config: dict) -> int:
-    v = config.get("max_position_embeddings")
-    return int(v) if isinstance(v, int) and v > 0 else 4096

@@ -386,6 +386,12 @@ class OverlapBatch:
         self.produced += 1
         s = r.seq
         finish = None
+        if r.sampler.failed:  # its own values broke its sampling: it alone ends (its row leaves as answered)
+            r.done = True
+            if on_done is not None:
+                on_done(r.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
+                                        prompt_tokens=len(r.req.tokens), error=r.sampler.failed))
+            return
         if token in self.eos:
             finish = "stop"  # the EOS token ends the text, it is not part of it
         else:

@@ -290,8 +290,9 @@ class GenRequest:
 class GenResult:
     tokens: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "cancelled" | "shutdown"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "shutdown" | "error"
     prompt_tokens: int
+    error: Optional[str] = None  # "error": why this request failed (its own values, not the rank's state)
 
 
 class StopMatcher:

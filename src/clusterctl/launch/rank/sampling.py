@@ -4,6 +4,11 @@ mlx-lm's samplers draw from MLX's global random state, so a request's tokens at 
 else was sampled before it in the same batch. Here each request owns a key, made from its seed and split once
 per token, so a request with a ``seed`` gives the same tokens whatever else is in the batch. The filters (top-p,
 min-p, top-k, in mlx-lm's order) and the logits processors (repetition penalty) are mlx-lm's own.
+
+A request's values are checked against the model at admission (openai.py), but no value may ever end a rank:
+a filter or processor that raises while its row's graph is built makes that row fall back to the argmax and
+marks the request failed (``failed``), and the batch ends that request alone with an error. The fallback is the
+same on every rank (the same inputs raise the same way), so the ranks stay in step.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from clusterctl.launch.rank.pipeline import GenRequest
 
 class RowSampler:
     """How one request's next token is chosen from its logits."""
+
+    failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
 
     def __init__(self, req: GenRequest):
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -38,6 +45,13 @@ class RowSampler:
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits`` of shape (1, vocab) -> the token, shape (1,)."""
+        try:
+            return self._sample(logits)
+        except Exception as e:  # the request's values, not the rank's state: this row alone fails
+            self.failed = failure(e)
+            return mx.argmax(logits, axis=-1)
+
+    def _sample(self, logits: mx.array) -> mx.array:
         if self.procs:
             context = mx.array(self.history)
             for proc in self.procs:
@@ -53,6 +67,40 @@ class RowSampler:
     def took(self, token: int) -> None:
         if self.history is not None:
             self.history.append(token)
+
+
+def failure(e: Exception) -> str:
+    """One line saying why a request's sampling failed."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"sampling failed for this request: {type(e).__name__}{': ' + text if text else ''}"[:300]
+
+
+class Guard:
+    """mlx-lm's sampler and logits processors of one request in the lockstep batch (batch.py), guarded like
+    ``RowSampler``: what raises falls back (the argmax; the logits unchanged) and ``failed`` says why."""
+
+    def __init__(self, sampler, procs: list):
+        self.failed: str | None = None
+        self._sampler = sampler
+        self.sampler = self._sample
+        self.procs = [self._proc(p) for p in procs]
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        try:
+            return self._sampler(logprobs)
+        except Exception as e:
+            self.failed = self.failed or failure(e)
+            return mx.argmax(logprobs, axis=-1)
+
+    def _proc(self, proc):
+        def run(tokens, logits):
+            try:
+                return proc(tokens, logits)
+            except Exception as e:
+                self.failed = self.failed or failure(e)
+                return logits
+
+        return run
 
 
 def sample_rows(samplers: list[RowSampler], logits: mx.array) -> mx.array:

@@ -229,7 +229,7 @@ class StepLoop:
                              if self.pcache.on else None)
 
     def _take(self, room: int) -> list[tuple[GenRequest, Job | None]]:
-        """Rank 0: queued jobs for the free slots, tokenized (the tokenizer lives on this thread)."""
+        """Rank 0: queued jobs for the free slots (prepared on their HTTP threads), with their prompt-cache hits."""
         out: list[tuple[GenRequest, Job | None]] = []
         while len(out) < room:
             wait = 0.1 if self.world == 1 and not self.batch and not out else 0.0
@@ -239,12 +239,11 @@ class StepLoop:
             if job.cancelled.is_set():  # cancelled while queued: never started
                 job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
                 continue
-            req = self._prepare(job)
-            if req is not None:
-                hit = self.pcache.lookup(req.tokens) if self.pcache.on else None
-                if hit is not None:
-                    req.cache_from, req.cache_len = hit
-                out.append((req, job))
+            req = job.req
+            hit = self.pcache.lookup(req.tokens) if self.pcache.on else None
+            if hit is not None:
+                req.cache_from, req.cache_len = hit
+            out.append((req, job))
         return out
 
     @staticmethod
@@ -371,16 +370,10 @@ class StepLoop:
     @staticmethod
     def _finish(job: Job, res: GenResult) -> None:
         job.finished_at = time.monotonic()
+        if res.error is not None:  # the request's own values failed it (sampling.py): its client alone hears it
+            job.events.put(("error", ApiError(400, res.error)))
+            return
         job.events.put(("done", res))
-
-    def _prepare(self, job: Job) -> GenRequest | None:
-        try:
-            return job.prepare(self.tokenizer)
-        except ApiError as e:
-            job.events.put(("error", e))
-        except Exception as e:  # a template or tokenizer failure is the request's problem, not the rank's
-            job.events.put(("error", ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {e}")))
-        return None
 
     def _apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
