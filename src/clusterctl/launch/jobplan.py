@@ -51,6 +51,7 @@ class LaunchOptions:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # more tenants: name -> key (docs/security.md)
     seed: int = 0
     max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
     canary: bool = True
@@ -162,6 +163,8 @@ def contract_payload(spec: RankSpec) -> dict:
     doc = spec.model_dump(mode="json", exclude_unset=True)
     if "api_key" in doc:
         doc["api_key"] = spec.api_key_value()
+    if "api_keys" in doc:
+        doc["api_keys"] = {name: k.get_secret_value() for name, k in spec.api_keys.items()}
     return doc
 
 
@@ -196,6 +199,7 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                "layer_counts": counts, "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,
                "api_key": opts.api_key if r.rank == 0 else None, "seed": opts.seed,
+               **({"api_keys": dict(opts.api_keys)} if r.rank == 0 and opts.api_keys else {}),
                "runtime_dir": d, "marker_path": rec.marker_path, "gate_path": rf.gate_path(d, job_id),
                "lease_path": rf.lease_path(d, job_id) if lease_seconds else None,
                "lease_seconds": lease_seconds or DEFAULT_LEASE, "embedding_offload": dep.embedding_offload,

@@ -47,6 +47,9 @@ class RankSpec(BaseModel):
     http_host: str = "127.0.0.1"
     http_port: Optional[int] = Field(default=None, ge=0, le=65535)
     api_key: Optional[SecretStr] = None
+    # rank 0: more callers, each with its own key and its own prompt-cache partition (tenant name -> key); the
+    # api_key above is the tenant "default"
+    api_keys: dict[Name, SecretStr] = Field(default_factory=dict, max_length=1024)
     seed: int = Field(default=0, ge=0, lt=2**31)
     runtime_dir: str
     marker_path: str
@@ -136,6 +139,13 @@ class RankSpec(BaseModel):
 
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    def tenant_keys(self) -> dict[str, str]:
+        """Every key rank 0 accepts, by tenant name ("default": api_key)."""
+        keys = {name: k.get_secret_value() for name, k in self.api_keys.items()}
+        if self.api_key is not None:
+            keys.setdefault("default", self.api_key.get_secret_value())
+        return keys
 
 
 def parse_rank_spec(obj: object, *, source: str = "rank spec") -> RankSpec:

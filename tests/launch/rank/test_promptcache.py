@@ -72,3 +72,13 @@ def test_a_cache_of_no_budget_keeps_nothing_but_counts_ids_alike():
     pc = PromptCache(0)
     assert not pc.on and pc.save(kv(5), 5, None) == 1 and pc.save(kv(5), 5, None) == 2 and len(pc) == 0
     assert prefix_copy(KVCache(), 3).keys is None
+
+
+def test_an_entry_is_reused_only_within_its_partition():
+    pc = PromptCache(1000)
+    a = pc.save(kv(20), 20, list(range(20)), partition="alice")
+    assert pc.lookup(list(range(25)), "alice") == (a, 20)
+    assert pc.lookup(list(range(25)), "bob") is None
+    assert pc.lookup(list(range(25))) is None  # no partition is a partition of its own
+    b = pc.save(kv(20), 20, list(range(20)), partition="bob")
+    assert pc.lookup(list(range(25)), "bob") == (b, 20) and pc.lookup(list(range(25)), "alice") == (a, 20)

@@ -166,3 +166,45 @@ def test_a_client_that_leaves_while_queued_frees_its_admission_slot_at_once(mode
         r3 = third.getresponse()
         assert r3.status == 200, r3.read()
         third.close()
+
+
+def _hit_tokens(c: RankCluster, key: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("clusterctl_prompt_cache_hit_tokens_total"))
+
+
+def test_tenants_and_cache_salts_partition_the_prompt_cache(model, tmp_path):
+    """Two keys, two tenants: a prompt one tenant sent is never a cache hit for the other (the hit counter of
+    /metrics, readable by every key holder, used to confirm another client's secret prefix token by token); a
+    cache_salt splits one tenant's requests the same way; a wrong key is still refused."""
+    keys = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
+    c = RankCluster(tmp_path, model, [8], overrides={"api_keys": keys, "prompt_cache_tokens": 4096}, tag="tenants")
+    with c.up():
+        def ask(key: str, salt: str | None = None) -> None:
+            body = {"prompt": "the employee id of the secret account is 4711 and the pin", "max_tokens": 2,
+                    "temperature": 0, **({"cache_salt": salt} if salt else {})}
+            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            r.read()
+            conn.close()
+
+        ask(keys["alice"])
+        base = _hit_tokens(c, keys["bob"])
+        ask(keys["bob"])  # the same prompt, another tenant: no reuse
+        assert _hit_tokens(c, keys["bob"]) == base
+        ask(keys["alice"])  # the same tenant: reused
+        hit = _hit_tokens(c, keys["alice"])
+        assert hit > base
+        ask(keys["alice"], salt="s1")  # the same tenant, another salt: no reuse
+        assert _hit_tokens(c, keys["alice"]) == hit
+        ask(keys["alice"], salt="s1")
+        assert _hit_tokens(c, keys["alice"]) > hit
+        status, out = post(c, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})  # no key
+        assert status == 401, out

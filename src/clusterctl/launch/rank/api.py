@@ -38,7 +38,7 @@ class Api:
         self.state = "loading"
         self.builder: RequestBuilder | None = None
         self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
-        self._key = spec.api_key_value()
+        self._keys = [(name, key.encode()) for name, key in spec.tenant_keys().items()]
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
         self._jobs: dict[str, Job] = {}  # those requests, for the batch occupancy a scrape reads
         self.capacity = spec.max_batch + spec.max_queue
@@ -127,12 +127,22 @@ class Api:
             jobs = list(self._jobs.values())
         return sum(1 for j in jobs if j.started_at is not None and j.finished_at is None)
 
-    def authorized(self, header: str | None) -> bool:
-        if self._key is None:
-            return True
+    def tenant(self, header: str | None) -> str | None:
+        """The caller's tenant by its key (every key compared, in constant time each); "" for an open API; None
+        for a missing or wrong key."""
+        if not self._keys:
+            return ""
         if not header or not header.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(header[7:].strip().encode(), self._key.encode())
+            return None
+        given = header[7:].strip().encode()
+        found = None
+        for name, key in self._keys:
+            if hmac.compare_digest(given, key) and found is None:
+                found = name
+        return found
+
+    def authorized(self, header: str | None) -> bool:
+        return self.tenant(header) is not None
 
 
 def _handler(api: Api):
@@ -270,7 +280,9 @@ def _handler(api: Api):
                 body = self._body()
                 if api.state != "serving" or api.builder is None:
                     raise ApiError(503, f"not serving ({api.state})", type="server_error")
-                job = api.builder.chat(body) if path == "/v1/chat/completions" else api.builder.completion(body)
+                tenant = api.tenant(self.headers.get("Authorization"))
+                job = api.builder.chat(body, tenant) if path == "/v1/chat/completions" \
+                    else api.builder.completion(body, tenant)
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
                     if isinstance(body.get("stream_options") or {}, dict) else False
                 want_ids = bool(body.get("return_token_ids"))

@@ -159,7 +159,7 @@ class Batch:
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
             if self.pcache is not None and cache is not None:
-                self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took)
+                self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took, partition=s.req.partition)
             del self.seqs[s.uid]
             del self.by_id[s.req.id]
             done.append((s.req.id, s.result(finish)))

@@ -4,6 +4,8 @@ before it reaches the ranks."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import secrets
 import threading
@@ -13,6 +15,7 @@ from clusterctl.launch.rank.pipeline import GenRequest
 from clusterctl.launch.rankspec import RankSpec
 
 MAX_STOPS = 4
+MAX_SALT = 1024  # characters of a cache_salt
 # below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
 # logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
 GREEDY_BELOW = 1e-6
@@ -71,7 +74,17 @@ class RequestBuilder:
             self._count += 1
             return (self.spec.seed * 1_000_003 + self._count) & 0x7FFFFFFF
 
-    def _common(self, body: dict, max_key: str) -> dict:
+    @staticmethod
+    def _partition(body: dict, tenant: str | None) -> str:
+        """The prompt-cache partition of a request: its caller's tenant and its cache_salt (promptcache.py)."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
+            raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT} characters",
+                           param="cache_salt")
+        ident = json.dumps([tenant or "", salt]).encode("utf-8", "surrogatepass")
+        return hashlib.sha256(ident).hexdigest()[:32]
+
+    def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
         if body.get("n", 1) not in (1, None):
             raise ApiError(400, "only n=1 is supported", param="n")
         if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
@@ -94,6 +107,7 @@ class RequestBuilder:
                                 if body.get("repetition_penalty") is not None else None),
             seed=self._seed(body),
             stop=_stops(body),
+            partition=self._partition(body, tenant),
         )
 
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
@@ -110,7 +124,7 @@ class RequestBuilder:
                                 f"model stands for more than {self.limits.token_bytes} bytes)",
                            code="context_length_exceeded")
 
-    def completion(self, body: dict) -> Job:
+    def completion(self, body: dict, tenant: str | None = None) -> Job:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -119,7 +133,7 @@ class RequestBuilder:
                 raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        params = self._common(body, "max_tokens")
+        params = self._common(body, "max_tokens", tenant)
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
         elif len(prompt) + params["max_tokens"] > self.context:
@@ -139,7 +153,7 @@ class RequestBuilder:
 
         return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
 
-    def chat(self, body: dict) -> Job:
+    def chat(self, body: dict, tenant: str | None = None) -> Job:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
@@ -158,7 +172,7 @@ class RequestBuilder:
             if not isinstance(content, str):
                 raise ApiError(400, "message content must be a string", param="messages")
             clean.append({"role": m["role"], "content": content})
-        params = self._common(body, "max_completion_tokens")
+        params = self._common(body, "max_completion_tokens", tenant)
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in clean))
         job_id = "chatcmpl-" + secrets.token_hex(12)
 

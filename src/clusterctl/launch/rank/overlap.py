@@ -217,7 +217,7 @@ class OverlapBatch:
         r = mb.rows[i]
         count = len(r.req.tokens) - 1 + r.decoded
         tokens = (list(r.req.tokens) + r.sampled)[:count] if self.last else None
-        self.pcache.save([c.extract(i) for c in mb.cache], count, tokens, took=r.req.took)
+        self.pcache.save([c.extract(i) for c in mb.cache], count, tokens, took=r.req.took, partition=r.req.partition)
 
     def _result(self, r: Row, finish: str) -> GenResult | None:
         s = r.seq

@@ -268,6 +268,8 @@ class GenRequest:
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None
     cache_len: int = 0
+    # rank 0's prompt-cache partition: a hash of the caller's tenant and cache_salt (only the same one reuses)
+    partition: Optional[str] = None
 
     @property
     def took(self) -> tuple[int, int] | None:

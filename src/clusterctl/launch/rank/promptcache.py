@@ -8,6 +8,11 @@ prefix length before the meeting and sent them with the request), ``save`` when 
 leaves the batch. Evictions follow (least recently used first, until the entries hold at most ``budget`` tokens),
 so they are the same everywhere without a word on the wire. Only rank 0 knows entries' tokens (it looks them up).
 
+Partitions: an entry is reused only by a request of the same partition (a hash of the caller's tenant, i.e. its
+API key, and its ``cache_salt``). Without them, whether a prompt was served faster, or the hit counter of
+/metrics, told any caller token by token whether another caller's prompt began the same way (docs/security.md).
+The budget and the eviction order stay shared.
+
 A request reuses at most all but the last token of its prompt (the last is its first step's input), and only a
 prefix of at least ``MIN_REUSE`` tokens. Caches are only reused for models whose every layer keeps a plain
 ``KVCache`` (a prefix of it is a prefix of the sequence); sliding-window or state caches turn the cache off.
@@ -28,6 +33,7 @@ class Entry:
     cache: list  # per layer: mlx-lm's single-sequence KVCache
     count: int  # tokens held
     tokens: list[int] | None  # rank 0: the tokens whose KV this is
+    partition: str | None = None  # rank 0: whose prompt it was (only that partition reuses it)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -71,11 +77,12 @@ class PromptCache:
     def on(self) -> bool:
         return self.budget > 0
 
-    def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
-        """Rank 0: (entry id, tokens to reuse) for the entry sharing the longest prefix with ``tokens``."""
+    def lookup(self, tokens: list[int], partition: str | None = None) -> tuple[int, int] | None:
+        """Rank 0: (entry id, tokens to reuse) for the entry of ``partition`` sharing the longest prefix with
+        ``tokens``."""
         best: tuple[int, int] | None = None
         for eid, e in self.entries.items():
-            if e.tokens is None:
+            if e.tokens is None or e.partition != partition:
                 continue
             n = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
             if n >= MIN_REUSE and (best is None or n > best[1]):
@@ -93,8 +100,8 @@ class PromptCache:
         self.entries.move_to_end(eid)
         return [prefix_copy(c, n) for c in e.cache]
 
-    def save(self, cache: list, count: int, tokens: list[int] | None, *, took: tuple[int, int] | None = None
-             ) -> int:
+    def save(self, cache: list, count: int, tokens: list[int] | None, *, took: tuple[int, int] | None = None,
+             partition: str | None = None) -> int:
         """Keep a finished request's KV (``count`` tokens); returns its id. An entry it reused whole is replaced
         by it (the new one starts with the same tokens)."""
         import mlx.core as mx
@@ -108,7 +115,7 @@ class PromptCache:
         if tokens is not None:
             tokens = tokens[:count]
         mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
-        self.entries[eid] = Entry(cache=cache, count=count, tokens=tokens)
+        self.entries[eid] = Entry(cache=cache, count=count, tokens=tokens, partition=partition)
         self.held += count
         while self.held > self.budget:
             self._forget(next(iter(self.entries)))

@@ -240,7 +240,7 @@ class StepLoop:
                 job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
                 continue
             req = job.req
-            hit = self.pcache.lookup(req.tokens) if self.pcache.on else None
+            hit = self.pcache.lookup(req.tokens, req.partition) if self.pcache.on else None
             if hit is not None:
                 req.cache_from, req.cache_len = hit
             out.append((req, job))
