@@ -226,7 +226,8 @@ def _released_names(name: str, config: dict, weights: dict) -> dict:
         p = f"model.layers.{n}."
         out.update({p + "eh_proj.weight": mx.zeros((h, 2 * h)), p + "enorm.weight": mx.ones((h,)),
                     p + "hnorm.weight": mx.ones((h,)), p + "embed_tokens.weight": weights["model.embed_tokens.weight"],
-                    p + "shared_head.norm.weight": mx.ones((h,)), p + "shared_head.head.weight": weights["lm_head.weight"]})
+                    p + "shared_head.norm.weight": mx.ones((h,)),
+                    p + "shared_head.head.weight": weights["lm_head.weight"]})
         return out
     text = config["text_config"]
     for k, w in weights.items():

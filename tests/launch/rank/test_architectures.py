@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, UNBATCHABLE, WRAPPERS, build, build_hf_layout, config_of
+from archmodels import FAMILIES, RELEASED, UNBATCHABLE, WRAPPERS, build, build_hf_layout, build_released, config_of
 from rankharness import REPO, RankCluster, complete, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
@@ -83,20 +83,37 @@ def test_a_family_mlx_lm_cannot_batch_serves_requests_one_at_a_time(family, tmp_
         _check(c, path)
 
 
-@pytest.mark.parametrize("family,mtp", [("qwen3_moe", False), ("glm4_moe", True)])
-def test_a_hugging_face_moe_checkpoint_plans_and_serves_as_mlx_lm_loads_it(family, mtp, tmp_path):
-    """One tensor per expert (mlx-lm's sanitize stacks them) and, for glm4_moe, an MTP layer after the last one
-    (which it drops): the plan counts what mlx-lm keeps and says what it drops, the ranks' weight check passes,
-    and 2 ranks answer like one process."""
+def test_a_hugging_face_moe_checkpoint_plans_and_serves_as_mlx_lm_loads_it(tmp_path):
+    """One tensor per expert (mlx-lm's sanitize stacks them): the plan counts what mlx-lm keeps, the ranks'
+    weight check passes, and 2 ranks answer like one process."""
     from clusterctl.plan.model import inspect_model
 
-    path = build_hf_layout(family, REPO / ".cache" / "arch-models" / f"{family}-hf{'-mtp' if mtp else ''}",
-                           tiny_model_path(), mtp=mtp)
+    path = build_hf_layout("qwen3_moe", REPO / ".cache" / "arch-models" / "qwen3_moe-hf", tiny_model_path())
     facts = inspect_model(path)
-    stacked = inspect_model(REPO / ".cache" / "arch-models" / f"{family}-hf{'-mtp' if mtp else ''}-mlx")
-    assert facts.layer_bytes == stacked.layer_bytes and facts.num_layers == 4
-    assert any("layer(s) 4 beyond num_hidden_layers" in n for n in facts.notes) == mtp
-    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:
+    stacked = inspect_model(REPO / ".cache" / "arch-models" / "qwen3_moe-hf-mlx")
+    assert facts.layer_bytes == stacked.layer_bytes and facts.num_layers == 4 and not facts.notes
+    with RankCluster(tmp_path, path, [1, 3], tag="qwen3m").up() as c:
+        _check(c, path)
+
+
+# (released layout, decode schedule): both schedules run the same stage blocks (Skip, Recv, Send; lockstep adds
+# Gather), so each schedule once rather than every family twice (the suite's time)
+RELEASED_CASES = [("ministral3", "lockstep"), ("mistral4", "overlap"), ("glm4_moe", "overlap")]
+
+
+@pytest.mark.parametrize("name,schedule", RELEASED_CASES)
+def test_a_released_checkpoint_layout_serves_like_one_process(name, schedule, tmp_path):
+    """Checkpoints as their families publish them (tests/archmodels.py RELEASED): Ministral-3 and Mistral-4
+    (blocks called as ``block(h, attn_scale, mask, cache=c)``; a vision tower mlx-lm drops; Mistral-4's
+    ``kv_b_proj`` and fused experts, which it absorbs and splits), GLM-4.5 with its multi-token-prediction layer.
+    Plan and the launch's re-check agree on what the ranks hold, and 2 ranks answer like one process."""
+    from clusterctl.plan.model import inspect_model
+
+    path = build_released(name, REPO / ".cache" / "arch-models" / f"{name}-released", tiny_model_path())
+    facts = inspect_model(path)
+    assert facts.pipeline == "stages" and facts.num_layers == 4, facts.pipeline_reason
+    assert inspect_model(path, classify=False).layer_bytes == facts.layer_bytes
+    with RankCluster(tmp_path, path, [1, 3], tag=name[:6], overrides={"schedule": schedule}).up() as c:
         _check(c, path)
 
 
