@@ -130,23 +130,72 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-STATE_STYLE = {"serving": "green", "ready": "green", "loading": "yellow", "stopping": "yellow", "failed": "red",
-               "lost": "red",
+STATE_STYLE = {"serving": "green", "ready": "green", "loading": "yellow", "stopping": "yellow", "stopped": "yellow", "failed": "red",
+               "lost": "red", "dead": "red",
                "unreachable": "red", "no marker": "red"}
 
 
-def status_table(job: dict, *, wide: bool = False) -> Any:
-    from rich.table import Table
+class FitTable:
+    """A table that fits the terminal by leaving out its least important columns (``keep``: lower is kept
+    longer) instead of squeezing every cell to "…"; the columns shown keep their order. The title is one line,
+    cut with an ellipsis, and its ``short`` form (what matters first) when the whole one does not fit. Rendered
+    when printed, so a live view adapts to every resize. Cells are markup (escape untrusted text with esc)."""
 
+    def __init__(self, title: str, short: str, columns: list[tuple[str, str, int]]):
+        self.title, self.short = title, short
+        self.columns = columns  # (name, justify, keep)
+        self.rows: list[list[str]] = []
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(list(cells))
+
+    def shown(self, width: int) -> list[int]:
+        """The indices of the columns that fit in ``width`` cells (the first one always)."""
+        from rich.text import Text
+
+        need = [max([len(name)] + [Text.from_markup(row[i]).cell_len for row in self.rows])
+                for i, (name, _, _) in enumerate(self.columns)]
+        chosen: list[int] = []
+        for i in sorted(range(len(self.columns)), key=lambda i: self.columns[i][2]):
+            total = sum(need[j] for j in chosen) + need[i] + 2 * len(chosen)  # 2: the gap between two columns
+            if not chosen or total <= width:
+                chosen.append(i)
+        return sorted(chosen)
+
+    def __rich_console__(self, console, options):
+        from rich.table import Table
+        from rich.text import Text
+
+        width = options.max_width
+        title = Text.from_markup(self.title)
+        if title.cell_len > width:
+            title = Text.from_markup(self.short)
+        title.no_wrap, title.overflow = True, "ellipsis"
+        yield title
+        t = Table(box=None, pad_edge=False)
+        cols = self.shown(width)
+        for i in cols:
+            name, justify, _ = self.columns[i]
+            t.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
+        for row in self.rows:
+            t.add_row(*(row[i] for i in cols))
+        yield t
+
+
+def _job_state(job: dict) -> str:
+    down = job.get("ranks_down")
+    return esc(job["state"]) + (f" [red]{down}/{len(job['ranks'])} down[/red]" if down else "")
+
+
+def status_table(job: dict, *, wide: bool = False) -> Any:
     coord = "detached" if job["detached"] else (
         f"coordinator pid {job['coordinator_pid']}" + ("" if job["coordinator_alive"] else " [red](dead)[/red]"))
-    t = Table(title=esc(f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  ") + coord, title_justify="left",
-              box=None, pad_edge=False)
-    cols = ["RANK", "NODE", "HOST", "PID", "STATE", "LAYERS", "HEARTBEAT", "ACTIVE"]
+    cols = [("RANK", 0), ("NODE", 2), ("HOST", 6), ("PID", 5), ("STATE", 1), ("LAYERS", 7), ("HEARTBEAT", 3),
+            ("ACTIVE", 4)]
     if wide:
-        cols += ["REQUESTS", "CANCEL EPOCH", "PROMPT CACHE", "ENDPOINT", "ERROR"]
-    for c in cols:
-        t.add_column(c)
+        cols += [("REQUESTS", 8), ("CANCEL EPOCH", 10), ("PROMPT CACHE", 11), ("ENDPOINT", 12), ("ERROR", 9)]
+    t = FitTable(esc(f"{job['job_id']}  ") + _job_state(job) + esc(f"  {job['endpoint'] or ''}  ") + coord,
+                 _job_state(job) + esc(f"  {job['job_id']}"), [(c, "left", k) for c, k in cols])
     for r in job["ranks"]:
         st = str(r["state"])
         style = STATE_STYLE.get(st, "")
@@ -163,19 +212,23 @@ def status_table(job: dict, *, wide: bool = False) -> Any:
     return t
 
 
+# status --watch: the columns in their order, how they are aligned, and which stay longest on a narrow terminal
+WATCH_COLUMNS = [("RANK", "left", 0), ("NODE", "left", 2), ("STATE", "left", 1), ("LAYERS", "left", 7),
+                 ("BATCH", "right", 3), ("QUEUE", "right", 5), ("TOK/S", "right", 4), ("STEP", "right", 8),
+                 ("IDLE", "right", 9), ("RSS", "right", 10), ("HEARTBEAT", "left", 6), ("CACHE", "left", 12),
+                 ("LADDER", "left", 11)]
+
+
 def watch_view(doc: dict) -> Any:
     """``status --watch``: per job, per rank its state, layers, batch, queue, tok/s, step time, RSS, heartbeat age
-    and the peer-loss ladder's last stage."""
+    and the peer-loss ladder's last stage; on a narrow terminal the columns that matter most (FitTable)."""
     from rich.console import Group
-    from rich.table import Table
 
     tables = []
     for job in doc["jobs"]:
-        t = Table(title=esc(f"{job['job_id']}  {job['state']}  {job['endpoint'] or ''}  "
-                            f"{time.strftime('%H:%M:%S')}"), title_justify="left", box=None, pad_edge=False)
-        for c in ("RANK", "NODE", "STATE", "LAYERS", "BATCH", "QUEUE", "TOK/S", "STEP", "IDLE", "RSS", "HEARTBEAT",
-                  "CACHE", "LADDER"):
-            t.add_column(c, justify="right" if c in ("BATCH", "QUEUE", "TOK/S", "STEP", "IDLE", "RSS") else "left")
+        now = time.strftime('%H:%M:%S')
+        t = FitTable(esc(f"{job['job_id']}  ") + _job_state(job) + esc(f"  {job['endpoint'] or ''}  {now}"),
+                     _job_state(job) + esc(f"  {now}  {job['job_id']}"), WATCH_COLUMNS)
         for r in job["ranks"]:
             st = str(r["state"])
             style = STATE_STYLE.get(st, "")

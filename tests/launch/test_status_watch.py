@@ -3,6 +3,7 @@ run, Ctrl-C ends it with exit 0; with --json one JSON line per refresh."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,3 +108,68 @@ def test_status_watch_in_a_terminal_and_as_json_lines(tmp_path, tiny, env):
         td = cli("teardown", str(dep), "--force", env=env)
         assert td.returncode == 0, td.stderr
     assert not [m for m in manifests(tmp_path / "state") if m.get("state") not in (None, "stopped")]
+
+
+def _status(dep, env) -> dict:
+    [job] = json.loads(cli("status", str(dep), "--json", env=env, check=True).stdout)["jobs"]
+    return job
+
+
+def _wait_status(dep, env, ok, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = _status(dep, env)
+        if ok(job):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.3)
+
+
+def test_a_narrow_watch_shows_rank_node_state_and_a_dead_rank_is_dead(tmp_path, tiny, env):
+    """At 20 columns the live view keeps RANK, NODE and STATE (it once showed only "…"); a rank that stops
+    answering is `lost` once its heartbeat is stale, and `dead` once its process is gone, while the job's
+    manifest still says ready."""
+    c = local_cluster(tmp_path, (2, 6))
+    dep = tmp_path / "dep.json"
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "512", "-o", str(dep), "-q", env=env, check=True)
+    p = cli("launch", str(dep), "--detach", "--json", "--timeout", "180", env=env)
+    assert p.returncode == 0, p.stderr
+    [m] = manifests(tmp_path / "state")
+    pid1 = m["ranks"][1]["pid"]
+    session = f"narrow{os.getpid()}"
+    try:
+        environ = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        cmd = (f"env -u COLUMNS -u LINES {environ} {shlex.quote(sys.executable)} -m clusterctl status "
+               f"{shlex.quote(str(dep))} --watch --interval 0.5; echo EXIT=$?; sleep 600")
+        _tmux("new-session", "-d", "-s", session, "-x", "20", "-y", "12", cmd)
+        _tmux("resize-window", "-t", session, "-x", "20", "-y", "12")
+        rows = {r: re.compile(rf"^{r}\s+{n}\s+(\S+)\s*$", re.M) for r, n in ((0, "a"), (1, "b"))}
+
+        def both(state: str):
+            return lambda s: all((x := rows[r].search(s)) and x.group(1) == state for r in (0, 1))
+
+        screen = _wait_screen(session, both("serving"))
+        assert re.search(r"^RANK\s+NODE\s+STATE\s*$", screen, re.M), screen
+        assert screen.splitlines()[0].startswith("ready"), screen  # the title's short form: the job state first
+        assert all(len(ln) <= 20 for ln in screen.splitlines()), screen
+        # SIGSTOP: the process lives, its heartbeat stops: lost (the marker still says serving)
+        os.kill(pid1, signal.SIGSTOP)
+        job = _wait_status(dep, env, lambda j: j["ranks"][1]["state"] == "lost", timeout=20)
+        r1 = job["ranks"][1]
+        assert (r1["marker_state"], r1["process"], r1["stale"]) == ("serving", "alive", True), r1
+        assert job["state"] == "ready" and job["ranks_down"] >= 1
+        # SIGKILL: the process is gone: dead, at once (no heartbeat age to wait for)
+        os.kill(pid1, signal.SIGKILL)
+        job = _wait_status(dep, env, lambda j: j["ranks"][1]["state"] == "dead", timeout=10)
+        assert job["ranks"][1]["process"] == "dead" and job["state"] == "ready"
+        screen = _wait_screen(session, lambda s: (x := rows[1].search(s)) is not None and x.group(1) == "dead")
+        assert "…" not in "\n".join(screen.splitlines()[1:4]), screen
+        table = cli("status", str(dep), env={**env, "COLUMNS": "200"})
+        assert table.returncode == 0 and re.search(r"^1\s+b\s+\S+\s+\d+\s+dead\s", table.stderr, re.M), table.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid1, signal.SIGCONT)
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        td = cli("teardown", str(dep), "--force", env=env)
+        assert td.returncode == 0, td.stderr
+    assert manifests(tmp_path / "state") == []

@@ -4,9 +4,65 @@ from __future__ import annotations
 
 import asyncio
 
+from clusterctl.errors import ClusterctlError
 from clusterctl.launch.manifest import ManifestStore, coordinator_alive, job_ref
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, job_markers, judge
+
+LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
+DOWN = ("dead", "lost", "failed")  # a job's ranks_down counts these
+
+
+def rank_state(marker_state: str | None, process: str | None, stale: bool, reachable: bool) -> str:
+    """Pure: what status shows for a rank. A marker says what its rank last wrote; a rank that died without a
+    word (SIGKILL, OOM, a crash past its handlers) leaves it saying ``serving`` forever. So: ``dead`` when its
+    process is gone (identity-checked on its node: pid, start time, nonce), ``lost`` when its heartbeat is
+    stale while the marker claims it works (wedged, stopped, or gone where we cannot look), ``stopped`` when a
+    stopping rank's process is gone, else the marker's (``failed`` and ``lost`` are a rank's last word: they say
+    why it ended)."""
+    if not reachable:
+        return "unreachable"
+    if process in ("dead", "foreign") and marker_state in (None, "loading", "ready", "serving", "stopping"):
+        return "stopped" if marker_state == "stopping" else "dead"
+    if marker_state is None:
+        return "no marker"
+    if stale and marker_state in LIVE_STATES:
+        return "lost"
+    return marker_state
+
+
+async def _processes(m, hs) -> dict[int, str]:
+    """Each started rank's process as its node sees it: alive, dead, foreign or unverifiable (node op ``alive``);
+    a rank whose node does not answer is left out."""
+    out: dict[int, str] = {}
+    by_node: dict[str, list] = {}
+    for r in m.ranks:
+        if r.pid:
+            by_node.setdefault(r.node, []).append(r)
+
+    async def one(node: str, recs: list) -> None:
+        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
+                    "boot_id": r.boot_id} for r in recs]
+        try:
+            ans = await hs[node].op("alive", {"targets": targets}, timeout=30)
+        except ClusterctlError:
+            return
+        st = ans.get("status") if isinstance(ans, dict) else None
+        if isinstance(st, list) and len(st) == len(recs):
+            out.update({r.rank: str(x) for r, x in zip(recs, st)})
+
+    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
+    return out
+
+
+async def _look(m, ssh: SshOptions) -> tuple[dict, dict]:
+    """A job's markers and its ranks' processes, over one session per node."""
+    hs = handles(m.nodes, ssh)
+    try:
+        return await asyncio.gather(job_markers(m, ssh, hs=hs), _processes(m, hs))
+    finally:
+        await close_all(hs)
+
 
 async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
@@ -17,20 +73,22 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
         ref = job_ref(state, ref)
         good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
         bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
-    all_markers = await asyncio.gather(*(job_markers(m, ssh) for _, m in good)) if probe_nodes else [{}] * len(good)
+    looks = await asyncio.gather(*(_look(m, ssh) for _, m in good)) if probe_nodes else [({}, {})] * len(good)
     jobs = []
-    for (path, m), markers in zip(good, all_markers):
+    for (path, m), (markers, procs) in zip(good, looks):
         alive = coordinator_alive(m.coordinator)
         ranks = []
         for r in m.ranks:
             info = markers.get(r.rank, {})
             mk = clean_marker(info.get("marker") or {})
             age = info.get("age")
+            stale = age is not None and age > STALE_AFTER
             ranks.append({
                 "rank": r.rank, "node": r.node, "host": r.host, "pid": r.pid,
-                "state": mk.get("state") or ("unreachable" if "error" in info else "no marker"),
+                "state": rank_state(mk.get("state"), procs.get(r.rank), stale, "error" not in info),
+                "marker_state": mk.get("state"), "process": procs.get(r.rank),
                 "layers": [r.start_layer, r.end_layer], "heartbeat_age": age,
-                "stale": age is not None and age > STALE_AFTER,
+                "stale": stale,
                 "active_requests": len(mk.get("active_requests") or []),
                 "active_request_ids": mk.get("active_requests") or [], "cancel_epoch": mk.get("cancel_epoch"),
                 "endpoint": mk.get("endpoint"), "error": info.get("error") or mk.get("error"),
@@ -41,5 +99,6 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
         jobs.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "state": m.state,
                      "endpoint": m.endpoint, "created_at": m.created_at, "coordinator_pid": m.coordinator.pid,
                      "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
-                     "activity": q["state"] if q else None, "ranks": ranks})
+                     "activity": q["state"] if q else None, "ranks": ranks,
+                     "ranks_down": sum(x["state"] in DOWN for x in ranks) if probe_nodes else None})
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}
