@@ -117,7 +117,7 @@ def test_huge_prompts_are_refused_unread_and_never_hold_the_step_loop(cluster):
 
 def test_near_zero_temperature_is_greedy_and_seeds_are_not_folded(cluster):
     greedy = post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})[1]
-    for t in (1e-45, 1e-39, 1e-38, 1e-7):
+    for t in (1e-45, 1e-39, 1e-7):
         status, out = post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": t,
                                                         "seed": 1})
         assert status == 200 and out["choices"][0]["text"] == greedy["choices"][0]["text"], (t, out)
@@ -129,8 +129,9 @@ def test_near_zero_temperature_is_greedy_and_seeds_are_not_folded(cluster):
         return out["choices"][0]["token_ids"]
 
     # 5 and 5 + 2^31 (or 2^40) used to be the same seed: folded modulo 2^31
-    assert sampled(5) == sampled(5)
-    assert sampled(5) != sampled(5 + (1 << 31)) or sampled(5) != sampled(5 + (1 << 40))
+    five = sampled(5)
+    assert five == sampled(5)
+    assert five != sampled(5 + (1 << 31)) or five != sampled(5 + (1 << 40))
     assert sampled(-1) == sampled(-1)
     status, out = post(cluster, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "seed": 1 << 63})
     assert status == 400 and out["error"]["param"] == "seed", out
@@ -142,7 +143,7 @@ def test_a_client_that_leaves_while_queued_frees_its_admission_slot_at_once(mode
     (it waits in the queue) instead of a 429, while the first still decodes."""
     c = RankCluster(tmp_path, model, [8], overrides={"max_batch": 1, "max_queue": 1}, tag="leave")
     with c.up():
-        body = {"prompt": PROMPT, "max_tokens": 100000 // 100, "temperature": 0, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
         first = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
         first.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         r = first.getresponse()
@@ -162,6 +163,7 @@ def test_a_client_that_leaves_while_queued_frees_its_admission_slot_at_once(mode
             time.sleep(0.05)
         third = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
         third.request("POST", "/v1/completions", body=data, headers={"Content-Type": "application/json"})
+        r.close()
         first.close()  # the first leaves too: the third gets the batch
         r3 = third.getresponse()
         assert r3.status == 200, r3.read()
@@ -208,3 +210,23 @@ def test_tenants_and_cache_salts_partition_the_prompt_cache(model, tmp_path):
         assert _hit_tokens(c, keys["alice"]) > hit
         status, out = post(c, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})  # no key
         assert status == 401, out
+
+
+def test_fuzzed_requests_get_a_200_within_the_context_or_a_clean_4xx_and_end_no_rank(cluster):
+    """tests/admissionfuzz.py with a fixed seed (bench/faults.py runs it with a random one)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import admissionfuzz
+
+    from clusterctl.launch.rank.admission import limits_for
+    from mlx_lm.utils import load_tokenizer
+
+    limits = limits_for(json.loads((cluster.model_path / "config.json").read_text()),
+                        load_tokenizer(cluster.model_path), CONTEXT)
+    target = admissionfuzz.Target(port=cluster.http_port, vocab=VOCAB, context=CONTEXT,
+                                  token_bytes=limits.token_bytes)
+    tally = admissionfuzz.run(target, seed=30, n=48, alive=lambda: alive(cluster))
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.ok >= 5 and tally.refused >= 5, tally  # both kinds of answer were exercised
