@@ -258,6 +258,14 @@ def test_a_rank_lost_under_a_foreground_launch_is_an_event(tmp_path, tiny, env):
         assert [e["event"] for e in events] == ["rank_failed", "teardown"], events
         assert events[0]["rank"] == 1 and events[0]["node"] == victim["node"] and events[0]["exit_code"] == 128 + signal.SIGKILL
         assert events[1]["reason"] == "rank_failed" and events[1]["ok"] and events[1]["exit_code"] == 1
+        # every rank's output, as the keepers carried it, is kept before the teardown ends (issue 30)
+        logs = events[0]["logs"]
+        folder = tmp_path / "state" / "reports" / ready["job_id"]
+        assert logs["folder"] == str(folder) and logs["failing_rank"] == 1
+        assert [k["file"] for k in logs["ranks"]] == [str(folder / "rank0.log"), str(folder / "rank1.log")]
+        assert "loaded layers" in (folder / "rank1.log").read_text()
+        assert "rank 0" in (folder / "rank0.log").read_text()
+        assert f"rank logs kept in {folder}" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.launch.jobplan import LaunchOptions
@@ -40,6 +41,7 @@ class Running:
     failed_rank: dict | None = None  # the rank whose exit ended supervision: rank, node, exit_code, detail
     waiters: dict[int, asyncio.Task] = field(default_factory=dict)  # one wait() per foreground rank
     report: TeardownReport | None = None
+    logs: object | None = None  # ranklogs.KeptLogs of a job that ended for a rank's exit
 
     def watch(self, rank: int, p: StartedProcess) -> None:
         self.procs[rank] = p
@@ -73,7 +75,7 @@ class Running:
                     code = int(Exit.FAILED)
         finally:
             stopper.cancel()
-        report = await self.teardown()
+        report = await self.teardown(before_clean=self._keep_logs if self.failed_rank else None)
         if not report.ok:
             code = int(Exit.FAILED)
         self.report = report
@@ -87,6 +89,17 @@ class Running:
         node = self.manifest.ranks[r].node
         self.failure = f"rank {r} on {node} exited with code {rc}" + (f": {tail[-1]}" if tail else "")
         self.failed_rank = {"rank": r, "node": node, "exit_code": rc, "detail": tail[-1] if tail else ""}
+
+    async def _keep_logs(self) -> None:
+        """A rank's exit ended the job: every rank's log into ``<state>/reports/<job>/`` (launch/ranklogs.py)."""
+        from clusterctl.launch.ranklogs import keep_logs
+        from clusterctl.launch.teardown import reports_dir
+
+        try:
+            self.logs = await keep_logs(self, reports_dir(self.store) / self.manifest.job_id)
+        except (OSError, ClusterctlError):
+            return
+        self.logs.failing = self.failed_rank["rank"]
 
     async def teardown(self, before_clean=None) -> TeardownReport:
         """Stop every rank verified (keepers first, then the sweep); ``before_clean`` runs once they are stopped,
@@ -169,7 +182,7 @@ async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = N
     return code
 
 
-def _say_rank_log(o, e: ClusterctlError) -> None:
+def _say_rank_log(o, e) -> None:
     """Before a failed launch's error line: the failing rank's last lines (printable, see launch/ranklogs.py)
     and where every rank's log was kept. --json carries them in the error document instead."""
     logs = getattr(e, "logs", None)
@@ -196,9 +209,13 @@ def _say_ready(o, running: Running, doc: dict, detach: bool, ready_extra: dict |
 
 def _say_stopped(o, running: Running, doc: dict, code: int) -> None:
     if running.failure:
-        o.error(running.failure)
+        logs = running.logs
+        if logs is not None:
+            _say_rank_log(o, SimpleNamespace(logs=logs))
+        o.error(running.failure + (f"; rank logs kept in {logs.folder}" if logs is not None else ""))
         if o.json:
-            o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank})
+            o.event("rank_failed", {"job_id": doc["job_id"], **running.failed_rank,
+                                    **({"logs": logs.to_json()} if logs is not None else {})})
     report = running.report
     if o.json:
         o.event("teardown", {**report.to_json(), "reason": "rank_failed" if running.failure else "stopped",
