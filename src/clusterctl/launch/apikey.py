@@ -66,3 +66,56 @@ def check_exposure(host: str, key: str | None, *, no_key: bool) -> None:
                       "the model",
                       hint=f"export {DEFAULT_ENV}=<key> (or name another variable with --api-key-env), "
                            "or pass --no-api-key to serve an open API on purpose")
+
+
+MAX_KEYS = 1024
+_KEY = re.compile(r"^[\x21-\x7e]{16,512}$")  # printable ASCII without spaces: what a Bearer header can carry
+
+
+def api_keys_from_file(path: str | None, *, default_key: str | None = None) -> dict[str, str]:
+    """Tenants and their keys from ``path``: one ``NAME KEY`` per line (``#`` comments, blank lines). The file
+    must be a regular file readable by its owner alone (it holds secrets); a name, or a key, given twice is
+    refused (78), and so is a key that equals the default tenant's."""
+    import os
+    import stat
+
+    from clusterctl.atomic import read_capped
+    from clusterctl.names import NAME_RE
+
+    if path is None:
+        return {}
+    data = read_capped(path, limit=1 << 20, what="API keys file")
+    st = os.lstat(path)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"API keys file {clip(str(path), 120)} is readable by others (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o})", hint=f"chmod 600 {path}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"API keys file {clip(str(path), 120)} is not UTF-8 text") from None
+    keys: dict[str, str] = {}
+    seen = {default_key} if default_key else set()
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"API keys file {clip(str(path), 120)} line {n}"
+        if len(parts) != 2:  # never echo the line: it may hold a key
+            raise ConfigError(f"{where}: want NAME KEY (two fields), found {len(parts)}")
+        name, key = parts
+        if not NAME_RE.match(name):
+            raise ConfigError(f"{where}: {clip(name, 40)!r} is not a tenant name (letters, digits, . _ -)")
+        if not _KEY.match(key):
+            raise ConfigError(f"{where}: the key of {name} must be 16-512 printable characters without spaces")
+        if name in keys or (name == "default" and default_key):
+            raise ConfigError(f"{where}: tenant {name} is given twice")
+        if key in seen:
+            raise ConfigError(f"{where}: the key of {name} is another tenant's too (each tenant needs its own)")
+        keys[name] = key
+        seen.add(key)
+        if len(keys) > MAX_KEYS:
+            raise ConfigError(f"{where}: more than {MAX_KEYS} tenants")
+    if not keys:
+        raise ConfigError(f"API keys file {clip(str(path), 120)} names no tenant")
+    return keys

@@ -130,3 +130,44 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     with pytest.raises(ApiError):
         b.chat({"messages": [{"role": "user", "content": "é" * (cap // 2 + 1)}], "max_tokens": 4})
     assert b.completion({"prompt": "x" * 10, "max_tokens": 4}) is not None
+
+
+def _random_template(rng) -> str:
+    """A chat template built from pieces that can take long: nested loops, recursive macros, filters."""
+    loops = rng.randint(0, 3)
+    body = "{{ m['content'] | trim }}"
+    for i in range(loops):
+        body = f"{{% for i{i} in range({rng.choice([10, 300, 100000])}) %}}{body}{{% endfor %}}"
+    parts = [f"{{% for m in messages %}}{body}{{% endfor %}}"]
+    if rng.random() < 0.3:
+        parts.insert(0, "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+    if rng.random() < 0.3:
+        parts.append("{{ (messages | map(attribute='content') | join(' ')) | upper | replace('A', 'b') }}")
+    return "".join(parts)
+
+
+def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
+    """Templates of random shape (seeded): each renders, or is refused with a 4xx, in about its budget."""
+    import random
+
+    from clusterctl.launch.rank.admission import Preparer
+    from clusterctl.launch.rank.openai import ApiError
+
+    rng = random.Random(30)
+    outcomes = {"rendered": 0, "refused": 0}
+    for n in range(8):
+        d = tmp_path / str(n)
+        d.mkdir()
+        tok = _tokenizer_with_template(d, _random_template(rng))
+        job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
+                                  "max_tokens": 2})
+        t0 = time.monotonic()
+        try:
+            Preparer(tok, budget_s=0.3).prepare(job)
+            outcomes["rendered"] += 1
+        except ApiError as e:
+            assert 400 <= e.status < 500 and e.message
+            outcomes["refused"] += 1
+        # the budget, plus what runs outside template code (the byte cap bounds the tokenizer's share)
+        assert time.monotonic() - t0 < 10, (n, time.monotonic() - t0)
+    assert outcomes["rendered"] and outcomes["refused"], outcomes

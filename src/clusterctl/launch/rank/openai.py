@@ -179,7 +179,11 @@ class RequestBuilder:
         def prepare(tokenizer) -> GenRequest:
             if not getattr(tokenizer, "has_chat_template", True):
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
-            tokens = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+            # rendered, then measured, then tokenized (what tokenize=True does in one call): a template can make
+            # far more text than the messages hold, and tokenizing it is the slow part
+            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+            self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
+            tokens = tokenizer.encode(text, add_special_tokens=False)
             self._check_len(tokens, params["max_tokens"])
             return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
 
