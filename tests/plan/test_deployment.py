@@ -79,6 +79,22 @@ def test_does_not_fit_names_node_and_numbers(facts):
     assert e.value.exit_code == 78
 
 
+def test_does_not_fit_breakdown_adds_up_with_the_prompt_cache(facts):
+    """Every term of what a rank needs is in the line (issue 30: the prompt cache's reserve was left out, so the
+    parts did not add up to the total)."""
+    import re
+
+    with pytest.raises(DoesNotFit) as e:
+        make_deployment(cluster(mem=(1.0, 128, 192)), facts, "/m", PlanOptions(prompt_cache_gb=0.75, batch=1))
+    msg = e.value.message
+    m = re.search(r"needs ([\d.]+) GiB \(weights ([\d.]+) GiB \+ KV ([\d.]+) GiB \+ headroom ([\d.]+) GiB "
+                  r"\+ prompt cache ([\d.]+) GiB\)", msg)
+    assert m, msg
+    total, *parts = map(float, m.groups())
+    assert parts[3] == 0.75 and abs(sum(parts) - total) < 0.011, msg
+    assert "--prompt-cache-gb" in e.value.hint
+
+
 def test_kv_counts_context_and_batch(facts):
     one = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000, batch=1))
     four = make_deployment(cluster(), facts, "/m", PlanOptions(context=1000, batch=4))

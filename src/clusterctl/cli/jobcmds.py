@@ -128,7 +128,14 @@ def replan(
     schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None,
     context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
     batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
-    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path).')] = None,
+    prompt_cache_gb: Annotated[Optional[float], typer.Option("--prompt-cache-gb", help="Per-rank memory (GiB) kept "
+                                                             "for the prompt cache (0: none; default: the current "
+                                                             "deployment's).", parser=number(0, 1e6),
+                                                             metavar="GIB")] = None,
+    headroom_gb: Annotated[Optional[float], typer.Option("--headroom-gb", help="Per-rank headroom (GiB) (default: "
+                                                         "the current deployment's).", parser=number(0, 1e6),
+                                                         metavar="GIB")] = None,
+    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path); each new path is checked on its node first.')] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
     drain: DrainOpt = 0.0,
@@ -160,7 +167,8 @@ def replan(
     state = state_of(state_dir)
     ssh = ssh_options(known_hosts, accept_new_host_keys)
     given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("parallel", parallel),
-                               ("schedule", schedule), ("context", context), ("batch", batch)) if v is not None}
+                               ("schedule", schedule), ("context", context), ("batch", batch),
+                               ("prompt_cache_gb", prompt_cache_gb), ("headroom_gb", headroom_gb)) if v is not None}
     node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
                    path_map=_path_map(path_map), to=to)
@@ -171,8 +179,10 @@ def replan(
     if p.diff["unchanged"] and not p.diff["records_changed"]:
         if o.json:
             o.data({**doc, "action": "unchanged"})
-        o.info("unchanged: the plan and its records are the same; nothing to do")
+        o.info(f"unchanged: deployment {p.old.deployment_id} already runs with these options; nothing to do")
         raise typer.Exit(0)
+    # a model folder the new deployment would be the first to use is checked on its node before anything stops
+    doc["paths_checked"] = asyncio.run(rp.check_new_paths(state, p, ssh))
     if not yes and not _confirmed(o, doc):
         raise typer.Exit(int(Exit.NOT_APPLIED))
     # everything the relaunch needs is settled before anything stops: a missing key ends the replan here

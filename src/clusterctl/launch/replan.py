@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import ClusterctlError, ConfigError, MissingInput, UsageError
+from clusterctl.errors import ClusterctlError, ConfigError, IntegrityError, MissingInput, UsageError
 from clusterctl.plan.deployment import Deployment
 
 
@@ -29,6 +29,7 @@ class Proposal:
     inputs: dict = field(default_factory=dict)  # {"given": {...}, "derived": {...}}
     jobs: list = field(default_factory=list)  # live launch manifests of the old deployment
     rollback_to: str | None = None
+    new_bytes: bytes | None = None  # --to: the signed file of that deployment as kept, put back byte for byte
 
     def to_json(self) -> dict:
         return {"current": self.old.deployment_id, "new": self.new.deployment_id, "unchanged": self.diff["unchanged"],
@@ -71,13 +72,18 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
     from clusterctl.plan.replan import derive, placement_diff
 
     old_path, old, operator_file = resolve_current(state, ref)
+    new_bytes = None
     if to is not None:
+        from clusterctl.atomic import read_capped
+
         if cluster_file or nodes or options or path_map is not None:
             raise UsageError("--to takes a previous deployment as it is: give no other plan option with it")
-        _, loaded = state.load_deployment(to)
+        to_path, loaded = state.load_deployment(to)
         new = loaded.deployment
         if new.cluster != old.cluster:
             raise ConfigError(f"deployment {to} is of cluster {new.cluster}, not {old.cluster}")
+        if state.is_deployment_file(to_path):  # kept in the state dir: put back as it is, byte for byte
+            new_bytes = read_capped(to_path, what="deployment file")
         inputs = {"given": {"to": new.deployment_id}, "derived": {}}
     else:
         from clusterctl.plan.commands import fill_memory
@@ -96,9 +102,78 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
                               path_map=ins.path_map)
         new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
+    named = _named(old, new)
+    if named.deployment_id != new.deployment_id:
+        new_bytes = None  # the same deployment under the current id: re-signed as such
     jobs = [m for m in _manifests(state) if m.deployment_id == old.deployment_id]
-    return Proposal(old_path=old_path, old=old, new=new, diff=placement_diff(old, new), operator_file=operator_file,
-                    inputs=inputs, jobs=jobs, rollback_to=old.deployment_id)
+    return Proposal(old_path=old_path, old=old, new=named, diff=placement_diff(old, named),
+                    operator_file=operator_file, inputs=inputs, jobs=jobs, rollback_to=old.deployment_id,
+                    new_bytes=new_bytes)
+
+
+def _named(old: Deployment, new: Deployment) -> Deployment:
+    """The new deployment's id: the old one's when nothing in the identity differs (only measurements or the
+    manifest record: the running job stays the deployment's job, even for a file whose id predates the identity
+    hash); else its own, which never equals the old one (the old record is never overwritten)."""
+    from clusterctl.plan.deployment import identity_changes
+
+    if not identity_changes(old, new):
+        return new.model_copy(update={"deployment_id": old.deployment_id})
+    if new.deployment_id == old.deployment_id:
+        raise IntegrityError(f"deployment {old.deployment_id}: the new plan differs but would have the same id",
+                             hint="plan again with `clusterctl plan` (the old record is kept)")
+    return new
+
+
+async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
+    """Before anything stops: every model folder the new deployment uses that the current one does not (a new
+    --path-map entry, a node that joins, a deployment gone back to) is checked on its node the way launch
+    preflight checks it (the folder and its files, and the copy against the planned manifest). One error naming
+    every bad path, exit 69; nothing has changed then. Returns the ``node=path`` pairs checked."""
+    import asyncio
+
+    from clusterctl.errors import Exit, LaunchFailed
+    from clusterctl.launch.nodes import close_all, handles
+    from clusterctl.launch.preflight import copy_problem
+    from clusterctl.sync.planned import planned_manifest
+
+    todo = {n: path for n, path in p.new.path_map.items()
+            if n in {r.node for r in p.new.ranks} and p.old.path_map.get(n) != path}
+    if not todo:
+        return []
+    manifest = await asyncio.to_thread(planned_manifest, state, p.new)
+    mdoc = manifest.model_dump(mode="json") if manifest is not None else None
+    hs = handles([p.new.node(n) for n in todo], ssh)
+
+    async def one(name: str) -> str | None:
+        ans = await hs[name].op("probe", {"model_path": todo[name], "manifest": mdoc})
+        model = ans.get("model", {})
+        if not model.get("ok") and "does not exist" in model.get("error", ""):
+            return model["error"]  # said plainly, not as a copy with every file missing
+        if "model_copy" in ans:
+            bad = copy_problem(ans["model_copy"], todo[name], p.new.deployment_id)
+            if bad:
+                return bad
+        return None if model.get("ok") else model.get("error", f"model check of {todo[name]} failed")
+
+    try:
+        results = await asyncio.gather(*(one(n) for n in todo), return_exceptions=True)
+    finally:
+        await close_all(hs)
+    problems = []
+    for name, res in zip(todo, results):
+        if isinstance(res, BaseException):
+            if not isinstance(res, ClusterctlError):
+                raise res
+            res = res.message
+        if res:
+            problems.append(f"{name}: {res}")
+    if problems:
+        raise LaunchFailed(f"the new deployment {p.new.deployment_id} could not launch: " + "; ".join(problems)
+                           + f"; nothing was changed, deployment {p.old.deployment_id} stays current",
+                           hint="copy the model there (clusterctl sync), or give another --path-map",
+                           exit_code=Exit.UNAVAILABLE)
+    return [f"{n}={path}" for n, path in todo.items()]
 
 
 def speeds_seen(state, cluster: str) -> dict[str, float]:
@@ -128,8 +203,29 @@ def write_new(state, p: Proposal):
     stopped, so a full disk or a read-only folder stops the replan while the old job still serves. Returns an
     object with ``commit``/``discard`` (which do nothing when there is no operator file to swap)."""
     if not (state.deployments / f"{p.old.deployment_id}.json").exists():
-        state.save_deployment(p.old)  # the way back must stay signed in the state dir
+        _keep(state, p)  # the way back must stay signed in the state dir
+    if p.new_bytes is not None:  # --to: that deployment's file is in the state dir already, as it was kept
+        from clusterctl.atomic import stage_bytes
+
+        return stage_bytes(p.operator_file, p.new_bytes) if p.operator_file is not None else _NothingStaged()
     return state.stage_deployment(p.new, p.operator_file) or _NothingStaged()
+
+
+def _keep(state, p: Proposal) -> None:
+    """The current deployment into the state dir as the very bytes it was read from (so `--to` gives back the
+    same file, even one written by an older clusterctl), or re-signed when those bytes no longer say it."""
+    from clusterctl.atomic import atomic_write_bytes, read_capped
+    from clusterctl.plan.deployment import decode
+
+    try:
+        data = read_capped(p.old_path, what="deployment file")
+        same = decode(data, state.keyring.public_keys(), source=str(p.old_path)).deployment == p.old
+    except ClusterctlError:
+        same = False
+    if same:
+        atomic_write_bytes(state.deployments / f"{p.old.deployment_id}.json", data)
+    else:
+        state.save_deployment(p.old)
 
 
 class _NothingStaged:
@@ -160,7 +256,11 @@ def changes_of(p: Proposal) -> list[str]:
         elif r["change"] == "moves":
             a, b = r["layers_before"], r["layers_after"]
             out.append(f"{r['node']} [{a[0]},{a[1]})->[{b[0]},{b[1]})")
+        if r["path_before"] != r["path_after"] and r["change"] not in ("joins", "leaves"):
+            out.append(f"{r['node']} path {r['path_before']}->{r['path_after']}")
     out += [f"{o['field']} {o['before']}->{o['after']}" for o in p.diff["other"]]
+    if not p.diff["unchanged"] and not out:  # e.g. a node's record (memory, python, links): name the fields
+        out += [f"{f} changed" for f in p.diff["fields_changed"]]
     if p.diff["unchanged"]:
         out += [f"{c} updated" for c in p.diff["records_changed"]] or ["nothing"]
     return out
