@@ -1,14 +1,18 @@
 """Test helper: GGUF files of any content, quantized blocks included, written in numpy (no llama.cpp here).
 
-``write_gguf`` writes version 3 files; ``quantize``/``dequantize`` implement GGUF's Q4_0, Q4_1 and Q8_0 blocks
-the way llama.cpp's reference code does; ``tiny_llama`` builds a random llama in Hugging Face layout and its
-GGUF form (q/k rows permuted as llama.cpp's converter does), so an import can be compared with the original.
+``write_gguf`` writes version 3 files (``Typed`` gives a value an explicit GGUF type); ``quantize``/``dequantize``
+implement GGUF's Q4_0, Q4_1 and Q8_0 blocks the way llama.cpp's reference code does; ``tiny_llama`` builds a
+random llama in Hugging Face layout and its GGUF form (q/k rows permuted as llama.cpp's converter does), so an
+import can be compared with the original. ``count_fields`` lists where a file keeps each of its counts and
+lengths, for the fuzzer (tests/test_fuzz_gguf.py) to lie in.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,13 +85,30 @@ def _string(s: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+class Typed(NamedTuple):
+    """A metadata value written with this GGUF scalar type: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool,
+    10 u64, 11 i64, 12 f64."""
+
+    vtype: int
+    value: int | float
+
+
+SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                  12: "<d"}
+
+
 def _value(v) -> tuple[int, bytes]:
+    if isinstance(v, Typed):
+        return v.vtype, struct.pack(SCALAR_FORMATS[v.vtype], v.value)
     if isinstance(v, bool):
         return 7, struct.pack("<?", v)
     if isinstance(v, int):
-        return (4, struct.pack("<I", v)) if 0 <= v < 1 << 32 else (11, struct.pack("<q", v))
+        return ((4, struct.pack("<I", v)) if 0 <= v < 1 << 32 else (11, struct.pack("<q", v)) if v < 1 << 63
+                else (10, struct.pack("<Q", v)))
     if isinstance(v, float):
-        return 6, struct.pack("<f", v)
+        small = v != 0 and abs(v) < 1e-45  # f32 would round it to 0
+        return (12, struct.pack("<d", v)) if math.isfinite(v) and (abs(v) > 3.4e38 or small) else \
+            (6, struct.pack("<f", v))
     if isinstance(v, str):
         return 8, _string(v)
     if isinstance(v, list):
@@ -99,6 +120,57 @@ def _value(v) -> tuple[int, bytes]:
             etype, body = 5, np.asarray(v, dtype="<i4").tobytes()
         return 9, struct.pack("<IQ", etype, len(v)) + body
     raise TypeError(type(v))
+
+
+def count_fields(data: bytes) -> list[tuple[int, str, str]]:
+    """Where a version-3 file written by ``write_gguf`` keeps its counts and lengths: (byte offset, struct format,
+    what), in file order: the header's tensor and key counts; each key's length and value type; a string value's
+    length; an array's element type, length and its first string's length; each tensor's name length, dimension
+    count, dimensions, type and data offset."""
+    out = [(8, "<Q", "header: tensor count"), (16, "<Q", "header: metadata key count")]
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    pos = 24
+
+    def string(what: str) -> str:
+        nonlocal pos
+        n = struct.unpack_from("<Q", data, pos)[0]
+        out.append((pos, "<Q", f"length of {what}"))
+        pos += 8 + n
+        return data[pos - n:pos].decode("utf-8", "replace")
+
+    for _ in range(n_kv):
+        key = string("a key")
+        out[-1] = (out[-1][0], "<Q", f"length of the key {key}")
+        vtype = struct.unpack_from("<I", data, pos)[0]
+        out.append((pos, "<I", f"value type of {key}"))
+        pos += 4
+        if vtype == 8:
+            string(f"the text of {key}")
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", data, pos)
+            out += [(pos, "<I", f"element type of {key}"), (pos + 4, "<Q", f"length of array {key}")]
+            pos += 12
+            for i in range(count):
+                if etype == 8:
+                    n = struct.unpack_from("<Q", data, pos)[0]
+                    if i == 0:
+                        out.append((pos, "<Q", f"length of the first string of {key}"))
+                    pos += 8 + n
+                else:
+                    pos += struct.calcsize(SCALAR_FORMATS[etype])
+        else:
+            pos += struct.calcsize(SCALAR_FORMATS[vtype])
+    for _ in range(n_tensors):
+        name = string("a tensor name")
+        out[-1] = (out[-1][0], "<Q", f"length of the tensor name {name}")
+        ndim = struct.unpack_from("<I", data, pos)[0]
+        out.append((pos, "<I", f"dimension count of {name}"))
+        pos += 4
+        out += [(pos + 8 * i, "<Q", f"dimension {i} of {name}") for i in range(ndim)]
+        pos += 8 * ndim
+        out += [(pos, "<I", f"type of {name}"), (pos + 4, "<Q", f"data offset of {name}")]
+        pos += 12
+    return out
 
 
 def write_gguf(path: Path, metadata: dict, tensors: dict[str, tuple[str, tuple[int, ...], bytes]],

@@ -48,3 +48,35 @@ def test_alignment_must_be_a_power_of_two(tmp_path):
 def test_a_folder_is_not_a_gguf(tmp_path):
     with pytest.raises(IntegrityError, match="not a regular file"):
         read_header(tmp_path)
+
+
+def test_counts_are_bounded_before_anything_is_built(tmp_path):
+    """Each count is checked against what the file can hold (and a fixed cap) before a list or string is made."""
+    from clusterctl.gguf import MAX_ARRAY, MAX_NAME
+    from gguffiles import count_fields
+
+    path = _file(tmp_path, **{"tokenizer.ggml.tokens": ["a"] * 4})
+    data = path.read_bytes()
+    fields = {what: (off, fmt) for off, fmt, what in count_fields(data)}
+
+    def lie(what, value):
+        off, fmt = fields[what]
+        path.write_bytes(data[:off] + struct.pack(fmt, value) + data[off + struct.calcsize(fmt):])
+        with pytest.raises(IntegrityError) as e:
+            read_header(path)
+        return e.value.message
+
+    assert f"at most {MAX_ARRAY}" in lie("length of array tokenizer.ggml.tokens", MAX_ARRAY + 1)
+    assert "runs past the end" in lie("length of array tokenizer.ggml.tokens", MAX_ARRAY)
+    assert "runs past the end" in lie("length of array i", MAX_ARRAY - 1)  # numbers: 4 bytes each
+    assert f"(at most {MAX_NAME})" in lie("length of the tensor name a.weight", MAX_NAME + 1)
+    assert "(at most 65536)" in lie("length of the key general.architecture", 1 << 40)
+    assert "more than a file of" in lie("header: tensor count", 20)
+
+
+def test_value_types_are_recorded(tmp_path):
+    from gguffiles import Typed
+
+    h = read_header(_file(tmp_path, d=Typed(12, 0.25), u=Typed(10, 2**64 - 1)))
+    assert h.value_types["d"] == (12,) and h.value_types["s"] == (9, 8) and h.value_types["i"] == (9, 5)
+    assert h.metadata["u"] == 2**64 - 1 and h.metadata["d"] == 0.25

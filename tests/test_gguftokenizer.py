@@ -70,3 +70,36 @@ def test_refusals(extra, error, text):
     md = {k: v for k, v in _byte_level_md(**extra).items() if v is not None}
     with pytest.raises(error, match=text):
         build_tokenizer(md, "x.gguf")
+
+
+@pytest.mark.parametrize("extra, error, text", [
+    ({"tokenizer.ggml.pre": ["gpt2"]}, ConfigError, "pre-tokenizer ['gpt2'] is not supported"),
+    ({"tokenizer.ggml.merges": ["h e", 7]}, IntegrityError, "merges is not a list of text"),
+    ({"tokenizer.ggml.merges": ["zz qq"]}, IntegrityError, "cannot be built: Error while initializing BPE"),
+    ({"tokenizer.ggml.token_type": ["x"] * 265}, IntegrityError, "token_type is not a list of integers"),
+    ({"tokenizer.ggml.token_type": 3}, IntegrityError, "token_type has no list for 265 tokens"),
+    ({"tokenizer.chat_template": "{% endfor %}"}, ConfigError, "chat template does not parse (line 1)"),
+    ({"tokenizer.chat_template": ["x"]}, ConfigError, "tokenizer.chat_template is not text"),
+])
+def test_lists_of_the_wrong_kind_are_refused(extra, error, text):
+    """Found by tests/test_fuzz_gguf.py: these reached Python errors (exit 70) or a bare tokenizers exception."""
+    with pytest.raises(error) as e:
+        build_tokenizer(_byte_level_md(**extra), "x.gguf")
+    assert text in e.value.message
+
+
+def test_sentencepiece_scores_and_piece_length():
+    n = len(_sentencepiece_md()["tokenizer.ggml.tokens"])
+    with pytest.raises(IntegrityError, match="scores is not a list of finite numbers"):
+        build_tokenizer(_sentencepiece_md(**{"tokenizer.ggml.scores": [float("nan")] * n}), "spm.gguf")
+    md = _sentencepiece_md()
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"][:-1] + ["▁" * 300]
+    with pytest.raises(ConfigError, match="a SentencePiece piece of 300 characters"):
+        build_tokenizer(md, "spm.gguf")
+
+
+def test_transformers_generation_tags_parse():
+    files = build_tokenizer(_byte_level_md(**{"tokenizer.chat_template": "{% for m in messages %}{% generation %}"
+                                                                          "{{ m }}{% endgeneration %}{% endfor %}"}),
+                            "bpe.gguf")
+    assert "generation" in files.tokenizer_config["chat_template"]

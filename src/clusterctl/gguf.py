@@ -19,7 +19,7 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class Header:
     tensors: list[TensorInfo]
     data_offset: int
     file_size: int
+    value_types: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key -> (type,) or (9, element type)
 
 
 class _Cursor:
@@ -178,11 +179,16 @@ def _parse(buf, path: Path, size: int) -> Header:
         raise IntegrityError(f"{path} is truncated or damaged: its header lists {n_tensors} tensors and {n_kv} "
                              f"metadata keys, more than a file of {size} bytes can hold")
     metadata: dict[str, Any] = {}
+    types: dict[str, tuple[int, ...]] = {}
     for _ in range(n_kv):
         key = c.string("a metadata key", MAX_KEY)
         vtype = c.unpack("<I", f"metadata {key!r}")
         if key in metadata:
             raise IntegrityError(f"{path}: metadata key {key!r} appears twice")
+        if vtype == _ARRAY:
+            types[key] = (vtype, struct.unpack_from("<I", buf, c.pos)[0] if c.pos + 4 <= size else -1)
+        else:
+            types[key] = (vtype,)
         metadata[key] = _value(c, vtype, key)
     infos = []
     for _ in range(n_tensors):
@@ -219,4 +225,5 @@ def _parse(buf, path: Path, size: int) -> Header:
                 raise IntegrityError(f"{path} is truncated or damaged: tensor {name!r} ends at byte "
                                      f"{data + offset + nbytes}, the file has {size}")
         tensors.append(TensorInfo(name=name, shape=shape, type=tname, offset=data + offset, nbytes=nbytes))
-    return Header(version=version, metadata=metadata, tensors=tensors, data_offset=data, file_size=size)
+    return Header(version=version, metadata=metadata, tensors=tensors, data_offset=data, file_size=size,
+                  value_types=types)

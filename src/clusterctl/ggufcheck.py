@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
@@ -44,6 +45,11 @@ def shown(v, limit: int = 60) -> str:
         return f"a list of {len(v)} values"
     if isinstance(v, int) and v.bit_length() > 64:
         return f"a {v.bit_length()}-bit integer"
+    if isinstance(v, float) and math.isfinite(v) and abs(v) < 3.4e38 and f32(v) != v:
+        import numpy as np
+
+        if float(np.float32(v)) == v:  # a float32 value: shown as written (1e-05, not 9.999999747378752e-06)
+            v = f32(v)
     text = repr(v) if isinstance(v, str) else str(v)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -86,13 +92,9 @@ def check_template(template: str, path) -> None:
     if len(template) > MAX_TEMPLATE:
         raise ConfigError(f"{path}: its chat template has {len(template)} characters (at most {MAX_TEMPLATE})")
     from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _generation_extension()])
     try:
-        env.from_string(template)
+        _template_environment().from_string(template)
     except TemplateError as e:
         line = getattr(e, "lineno", None)
         raise ConfigError(f"{path}: its chat template does not parse"
@@ -100,6 +102,15 @@ def check_template(template: str, path) -> None:
     except (SyntaxError, RecursionError, MemoryError) as e:  # Python's own limits on what jinja2 compiled
         raise ConfigError(f"{path}: its chat template cannot be compiled ({type(e).__name__}: "
                           f"{str(e)[:80] or 'nested too deeply'})") from None
+
+
+@functools.cache
+def _template_environment():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[loopcontrols, _generation_extension()])
 
 
 def _generation_extension():

