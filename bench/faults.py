@@ -677,6 +677,16 @@ def _reserves(dep: str) -> dict[int, int]:
     return {r["rank"]: r["planned"]["total"] - r["planned"]["weights"] for r in doc["ranks"]}
 
 
+def gguf_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
+    """GGUF numeric metadata and counts through `model import` (tests/test_fuzz_gguf.py), with a random seed."""
+    from test_fuzz_gguf import fuzz_gguf
+
+    seed = rng.randrange(10**9)
+    problems, n = fuzz_gguf(seed, 100 if bed.quick else 500, bed.root / f"gguf{i}")
+    need(not problems, f"{len(problems)} of {n} cases: " + "; ".join(problems[:2]))
+    return f"{n} cases, seed {seed}"
+
+
 ROWS = [
     Row("coordinator SIGKILL (preflight, mid-launch, serving, mid-teardown)",
         "after one reap: 0 rank processes of the job, 0 strangers signalled, manifest gone", coordinator_sigkill),
@@ -696,6 +706,8 @@ ROWS = [
     Row("load: 64 streaming clients x 60 s, 2 ranks",
         "0 5xx, each response complete or 429, /health < 100 ms, RSS growth within the plan's reserve", load,
         trials=1),
+    Row("GGUF metadata and counts fuzzed (model import)",
+        "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
 ]
 
 
