@@ -284,3 +284,61 @@ def build_released(name: str, folder: Path, tokenizer_from: Path | None, *, seed
         shutil.copy(Path(tokenizer_from) / f, folder / f)
     (folder / "config.json").write_text(json.dumps({**config, "_test_config": config}, indent=1))
     return folder
+
+
+# DeepSeek-V3 (and R1, V3.1) as released: FP8 weights (``F8_E4M3``, one ``weight_scale_inv`` per 128 x 128 block),
+# ``kv_b_proj``, one tensor per expert, the multi-token-prediction layer 61 (mlx-lm drops ``model.layers.61`` by
+# that number, so the model keeps the real 61 layers, at toy width). Planned only: mlx on a CPU cannot run
+# bfloat16 experts (GatherMM supports float32 only), so one mlx-lm process cannot serve it here
+DEEPSEEK_V3_FP8 = {**config_of("deepseek_v3", 61), "architectures": ["DeepseekV3ForCausalLM"],
+                   "num_nextn_predict_layers": 1, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128]}}
+
+
+def write_deepseek_v3_fp8_headers(folder: Path) -> Path:
+    """Header-only files (zeros; planning reads headers) of DEEPSEEK_V3_FP8 in the released names and dtypes."""
+    import re
+
+    from mlx.utils import tree_flatten
+
+    from clusterctl.plan.archs import build_lazy
+    from modelfiles import write_safetensors
+
+    config = DEEPSEEK_V3_FP8
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    out: dict[str, tuple[str, list[int]]] = {}
+
+    def linear(name: str, shape: list[int]) -> None:
+        fp8 = ".layers." in name and not name.endswith("mlp.gate.weight")  # the router stays in 16 bits
+        out[name] = ("F8_E4M3" if fp8 else "BF16", shape)
+        if fp8:
+            out[name + "_scale_inv"] = ("F32", [-(-shape[0] // 128), -(-shape[1] // 128)])
+
+    for name, p in tree_flatten(build_lazy(config).parameters()):
+        shape = list(p.shape)
+        if m := re.match(r"(.*)\.switch_mlp\.(\w+)\.weight$", name):
+            for e in range(shape[0]):
+                linear(f"{m.group(1)}.experts.{e}.{m.group(2)}.weight", shape[1:])
+        elif m := re.match(r"(.*)\.self_attn\.embed_q\.weight$", name):
+            linear(f"{m.group(1)}.self_attn.kv_b_proj.weight", [heads * (nope + v), config["kv_lora_rank"]])
+        elif ".unembed_out." in name:
+            continue
+        elif len(shape) == 2:
+            linear(name, shape)
+        else:
+            out[name] = ("F32" if "e_score_correction_bias" in name else "BF16", shape)
+    h, last = config["hidden_size"], config["num_hidden_layers"]
+    for name, (dtype, shape) in list(out.items()):
+        if name.startswith(f"model.layers.{last - 1}."):
+            out[name.replace(f"model.layers.{last - 1}.", f"model.layers.{last}.", 1)] = (dtype, shape)
+    p = f"model.layers.{last}."
+    for name, shape in ((p + "eh_proj.weight", [h, 2 * h]), (p + "embed_tokens.weight", [config["vocab_size"], h]),
+                        (p + "shared_head.head.weight", [config["vocab_size"], h])):
+        linear(name, shape) if name.endswith("eh_proj.weight") else out.update({name: ("BF16", shape)})
+    out.update({p + n: ("BF16", [h]) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / "model.safetensors", out)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+

@@ -9,7 +9,7 @@ import json
 import struct
 from pathlib import Path
 
-DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I8": 1, "U8": 1}
+DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], *, fill: bytes = b"\0",

@@ -179,3 +179,25 @@ def test_a_released_layout_plans_and_passes_the_launch_recheck(name, note, tmp_p
                           PlanOptions(parallel="pipeline"))
     assert any(note in w for w in dep.warnings)
     check_inputs_unchanged(dep)  # raised IntegrityError "... is for layer 4, but config.json says 4 layers"
+
+
+def test_an_fp8_checkpoint_plans_as_mlx_lm_loads_it(tmp_path):
+    """DeepSeek-V3 as released: FP8 weights (``F8_E4M3`` with block scales), per-expert tensors, ``kv_b_proj`` and
+    the MTP layer 61. mlx-lm's sanitize dequantizes, stacks, absorbs and drops; plan ran it only on dtypes it knew,
+    so it took the raw names and refused the MTP layer (65). What it keeps is exactly the class's parameters."""
+    from archmodels import DEEPSEEK_V3_FP8, write_deepseek_v3_fp8_headers
+    from mlx.utils import tree_flatten
+
+    from clusterctl.plan.archs import build_lazy, kept_tensors
+    from clusterctl.plan.model import read_safetensors_header
+
+    path = write_deepseek_v3_fp8_headers(tmp_path / "v3")
+    facts = inspect_model(path)
+    assert facts.num_layers == 61 and facts.pipeline == "stages"
+    assert any("layer(s) 61 beyond" in n for n in facts.notes)
+    assert inspect_model(path, classify=False).layer_bytes == facts.layer_bytes
+    raw = {n: (t["dtype"], t["shape"]) for n, t in read_safetensors_header(path / "model.safetensors")[0].items()}
+    kept = kept_tensors(DEEPSEEK_V3_FP8, raw)
+    params = dict(tree_flatten(build_lazy(json.loads(json.dumps(DEEPSEEK_V3_FP8))).parameters()))
+    assert {n: s for n, (_, s) in kept.items()} == {n: list(p.shape) for n, p in params.items()}
+    assert {d for d, _ in kept.values()} <= {"BF16", "F32"}  # dequantized: what a rank holds, 2 bytes a weight

@@ -166,7 +166,10 @@ def batching(config: dict) -> tuple[bool | None, str | None]:
 
 _MX_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "U64": "uint64", "I32": "int32", "U32": "uint32", "I16": "int16", "U16": "uint16", "I8": "int8",
-              "U8": "uint8", "BOOL": "bool_"}
+              "U8": "uint8", "BOOL": "bool_",
+              # FP8 (DeepSeek-V3, Mistral-4, MiniMax checkpoints): mx.load gives the bytes as uint8, which the
+              # classes' sanitize turns into bfloat16 with mx.from_fp8
+              "F8_E4M3": "uint8", "F8_E5M2": "uint8"}
 
 
 def kept_tensors(config: dict, tensors: dict[str, tuple[str, list[int]]]) -> dict[str, tuple[str, list[int]]] | None:
@@ -180,7 +183,9 @@ def kept_tensors(config: dict, tensors: dict[str, tuple[str, list[int]]]) -> dic
         model = build_lazy(config)
         stand_ins = {n: mx.zeros(tuple(shape), dtype=getattr(mx, _MX_DTYPES[dt])) for n, (dt, shape) in tensors.items()}
         kept = model.sanitize(stand_ins) if hasattr(model, "sanitize") else stand_ins
-        names = {getattr(mx, m): st for st, m in _MX_DTYPES.items()}
+        names = {}
+        for st, m in _MX_DTYPES.items():  # a uint8 that comes back is U8 (same size as FP8)
+            names.setdefault(getattr(mx, m), st)
         return {n: (names[v.dtype], list(v.shape)) for n, v in kept.items()}
     except Exception:
         return None
