@@ -80,6 +80,7 @@ def test_refusals(extra, error, text):
     ({"tokenizer.ggml.token_type": 3}, IntegrityError, "token_type has no list for 265 tokens"),
     ({"tokenizer.chat_template": "{% endfor %}"}, ConfigError, "chat template does not parse (line 1)"),
     ({"tokenizer.chat_template": ["x"]}, ConfigError, "tokenizer.chat_template is not text"),
+    ({"tokenizer.chat_template": "{{ x }}" * 10000}, ConfigError, "chat template has 70000 characters (at most 65536)"),
 ])
 def test_lists_of_the_wrong_kind_are_refused(extra, error, text):
     """Found by tests/test_fuzz_gguf.py: these reached Python errors (exit 70) or a bare tokenizers exception."""
