@@ -1,5 +1,6 @@
 """replan against real running deployments (local ranks; one over SSH): preview, apply, busy refusal,
-unchanged short-circuit, node removal and addition, a failed new launch, history and rollback."""
+unchanged short-circuit, node removal and addition, a path or schedule change (a new deployment, the ranks
+restart), a missing model folder refused before anything stops, a failed new launch, history and rollback."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from launchutil import cli, fill_disk, local_cluster, manifests, processes_with_
 pytestmark = pytest.mark.slow
 
 
-def _plan(tmp_path, tiny, env, mems=(2, 6), allocation="proportional", extra=None) -> Path:
+def _plan(tmp_path, tiny, env, mems=(2, 6), allocation="proportional", extra=None, context=512) -> Path:
     c = local_cluster(tmp_path, mems, extra=extra)
     out = tmp_path / "dep.json"
-    cli("plan", "-c", str(c), "-m", str(tiny), "--allocation", allocation, "--context", "512", "-o", str(out),
-        "-q", env=env, check=True)
+    cli("plan", "-c", str(c), "-m", str(tiny), "--allocation", allocation, "--context", str(context), "-o",
+        str(out), "-q", env=env, check=True)
     return out
 
 
@@ -106,27 +107,39 @@ def test_preview_then_apply_an_allocation_change_then_go_back(tmp_path, tiny, en
         teardown(env)
 
 
-def test_path_map_only_is_unchanged_no_rank_restarts_and_the_map_is_carried_after(tmp_path, tiny, env):
+def _contract(m: dict, node: str) -> dict:
+    """What the rank on ``node`` was told to run (its signed contract's spec)."""
+    return json.loads(next(Path(r["contract_path"]) for r in m["ranks"] if r["node"] == node).read_text())["spec"]
+
+
+def test_a_path_map_change_is_a_new_deployment_the_ranks_restart_with_and_the_map_is_carried_after(tmp_path, tiny,
+                                                                                                   env):
+    """Issue 30: a --path-map change was "unchanged" (same id, the old record overwritten, nothing restarted, so
+    the ranks ran the old path until some later launch). Now the ranks restart on the new folder under a new id."""
     dep = _plan(tmp_path, tiny, env)
     old = _launch(dep, env)
+    old_id, old_bytes = _verify_id(dep, env), dep.read_bytes()
     copy = tmp_path / "copy-of-model"
     shutil.copytree(tiny, copy)
     try:
         p = cli("replan", str(dep), "--path-map", f"a={copy}", "--yes", "--json", env=env)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)
-        assert doc["action"] == "unchanged" and doc["diff"]["records_changed"] == ["path_map"]
-        assert _job(env)["job_id"] == old["job_id"]  # nothing restarted: the same job, the same pids
-        assert sorted(processes_with_nonce(old["nonce"])) == sorted(r["pid"] for r in old["ranks"])
-        assert _load(dep, env).path_map["a"] == str(copy)
+        assert doc["action"] == "applied" and doc["diff"]["fields_changed"] == ["path_map"]
+        assert doc["paths_checked"] == [f"a={copy}"] and doc["new"] != old_id
+        new = _job(env)
+        assert new["job_id"] != old["job_id"] and processes_with_nonce(old["nonce"]) == []
+        assert _contract(new, "a")["model_path"] == str(copy)  # the ranks run from the new folder
+        assert _load(dep, env).path_map["a"] == str(copy) and _ask(new["endpoint"])
+        # the old deployment is kept as it was
+        state = Path(env["CLUSTERCTL_STATE_DIR"])
+        assert (state / "deployments" / f"{old_id}.json").read_bytes() == old_bytes
         # a later replan derives that path_map (and says so), and the new ranks use it
         p = cli("replan", str(dep), "--allocation", "balanced", "--yes", "--json", env=env)
         assert p.returncode == 0, p.stderr
         doc = json.loads(p.stdout)
-        assert f"a={copy}" in doc["derived"]["path_map"]
-        new = _job(env)
-        contract = next(Path(r["contract_path"]) for r in new["ranks"] if r["node"] == "a")
-        assert str(copy) in contract.read_text()
+        assert f"a={copy}" in doc["derived"]["path_map"] and doc["paths_checked"] == []
+        assert _contract(_job(env), "a")["model_path"] == str(copy)
         # nothing to do at all: exit 0, "unchanged", no file written
         before = dep.read_bytes()
         p = cli("replan", str(dep), "--json", env=env)
@@ -136,10 +149,45 @@ def test_path_map_only_is_unchanged_no_rank_restarts_and_the_map_is_carried_afte
         teardown(env)
 
 
+def test_a_schedule_change_restarts_the_ranks_under_a_new_id_and_the_way_back_is_kept(tmp_path, tiny, env):
+    """Issue 30: `replan --schedule lockstep --yes` exited 0, restarted nothing and overwrote the old record
+    (the id did not cover the schedule), so `--to` the old id was a no-op."""
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    old_id, old_bytes = _verify_id(dep, env), dep.read_bytes()
+    assert _contract(old, "a")["schedule"] == "overlap"
+    try:
+        p = cli("replan", str(dep), "--schedule", "lockstep", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["action"] == "applied" and doc["new"] != old_id and "schedule" in doc["diff"]["fields_changed"]
+        new = _job(env)
+        assert new["deployment_id"] == doc["new"] and processes_with_nonce(old["nonce"]) == []
+        assert {_contract(new, n)["schedule"] for n in "ab"} == {"lockstep"}
+        answer = _ask(new["endpoint"])
+        state = Path(env["CLUSTERCTL_STATE_DIR"])
+        assert (state / "deployments" / f"{old_id}.json").read_bytes() == old_bytes
+        h = json.loads(cli("history", str(dep), "--json", env=env, check=True).stdout)["clusters"][0]
+        assert "schedule overlap->lockstep" in h["entries"][-1]["changes"]
+        # the same again: nothing to do, nothing restarted
+        p = cli("replan", str(dep), "--schedule", "lockstep", "--yes", env=env)
+        assert p.returncode == 0 and f"unchanged: deployment {doc['new']} already runs" in p.stderr, p.stderr
+        assert "nothing to do" in p.stderr and _job(env)["job_id"] == new["job_id"]
+        # the way back: exactly the old deployment, overlapped again
+        p = cli("replan", str(dep), "--to", old_id, "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        assert dep.read_bytes() == old_bytes
+        back = _job(env)
+        assert back["deployment_id"] == old_id and _contract(back, "b")["schedule"] == "overlap"
+        assert _ask(back["endpoint"]) == answer
+    finally:
+        teardown(env)
+
+
 def test_busy_refuses_with_the_active_counts_and_drain_waits(tmp_path, tiny, env):
     import http.client
 
-    dep = _plan(tmp_path, tiny, env)
+    dep = _plan(tmp_path, tiny, env, context=4096)  # room for a long request (rank 0 refuses beyond the context)
     old = _launch(dep, env)
     host, port = old["endpoint"].rsplit("/", 1)[-1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -187,13 +235,40 @@ def test_three_to_two_nodes_and_back_with_speeds_carried(tmp_path, tiny, env):
         teardown(env)
 
 
+def test_a_path_map_to_a_missing_folder_is_refused_before_anything_stops(tmp_path, tiny, env):
+    dep = _plan(tmp_path, tiny, env)
+    old = _launch(dep, env)
+    before = dep.read_bytes()
+    state = Path(env["CLUSTERCTL_STATE_DIR"])
+    files = sorted(p.name for p in (state / "deployments").iterdir())
+    try:
+        p = cli("replan", str(dep), "--allocation", "balanced", "--path-map", f"a={tmp_path}/no-model-here",
+                "--yes", env=env)
+        assert p.returncode == 69, p.stderr
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"{tmp_path}/no-model-here does not exist" in errors[0], p.stderr
+        assert "nothing was changed" in errors[0] and "Traceback" not in p.stderr
+        assert dep.read_bytes() == before and sorted(q.name for q in (state / "deployments").iterdir()) == files
+        assert _job(env)["job_id"] == old["job_id"]
+        assert sorted(processes_with_nonce(old["nonce"])) == sorted(r["pid"] for r in old["ranks"])
+        p = cli("replan", str(dep), "--path-map", "a=models/m", "--yes", env=env)  # not even a path
+        assert p.returncode == 2 and "not NODE=/absolute/path" in p.stderr, p.stderr
+        assert dep.read_bytes() == before and _ask(old["endpoint"])
+    finally:
+        teardown(env)
+
+
 def test_a_new_plan_that_cannot_launch_leaves_the_old_one_relaunchable(tmp_path, tiny, env):
     dep = _plan(tmp_path, tiny, env)
     old = _launch(dep, env)
     old_id = _verify_id(dep, env)
+    # a runtime dir under a regular file: only the relaunch's own preflight finds it (the old job still runs)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "a-file").write_text("")
+    bad = local_cluster(tmp_path / "bad", (2, 6))
+    bad.write_text(bad.read_text().replace(f"{tmp_path}/bad/run-a", f"{tmp_path}/a-file/run"))
     try:
-        p = cli("replan", str(dep), "--allocation", "balanced", "--path-map", f"a={tmp_path}/no-model-here",
-                "--yes", env=env)
+        p = cli("replan", str(dep), "-c", str(bad), "--allocation", "balanced", "--yes", env=env)
         assert p.returncode != 0
         assert "did not launch" in p.stderr and f"--to {old_id}" in p.stderr
         assert processes_with_nonce(old["nonce"]) == []  # the old job was stopped, verified
