@@ -677,6 +677,20 @@ def _reserves(dep: str) -> dict[int, int]:
     return {r["rank"]: r["planned"]["total"] - r["planned"]["weights"] for r in doc["ranks"]}
 
 
+def replan_matrix(bed: Bed, rng: random.Random, i: int) -> str:
+    """tests/replanfuzz.py's walk of the replan options (issue 30), 60 steps from this row's seeded generator."""
+    from replanfuzz import model_folder, walk
+
+    d, _ = bed.fresh("replan")
+    try:
+        notes = walk(d, model_folder(d / "m"), rng, steps=60)
+    except AssertionError as e:
+        raise Fail(" / ".join(str(e).splitlines()[:3])) from None
+    kinds = sorted({n.split(" to ")[0].split()[0] + (" " + n.split()[1] if n.startswith("refused") else "")
+                    for n in notes})
+    return f"{len(notes)} steps: {', '.join(f'{k} x{sum(n.startswith(k) for n in notes)}' for k in kinds)}"
+
+
 def gguf_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     """GGUF numeric metadata and counts through `model import` (tests/test_fuzz_gguf.py), with a random seed."""
     from test_fuzz_gguf import fuzz_gguf
@@ -708,6 +722,8 @@ ROWS = [
         trials=1),
     Row("GGUF metadata and counts fuzzed (model import)",
         "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
+    Row("replan option matrix (plan/replan random walk)", "new id + history entry for every change, --to gives "
+        "the same bytes back, no-op says unchanged, a missing --path-map refused (69), nothing lost", replan_matrix),
 ]
 
 
