@@ -26,7 +26,6 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import math
 import os
 import random
 import re

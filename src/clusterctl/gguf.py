@@ -4,8 +4,9 @@
 byte range). Every length and count is checked against the file's size before it is used (and against a
 fixed cap: a multi-GB file must not make a 4-million-entry array of empty strings cost gigabytes of Python
 objects), so a file that is not GGUF, is truncated or has a damaged header gives an IntegrityError naming what
-is wrong before anything is built from it and before any tensor is loaded. The tensor types matter before loading too: ``mx.load`` (mlx 0.32.4) silently dequantizes the types
-it has no quantized form for (Q4_K, Q6_K, BF16 ...) to float16.
+is wrong before anything is built from it and before any tensor is loaded. The tensor types matter before
+loading too: ``mx.load`` (mlx 0.32.4) silently dequantizes the types it has no quantized form for (Q4_K, Q6_K,
+BF16 ...) to float16, and ends the process on a FLOAT64 metadata value (``value_types`` records each key's type).
 
 Layout (little-endian, versions 2 and 3): magic ``GGUF``, version u32, tensor count u64, metadata count u64;
 the metadata (key string, value type u32, value); the tensor infos (name, n_dims u32, dims u64 innermost

@@ -16,8 +16,13 @@ import math
 import re
 import unicodedata
 
+from typing import TYPE_CHECKING
+
 from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.plan.model import MAX_LAYERS, MAX_SIZE  # so an import never writes a folder plan refuses
+
+if TYPE_CHECKING:
+    from clusterctl.gguf import Header
 
 MIN_CONTEXT = 64  # tokens: a chat template and one short question take about 30
 MAX_CONTEXT = 1 << 24  # as plan's --context
@@ -144,7 +149,7 @@ def terminal_text(text: str, limit: int = 200) -> str:
     return "".join(out) + ("..." if len(text) > limit else "")
 
 
-def check_tensors(h, path: Path, config: dict, head_dim: int):
+def check_tensors(h: Header, path, config: dict, head_dim: int):
     """Every tensor named, of the shape the metadata implies, none missing. Returns the renames (GGUF prefix ->
     mlx-lm prefix), the rope_freqs tensor or None, and which bias groups are present. Works per tensor of the
     file (nothing per layer of the metadata is built)."""

@@ -32,7 +32,7 @@ from clusterctl.atomic import clean_stale_folders, dumps, fsync_dir, read_json
 from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError, IntegrityError, MissingInput
 from clusterctl.gguf import Header, TensorInfo, read_header
 from clusterctl.ggufcheck import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE, MIN_CONTEXT, RMS_EPS,
-                                  ROPE_FACTOR, ROPE_THETA, check_template, check_tensors, f32, meta)
+                                  ROPE_FACTOR, ROPE_THETA, check_tensors, f32, meta)
 
 IMPORTER_VERSION = 1
 RECORD_FILE = "clusterctl-import.json"
