@@ -46,7 +46,7 @@ def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
     path = models[family]
     facts = inspect_model(path)
     assert facts.pipeline == "stages", facts.pipeline_reason
-    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 0 runs the last 3 blocks
+    with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 1 runs blocks 0-2, rank 0 the last one
         _check(c, path)
 
 
