@@ -112,6 +112,10 @@ class Lab:
         self.tensors = {t.name: (t.type, t.shape, raw[t.offset:t.offset + t.nbytes]) for t in h.tensors}
         self.fields = count_fields(raw)
         self.keys = sorted(set(importer_keys()) | set(self.meta))
+        # the same vocabulary as a SentencePiece tokenizer (merges from scores): the other tokenizer path
+        n = len(self.meta["tokenizer.ggml.tokens"])
+        self.sentencepiece = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.merges": DROP,
+                              "tokenizer.ggml.scores": [-float(i) for i in range(n)], "tokenizer.ggml.unknown_token_id": 0}
         self.env = {"CLUSTERCTL_STATE_DIR": str(root / "state")}  # the hash cache of the source files
         self.worker = CliWorker(extra_memory=MEMORY_CAP, warm=["model", "import", str(base), str(root / "warm")],
                                 timeout=60)
@@ -208,7 +212,7 @@ def folder_problems(dest: Path) -> list[str]:
 def random_case(lab: Lab, rng: random.Random) -> tuple[str, dict, list]:
     """One to three lies: metadata values (any key, any value class, random numbers of every size) and counts
     in the layout (random field, a limit or a random number of the field's width)."""
-    changes, patches = {}, []
+    changes, patches = dict(lab.sentencepiece) if rng.random() < 0.3 else {}, []
     limits = declared_limits()
     for _ in range(rng.randint(1, 3)):
         if rng.random() < 0.6:
@@ -300,6 +304,18 @@ def test_every_key_at_its_limits(lab):
         values = SWEEP + limits if key in numeric or key.startswith("llama.") else SWEEP_OTHER
         for v in values:
             bad = lab.run(lab.write({key: v}), as_json=len(found) % 2 == 1)
+            if bad:
+                found[f"{key} = {v!r}"[:100]] = bad
+    _fail_with(found)
+
+
+def test_sentencepiece_keys_at_their_limits(lab):
+    """The tokenizer keys again with the vocabulary read as SentencePiece (scores, no merges)."""
+    assert lab.run(lab.write(lab.sentencepiece)) == []
+    found = {}
+    for key in [k for k in lab.keys if k.startswith("tokenizer.")]:
+        for v in SWEEP_OTHER + [Typed(6, NAN), [-INF] * len(lab.meta["tokenizer.ggml.tokens"])]:
+            bad = lab.run(lab.write({**lab.sentencepiece, key: v}))
             if bad:
                 found[f"{key} = {v!r}"[:100]] = bad
     _fail_with(found)
