@@ -171,7 +171,7 @@ def test_a_schedule_change_restarts_the_ranks_under_a_new_id_and_the_way_back_is
         assert "schedule overlap->lockstep" in h["entries"][-1]["changes"]
         # the same again: nothing to do, nothing restarted
         p = cli("replan", str(dep), "--schedule", "lockstep", "--yes", env=env)
-        assert p.returncode == 0 and f"unchanged: deployment {doc['new']} already runs" in p.stderr, p.stderr
+        assert p.returncode == 0 and f"unchanged: deployment {doc['new']} already has these options" in p.stderr, p.stderr
         assert "nothing to do" in p.stderr and _job(env)["job_id"] == new["job_id"]
         # the way back: exactly the old deployment, overlapped again
         p = cli("replan", str(dep), "--to", old_id, "--yes", "--json", env=env)

@@ -179,7 +179,7 @@ def replan(
     if p.diff["unchanged"] and not p.diff["records_changed"]:
         if o.json:
             o.data({**doc, "action": "unchanged"})
-        o.info(f"unchanged: deployment {p.old.deployment_id} already runs with these options; nothing to do")
+        o.info(f"unchanged: deployment {p.old.deployment_id} already has these options; nothing to do")
         raise typer.Exit(0)
     # a model folder the new deployment would be the first to use is checked on its node before anything stops
     doc["paths_checked"] = asyncio.run(rp.check_new_paths(state, p, ssh))

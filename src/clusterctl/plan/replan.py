@@ -194,7 +194,7 @@ def diff_lines(diff: dict) -> list[str]:
     lines = [f"plan_hash {diff['plan_hash_before'][:16]} -> {diff['plan_hash_after'][:16]}"
              + ("  (unchanged)" if diff["unchanged"] else "  (same placement)" if diff["placement_unchanged"] else "")]
     if not diff["unchanged"]:
-        lines.append(f"  what runs changes: {', '.join(diff['fields_changed'])} (the ranks restart)")
+        lines.append(f"  a new deployment: {', '.join(diff['fields_changed'])} differ (running ranks restart with it)")
     for r in diff["nodes"]:
         lines.append(f"  {r['node']:<12} {r['change']:<8} layers {rng(r['layers_before'])} -> {rng(r['layers_after'])}"
                      f"   memory {mem(r['memory_before'])} -> {mem(r['memory_after'])}"
