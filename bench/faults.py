@@ -678,12 +678,12 @@ def _reserves(dep: str) -> dict[int, int]:
 
 
 def replan_matrix(bed: Bed, rng: random.Random, i: int) -> str:
-    """tests/replanfuzz.py's walk of the replan options (issue 30), 60 steps from this row's seeded generator."""
+    """tests/replanfuzz.py's walk of the replan options (issue 30), 100 steps from this row's seeded generator."""
     from replanfuzz import model_folder, walk
 
     d, _ = bed.fresh("replan")
     try:
-        notes = walk(d, model_folder(d / "m"), rng, steps=60)
+        notes = walk(d, model_folder(d / "m"), rng, steps=100)
     except AssertionError as e:
         raise Fail(" / ".join(str(e).splitlines()[:3])) from None
     kinds = sorted({n.split(" to ")[0].split()[0] + (" " + n.split()[1] if n.startswith("refused") else "")

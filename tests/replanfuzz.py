@@ -37,12 +37,12 @@ def model_folder(folder: Path) -> Path:
     return m
 
 
-def _cluster(folder: Path) -> Path:
+def _cluster(folder: Path, speeds: dict[str, float] | None = None) -> Path:
     lines = ["[cluster]", 'name = "fz"']
     for name, mem in (("a", 2), ("b", 6), ("c", 4)):
         lines += ["[[node]]", f'name = "{name}"', "local = true", f"memory_gb = {mem}",
-                  f'runtime_dir = "{folder}/run-{name}"']
-    p = folder / "cluster.toml"
+                  f'runtime_dir = "{folder}/run-{name}"'] + ([f"speed = {speeds[name]}"] if speeds else [])
+    p = folder / ("cluster-speeds.toml" if speeds else "cluster.toml")
     p.write_text("\n".join(lines) + "\n")
     return p
 
@@ -54,6 +54,7 @@ class World:
         self.state = folder / "state"
         self.env = {"CLUSTERCTL_STATE_DIR": str(self.state)}
         self.cluster = _cluster(folder)
+        self.measured = _cluster(folder, {"a": 10.0, "b": 20.0, "c": 30.0})  # the same nodes, speeds measured
         self.dep = folder / "dep.json"
         self.copy = folder / "copy"
         shutil.copytree(model, self.copy)
@@ -103,8 +104,10 @@ class World:
 def fingerprint(dep) -> str:
     """The walk's own view of a deployment (not the product's identity_doc, which it checks): the whole record
     but its name, time, measured speeds and the planner's prose."""
-    doc = dep.model_dump(mode="json", exclude={"deployment_id", "deployment_hash", "created_at", "speeds",
-                                               "warnings", "allocation_reason", "parallel_reason", "schedule_reason"})
+    doc = dep.model_dump(mode="json", exclude={"deployment_id": True, "deployment_hash": True, "created_at": True,
+                                               "speeds": True, "warnings": True, "allocation_reason": True,
+                                               "parallel_reason": True, "schedule_reason": True,
+                                               "nodes": {"__all__": {"speed"}}})
     return json.dumps(doc, sort_keys=True)
 
 
@@ -149,7 +152,8 @@ def _options(w: World, rng: random.Random) -> tuple[list[str], dict]:
         "--context": ["256", "512", "1024"],
         "--batch": ["1", "2", "4"],
         "--nodes": ["a,b", "b,a", "a,b,c", "c,a", "b"],
-        "--path-map": ["", f"a={w.copy}", f"a={w.model}", f"b={w.copy}", f"b={w.missing}", "a=relative/m"],
+        "--path-map": ["", f"a={w.copy}", f"a={w.model}", f"b={w.copy}", f"b={w.missing}", f"a={w.missing}",
+                       "a=relative/m"],
     }
     args, given = [], {}
     # mostly one option at a time (so each field's own effect is seen), sometimes several
@@ -163,9 +167,11 @@ def _options(w: World, rng: random.Random) -> tuple[list[str], dict]:
                     continue
             args += [flag, v]
             given[flag] = v
-    if "--nodes" in given and rng.random() < 0.5:
-        args += ["-c", str(w.cluster)]  # node c can only join from the cluster file
-        given["-c"] = str(w.cluster)
+    if ("--nodes" in given or "--allocation" in given) and rng.random() < 0.5 or rng.random() < 0.1:
+        # node c can only join from a cluster file; speeds (for --allocation speed) only come from one
+        c = str(rng.choice([w.cluster, w.measured]))
+        args += ["-c", c]
+        given["-c"] = c
     return args, given
 
 
@@ -185,7 +191,7 @@ def _step_replan(w: World, rng: random.Random) -> str:
     if r.code:
         _one_error_line(w, r, r.code)
         w.check(w.snapshot() == before, f"a refused replan (exit {r.code}) changed files")
-        if given.get("--path-map", "").endswith("=" + str(w.missing)) and r.code == 69:
+        if given.get("--path-map", "").endswith("=" + str(w.missing)) and r.code == 69:  # (else refused earlier)
             w.check(str(w.missing) in r.stderr and "does not exist" in r.stderr,
                     f"the missing path is not named:\n{r.stderr}")
         if given.get("--path-map") == "a=relative/m":
@@ -194,6 +200,15 @@ def _step_replan(w: World, rng: random.Random) -> str:
     doc = r.json()
     new = w.load(str(w.dep))
     w.check(str(w.missing) not in json.dumps(new.path_map), "a path that does not exist reached the deployment")
+    if doc["action"] == "unchanged" and doc["diff"]["records_changed"]:
+        # only measurements differ (speeds): the record is rewritten in place, under the same id, nothing restarts
+        w.check(doc["diff"]["records_changed"] == ["speeds"] and new.deployment_id == old.deployment_id
+                and fingerprint(new) == fingerprint(old) and new.speeds != old.speeds,
+                "a records-only replan changed more than the measurements")
+        after = w.history()
+        w.check(len(after) == len(hist) + 1 and after[-1]["from"] == after[-1]["to"] == old.deployment_id
+                and "speeds updated" in after[-1]["changes"], "no history entry for updated speeds")
+        return "records speeds"
     if doc["action"] == "unchanged":
         w.check(w.snapshot() == before and doc["new"] == doc["current"] == old.deployment_id,
                 "an unchanged replan wrote something or named another deployment")

@@ -5,12 +5,13 @@ import random
 
 from replanfuzz import model_folder, walk
 
-SEED = 30
+SEED = 32  # a seed whose 60 steps reach every outcome below (about 8 s)
 
 
 def test_the_replan_option_matrix(tmp_path):
-    notes = walk(tmp_path, model_folder(tmp_path / "m"), random.Random(SEED), steps=40)
-    # the walk must reach every kind of outcome, or it checks less than it says
-    kinds = {n.split()[0] for n in notes}
-    assert {"applied", "unchanged", "refused", "back"} <= kinds, notes
-    assert any("69" in n for n in notes) and any("78" in n for n in notes), notes
+    notes = walk(tmp_path, model_folder(tmp_path / "m"), random.Random(SEED), steps=60)
+    # the walk must reach every kind of outcome, or it checks less than it says: changes, no-ops, --to, the
+    # records-only update (measured speeds), a bad option (2), a missing model folder (69), a plan that does not
+    # fit or is invalid (78)
+    kinds = {n.split()[0] for n in notes} | {n for n in notes if n.startswith("refused")}
+    assert {"applied", "unchanged", "back", "records", "refused 2", "refused 69", "refused 78"} <= kinds, notes
