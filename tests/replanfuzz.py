@@ -213,6 +213,9 @@ def _step_replan(w: World, rng: random.Random) -> str:
         w.check(w.snapshot() == before and doc["new"] == doc["current"] == old.deployment_id,
                 "an unchanged replan wrote something or named another deployment")
         w.check(not _asked_changes(old, given), f"unchanged, but {_asked_changes(old, given)} asked for a change")
+        moved = [r for r in doc["diff"]["nodes"] if r["change"] != "same" or r["path_before"] != r["path_after"]]
+        w.check(not moved and not doc["diff"]["other"],
+                f"unchanged, but its own preview shows changes: {moved or doc['diff']['other']}")
         for f in RUN_FIELDS:
             w.check(getattr(new, f) == getattr(old, f), f"unchanged, but {f} differs")
         w.check([(x.node, x.start_layer, x.end_layer) for x in new.ranks]

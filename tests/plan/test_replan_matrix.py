@@ -5,7 +5,10 @@ import random
 
 from replanfuzz import model_folder, walk
 
-SEED = 32  # a seed whose 60 steps reach every outcome below (about 8 s)
+# A seed whose 60 steps (about 8 s) reach every outcome below, and that fails on the bug of issue 30 both as it
+# was (the id from plan_hash: plan --prompt-cache-gb 0 and the default share an id) and with the options added
+# to that hash (a --path-map change is then "unchanged"); checked by swapping deployment.identity_doc.
+SEED = 47
 
 
 def test_the_replan_option_matrix(tmp_path):
