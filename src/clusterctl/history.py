@@ -4,8 +4,9 @@
     ENTRY = {"applied_at", "from", "from_hash", "to", "to_hash", "changes": [str], "file": PATH | null,
              "relaunched": JOB_ID | null}
 
-Every deployment an entry names stays signed in ``<state>/deployments/`` (plans are never deleted), so
-``clusterctl replan --to ID`` can go back to any of them. Written atomically; the replan lock (one per cluster)
+Every deployment an entry names stays signed in ``<state>/deployments/`` (plans are never deleted, and no two
+deployments share an id, so none is ever overwritten by another), so ``clusterctl replan --to ID`` can go back to
+any of them. An entry whose ``from`` is its ``to`` updated the record's measurements (speeds) in place. Written atomically; the replan lock (one per cluster)
 serialises writers.
 """
 
