@@ -18,6 +18,14 @@ from launchutil import cli, local_cluster, manifests
 pytestmark = pytest.mark.slow
 
 KEY = "sk-secret-4e1c9a7f0b"
+TENANTS = {"alice": "sk-alice-7c1e9a0b4d", "bob": "sk-bob-0d3f6a2c9e1b"}
+
+
+def _keys_file(tmp_path, mode: int = 0o600) -> str:
+    path = tmp_path / f"tenants-{mode:o}.keys"
+    path.write_text("".join(f"{name} {key}\n" for name, key in TENANTS.items()))
+    path.chmod(mode)
+    return str(path)
 
 
 def _plan(tmp_path, tiny, env) -> str:
@@ -36,7 +44,8 @@ def _walk(root: Path):
 
 def test_launch_files_are_private_and_the_api_key_is_only_in_rank_0s_contract(tmp_path, tiny, env):
     dep = _plan(tmp_path, tiny, env)
-    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", env={**env, "CLUSTERCTL_API_KEY": KEY})
+    p = cli("launch", dep, "--detach", "--json", "--timeout", "180", "--api-keys-file", _keys_file(tmp_path),
+            env={**env, "CLUSTERCTL_API_KEY": KEY})
     assert p.returncode == 0, p.stderr
     try:
         [m] = manifests(tmp_path / "state")
@@ -48,7 +57,7 @@ def test_launch_files_are_private_and_the_api_key_is_only_in_rank_0s_contract(tm
                 mode = stat.S_IMODE(path.lstat().st_mode)
                 if mode & 0o077:
                     loose.append(f"{path} {mode:04o}")
-                if not is_dir and KEY.encode() in path.read_bytes():
+                if not is_dir and any(k.encode() in path.read_bytes() for k in (KEY, *TENANTS.values())):
                     holders.append(path)
         assert loose == []
         contract0 = next(r["contract_path"] for r in m["ranks"] if r["rank"] == 0)
@@ -65,6 +74,19 @@ def test_launch_files_are_private_and_the_api_key_is_only_in_rank_0s_contract(tm
         listening = [c.laddr.ip for c in psutil.Process(pids[0] if m["ranks"][0]["rank"] == 0 else pids[1])
                      .net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
         assert listening == ["127.0.0.1"]
+        # each tenant's key is accepted, none is needed for /health, a missing key is refused
+        import urllib.error
+        import urllib.request
+
+        def status(key):
+            req = urllib.request.Request(endpoint + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+                                         if key else {})
+            try:
+                return urllib.request.urlopen(req, timeout=30).status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert [status(k) for k in (KEY, *TENANTS.values(), None, "sk-wrong-000000000")] == [200, 200, 200, 401, 401]
     finally:
         td = cli("teardown", "--force", "--json", env=env)
     assert td.returncode == 0, td.stderr
@@ -130,11 +152,17 @@ def test_new_state_folders_are_0700_even_with_a_loose_umask(tmp_path, tiny):
     (["--host", "0.0.0.0", "--api-key-env", "K", "--no-api-key"], {"K": "x"}, 2, "contradict"),
     (["--host", "not an ip;rm"], {}, 2, "is not an IP address or host name"),
     (["--port", "70000"], {}, 2, "--port"),
+    (["--api-keys-file", "{loose}"], {}, 78, "is readable by others"),
+    (["--api-keys-file", "{keys}", "--no-api-key"], {}, 2, "contradict"),
+    (["--api-keys-file", "{missing}"], {}, 66, "not found"),
 ])
 def test_launch_refuses_an_open_api_by_mistake_before_anything_starts(tmp_path, tiny, env, args, extra_env, code,
                                                                      message):
     dep = _plan(tmp_path, tiny, env)
     clean = {k: v for k, v in os.environ.items() if k != "CLUSTERCTL_API_KEY"}
+    paths = {"loose": _keys_file(tmp_path, 0o644), "missing": str(tmp_path / "nope.keys")}
+    paths["keys"] = _keys_file(tmp_path)
+    args = [a.format(**paths) for a in args]
     p = subprocess.run([sys.executable, "-m", "clusterctl", "launch", dep, "--detach", "--timeout", "40", *args],
                        capture_output=True, text=True, env={**clean, **env, **extra_env}, timeout=60,
                        stdin=subprocess.DEVNULL)

@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, DrainOpt, GraceOpt, HostOpt,
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, ApiKeysFileOpt, DrainOpt, GraceOpt, HostOpt,
                                     JsonOpt, KnownHostsOpt, MaxQueueOpt,
                                     NoApiKeyOpt, PortOpt, QuietOpt, SeedOpt,
-                                    StateOpt, TimeoutOpt, api_key_of, app,
+                                    StateOpt, TimeoutOpt, api_key_of, api_keys_of, app,
                                     complete_targets, number, output, ssh_options,
                                     state_of)
 from clusterctl.errors import Exit, UsageError
@@ -30,6 +30,7 @@ def launch(
     host: HostOpt = None,
     port: PortOpt = None,
     api_key_env: ApiKeyEnvOpt = None,
+    api_keys_file: ApiKeysFileOpt = None,
     no_api_key: NoApiKeyOpt = False,
     seed: SeedOpt = 0,
     max_queue: MaxQueueOpt = 64,
@@ -52,7 +53,8 @@ def launch(
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
                          api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
                          ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify)
-    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
+    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
+    check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
     if lease is not None:
         opts.lease_seconds = lease
 
@@ -145,6 +147,7 @@ def replan(
     grace: GraceOpt = 10.0,
     host: HostOpt = None,
     api_key_env: ApiKeyEnvOpt = None,
+    api_keys_file: ApiKeysFileOpt = None,
     no_api_key: NoApiKeyOpt = False,
     seed: SeedOpt = 0,
     max_queue: MaxQueueOpt = 64,
@@ -189,7 +192,8 @@ def replan(
     opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
                                grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
                                max_queue=max_queue, host=host)
-    check_exposure(opts.http_host, opts.api_key, no_key=no_api_key)
+    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
+    check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
     raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
 
 

@@ -127,6 +127,16 @@ def api_key_of(env_name: str | None, no_key: bool) -> str | None:
     return api_key_from_env(env_name, no_key=no_key)
 
 
+def api_keys_of(path: Path | None, default_key: str | None, no_key: bool) -> dict[str, str]:
+    from clusterctl.launch.apikey import api_keys_from_file
+
+    if path is not None and no_key:
+        from clusterctl.errors import UsageError
+
+        raise UsageError("--api-keys-file and --no-api-key contradict each other: give one")
+    return api_keys_from_file(str(path) if path is not None else None, default_key=default_key)
+
+
 def complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of what names a deployment: deployment and job ids of the state dir, and deployment
     files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""
@@ -177,6 +187,9 @@ PortOpt = Annotated[Optional[int], typer.Option("--port", help="Rank 0's HTTP po
 ApiKeyEnvOpt = Annotated[Optional[str], typer.Option(
     "--api-key-env", help="Name of the env var holding the API key (never on argv); it must be set and not empty.",
     show_default="CLUSTERCTL_API_KEY, when set")]
+ApiKeysFileOpt = Annotated[Optional[Path], typer.Option(
+    "--api-keys-file", help="More API keys, one tenant per line: NAME KEY (the file readable by you alone). Each "
+                            "tenant has its own prompt-cache partition (docs/security.md).", metavar="FILE")]
 NoApiKeyOpt = Annotated[bool, typer.Option(
     "--no-api-key", help="Serve without an API key even when rank 0 listens beyond loopback (anyone who reaches "
                          "the port can use the model).")]

@@ -58,7 +58,7 @@ def check_bind_host(value: str) -> str:
     raise ValueError(f"{clip(value, 60)!r} is not an IP address or host name")
 
 
-def check_exposure(host: str, key: str | None, *, no_key: bool) -> None:
+def check_exposure(host: str, key: str | bool | None, *, no_key: bool) -> None:
     """Refuse (78) an endpoint beyond loopback without a key unless the operator chose it with --no-api-key."""
     if key or no_key or is_loopback(host):
         return

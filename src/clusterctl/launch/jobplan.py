@@ -52,6 +52,11 @@ class LaunchOptions:
     http_port: int | None = None
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # more tenants: name -> key (docs/security.md)
+
+    @property
+    def any_key(self) -> str | None:
+        """A key rank 0 accepts (the canary's): the default tenant's, else the first other tenant's."""
+        return self.api_key or next(iter(self.api_keys.values()), None)
     seed: int = 0
     max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
     canary: bool = True

@@ -182,7 +182,7 @@ async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_bytes: bytes,
     m0 = rf.parse_marker(await rank0.read_json(records[0].marker_path))
     endpoint = (m0.endpoint if m0 else None) or f"http://{opts.http_host}:{plan.http_port}"
     if opts.canary:
-        ans = await rank0.op("canary", {"url": endpoint, "api_key": opts.api_key, "timeout": 120})
+        ans = await rank0.op("canary", {"url": endpoint, "api_key": opts.any_key, "timeout": 120})
         if not ans.get("ok"):
             raise LaunchFailed(f"canary request to rank 0 produced no tokens: {ans.get('error', ans)}")
     run.manifest.state, run.manifest.endpoint = "ready", endpoint
