@@ -701,6 +701,31 @@ def gguf_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     return f"{n} cases, seed {seed}"
 
 
+def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
+    """tests/admissionfuzz.py against 2 real ranks (either schedule, a planned context of 64) with a random seed:
+    sampling values at and past the model's limits, sizes past the context and the byte cap (issue 30)."""
+    import admissionfuzz
+    from mlx_lm.utils import load_tokenizer
+    from rankharness import RankCluster
+
+    from clusterctl.launch.rank.admission import limits_for
+
+    seed, schedule = rng.randrange(10**9), rng.choice(["overlap", "lockstep"])
+    d, _ = bed.fresh("requests")
+    config = json.loads((Path(bed.model) / "config.json").read_text())
+    limits = limits_for(config, load_tokenizer(bed.model), 64)
+    with RankCluster(d, Path(bed.model), [1, config["num_hidden_layers"] - 1], tag=f"fz{i}",
+                     overrides={"schedule": schedule, "context_tokens": 64, "control_timeout_s": 4.0}).up() as c:
+        def alive() -> None:
+            for r, p in enumerate(c.procs):
+                need(p.poll() is None, f"rank {r} exited {p.returncode}: {c.logs(r)[-300:]}")
+
+        t = admissionfuzz.Target(port=c.http_port, vocab=limits.vocab, context=64, token_bytes=limits.token_bytes)
+        tally = admissionfuzz.run(t, seed, 64 if bed.quick else 300, alive=alive)
+    need(not tally.failures, f"{len(tally.failures)} failures: " + "; ".join(tally.failures[:2]))
+    return f"seed {seed}, {schedule}: {tally.ok} served, {tally.refused} refused ({tally.by_status})"
+
+
 ROWS = [
     Row("coordinator SIGKILL (preflight, mid-launch, serving, mid-teardown)",
         "after one reap: 0 rank processes of the job, 0 strangers signalled, manifest gone", coordinator_sigkill),
@@ -720,6 +745,8 @@ ROWS = [
     Row("load: 64 streaming clients x 60 s, 2 ranks",
         "0 5xx, each response complete or 429, /health < 100 ms, RSS growth within the plan's reserve", load,
         trials=1),
+    Row("rank 0 requests fuzzed (sampling limits, sizes, planned context)",
+        "each a 200 within the context or a clean 4xx; no rank ends", request_fuzz),
     Row("GGUF metadata and counts fuzzed (model import)",
         "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
     Row("replan option matrix (plan/replan random walk)", "new id + history entry for every change, --to gives "
