@@ -126,6 +126,16 @@ def test_chat_template_kwargs_and_defaults(toks):
     assert T.initial_state(toks["plain"], toks["plain"].encode(on)) == "normal"
 
 
+def test_template_refusal_is_a_bad_request(toks):
+    bad = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather", "arguments": "[1]"}}]}]
+    chat = T.ChatTools.from_body({"messages": bad, "tools": TOOLS})
+    with pytest.raises(T.ToolsError, match="chat template refused") as e:
+        T.render(toks["xml"], chat)  # its template iterates the arguments' items
+    assert e.value.param == "messages" and "\n" not in str(e.value)
+    assert '"arguments": [1]' in T.render(toks["json"], chat)
+
+
 def test_tools_refused_without_tool_calling(toks):
     chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
     with pytest.raises(T.ToolsError, match="cannot call tools") as e:
@@ -340,6 +350,12 @@ def test_parallel_tool_calls_false_stops_after_one(toks):
     events = s.feed(REPLY)
     assert s.should_stop and [e.value["function"]["name"] for e in events if e.kind == "tool_call"] == ["get_weather"]
     assert s.feed("<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>") == []
+    # one block holding several calls (a JSON list; mistral's format writes them so): the first only
+    two = "<tool_call>[{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_time\", \"arguments\": {}}]</tool_call>"
+    one = chat.splitter(tok, [])
+    assert [e.value["index"] for e in one.feed(two) if e.kind == "tool_call"] == [0] and one.should_stop
+    both = T.OutputSplitter(tok, TOOLS)
+    assert [e.value["index"] for e in both.feed(two) if e.kind == "tool_call"] == [0, 1] and not both.should_stop
     # the rank ends generation on should_stop: whatever reason it reports, the reply is a tool call
     assert s.finish("cancelled")[-1] == T.Event("finish", "tool_calls")
 

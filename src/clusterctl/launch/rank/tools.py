@@ -193,7 +193,8 @@ def parse_template_kwargs(value: Any) -> dict:
         return {}
     if not isinstance(value, dict):
         raise ToolsError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    bad = sorted(k for k in value if k in RESERVED_TEMPLATE_KWARGS or not k.isidentifier())
+    bad = sorted(str(k) for k in value if not isinstance(k, str) or not k.isidentifier()
+                 or k in RESERVED_TEMPLATE_KWARGS)
     if bad:
         raise ToolsError(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
     return dict(value)
@@ -248,9 +249,16 @@ def render_kwargs(tokenizer, chat: ChatTools, defaults: Optional[dict] = None) -
 
 
 def render(tokenizer, chat: ChatTools, defaults: Optional[dict] = None) -> str:
-    """The prompt text of ``chat`` (tokenize it with ``add_special_tokens=False``)."""
-    return tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False,
-                                         **render_kwargs(tokenizer, chat, defaults))
+    """The prompt text of ``chat`` (tokenize it with ``add_special_tokens=False``). A template that refuses the
+    messages (its ``raise_exception``, or a value of the wrong shape) is the request's fault: a ToolsError."""
+    from jinja2 import TemplateError
+
+    kwargs = render_kwargs(tokenizer, chat, defaults)
+    try:
+        return tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    except TemplateError as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ToolsError(f"messages: the model's chat template refused them: {why}", "messages") from None
 
 
 def initial_state(tokenizer, prompt_tokens: list[int]) -> str:
