@@ -402,8 +402,12 @@ def test_tool_model_folder_serves(tmp_path):
     prompt = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
     ids = tok.encode(prompt, add_special_tokens=False)
     s = T.OutputSplitter(tok, TOOLS, initial_state=T.initial_state(tok, ids))
-    events = []
+    assert model.model.embed_tokens.weight.shape[0] == len(tok) and tok.think_start_id in ids
+    events, text = [], ""
     for r in stream_generate(model, tok, ids, max_tokens=8):
         events += s.feed(r.text)
-    events += s.finish("length")
-    assert events[-1].kind == "finish"
+        text += r.text
+    reply = T.Reply().add(events + s.finish("length"))
+    assert reply.finish_reason == "length" and text.strip()
+    if not any(m in text for m in ("</think>", "<tool_call>")):  # random weights: the prompt's think block
+        assert (reply.reasoning_content, reply.content) == (text.lstrip(), "")
