@@ -228,6 +228,48 @@ def test_call_constraint_schema(toks):
     assert sequential.max_calls == 1
 
 
+def test_call_grammar_in_llguidance(toks):
+    """The forced call's grammar, compiled by the grammar module's library over the model's tokens: what it
+    accepts, the splitter reads as the call that was asked for."""
+    import llguidance
+    import llguidance.hf
+
+    tok = toks["json"]
+    lltok = llguidance.hf.from_tokenizer(tok._tokenizer, n_vocab=len(tok), eos_token=sorted(tok.eos_token_ids))
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def grammar(initial, **fields):
+        c = T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, **fields}), initial)
+        g = llguidance.LLMatcher.grammar_from_lark(c.lark())
+        return lambda text: accepts(g, text)
+
+    def accepts(g, text):
+        m = llguidance.LLMatcher(lltok, g, log_level=0)
+        assert not m.is_error(), m.get_error()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    required = grammar("reasoning", tool_choice="required")
+    ok = "Rain?\n</think>\n\n" + weather + "\n" + clock
+    assert required(ok) and required("</think>" + clock)
+    s = T.OutputSplitter(tok, TOOLS, initial_state="reasoning")
+    assert summary(run(s, token_pieces(tok, ok))) == ("", "Rain?", CALLS[:1] + [("get_time", {})], "tool_calls")
+    for bad in (weather,  # the prompt opened the think block: it must be closed first
+                "Rain?</think>Sunny.", "Rain?</think>",  # no call
+                "</think>" + weather.replace("get_weather", "get_wether"),
+                "</think>" + weather.replace('"city"', '"town"'),
+                "</think>" + weather.replace('"name": ', '"name":'),  # the templates' JSON style
+                "</think>" + weather + "\nBye."):
+        assert not required(bad), bad
+    named = grammar("normal", tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named(weather) and named("<think>Rain?</think>" + weather)
+    assert not named(clock) and not named(weather + "\n" + weather)  # one call of that function
+    no_think = T.call_constraint(toks["nothink"], T.ChatTools.from_body(
+        {"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
+    assert no_think.lark().startswith("start: calls\n") and no_think.think is None
+
+
 def test_forced_call_refused_for_other_formats(toks):
     chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
@@ -351,7 +393,8 @@ def test_parallel_tool_calls_false_stops_after_one(toks):
     assert s.should_stop and [e.value["function"]["name"] for e in events if e.kind == "tool_call"] == ["get_weather"]
     assert s.feed("<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>") == []
     # one block holding several calls (a JSON list; mistral's format writes them so): the first only
-    two = "<tool_call>[{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_time\", \"arguments\": {}}]</tool_call>"
+    clock = {"name": "get_time", "arguments": {}}
+    two = f"<tool_call>{json.dumps([clock, clock])}</tool_call>"
     one = chat.splitter(tok, [])
     assert [e.value["index"] for e in one.feed(two) if e.kind == "tool_call"] == [0] and one.should_stop
     both = T.OutputSplitter(tok, TOOLS)

@@ -11,8 +11,9 @@ Decisions where OpenAI and mlx-lm leave room:
 - ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
   cached prefix, stay those of "auto"), no call is parsed (any markup stays in the content, verbatim), and
   ``banned_token_ids`` names the call's opening token for the sampler to forbid (a logit bias of -inf).
-- "required" / a named function: ``call_constraint`` says what the grammar module must enforce; refused for call
-  formats that are not JSON between markers (only mlx-lm's ``json_tools``: Qwen2.5, Qwen3, Hermes).
+- "required" / a named function: ``call_constraint`` says what the grammar module must enforce (a JSON schema of
+  the call, the markers as tokens, and all of it as an llguidance Lark grammar); refused for call formats that
+  are not JSON between markers (only mlx-lm's ``json_tools``: Qwen2.5, Qwen3, Hermes).
 - Calls are parsed only when the request has tools (mlx_lm.server parses them always): a client that sent no
   tools gets the markup as text, not a ``tool_calls`` it cannot dispatch.
 - A call that does not parse (cut by ``max_tokens`` or a stop string, or malformed JSON) never raises: its text,
@@ -226,6 +227,10 @@ class ChatTools:
     def parse_calls(self) -> bool:
         return bool(self.tools) and self.choice != "none"
 
+    def constraint(self, tokenizer, prompt_tokens: list[int]) -> Optional["CallConstraint"]:
+        """The grammar of this request's forced call (None when no call is forced)."""
+        return call_constraint(tokenizer, self, initial_state(tokenizer, prompt_tokens))
+
     def splitter(self, tokenizer, prompt_tokens: list[int]) -> "OutputSplitter":
         """The splitter of this request's output, started in the state its prompt leaves the model in."""
         return OutputSplitter(tokenizer, self.tools, parse_calls=self.parse_calls,
@@ -295,17 +300,23 @@ def _arguments_schema(tool: dict) -> dict:
     return params if params is not None else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+# JSON as the templates write it ({"name": "f", "arguments": {...}}), and no room to pad a call with blanks forever
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass(frozen=True)
 class CallConstraint:
     """What the grammar module must enforce for tool_choice "required" or a named function.
 
-    The output must be, with any whitespace between the parts (the templates write newlines):
+    The output must be, with at most a few blanks or newlines between the parts (the templates write newlines):
       [reasoning] (start  JSON(schema)  end){min_calls, max_calls}  EOS
-    where [reasoning] is free text closed by ``think[1]``, mandatory when the splitter starts in "reasoning"
-    (the prompt opened the block: ``initial_state``), else optional and opened by ``think[0]``; absent when
-    ``think`` is None. JSON(schema) is one JSON value valid against ``schema`` (an object
-    {"name": <const>, "arguments": <the tool's parameters>}, ``anyOf`` over the tools for "required"; "name"
-    written first, as the templates show it). ``max_calls`` None means unbounded.
+    where [reasoning] is free text closed by ``think[1]``: mandatory when ``think_open`` (the prompt opened the
+    block), else optional and opened by ``think[0]``; absent when ``think`` is None. JSON(schema) is one JSON
+    value valid against ``schema`` (an object {"name": <const>, "arguments": <the tool's parameters>}, ``anyOf``
+    over the tools for "required"; "name" first, as the templates write it). ``max_calls`` None: unbounded.
+    ``token_ids`` maps each marker that is one token to that token: grammar engines see added tokens as special
+    (llguidance: not as their text), so a marker must be matched as its token. ``lark()`` is all of it in
+    llguidance's Lark syntax: ``llguidance.LLMatcher.grammar_from_lark(c.lark())``.
     """
 
     start: str
@@ -314,10 +325,37 @@ class CallConstraint:
     min_calls: int = 1
     max_calls: Optional[int] = None
     think: Optional[tuple[str, str]] = None
+    think_open: bool = False
+    token_ids: dict = field(default_factory=dict)
+
+    def _marker(self, text: str) -> str:
+        i = self.token_ids.get(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text, ensure_ascii=False)
+
+    def lark(self) -> str:
+        schema = dict(self.schema)
+        schema.setdefault("x-guidance", JSON_STYLE)
+        end = f" WS {self._marker(self.end)}" if self.end else ""
+        lines = [f"call: {self._marker(self.start)} WS %json {json.dumps(schema, ensure_ascii=False)}{end}",
+                 "calls: call" + ("" if self.max_calls == 1 else " (WS call)*"),
+                 "WS: /[ \\t\\n]{0,4}/", "TEXT: /(?s:.*)/"]
+        if self.think is None:
+            lines.insert(0, "start: calls")
+        else:
+            closed = f"TEXT {self._marker(self.think[1])} WS"
+            opened = closed if self.think_open else f"({self._marker(self.think[0])} {closed})?"
+            lines.insert(0, f"start: {opened} calls")
+        return "\n".join(lines) + "\n"
 
 
-def call_constraint(tokenizer, chat: ChatTools) -> Optional[CallConstraint]:
-    """The grammar a forced call needs, or None when the request forces none ("none", "auto")."""
+def _one_token(tokenizer, text: str) -> Optional[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+    return ids[0] if len(ids) == 1 else None
+
+
+def call_constraint(tokenizer, chat: ChatTools, initial: str = "normal") -> Optional[CallConstraint]:
+    """The grammar a forced call needs, or None when the request forces none ("none", "auto"). ``initial`` is
+    the reply's ``initial_state``."""
     if chat.choice not in ("required", "function") or not chat.tools:
         return None
     fmt = call_format(tokenizer)
@@ -332,8 +370,11 @@ def call_constraint(tokenizer, chat: ChatTools) -> Optional[CallConstraint]:
     schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
     single = chat.choice == "function" or not chat.parallel
     think = (tokenizer.think_start, tokenizer.think_end) if tokenizer.has_thinking else None
+    markers = [tokenizer.tool_call_start, tokenizer.tool_call_end or ""] + list(think or ())
+    ids = {m: i for m in markers if (i := _one_token(tokenizer, m)) is not None}
     return CallConstraint(start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "", schema=schema,
-                          max_calls=1 if single else None, think=think)
+                          max_calls=1 if single else None, think=think,
+                          think_open=think is not None and initial == "reasoning", token_ids=ids)
 
 
 # ---- response side -----------------------------------------------------------------------------------------
