@@ -34,8 +34,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional
 
-from mlx_lm.generate import TextStateMachine, make_text_state_machine
-
 # apply_chat_template's own parameters: a request's chat_template_kwargs must not reach them (a per-request
 # template, tokenize=True, ...), nor the arguments clusterctl sets
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -411,11 +409,14 @@ class _WithoutCalls:
         return getattr(self._tokenizer, name)
 
 
-_MACHINES: "weakref.WeakKeyDictionary[Any, dict[bool, TextStateMachine]]" = weakref.WeakKeyDictionary()
+_MACHINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _machine(tokenizer, parse_calls: bool) -> TextStateMachine:
-    # built once per tokenizer (tries over the markers); a machine is shared, its runtime state is per reply
+def _machine(tokenizer, parse_calls: bool):
+    # built once per tokenizer (tries over the markers); a machine is shared, its runtime state is per reply.
+    # mlx-lm is imported here: checking a request needs no MLX
+    from mlx_lm.generate import make_text_state_machine
+
     try:
         per = _MACHINES.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: build one per reply
@@ -441,6 +442,9 @@ class OutputSplitter:
             parse_calls = bool(tools)
         self._parse_calls = parse_calls and tokenizer.has_tool_calling
         self._parallel = parallel
+        from mlx_lm.generate import TextStateMachine
+
+        self._tsm = TextStateMachine
         self._sm = _machine(tokenizer, self._parse_calls).make_state(initial_state)
         self._state = initial_state
         self._fresh = initial_state != "normal"  # the prompt's marker opened this state
@@ -454,7 +458,7 @@ class OutputSplitter:
     def feed(self, text: str) -> list[Event]:
         if not text or self.should_stop or self.finish_reason is not None:
             return []
-        self._sm, segments = TextStateMachine.split(self._sm, text)
+        self._sm, segments = self._tsm.split(self._sm, text)
         out: list[Event] = []
         for i, (state, piece) in enumerate(segments):
             self._piece(state, piece, out)
@@ -468,7 +472,7 @@ class OutputSplitter:
         out: list[Event] = []
         if not self.should_stop:
             # held as a possible marker start, but generation ended: it is text the model wrote
-            self._sm, rest, state = TextStateMachine.flush(self._sm)
+            self._sm, rest, state = self._tsm.flush(self._sm)
             self._piece(state, rest, out)
             if self._state == "tool" and self._parse_calls:
                 self._close_call(out, closed=False)
