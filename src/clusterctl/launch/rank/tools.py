@@ -7,6 +7,19 @@ tokenizer; ``render_kwargs`` adds what the model's ``TokenizerWrapper`` says and
 tool-call events with mlx-lm's ``make_text_state_machine`` (the markers) and the tokenizer's ``tool_parser`` (the
 call format), so no family has a parser here.
 
+Use, on rank 0::
+
+    chat = ChatTools.from_body(body)                # ToolsError (a ValueError) -> 400 naming e.param
+    text = render(tokenizer, chat, template_args)   # the operator's template arguments under the request's
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
+    banned_token_ids(tokenizer, chat)               # tool_choice "none": logit bias -inf on these
+    splitter = chat.splitter(tokenizer, tokens)
+    splitter.feed(piece) -> [Event]                 # each piece the rank emits (after its StopMatcher);
+                                                    # stream: delta(event); splitter.should_stop: end the row
+    splitter.finish(result.finish_reason)           # the rest, then Event("finish", reason)
+    Reply().add(events).message()                   # non-stream: the OpenAI message
+
 Decisions where OpenAI and mlx-lm leave room:
 - ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
   cached prefix, stay those of "auto"), no call is parsed (any markup stays in the content, verbatim), and
