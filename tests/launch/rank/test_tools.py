@@ -2,17 +2,13 @@
 think markers made tokens and Qwen-style templates (tests/toolmodels.py), loaded by mlx-lm as a rank loads them."""
 
 import json
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
+import toolmodels
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for toolmodels
-
-import toolmodels  # noqa: E402
-from clusterctl.launch.rank import tools as T  # noqa: E402
-from clusterctl.launch.rank.pipeline import StopMatcher  # noqa: E402
+from clusterctl.launch.rank import tools as T
+from clusterctl.launch.rank.pipeline import StopMatcher
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
