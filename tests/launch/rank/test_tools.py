@@ -41,6 +41,7 @@ def toks(tmp_path_factory):
     return {
         "json": load(toolmodels.write_tokenizer(root / "json")),
         "xml": load(toolmodels.write_tokenizer(root / "xml", call_format="qwen3_coder")),
+        "mistral": load(toolmodels.write_tokenizer(root / "mistral", call_format="mistral", thinking=False)),
         "nothink": load(toolmodels.write_tokenizer(root / "nothink", thinking=False)),
         "plain": load(tiny_model_path()),
     }
@@ -79,6 +80,9 @@ def test_markers_are_tokens_and_inferred(toks):
     assert (j.has_tool_calling, T.call_format(j), j.has_thinking) == (True, "json_tools", True)
     assert (x.has_tool_calling, T.call_format(x), x.has_thinking) == (True, "qwen3_coder", True)
     assert (n.has_tool_calling, n.has_thinking) == (True, False)
+    m = toks["mistral"]
+    assert (T.call_format(m), m.tool_call_start, m.tool_call_end, m.has_thinking) == (
+        "mistral", "[TOOL_CALLS]", "", False)
     assert (p.has_tool_calling, p.has_thinking) == (False, False)
     assert len(j.tool_call_start_tokens) == 1 and len(j.tool_call_end_tokens) == 1
     assert len(j) == len(p)  # the weights still fit: markers took ids inside the vocabulary
@@ -408,6 +412,27 @@ def test_another_call_format_through_the_same_splitter(toks):
     for cut in range(len(out) + 1):
         assert summary(run(T.OutputSplitter(tok, TOOLS), [out[:cut], out[cut:]])) == want, cut
     assert summary(run(T.OutputSplitter(tok, TOOLS), token_pieces(tok, out))) == want
+
+
+def test_a_format_without_end_marker(toks):
+    """mistral: after [TOOL_CALLS] the rest of the reply is calls, parsed when it ends."""
+    tok = toks["mistral"]
+    history = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}' in history
+    out = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    want = ("Sure.", "", [("get_weather", {"city": "Paris"}), ("get_time", {})], "tool_calls")
+    for cut in range(len(out) + 1):
+        s = T.OutputSplitter(tok, TOOLS)
+        head = s.feed(out[:cut]) + s.feed(out[cut:])
+        assert all(e.kind == "content" for e in head)  # no call before the reply ends
+        assert summary(head + s.finish("stop")) == want, cut
+    cut = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci'
+    s = T.OutputSplitter(tok, TOOLS)
+    assert summary(run(s, token_pieces(tok, cut), "length")) == (cut, "", [], "length")
+    # the forced call is not this module's to shape for this format
+    with pytest.raises(T.ToolsError, match="mistral"):
+        T.call_constraint(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS,
+                                                      "tool_choice": "required"}))
 
 
 def test_stop_strings_upstream(toks):
