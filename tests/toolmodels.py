@@ -2,8 +2,9 @@
 
 The tiny test model's tokenizer knows no markers and its template renders no tools. mlx-lm infers a model's
 tool-call format from its chat template (``<tool_call>`` and ``tool_call.name`` in it: ``json_tools``;
-``<tool_call>\\n<function=``: ``qwen3_coder``; ``[TOOL_CALLS]``: ``mistral``) and thinking from the vocabulary (``<think>`` and ``</think>``
-tokens). So the markers become tokens as in Qwen's tokenizers (added, not special, so they detokenize as text):
+``<tool_call>\\n<function=``: ``qwen3_coder``; ``[TOOL_CALLS]``: ``mistral``) and thinking from the vocabulary
+(``<think>`` and ``</think>`` tokens). So the markers become tokens as in Qwen's tokenizers (added, not special,
+so they detokenize as text):
 they take the ids of the BPE's last merges, whose merges are dropped, and the vocabulary keeps its size — the
 weights stay the tiny model's own, linked, and ranks can serve the folder.
 """
