@@ -188,6 +188,33 @@ def test_smollm2_answers_for_real(smollm2):
     assert json.loads(answers[0][0])["age"] == 30 and answers[0][2]  # a real answer, ended by itself
 
 
+def test_random_logits_over_smollm2s_tokenizer(smollm2):
+    """The worst sampler there is: random logits over 49,152 tokens, many of them long (e.g. ``"]}`` or ``[{"``),
+    every budget from the shortest answer up, every format; no forward pass, so it costs little."""
+    _model, tok, factory = smollm2
+    cases = formats()
+    mx.random.seed(7)
+    budgets = [factory.compile(rf, max_tokens=1 << 20).min_tokens + i % 7 for i, (_n, rf, _s) in enumerate(cases)]
+    rows = [factory.compile(rf, max_tokens=b) for (_n, rf, _s), b in zip(cases, budgets)]
+    out: list[list[int]] = [[] for _ in rows]
+    ended = [False] * len(rows)
+    while not all(ended):
+        logits = mx.random.normal((len(rows), factory.vocab)) * 3.0
+        masks = factory.masks([None if e else c for c, e in zip(rows, ended)])
+        for i, t in enumerate(mx.random.categorical(apply_masks(logits, masks)).tolist()):
+            if ended[i]:
+                continue
+            if t in factory.eos:
+                assert rows[i].accepting
+                ended[i] = True
+                continue
+            rows[i].advance(t)
+            out[i].append(t)
+            ended[i] = rows[i].done or len(out[i]) >= budgets[i]
+    _check(cases, [(tok.decode(o), len(o), True) for o in out])
+    assert sum(r.closed_by_budget for r in rows) >= len(rows) // 2
+
+
 def test_a_tight_budget_still_closes_the_answer(tiny):
     model, tok, factory = tiny
     prompt = tok.encode("{", add_special_tokens=False)
