@@ -148,6 +148,9 @@ class GrammarFactory:
     ~1 s) the tables of the roll-out that closes an answer within max_tokens."""
 
     def __init__(self, tokenizer, vocab: int | None = None, *, threads: int | None = None):
+        """``tokenizer``: mlx-lm's TokenizerWrapper (or a fast HF tokenizer); ``vocab``: the logits' width (a
+        config's vocab_size may exceed the tokenizer's: the extra ids are never allowed); ``threads``: for the
+        masks of several rows (llguidance's default: 80% of the cores)."""
         import llguidance
         import llguidance.hf
 
@@ -165,7 +168,8 @@ class GrammarFactory:
 
     # -- compile -------------------------------------------------------------------------------------------------
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
-        """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format).
+        """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format); with
+        ``max_tokens`` (the request's budget) it closes the answer within it (see the module's docstring).
         ValueError (one line, fit for a 400) when the format or its schema is unsupported or invalid."""
         import llguidance
 
