@@ -50,6 +50,10 @@ class RankSpec(BaseModel):
     # rank 0: more callers, each with its own key and its own prompt-cache partition (tenant name -> key); the
     # api_key above is the tenant "default"
     api_keys: dict[Name, SecretStr] = Field(default_factory=dict, max_length=1024)
+    # rank 0: more names clients may give as `model` (besides the model folder's name and "default_model")
+    model_aliases: list[Name] = Field(default_factory=list, max_length=64)
+    # rank 0: browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all
+    cors_origins: list[str] = Field(default_factory=list, max_length=64)
     seed: int = Field(default=0, ge=0, lt=2**31)
     runtime_dir: str
     marker_path: str

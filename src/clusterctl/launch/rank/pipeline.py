@@ -295,6 +295,7 @@ class GenResult:
     finish_reason: str  # "stop" | "length" | "cancelled" | "shutdown" | "error"
     prompt_tokens: int
     error: Optional[str] = None  # "error": why this request failed (its own values, not the rank's state)
+    cached_tokens: int = 0  # prompt tokens whose KV the prompt cache gave (not computed again)
 
 
 class StopMatcher:

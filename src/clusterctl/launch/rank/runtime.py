@@ -195,11 +195,11 @@ class Rank:
                 self.api.state = "stopping"
         t0 = time.monotonic()
         model, tokenizer, config = pipeline.load_shard(spec)
+        if self.api is not None and not self.stopping.is_set():
+            self.api.state = "ready"  # before the marker says so: whoever reads "ready" there finds it here too
         self.marker.update(state="ready")
         _say(f"rank {spec.rank}: loaded layers [{spec.start_layer}, {spec.end_layer}) of {spec.num_layers} in "
              f"{time.monotonic() - t0:.1f} s; waiting for the gate")
-        if self.api is not None and not self.stopping.is_set():
-            self.api.state = "ready"
         gate = Path(spec.gate_path)
         while not gate.exists():
             if self.stopping.wait(GATE_POLL_S):

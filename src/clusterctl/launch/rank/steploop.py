@@ -288,6 +288,7 @@ class StepLoop:
             self.active.add(req.id)
             if job is not None:
                 job.started_at = time.monotonic()
+                job.cached_tokens = req.cache_len if req.id in prefixes else 0
                 self.inflight[req.id] = job
 
     def _end_all(self, adds: list) -> None:
@@ -370,6 +371,7 @@ class StepLoop:
     @staticmethod
     def _finish(job: Job, res: GenResult) -> None:
         job.finished_at = time.monotonic()
+        res.cached_tokens = job.cached_tokens
         if res.error is not None:  # the request's own values failed it (sampling.py): its client alone hears it
             job.events.put(("error", ApiError(400, res.error)))
             return
