@@ -86,16 +86,16 @@ class Batch:
         return list(self.by_id)
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
-        from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+        from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
-        from clusterctl.launch.rank.sampling import Guard
+        from clusterctl.launch.rank.sampling import Guard, processors
 
         if req.id in self.by_id:
             raise ValueError(f"request {req.id} is already in the batch")
         if not self.seqs:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        procs = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else []
+        procs = processors(req)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
         if guard is not None:

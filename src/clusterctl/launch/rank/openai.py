@@ -16,6 +16,28 @@ from clusterctl.launch.rankspec import RankSpec
 
 MAX_STOPS = 4
 MAX_SALT = 1024  # characters of a cache_salt
+MAX_BIAS = 300  # entries of a logit_bias, as OpenAI allows
+# fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
+# accepted and ignored; each with the value that asks for nothing
+UNSUPPORTED = {
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
+    "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "chat_template_kwargs": (None,),
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored."""
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "only n=1 is supported", param="n")
+    for name, fine in UNSUPPORTED.items():
+        if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(400, "only the text modality is supported", param="modalities")
 # below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
 # logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
 GREEDY_BELOW = 1e-6
@@ -85,10 +107,7 @@ class RequestBuilder:
         return hashlib.sha256(ident).hexdigest()[:32]
 
     def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
-        if body.get("n", 1) not in (1, None):
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        refuse_unsupported(body)
         max_tokens = body.get(max_key, body.get("max_tokens"))
         temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
         top_k = _num(body, "top_k", 0, 0, 1 << 20, kind=int)
@@ -105,10 +124,30 @@ class RequestBuilder:
             min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
             repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
                                 if body.get("repetition_penalty") is not None else None),
+            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            **{f"{k}_context_size": _num(body, f"{k}_context_size", 20, 1, self.context, kind=int)
+               for k in ("repetition", "presence", "frequency")},
+            logit_bias=self._logit_bias(body),
             seed=self._seed(body),
             stop=_stops(body),
             partition=self._partition(body, tenant),
         )
+
+    def _logit_bias(self, body: dict) -> dict[str, float] | None:
+        """OpenAI's logit_bias: token id (a string, as JSON keys are) -> a bias in [-100, 100], at most 300."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return None
+        if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
+            raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIAS} token ids", param="logit_bias")
+        out = {}
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < self.limits.vocab):
+                raise ApiError(400, f"logit_bias: {k[:20]!r} is not a token id of this model (0 to "
+                                    f"{self.limits.vocab - 1})", param="logit_bias")
+            out[str(int(k))] = _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
+        return out or None
 
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:

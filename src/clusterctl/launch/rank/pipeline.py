@@ -263,6 +263,12 @@ class GenRequest:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a JSON key) -> additive bias
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from

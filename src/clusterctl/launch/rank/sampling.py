@@ -18,13 +18,25 @@ import mlx.core as mx
 from clusterctl.launch.rank.pipeline import GenRequest
 
 
+def processors(req: GenRequest) -> list:
+    """mlx-lm's logits processors for a request's logit_bias and penalties (none when it asks for none)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    rep = req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None
+    return make_logits_processors(
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        repetition_penalty=rep, repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty or None, presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty or None, frequency_context_size=req.frequency_context_size)
+
+
 class RowSampler:
     """How one request's next token is chosen from its logits."""
 
     failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
 
     def __init__(self, req: GenRequest):
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self.temp = float(req.temperature)
         self.filters = []
@@ -34,8 +46,7 @@ class RowSampler:
             self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
         if req.top_k > 0:
             self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
-        self.procs = make_logits_processors(repetition_penalty=req.repetition_penalty) \
-            if req.repetition_penalty else []
+        self.procs = processors(req)
         self.history = list(req.tokens) if self.procs else None  # what the processors look back on
         self.key = mx.random.key(req.seed) if self.temp > 0 else None
 

@@ -1,0 +1,136 @@
+"""Rank 0's OpenAI API beyond the basics (issue 31), on 2 real ranks of each decode schedule and on one rank:
+every sampling control per request (the same greedy tokens as one mlx-lm process with the same settings), fields
+that cannot be honoured refused by name, model names, paths without /v1, CORS, usage details. (A stream's
+headers at once and its keepalive comments while it waits: test_rank_serve.py, the 429 test.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from rankharness import RankCluster, tiny_model_path
+
+PROMPT = "def main(argv):"
+MODEL_ID = "tiny-model-test"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="module", params=["overlap", "lockstep"])
+def cluster(request, model, tmp_path_factory):
+    over = {"schedule": request.param, "model_aliases": ["my-alias"], "cors_origins": ["https://app.example"]}
+    c = RankCluster(tmp_path_factory.mktemp(f"api-{request.param}"), model, [4, 4], overrides=over,
+                    tag=f"api{request.param[:4]}")
+    c.up()
+    yield c
+    c.stop()
+
+
+def call(c: RankCluster, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    data = json.dumps(body).encode() if body is not None else None
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    try:
+        out = json.loads(raw) if raw else None
+    except ValueError:
+        out = raw
+    return r.status, out, r
+
+
+def reference(model_path, prompt: str, max_tokens: int, **procs) -> list[int]:
+    """One mlx-lm process, greedy, with mlx-lm's own logits processors for these settings (EOS excluded)."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    from rankharness import _loaded
+
+    m, tok = _loaded(str(model_path))
+    out = []
+    for r in stream_generate(m, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0),
+                             logits_processors=make_logits_processors(**procs)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+def tokens_of(c, body: dict) -> list[int]:
+    status, out, _ = call(c, "POST", "/v1/completions", {"prompt": PROMPT, "temperature": 0,
+                                                          "return_token_ids": True, **body})
+    assert status == 200, out
+    return out["choices"][0]["token_ids"]
+
+
+def test_penalties_and_logit_bias_give_one_mlx_lm_process_tokens(cluster, model):
+    """Each control per request, as mlx-lm's own processors apply it in one process. The tiny model never repeats
+    a token on its own, so a logit_bias of 6 on token 7 makes it repeat, and each penalty then changes the
+    answer (none is accepted and ignored)."""
+    plain = tokens_of(cluster, {"max_tokens": 10})
+    assert plain == reference(model, PROMPT, 10)
+    assert tokens_of(cluster, {"max_tokens": 10, "logit_bias": {str(plain[0]): -100}}) \
+        == reference(model, PROMPT, 10, logit_bias={plain[0]: -100.0}) != plain
+    forced = {"logit_bias": {7: 6.0}}
+    repeated = tokens_of(cluster, {"max_tokens": 10, "logit_bias": {"7": 6}})
+    assert repeated == reference(model, PROMPT, 10, **forced) and repeated.count(7) >= 5
+    for body in ({"presence_penalty": 2.0}, {"frequency_penalty": 1.0, "frequency_context_size": 8},
+                 {"repetition_penalty": 1.8}, {"presence_penalty": -0.5, "repetition_penalty": 1.8}):
+        got = tokens_of(cluster, {"max_tokens": 10, "logit_bias": {"7": 6}, **body})
+        assert got == reference(model, PROMPT, 10, **forced, **body) and got != repeated, body
+    assert tokens_of(cluster, {"max_tokens": 4, "logit_bias": {"7": 100}}) == [7, 7, 7, 7]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("echo", True), ("best_of", 3), ("suffix", "x"), ("n", 2), ("xtc_probability", 0.5), ("functions", []),
+    ("modalities", ["text", "audio"]), ("num_draft_tokens", 2),
+])
+def test_fields_that_cannot_be_honoured_are_refused_by_name(cluster, field, value):
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
+    assert status == 400 and out["error"]["param"] == field, out
+
+
+@pytest.mark.parametrize("bias", [{"-1": 5}, {"2048": 5}, {"abc": 1}, {"3": 101}, {"3": "x"},
+                                  {str(i): 1 for i in range(301)}, [1]])
+def test_bad_logit_bias_is_refused(cluster, bias):
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": bias})
+    assert status == 400 and out["error"]["param"] == "logit_bias", out
+
+
+def test_model_names_paths_without_v1_and_usage_details(cluster):
+    for name in (MODEL_ID, "default_model", "my-alias"):
+        status, out, _ = call(cluster, "POST", "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 2})
+        assert status == 200 and out["model"] == MODEL_ID, out
+        assert out["system_fingerprint"].startswith("fp_")
+        assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"model": "gpt-4o", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and out["error"]["code"] == "model_not_found" and out["error"]["param"] == "model", out
+    status, out, _ = call(cluster, "POST", "/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 200 and out["object"] == "text_completion"
+    status, out, _ = call(cluster, "POST", "/chat/completions",
+                          {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200 and out["object"] == "chat.completion"
+    assert call(cluster, "GET", "/models")[1]["data"][0]["id"] == MODEL_ID
+    assert call(cluster, "GET", "/v1/models/my-alias")[0] == 200
+    assert call(cluster, "GET", "/v1/models/gpt-4o")[0] == 404
+    assert call(cluster, "GET", "/v1/embeddings")[0] == 404
+
+
+def test_cors_for_the_allowed_origin_only_and_a_preflight_without_a_key(cluster):
+    status, _, r = call(cluster, "OPTIONS", "/v1/chat/completions",
+                        headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    assert status == 204 and r.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    assert "POST" in r.getheader("Access-Control-Allow-Methods")
+    assert "Authorization" in r.getheader("Access-Control-Allow-Headers")
+    status, _, r = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 1},
+                        headers={"Origin": "https://app.example"})
+    assert status == 200 and r.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    _, _, r = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 1},
+                   headers={"Origin": "https://evil.example"})
+    assert r.getheader("Access-Control-Allow-Origin") is None
