@@ -134,3 +134,81 @@ def test_cors_for_the_allowed_origin_only_and_a_preflight_without_a_key(cluster)
     _, _, r = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 1},
                    headers={"Origin": "https://evil.example"})
     assert r.getheader("Access-Control-Allow-Origin") is None
+
+
+def reference_logprobs(model_path, prompt: str, max_tokens: int, **procs) -> list[tuple[int, float, list]]:
+    """(token, its logprob, the top 3 (id, logprob)) per token, as one mlx-lm process computes them."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    from rankharness import _loaded
+
+    m, tok = _loaded(str(model_path))
+    out = []
+    for r in stream_generate(m, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0),
+                             logits_processors=make_logits_processors(**procs)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        lp = r.logprobs
+        top = mx.argsort(-lp)[:3].tolist()
+        out.append((r.token, lp[r.token].item(), [(i, lp[i].item()) for i in top]))
+    return out
+
+
+def _close(got: list[dict], want, tol=2e-3) -> None:
+    assert [e["id"] for e in got] == [t for t, _, _ in want]
+    for e, (t, lp, top) in zip(got, want):
+        assert abs(e["logprob"] - lp) < tol, (e, lp)
+        assert [a["id"] for a in e["top_logprobs"]] == [i for i, _ in top[:len(e["top_logprobs"])]]
+        for a, (_, v) in zip(e["top_logprobs"], top):
+            assert abs(a["logprob"] - v) < tol
+
+
+def test_logprobs_equal_one_mlx_lm_process_stream_and_not(cluster, model):
+    want = reference_logprobs(model, PROMPT, 6)
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                                "logprobs": 3})
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 6 and len(lp["token_logprobs"]) == 6 and len(lp["text_offset"]) == 6
+    assert all(abs(a - w[1]) < 2e-3 for a, w in zip(lp["token_logprobs"], want))
+    assert all(len(t) == 3 for t in lp["top_logprobs"])
+    # chat, stream and not: the chosen token's logprob and the top 3, as one process has them
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    want = reference_logprobs(model, text, 5)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}
+    status, out, _ = call(cluster, "POST", "/v1/chat/completions", body)
+    assert status == 200, out
+    _close(out["choices"][0]["logprobs"]["content"], want)
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    entries = []
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith("data: {"):
+            lp = json.loads(line[6:])["choices"][0]["logprobs"] if json.loads(line[6:])["choices"] else None
+            entries += lp["content"] if lp else []
+    conn.close()
+    _close(entries, want)
+    # after the processors: the distribution the token was drawn from
+    want = reference_logprobs(model, PROMPT, 4, logit_bias={7: 6.0}, presence_penalty=1.0)
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                                "logprobs": 0, "logit_bias": {"7": 6},
+                                                                "presence_penalty": 1.0})
+    assert all(abs(a - w[1]) < 2e-3 for a, w in zip(out["choices"][0]["logprobs"]["token_logprobs"], want)), out
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"logprobs": "yes"}), ("/v1/chat/completions", {"top_logprobs": 3}),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}), ("/v1/completions", {"logprobs": 21}),
+    ("/v1/completions", {"logprobs": 2, "top_logprobs": 2}),
+])
+def test_bad_logprobs_are_refused(cluster, path, body):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": PROMPT}
+    status, out, _ = call(cluster, "POST", path, {**base, "max_tokens": 2, **body})
+    assert status == 400 and out["error"]["param"] in ("logprobs", "top_logprobs"), out

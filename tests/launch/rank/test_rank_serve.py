@@ -499,3 +499,16 @@ def test_a_slow_client_holds_only_its_own_connection_and_is_dropped(model, tmp_p
         assert out.startswith(b"HTTP/1.1 408"), out[:200]
         assert time.monotonic() - t0 < 10
         assert "Traceback" not in c.logs(0)
+
+
+def test_logprobs_from_a_world_of_one(rank, model):
+    """The lockstep batch of one rank (tensor-parallel ranks decode the same way): logprobs as one process."""
+    from test_api import reference_logprobs
+
+    want = reference_logprobs(model, PROMPT, 5)
+    status, out = _post(rank, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 3})
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([w[1] for w in want], abs=2e-3)
+    assert [sorted(t.values(), reverse=True)[0] for t in lp["top_logprobs"]] == \
+        pytest.approx([w[2][0][1] for w in want], abs=2e-3)

@@ -23,7 +23,7 @@ UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "chat_template_kwargs": (None,),
 }
 
@@ -106,6 +106,27 @@ class RequestBuilder:
         ident = json.dumps([tenant or "", salt]).encode("utf-8", "surrogatepass")
         return hashlib.sha256(ident).hexdigest()[:32]
 
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> int:
+        """-1: none; else the alternatives per token (chat: logprobs true and top_logprobs; completions: the
+        integer logprobs, as OpenAI's legacy API has it)."""
+        from clusterctl.launch.rank.logprobs import MAX_TOP
+
+        if chat:
+            want = body.get("logprobs")
+            if want not in (None, True, False):
+                raise ApiError(400, "logprobs must be true or false", param="logprobs")
+            top = _num(body, "top_logprobs", 0, 0, MAX_TOP, kind=int)
+            if top and not want:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return top if want else -1
+        if body.get("logprobs") is None:
+            return -1
+        if body.get("top_logprobs") is not None:
+            raise ApiError(400, "top_logprobs is for chat; /v1/completions takes an integer logprobs",
+                           param="top_logprobs")
+        return _num(body, "logprobs", 0, 0, MAX_TOP, kind=int)
+
     def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
         refuse_unsupported(body)
         max_tokens = body.get(max_key, body.get("max_tokens"))
@@ -132,6 +153,7 @@ class RequestBuilder:
             seed=self._seed(body),
             stop=_stops(body),
             partition=self._partition(body, tenant),
+            logprobs=self._logprobs(body, max_key == "max_completion_tokens"),
         )
 
     def _logit_bias(self, body: dict) -> dict[str, float] | None:

@@ -271,6 +271,7 @@ class GenRequest:
     logit_bias: Optional[dict[str, float]] = None  # token id (as a JSON key) -> additive bias
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None
     cache_len: int = 0

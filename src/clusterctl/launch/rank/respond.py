@@ -72,6 +72,9 @@ class Answer:
         self.chat = job.kind == "chat"
         self._poll_at = 0.0
         self._quiet_since = time.monotonic()
+        self.wants_lp = job.req is not None and job.req.logprobs >= 0
+        self.lps: list[dict] = []  # entries not yet written (a stream) or all of them (one document)
+        self.text_at = 0  # characters of text written so far (the legacy shape's text_offset)
 
     def write(self) -> None:
         if self.job.stream:
@@ -104,6 +107,9 @@ class Answer:
             except queue.Empty:
                 continue
             self._quiet_since = time.monotonic()
+            if event[0] == "logprob":
+                self.lps.append(event[1])
+                continue
             if event[0] == "text" and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
                 self.api.metrics.first_token(job.first_token_at - job.arrived_at)
@@ -139,13 +145,23 @@ class Answer:
         choice: dict = {"index": 0, "finish_reason": result.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
+            choice["logprobs"] = self._take_lps()
         else:
-            choice.update(text=result.text, logprobs=None)
+            choice.update(text=result.text, logprobs=self._take_lps())
         if self.shape.token_ids:
             choice["token_ids"] = result.tokens
         self.h.json(200, {**self._head("chat.completion" if self.chat else "text_completion"),
                           "choices": [choice], "usage": usage(result)})
         self.h.outcome = "cancelled" if result.finish_reason == "cancelled" else "ok"
+
+    def _take_lps(self) -> dict | None:
+        """The log-probabilities not yet written, in the shape of this route (None: not asked for)."""
+        from clusterctl.launch.rank.logprobs import chat_shape, completion_shape
+
+        if not self.wants_lp:
+            return None
+        entries, self.lps = self.lps, []
+        return chat_shape(entries) if self.chat else completion_shape(entries, self.text_at)
 
     def _head(self, obj: str) -> dict:
         job = self.job
@@ -161,9 +177,10 @@ class Answer:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            c = {"index": 0, "delta": d, "finish_reason": finish}
+            c = {"index": 0, "delta": d, "logprobs": self._take_lps() if self.lps else None, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "text": delta or "", "logprobs": self._take_lps(), "finish_reason": finish}
+            self.text_at += len(delta or "")
         c.update(extra or {})
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [c]}
         if self.shape.include_usage:

@@ -34,6 +34,7 @@ class RowSampler:
     """How one request's next token is chosen from its logits."""
 
     failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
+    logprobs: mx.array | None = None  # the last step's log-softmax after the processors (wants_logprobs)
 
     def __init__(self, req: GenRequest):
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -49,10 +50,11 @@ class RowSampler:
         self.procs = processors(req)
         self.history = list(req.tokens) if self.procs else None  # what the processors look back on
         self.key = mx.random.key(req.seed) if self.temp > 0 else None
+        self.wants_logprobs = req.logprobs >= 0
 
     @property
     def plain_greedy(self) -> bool:
-        return self.temp == 0 and not self.procs
+        return self.temp == 0 and not self.procs and not self.wants_logprobs
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits`` of shape (1, vocab) -> the token, shape (1,)."""
@@ -60,6 +62,7 @@ class RowSampler:
             return self._sample(logits)
         except Exception as e:  # the request's values, not the rank's state: this row alone fails
             self.failed = failure(e)
+            self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return mx.argmax(logits, axis=-1)
 
     def _sample(self, logits: mx.array) -> mx.array:
@@ -68,6 +71,8 @@ class RowSampler:
             for proc in self.procs:
                 logits = proc(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.wants_logprobs:
+            self.logprobs = logprobs
         if self.temp == 0:
             return mx.argmax(logprobs, axis=-1)
         for f in self.filters:

@@ -284,7 +284,9 @@ class StepLoop:
                 self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
         for req, job in adds:
             emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
-            self.batch.add(req, emit, prefix=prefixes.get(req.id), **({"into": into} if into is not None else {}))
+            emit_lp = (lambda e, j=job: j.events.put(("logprob", e))) if job is not None else None
+            self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
+                           **({"into": into} if into is not None else {}))
             self.active.add(req.id)
             if job is not None:
                 job.started_at = time.monotonic()
