@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from clusterctl.errors import IntegrityError
 from clusterctl.names import Ident, Name
+from clusterctl.plan.deployment import ServingDefaults
 
 # Set by the rank itself from the contract; extra env must not override them.
 RESERVED_ENV = frozenset({"MLX_RANK", "MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE"})
@@ -61,7 +62,10 @@ class RankSpec(BaseModel):
     lease_path: Optional[str] = None
     lease_seconds: float = Field(default=30.0, gt=0, le=3600)
     embedding_offload: bool = False
-    max_tokens_default: int = Field(default=256, ge=1, le=1 << 20)
+    # when a request gives no max_tokens and serving has none: this many (None: until its context is full)
+    max_tokens_default: Optional[int] = Field(default=None, ge=1, le=1 << 26)
+    # rank 0: the operator's defaults for what a request leaves out, chat template override and arguments
+    serving: ServingDefaults = Field(default_factory=ServingDefaults)
     # serving: requests decoded together (the plan's batch slots) and requests waiting beyond them (then 429)
     max_batch: int = Field(default=8, ge=1, le=1024)
     max_queue: int = Field(default=64, ge=0, le=1 << 16)

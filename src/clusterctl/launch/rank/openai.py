@@ -24,8 +24,27 @@ UNSUPPORTED = {
     "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
     "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "chat_template_kwargs": (None,),
+    "response_format": (None, {"type": "text"}),
 }
+
+
+MAX_TEMPLATE_ARGS = 16384  # bytes of a request's chat_template_kwargs as JSON
+
+
+def _template_kwargs(body: dict) -> dict:
+    """A request's chat_template_kwargs (e.g. {"enable_thinking": false}): over the operator's arguments."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw) \
+            or len(json.dumps(kw)) > MAX_TEMPLATE_ARGS:
+        raise ApiError(400, f"chat_template_kwargs must be an object of names to JSON values (at most "
+                            f"{MAX_TEMPLATE_ARGS} bytes)", param="chat_template_kwargs")
+    reserved = sorted(set(kw) & {"messages", "tools", "add_generation_prompt", "tokenize", "documents",
+                                 "continue_final_message", "return_dict", "chat_template"})
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    return kw
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -129,20 +148,25 @@ class RequestBuilder:
 
     def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
         refuse_unsupported(body)
+        d = self.spec.serving  # the operator's defaults, else OpenAI's
         max_tokens = body.get(max_key, body.get("max_tokens"))
-        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
-        top_k = _num(body, "top_k", 0, 0, 1 << 20, kind=int)
-        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", min(self.spec.max_tokens_default,
-                                                                         self.context - 1), 1, 1 << 40, kind=int)
-        if max_tokens >= self.context:  # a prompt holds one token at least
-            raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
-                                f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
+        temperature = _num(body, "temperature", 1.0 if d.temperature is None else d.temperature, 0.0, 2.0)
+        top_k = _num(body, "top_k", d.top_k or 0, 0, 1 << 20, kind=int)
+        default = d.max_tokens or self.spec.max_tokens_default  # None: until the request's context is full
+        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", default, 1, 1 << 40, kind=int) \
+            if max_tokens is not None or default is not None else None
+        if max_tokens is not None and max_tokens >= self.context:  # a prompt holds one token at least
+            if body.get(max_key, body.get("max_tokens")) is None:
+                max_tokens = None  # the operator's default is past this plan's context: until it is full
+            else:
+                raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
+                                    f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
         return dict(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
+            top_p=_num(body, "top_p", 1.0 if d.top_p is None else d.top_p, 0.0, 1.0),
             top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
-            min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+            min_p=_num(body, "min_p", d.min_p or 0.0, 0.0, 1.0),
             repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
                                 if body.get("repetition_penalty") is not None else None),
             presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -171,6 +195,12 @@ class RequestBuilder:
             out[str(int(k))] = _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
         return out or None
 
+    def _request(self, job_id: str, tokens: list[int], params: dict) -> GenRequest:
+        """The request to generate: max_tokens resolved (none given: until the context is full) and checked."""
+        max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
+        self._check_len(tokens, max_tokens)
+        return GenRequest(id=job_id, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
+
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
             raise ApiError(400, "the prompt is empty")
@@ -195,10 +225,12 @@ class RequestBuilder:
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         params = self._common(body, "max_tokens", tenant)
+        if body.get("chat_template_kwargs") is not None:
+            raise ApiError(400, "chat_template_kwargs is for /v1/chat/completions", param="chat_template_kwargs")
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
-        elif len(prompt) + params["max_tokens"] > self.context:
-            self._check_len(prompt, params["max_tokens"])
+        elif len(prompt) + (params["max_tokens"] or 1) > self.context:
+            self._check_len(prompt, params["max_tokens"] or 1)
         elif any(t < 0 or t >= self.limits.vocab for t in prompt):
             raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         job_id = "cmpl-" + secrets.token_hex(12)
@@ -209,8 +241,7 @@ class RequestBuilder:
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
-            self._check_len(tokens, params["max_tokens"])
-            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+            return self._request(job_id, tokens, params)
 
         return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
 
@@ -235,6 +266,7 @@ class RequestBuilder:
             clean.append({"role": m["role"], "content": content})
         params = self._common(body, "max_completion_tokens", tenant)
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in clean))
+        template_args = {**self.spec.serving.chat_template_args, **_template_kwargs(body)}
         job_id = "chatcmpl-" + secrets.token_hex(12)
 
         def prepare(tokenizer) -> GenRequest:
@@ -242,11 +274,10 @@ class RequestBuilder:
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
             # rendered, then measured, then tokenized (what tokenize=True does in one call): a template can make
             # far more text than the messages hold, and tokenizing it is the slow part
-            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False, **template_args)
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            self._check_len(tokens, params["max_tokens"])
-            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+            return self._request(job_id, tokens, params)
 
         return Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
 

@@ -181,7 +181,7 @@ class Rank:
         from clusterctl.launch.rank import pipeline
         from clusterctl.launch.rank.api import Api
         from clusterctl.launch.rank.jobs import ActiveSet, JobQueue
-        from clusterctl.launch.rank.admission import limits_for
+        from clusterctl.launch.rank.admission import limits_for, use_template
         from clusterctl.launch.rank.steploop import StepLoop
 
         spec = self.spec
@@ -224,6 +224,7 @@ class Rank:
 
         lower_compute(spec.compute_nice)  # the control plane (HTTP, probes, markers) runs first when cores are busy
         if self.api is not None:
+            use_template(tokenizer, spec.serving.chat_template)
             self.api.serving(limits_for(config, tokenizer, spec.context_tokens), tokenizer)
             self.marker.update(state="serving", endpoint=self.api.endpoint)
             _say(f"rank 0: serving at {self.api.endpoint}")
