@@ -482,7 +482,7 @@ def test_the_plans_batch_slots_and_the_launch_queue_bound_what_rank_0_takes(tmp_
     assert p.returncode == 0, p.stderr
     host, port = json.loads(p.stdout)["endpoint"].rsplit("/", 1)[-1].rsplit(":", 1)
     try:
-        body = {"prompt": "def main(argv):", "max_tokens": 3000, "temperature": 0}
+        body = {"prompt": "def main(argv):", "max_tokens": 500, "temperature": 0}
         streams = [_stream(host, port, body) for _ in range(2)]
         assert all(r.readline().startswith(b"data: ") for _, r in streams)  # both decoding at once
         conn = http.client.HTTPConnection(host, int(port), timeout=30)

@@ -1,0 +1,287 @@
+"""Structured output: OpenAI's ``response_format`` enforced by a token mask at the sampling rank (issue 31 d).
+
+llguidance (docs/dependencies.md says why: measured against outlines-core and xgrammar) compiles a JSON schema,
+or "any JSON object", into a matcher that gives, per step, the set of tokens that keep the answer valid. The mask
+is computed on the CPU per row per step (~30 µs for SmolLM2's 49,152 tokens) and applied with one MLX op.
+
+Interface (the rank's samplers integrate it; nothing here knows about batches or HTTP)::
+
+    factory = GrammarFactory(tokenizer, vocab)        # once per rank: mlx-lm's TokenizerWrapper, the logits' width
+    c = factory.compile(response_format, max_tokens)  # per request; ValueError(one line) -> answer 400
+    masks = factory.masks([c, None, ...])             # (rows, vocab) bool, None = an unconstrained row
+    logits = apply_masks(logits, masks)               # one mx.where; then sample as usual
+    c.advance(token)                                  # per row, with the sampled token
+    c.done                                            # the answer is complete: end the row now (finish "stop",
+                                                      # or "length" when c.closed_by_budget)
+    c.accepting                                       # EOS is allowed now (the answer so far is valid)
+    c.mask()                                          # one row: (vocab,) bool
+
+``response_format``: ``{"type": "text"}`` -> None (no constraint); ``{"type": "json_object"}`` -> any JSON
+object; ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``. ``strict: true`` refuses a
+schema using keywords llguidance does not implement; ``strict: false`` (OpenAI: best effort) ignores them and
+enforces the rest. Either way the answer is enforced, unlike OpenAI's non-strict mode. JSON is written compactly
+with ``", "`` and ``": "`` separators and no other whitespace: a model cannot pad an answer with blanks forever.
+
+max_tokens: OpenAI and mlx-lm cut the answer at max_tokens, leaving invalid JSON with finish "length". Here a
+constraint given ``max_tokens`` closes the JSON in time: in the last tokens it computes the shortest way to a
+complete answer (a deterministic roll-out on a copy of the matcher that closes strings, arrays and objects as soon
+as the schema allows) and, once that way needs every token left, forces it token by token. The answer then
+parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
+report finish "length". A schema whose smallest answer does not fit in max_tokens is still cut (finish "length").
+
+Cost bounds: a schema is refused above 64 KiB of JSON; llguidance's own limits (lexer fuel, grammar size) bound
+compilation, so a hostile schema fails in milliseconds (bench/grammar.py measures some); compiled matchers are
+cached by schema (LRU) and each request gets a cheap deep copy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+MAX_SCHEMA_BYTES = 64 * 1024
+CACHE_SIZE = 128
+ROLLOUT_WINDOW = 64  # start checking the way out when this many tokens (or fewer) are left
+MARGIN = 8  # force the way out this many tokens early: one sampled token may lengthen it (e.g. "[{" opens two)
+ROLLOUT_STEPS = 512  # a roll-out longer than this is given up (the answer may then be cut)
+
+# JSON written compactly, with the separators models write by themselves
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CLOSERS = set('"]}')
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())[:400]
+
+
+class Constraint:
+    """One request's grammar state. Made by :meth:`GrammarFactory.compile`; not shared between requests."""
+
+    def __init__(self, factory: "GrammarFactory", matcher, max_tokens: int | None):
+        self._f = factory
+        self._m = matcher
+        self.remaining = max_tokens  # tokens the answer may still take (None: no limit)
+        self._way_out: list[int] | None = None  # the roll-out from the current state, when computed
+        self.closed_by_budget = False  # the budget forced the end of the answer
+        self._window = ROLLOUT_WINDOW
+        self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
+        if max_tokens is not None:
+            self._way_out = factory._rollout(matcher, 0)
+            # the way out of a deeper state may be longer than the shortest answer: look well before
+            self._window = max(ROLLOUT_WINDOW, 2 * len(self._way_out) + MARGIN)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """The answer is complete: only EOS may follow (end the row without another step)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """EOS is allowed now: the text so far is a complete, valid answer."""
+        return self._m.is_accepting()
+
+    # -- per step ------------------------------------------------------------------------------------------------
+    def forced(self) -> int | None:
+        """The token the budget forces now, or None (the grammar's own mask applies)."""
+        if self.remaining is None or self.remaining > self._window or self._m.is_stopped():
+            return None
+        if self._m.is_accepting():  # e.g. a top-level number: one more digit could be fine, a "." would not
+            if self.remaining > MARGIN:
+                return None
+            self.closed_by_budget = True
+            return self._f.eos[0]
+        if self._way_out is None:
+            self._way_out = self._f._rollout(self._m, self._str)
+        if self._way_out and len(self._way_out) + MARGIN >= self.remaining:  # [] when none was found
+            self.closed_by_budget = True
+            return self._way_out[0]
+        return None
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the next token's bitmask (int32 words, llguidance's layout) into ``row``."""
+        tok = self.forced()
+        if tok is None:
+            self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
+        else:
+            row[:] = 0
+            row[tok >> 5] = np.int32(np.uint32(1 << (tok & 31)).view(np.int32))
+
+    def mask(self) -> mx.array:
+        """The next token's mask, shape (vocab,), bool."""
+        return self._f.masks([self])[0]
+
+    def advance(self, token: int) -> None:
+        """Consume the sampled token. A token outside the mask is a bug in the caller: RuntimeError."""
+        token = int(token)
+        # the way out stays valid while the model follows it; [] (none found) is looked for again next step
+        self._way_out = self._way_out[1:] if self._way_out and self._way_out[0] == token else None
+        if not self._m.consume_token(token):
+            raise RuntimeError(f"grammar: token {token} refused: {_one_line(self._m.get_error())}")
+        if self.remaining is not None:
+            self.remaining -= 1
+            self._str = self._f._scan(self._str, token)
+
+
+class GrammarFactory:
+    """Per rank: the tokenizer's token table for llguidance (~0.7 s for 49k tokens, done once), a cache of
+    compiled schemas, and the executor that computes the masks of several rows in parallel."""
+
+    def __init__(self, tokenizer, vocab: int | None = None, *, threads: int | None = None):
+        import llguidance
+        import llguidance.hf
+
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper or the HF tokenizer
+        n_tok = len(hf)
+        self.vocab = int(vocab or n_tok)
+        eos = sorted(set(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id]))
+        # n_vocab = the logits' width: ids past the tokenizer's own are never allowed (no bytes)
+        self.lltok = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab, n_tok), eos_token=eos)
+        self.eos = eos
+        self._words = (self.lltok.vocab_size + 31) // 32
+        self._exec = llguidance.LLExecutor(num_threads=threads)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._texts = hf.batch_decode([[i] for i in range(n_tok)])
+        self._order = self._rollout_orders(self._texts)
+        self._quotes = np.array(['"' in t or "\\" in t for t in self._texts], dtype=bool)
+
+    # -- compile -------------------------------------------------------------------------------------------------
+    def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
+        """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format).
+        ValueError (one line, fit for a 400) when the format or its schema is unsupported or invalid."""
+        import llguidance
+
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict):
+            raise ValueError("response_format must be an object")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema, strict = {"type": "object"}, True
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+            schema, strict = spec.get("schema", {}), bool(spec.get("strict", False))
+        else:
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+        try:
+            key = json.dumps([schema, strict], sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"response_format.json_schema.schema is not JSON: {_one_line(e)}") from None
+        if len(key) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"response_format.json_schema.schema is too large ({len(key)} bytes; "
+                             f"at most {MAX_SCHEMA_BYTES})")
+        base = self._cache.get(key)
+        if base is None:
+            base = self._build(llguidance, schema, strict)
+            self._cache[key] = base
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        budget = None if max_tokens is None else int(max_tokens)
+        return Constraint(self, base.deep_copy(), budget)
+
+    def _build(self, llguidance, schema, strict: bool):
+        options = dict(_JSON_OPTIONS, lenient=not strict)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"response_format.json_schema.schema: {_one_line(e)}") from None
+        m = llguidance.LLMatcher(self.lltok, grammar, log_level=0,
+                                 limits=llguidance.LLParserLimits(verbose_errors=False))
+        if m.is_error():
+            raise ValueError(f"response_format.json_schema.schema: {_one_line(m.get_error())}")
+        return m
+
+    # -- masks ---------------------------------------------------------------------------------------------------
+    def bitmasks(self, constraints: Sequence[Constraint | None]) -> np.ndarray:
+        """(rows, words) int32 bitmasks; a None row allows every token. The grammar rows are computed in
+        parallel by llguidance's executor (the GIL is released)."""
+        bits = np.full((len(constraints), self._words), -1, dtype=np.int32)
+        par = []
+        for i, c in enumerate(constraints):
+            if c is None:
+                continue
+            tok = c.forced()
+            if tok is None:
+                par.append((c._m, i))
+            else:
+                c.fill(bits[i])
+        if par:
+            self._exec.unsafe_compute_mask_ptr(par, bits.ctypes.data, self._words * 4, len(constraints))
+        return bits
+
+    def masks(self, constraints: Sequence[Constraint | None]) -> mx.array:
+        """(rows, vocab) bool: the next token's mask of each row (None rows: all True)."""
+        bits = self.bitmasks(constraints)
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+        return mx.array(unpacked.view(np.bool_))
+
+    # -- the way out under a token budget --------------------------------------------------------------------------
+    @staticmethod
+    def _rollout_orders(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The roll-out's preferences, outside a JSON string and inside one: first the tokens made only of
+        closing characters, longest first (outside: not starting with a quote, which would open a string;
+        inside: starting with the quote that ends it); then the others, shortest first (the least new content),
+        ties by id."""
+        n = len(texts)
+        closer = np.array([bool(t) and set(t) <= _CLOSERS for t in texts], dtype=bool)
+        quote = np.array([t[:1] == '"' for t in texts], dtype=bool)
+        length = np.array([len(t) if t else 1 << 20 for t in texts])
+        ids = np.arange(n)
+        outside, inside = closer & ~quote, closer & quote
+        return (np.lexsort((ids, np.where(outside, -length, length), ~outside)),
+                np.lexsort((ids, np.where(inside, -length, length), ~inside)))
+
+    def _scan(self, state: int, token: int) -> int:
+        """The string state (see Constraint._str) after ``token``'s text."""
+        if token >= len(self._quotes) or (state != 2 and not self._quotes[token]):
+            return state
+        for ch in self._texts[token]:
+            if state == 2:
+                state = 1
+            elif state == 1:
+                state = 2 if ch == "\\" else 0 if ch == '"' else 1
+            elif ch == '"':
+                state = 1
+        return state
+
+    def _rollout(self, matcher, state: int) -> list[int]:
+        """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
+        accepted answer; [] when none is found within ROLLOUT_STEPS."""
+        m = matcher.deep_copy()
+        row = np.empty(self._words, dtype=np.int32)
+        way: list[int] = []
+        n_tok = len(self._texts)
+        repeats = 0
+        for _ in range(ROLLOUT_STEPS):
+            if m.is_accepting():
+                return way
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
+            allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:n_tok].view(np.bool_)
+            order = self._order[1 if state else 0]
+            candidates = order[allowed[order]]
+            if not len(candidates) or m.is_error():
+                return []
+            # the same token again and again may never end (e.g. "-0.000..." in a range): take the next one
+            tok = int(candidates[min(max(repeats - 1, 0), len(candidates) - 1)])
+            repeats = repeats + 1 if way and tok == way[-1] else 0
+            if not m.consume_token(tok):
+                return []
+            way.append(tok)
+            state = self._scan(state, tok)
+        return []
+
+
+def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
+    """Disallowed tokens of each row to -inf: one ``mx.where``. ``logits`` (rows, vocab), ``masks`` (rows, vocab)
+    bool as made by :meth:`GrammarFactory.masks` (or (vocab,) for one row, broadcast)."""
+    return mx.where(masks, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -1,0 +1,604 @@
+"""Tool calls and reasoning text of rank 0's chat API, on top of what mlx-lm already knows about a model.
+
+Request side: ``ChatTools.from_body`` checks the OpenAI fields (``messages`` with assistant ``tool_calls`` and
+``tool`` messages, ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``chat_template_kwargs``) without a
+tokenizer; ``render_kwargs`` adds what the model's ``TokenizerWrapper`` says and gives the keyword arguments of
+``apply_chat_template``. Response side: ``OutputSplitter`` turns detokenized text into content, reasoning and
+tool-call events with mlx-lm's ``make_text_state_machine`` (the markers) and the tokenizer's ``tool_parser`` (the
+call format), so no family has a parser here.
+
+Use, on rank 0::
+
+    chat = ChatTools.from_body(body)                # ToolsError (a ValueError) -> 400 naming e.param
+    text = render(tokenizer, chat, template_args)   # the operator's template arguments under the request's
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
+    banned_token_ids(tokenizer, chat)               # tool_choice "none": logit bias -inf on these
+    splitter = chat.splitter(tokenizer, tokens)
+    splitter.feed(piece) -> [Event]                 # each piece the rank emits (after its StopMatcher);
+                                                    # stream: delta(event); splitter.should_stop: end the row
+    splitter.finish(result.finish_reason)           # the rest, then Event("finish", reason)
+    Reply().add(events).message()                   # non-stream: the OpenAI message
+
+Decisions where OpenAI and mlx-lm leave room:
+- ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
+  cached prefix, stay those of "auto"), no call is parsed (any markup stays in the content, verbatim), and
+  ``banned_token_ids`` names the call's opening token for the sampler to forbid (a logit bias of -inf).
+- "required" / a named function: ``call_constraint`` says what the grammar module must enforce (a JSON schema of
+  the call, the markers as tokens, and all of it as an llguidance Lark grammar); refused for call formats that
+  are not JSON between markers (only mlx-lm's ``json_tools``: Qwen2.5, Qwen3, Hermes).
+- Calls are parsed only when the request has tools (mlx_lm.server parses them always): a client that sent no
+  tools gets the markup as text, not a ``tool_calls`` it cannot dispatch.
+- A call that does not parse (cut by ``max_tokens`` or a stop string, or malformed JSON) never raises: its text,
+  opening marker included, is returned as content (mlx_lm.server drops it silently) and ``malformed`` keeps it.
+- Whitespace right after a marker and right before one is dropped (``</think>\\n\\n`` and the newline between
+  calls are the template's layout, not the answer); output without markers is passed through byte for byte.
+- Text held back as a possible marker start is real text when generation ends: it is emitted on every finish
+  reason (mlx_lm.server drops it on "stop"; its stop words sit in the same machine, ours do not).
+- Stop strings are the rank's ``StopMatcher``'s, upstream: it feeds this splitter the text it lets through and its
+  "stop" ends it. A stop string therefore stops inside reasoning or a call as well (the call is then malformed).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Optional
+
+# apply_chat_template's own parameters: a request's chat_template_kwargs must not reach them (a per-request
+# template, tokenize=True, ...), nor the arguments clusterctl sets
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+MAX_NAME = 256  # characters of a function name (OpenAI: 64 of [a-zA-Z0-9_-]; mlx_lm.server: anything)
+JSON_CALL_FORMATS = frozenset({"json_tools"})  # call formats whose body is one JSON object {"name", "arguments"}
+
+
+class ToolsError(ValueError):
+    """A bad request field; ``param`` is the OpenAI body field to name in the 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+# ---- request side ------------------------------------------------------------------------------------------
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+        raise ToolsError(f"{where}.content: only text content parts are supported", "messages")
+    raise ToolsError(f"{where}.content must be a string or a list of text parts", "messages")
+
+
+def _name(value: Any, where: str, param: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME \
+            or any(c.isspace() or not c.isprintable() for c in value):
+        raise ToolsError(f"{where} must be a function name: 1 to {MAX_NAME} printable characters, no spaces", param)
+    return value
+
+
+def _arguments(value: Any, where: str) -> Any:
+    """A call's arguments as templates expect them: JSON text decoded (as mlx_lm.server does); "" means none."""
+    if isinstance(value, dict):
+        return value
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ToolsError(f"{where} is not valid JSON", "messages") from None
+    raise ToolsError(f"{where} must be a JSON string", "messages")
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Copies of the chat messages as chat templates take them: content as text, assistant ``tool_calls`` with
+    decoded arguments, ``tool`` messages with their ``tool_call_id`` (and the called function's ``name`` when
+    the message has none). Other keys (``name``, ``reasoning_content``, ...) are kept for templates that use them."""
+    if not isinstance(messages, list) or not messages:
+        raise ToolsError("messages must be a non-empty list", "messages")
+    called: dict[str, str] = {}  # call id -> function name, for the tool messages that answer it
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ToolsError(f"{where} needs a role", "messages")
+        msg = dict(m)
+        msg["content"] = _text(m.get("content"), where)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant":
+                raise ToolsError(f"{where}.tool_calls: only assistant messages make tool calls", "messages")
+            if not isinstance(calls, list):
+                raise ToolsError(f"{where}.tool_calls must be a list", "messages")
+            msg["tool_calls"] = []
+            for j, c in enumerate(calls):
+                at = f"{where}.tool_calls[{j}]"
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+                    raise ToolsError(f"{at} must be {{\"type\": \"function\", \"function\": {{...}}}}", "messages")
+                if c.get("type", "function") != "function":
+                    raise ToolsError(f"{at}.type must be \"function\"", "messages")
+                if c.get("id") is not None and not isinstance(c["id"], str):
+                    raise ToolsError(f"{at}.id must be a string", "messages")
+                fn = c["function"]
+                name = _name(fn.get("name"), f"{at}.function.name", "messages")
+                call = dict(c, type="function",
+                            function=dict(fn, name=name, arguments=_arguments(fn.get("arguments"),
+                                                                              f"{at}.function.arguments")))
+                if isinstance(c.get("id"), str):
+                    called[c["id"]] = name
+                msg["tool_calls"].append(call)
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise ToolsError(f"{where}.tool_call_id is required in a tool message", "messages")
+            if m.get("name") is None and m["tool_call_id"] in called:
+                msg["name"] = called[m["tool_call_id"]]
+        out.append(msg)
+    return out
+
+
+def parse_tools(value: Any) -> Optional[list[dict]]:
+    """The request's function tools, or None when it has none ([] counts as none, as in mlx_lm.server)."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise ToolsError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    seen: set[str] = set()
+    out = []
+    for i, t in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise ToolsError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        if t.get("type", "function") != "function":
+            raise ToolsError(f"{where}.type: only function tools are supported", "tools")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise ToolsError(f"{where}.function must be an object with a name", "tools")
+        name = _name(fn.get("name"), f"{where}.function.name", "tools")
+        if name in seen:
+            raise ToolsError(f"{where}.function.name: {name!r} is defined twice", "tools")
+        seen.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ToolsError(f"{where}.function.description must be a string", "tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ToolsError(f"{where}.function.parameters must be a JSON schema object", "tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ToolsError(f"{where}.function.strict must be a boolean", "tools")
+        out.append(dict(t, type="function", function=dict(fn)))
+    return out
+
+
+def parse_tool_choice(value: Any, tools: Optional[list[dict]]) -> tuple[str, Optional[str]]:
+    """(mode, function name): mode is "none", "auto", "required" or "function" (then the name is set).
+    Absent: "auto" with tools, "none" without (OpenAI's defaults). "none" and "auto" need no tools (clients send
+    them always); "required" and a named function do."""
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise ToolsError("tool_choice \"required\" needs tools", "tool_choice")
+        return value, None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        if not isinstance(name, str) or not any(t["function"]["name"] == name for t in tools or []):
+            raise ToolsError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return "function", name
+    raise ToolsError("tool_choice must be \"none\", \"auto\", \"required\" or "
+                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def parse_template_kwargs(value: Any) -> dict:
+    """``chat_template_kwargs``: extra variables of the chat template (e.g. ``enable_thinking``). What a template
+    does not use, it does not read: that is the model's template, as in mlx_lm.server."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ToolsError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    bad = sorted(str(k) for k in value if not isinstance(k, str) or not k.isidentifier()
+                 or k in RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise ToolsError(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """The tool and template fields of one chat request, checked; no tokenizer needed."""
+
+    messages: list[dict]
+    tools: Optional[list[dict]] = None
+    choice: str = "none"  # "none" | "auto" | "required" | "function"
+    function: Optional[str] = None  # the forced function's name when choice == "function"
+    parallel: bool = True  # parallel_tool_calls
+    template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: dict) -> "ChatTools":
+        tools = parse_tools(body.get("tools"))
+        choice, function = parse_tool_choice(body.get("tool_choice"), tools)
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ToolsError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        return cls(messages=normalize_messages(body.get("messages")), tools=tools, choice=choice,
+                   function=function, parallel=True if parallel is None else parallel,
+                   template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")))
+
+    @property
+    def parse_calls(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    def constraint(self, tokenizer, prompt_tokens: list[int]) -> Optional["CallConstraint"]:
+        """The grammar of this request's forced call (None when no call is forced)."""
+        return call_constraint(tokenizer, self, initial_state(tokenizer, prompt_tokens))
+
+    def splitter(self, tokenizer, prompt_tokens: list[int]) -> "OutputSplitter":
+        """The splitter of this request's output, started in the state its prompt leaves the model in."""
+        return OutputSplitter(tokenizer, self.tools, parse_calls=self.parse_calls,
+                              initial_state=initial_state(tokenizer, prompt_tokens),
+                              parallel=self.parallel and self.choice != "function")
+
+
+def render_kwargs(tokenizer, chat: ChatTools, defaults: Optional[dict] = None) -> dict:
+    """Keyword arguments of ``tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True,
+    tokenize=False, **kwargs)``: ``tools`` and the template variables (the operator's ``defaults``, then the
+    request's ``chat_template_kwargs`` over them, as mlx_lm.server merges ``--chat-template-args``)."""
+    if chat.tools and not tokenizer.has_tool_calling:
+        raise ToolsError("tools: this model cannot call tools (mlx-lm knows no tool-call format for its chat "
+                         "template)", "tools")
+    if chat.choice in ("required", "function"):
+        call_constraint(tokenizer, chat)  # refuses a call format that cannot be forced
+    kwargs = dict(defaults or {})
+    kwargs.update(chat.template_kwargs)
+    kwargs["tools"] = chat.tools
+    return kwargs
+
+
+def render(tokenizer, chat: ChatTools, defaults: Optional[dict] = None) -> str:
+    """The prompt text of ``chat`` (tokenize it with ``add_special_tokens=False``). A template that refuses the
+    messages (its ``raise_exception``, or a value of the wrong shape) is the request's fault: a ToolsError."""
+    from jinja2 import TemplateError
+
+    kwargs = render_kwargs(tokenizer, chat, defaults)
+    try:
+        return tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    except TemplateError as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ToolsError(f"messages: the model's chat template refused them: {why}", "messages") from None
+
+
+def initial_state(tokenizer, prompt_tokens: list[int]) -> str:
+    """"reasoning" when the prompt opened a think block it did not close (the generation prompt of some
+    thinking templates), else "normal"; a chat-template module's own initial state wins (as in mlx_lm.server)."""
+    state = "normal"
+    if tokenizer.has_thinking and prompt_tokens:
+        if tokenizer.rfind_think_start(prompt_tokens) > tokenizer.rfind_think_end(prompt_tokens):
+            state = "reasoning"
+    return tokenizer.response_initial_state or state
+
+
+def banned_token_ids(tokenizer, chat: ChatTools) -> list[int]:
+    """Tokens the sampler must never pick for this request: the call's opening marker under tool_choice "none"
+    with tools rendered (empty when that marker is not one token: then any markup comes back as content)."""
+    if chat.tools and chat.choice == "none" and tokenizer.has_tool_calling:
+        start = tokenizer.tool_call_start_tokens or ()
+        if len(start) == 1:
+            return [start[0]]
+    return []
+
+
+def call_format(tokenizer) -> Optional[str]:
+    """The name of the model's call format in ``mlx_lm.tool_parsers`` ("json_tools", "qwen3_coder", ...)."""
+    parser = tokenizer.tool_parser
+    if parser is None:
+        return None
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
+
+
+def _arguments_schema(tool: dict) -> dict:
+    params = tool["function"].get("parameters")
+    # OpenAI: "Omitting parameters defines a function with an empty parameter list."
+    return params if params is not None else {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+# JSON as the templates write it ({"name": "f", "arguments": {...}}), and no room to pad a call with blanks forever
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class CallConstraint:
+    """What the grammar module must enforce for tool_choice "required" or a named function.
+
+    The output must be, with at most a few blanks or newlines between the parts (the templates write newlines):
+      [reasoning] (start  JSON(schema)  end){min_calls, max_calls}  EOS
+    where [reasoning] is free text closed by ``think[1]``: mandatory when ``think_open`` (the prompt opened the
+    block), else optional and opened by ``think[0]``; absent when ``think`` is None. JSON(schema) is one JSON
+    value valid against ``schema`` (an object {"name": <const>, "arguments": <the tool's parameters>}, ``anyOf``
+    over the tools for "required"; "name" first, as the templates write it). ``max_calls`` None: unbounded.
+    ``token_ids`` maps each marker that is one token to that token: grammar engines see added tokens as special
+    (llguidance: not as their text), so a marker must be matched as its token. ``lark()`` is all of it in
+    llguidance's Lark syntax: ``llguidance.LLMatcher.grammar_from_lark(c.lark())``.
+    """
+
+    start: str
+    end: str
+    schema: dict
+    min_calls: int = 1
+    max_calls: Optional[int] = None
+    think: Optional[tuple[str, str]] = None
+    think_open: bool = False
+    token_ids: dict = field(default_factory=dict)
+
+    def _marker(self, text: str) -> str:
+        i = self.token_ids.get(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text, ensure_ascii=False)
+
+    def lark(self) -> str:
+        schema = dict(self.schema)
+        schema.setdefault("x-guidance", JSON_STYLE)
+        end = f" WS {self._marker(self.end)}" if self.end else ""
+        lines = [f"call: {self._marker(self.start)} WS %json {json.dumps(schema, ensure_ascii=False)}{end}",
+                 "calls: call" + ("" if self.max_calls == 1 else " (WS call)*"),
+                 "WS: /[ \\t\\n]{0,4}/", "TEXT: /(?s:.*)/"]
+        if self.think is None:
+            lines.insert(0, "start: calls")
+        else:
+            closed = f"TEXT {self._marker(self.think[1])} WS"
+            opened = closed if self.think_open else f"({self._marker(self.think[0])} {closed})?"
+            lines.insert(0, f"start: {opened} calls")
+        return "\n".join(lines) + "\n"
+
+
+def _one_token(tokenizer, text: str) -> Optional[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+    return ids[0] if len(ids) == 1 else None
+
+
+def call_constraint(tokenizer, chat: ChatTools, initial: str = "normal") -> Optional[CallConstraint]:
+    """The grammar a forced call needs, or None when the request forces none ("none", "auto"). ``initial`` is
+    the reply's ``initial_state``."""
+    if chat.choice not in ("required", "function") or not chat.tools:
+        return None
+    fmt = call_format(tokenizer)
+    if not tokenizer.has_tool_calling or fmt not in JSON_CALL_FORMATS:
+        raise ToolsError(f"tool_choice {chat.choice if chat.choice == 'required' else 'naming a function'} "
+                         f"cannot be enforced for this model's tool-call format ({fmt}); use \"auto\"",
+                         "tool_choice")
+    chosen = [t for t in chat.tools if chat.choice == "required" or t["function"]["name"] == chat.function]
+    alts = [{"type": "object",
+             "properties": {"name": {"const": t["function"]["name"]}, "arguments": _arguments_schema(t)},
+             "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
+    single = chat.choice == "function" or not chat.parallel
+    think = (tokenizer.think_start, tokenizer.think_end) if tokenizer.has_thinking else None
+    markers = [tokenizer.tool_call_start, tokenizer.tool_call_end or ""] + list(think or ())
+    ids = {m: i for m in markers if (i := _one_token(tokenizer, m)) is not None}
+    return CallConstraint(start=tokenizer.tool_call_start, end=tokenizer.tool_call_end or "", schema=schema,
+                          max_calls=1 if single else None, think=think,
+                          think_open=think is not None and initial == "reasoning", token_ids=ids)
+
+
+# ---- response side -----------------------------------------------------------------------------------------
+
+class Event(NamedTuple):
+    """One piece of a reply: ("content", str), ("reasoning", str), ("tool_call", call) with call
+    {"index", "id", "type": "function", "function": {"name", "arguments": JSON text}}, or, last,
+    ("finish", finish_reason)."""
+
+    kind: str
+    value: Any
+
+
+def delta(event: Event) -> Optional[dict]:
+    """The OpenAI stream ``delta`` of an event (None for "finish", which goes in the choice's finish_reason)."""
+    if event.kind == "content":
+        return {"content": event.value}
+    if event.kind == "reasoning":
+        return {"reasoning_content": event.value}
+    if event.kind == "tool_call":
+        return {"tool_calls": [event.value]}
+    return None
+
+
+class _WithoutCalls:
+    """A tokenizer's markers with tool calling hidden, so its call markup stays text."""
+
+    has_tool_calling = False
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+_MACHINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _machine(tokenizer, parse_calls: bool):
+    # built once per tokenizer (tries over the markers); a machine is shared, its runtime state is per reply.
+    # mlx-lm is imported here: checking a request needs no MLX
+    from mlx_lm.generate import make_text_state_machine
+
+    try:
+        per = _MACHINES.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: build one per reply
+        per = {}
+    if parse_calls not in per:
+        per[parse_calls] = make_text_state_machine(tokenizer if parse_calls else _WithoutCalls(tokenizer))
+    return per[parse_calls]
+
+
+class OutputSplitter:
+    """Splits a reply's detokenized text, fed piece by piece, into content, reasoning and tool-call events.
+
+    ``feed(text)`` returns the events the text completes (a possible marker start is held back until known);
+    ``finish(finish_reason)`` the rest, then ("finish", reason): "tool_calls" when a call was made and the
+    reason was "stop" (or ``should_stop`` was set). Calls come out whole, each once, numbered from 0.
+    """
+
+    def __init__(self, tokenizer, tools: Optional[list[dict]] = None, *, parse_calls: Optional[bool] = None,
+                 initial_state: str = "normal", parallel: bool = True):
+        self._tokenizer = tokenizer
+        self._tools = tools
+        if parse_calls is None:
+            parse_calls = bool(tools)
+        self._parse_calls = parse_calls and tokenizer.has_tool_calling
+        self._parallel = parallel
+        from mlx_lm.generate import TextStateMachine
+
+        self._tsm = TextStateMachine
+        self._sm = _machine(tokenizer, self._parse_calls).make_state(initial_state)
+        self._state = initial_state
+        self._fresh = initial_state != "normal"  # the prompt's marker opened this state
+        self._held = ""  # trailing whitespace, dropped if a marker follows
+        self._call_text = ""
+        self.calls: list[dict] = []
+        self.malformed: list[str] = []  # call texts that did not parse (returned as content)
+        self.should_stop = False  # parallel_tool_calls false and a call is complete: end generation
+        self.finish_reason: Optional[str] = None
+
+    def feed(self, text: str) -> list[Event]:
+        if not text or self.should_stop or self.finish_reason is not None:
+            return []
+        self._sm, segments = self._tsm.split(self._sm, text)
+        out: list[Event] = []
+        for i, (state, piece) in enumerate(segments):
+            self._piece(state, piece, out)
+            if i + 1 < len(segments):  # a marker ends this segment
+                self._cross(segments[i + 1][0], out)
+        return out
+
+    def finish(self, finish_reason: str) -> list[Event]:
+        if self.finish_reason is not None:
+            return []
+        out: list[Event] = []
+        if not self.should_stop:
+            # held as a possible marker start, but generation ended: it is text the model wrote
+            self._sm, rest, state = self._tsm.flush(self._sm)
+            self._piece(state, rest, out)
+            if self._state == "tool" and self._parse_calls:
+                self._close_call(out, closed=False)
+            elif self._held and self._kind(self._state):
+                out.append(Event(self._kind(self._state), self._held))
+            self._held = ""
+        made = bool(self.calls) and (finish_reason == "stop" or self.should_stop)
+        self.finish_reason = "tool_calls" if made else finish_reason
+        out.append(Event("finish", self.finish_reason))
+        return out
+
+    def _kind(self, state: Optional[str]) -> Optional[str]:
+        if state == "normal" or (state == "tool" and not self._parse_calls):
+            return "content"
+        return "reasoning" if state == "reasoning" else None  # other states (a format's headers) are not output
+
+    def _piece(self, state: Optional[str], text: str, out: list[Event]) -> None:
+        if not text or self.should_stop:
+            return
+        if state == "tool" and self._parse_calls:
+            self._call_text += text
+            return
+        kind = self._kind(state)
+        if kind is None:
+            return
+        if self._fresh:  # the layout after a marker
+            text = text.lstrip()
+            if not text:
+                return
+            self._fresh = False
+        text = self._held + text
+        body = text.rstrip()
+        self._held = text[len(body):]
+        if body:
+            out.append(Event(kind, body))
+
+    def _cross(self, new: Optional[str], out: list[Event]) -> None:
+        if self._state == "tool" and self._parse_calls:
+            self._close_call(out, closed=True)
+        self._held = ""  # the layout before a marker
+        self._fresh = True
+        self._state = new
+
+    def _close_call(self, out: list[Event], closed: bool) -> None:
+        text, self._call_text = self._call_text, ""
+        if self.should_stop:
+            return
+        calls = self._parse(text)
+        if calls is None:
+            self.malformed.append(text)
+            tok = self._tokenizer
+            out.append(Event("content", tok.tool_call_start + text + ((tok.tool_call_end or "") if closed else "")))
+            return
+        for call in calls if self._parallel else calls[:1]:
+            call["index"] = len(self.calls)
+            self.calls.append(call)
+            out.append(Event("tool_call", call))
+        if not self._parallel:
+            self.should_stop = True
+
+    def _parse(self, text: str) -> Optional[list[dict]]:
+        try:
+            parsed = self._tokenizer.tool_parser(text, self._tools)
+        except Exception:  # noqa: BLE001 - a parser failing on model output is a malformed call, not an error
+            return None
+        calls = []
+        for p in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(p, dict) or not isinstance(p.get("name"), str) or not p["name"]:
+                return None
+            args = p.get("arguments", {})
+            if isinstance(args, str):  # already JSON text (a template that renders it so)
+                try:
+                    ok = isinstance(json.loads(args), dict)
+                except ValueError:
+                    ok = False
+                text_args = args
+            else:
+                ok = isinstance(args, dict)
+                text_args = json.dumps(args, ensure_ascii=False) if ok else ""
+            if not ok:  # OpenAI's arguments are a JSON object; clients call f(**arguments)
+                return None
+            cid = p.get("id") if isinstance(p.get("id"), str) and p.get("id") else "call_" + secrets.token_hex(12)
+            calls.append({"id": cid, "type": "function", "function": {"name": p["name"], "arguments": text_args}})
+        return calls or None
+
+
+@dataclass
+class Reply:
+    """A whole reply (the non-stream answer): what the events of one request add up to."""
+
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    def add(self, events: Iterable[Event]) -> "Reply":
+        for e in events:
+            if e.kind == "content":
+                self.content += e.value
+            elif e.kind == "reasoning":
+                self.reasoning_content += e.value
+            elif e.kind == "tool_call":
+                self.tool_calls.append({k: v for k, v in e.value.items() if k != "index"})
+            elif e.kind == "finish":
+                self.finish_reason = e.value
+        return self
+
+    def message(self) -> dict:
+        """The OpenAI ``message``: content None when the reply is only calls; keys without a value left out."""
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": None if self.tool_calls and not self.content else self.content}
+        if self.reasoning_content:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
