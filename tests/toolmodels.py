@@ -2,8 +2,9 @@
 
 The tiny test model's tokenizer knows no markers and its template renders no tools. mlx-lm infers a model's
 tool-call format from its chat template (``<tool_call>`` and ``tool_call.name`` in it: ``json_tools``;
-``<tool_call>\\n<function=``: ``qwen3_coder``) and thinking from the vocabulary (``<think>`` and ``</think>``
-tokens). So the markers become tokens as in Qwen's tokenizers (added, not special, so they detokenize as text):
+``<tool_call>\\n<function=``: ``qwen3_coder``; ``[TOOL_CALLS]``: ``mistral``) and thinking from the vocabulary
+(``<think>`` and ``</think>`` tokens). So the markers become tokens as in Qwen's tokenizers (added, not special,
+so they detokenize as text):
 they take the ids of the BPE's last merges, whose merges are dropped, and the vocabulary keeps its size — the
 weights stay the tiny model's own, linked, and ranks can serve the folder.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
-TOOL_MARKERS = ["<tool_call>", "</tool_call>"]
+TOOL_MARKERS = {"json_tools": ["<tool_call>", "</tool_call>"], "qwen3_coder": ["<tool_call>", "</tool_call>"],
+                "mistral": ["[TOOL_CALLS]", "[ARGS]"]}
 THINK_MARKERS = ["<think>", "</think>"]
 
 _SYSTEM_TOOLS = (
@@ -71,6 +74,13 @@ _MESSAGES = (
 
 # Qwen3-style switch; when thinking, the generation prompt opens the block (as DeepSeek-R1 and Qwen3's
 # thinking-only releases do), so the reply starts inside it
+# Mistral: calls after [TOOL_CALLS], none closed (mlx-lm: mistral; no end marker, the rest of the reply is calls)
+_MISTRAL_CALL = (
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '[TOOL_CALLS]' + tool_call.name + '[ARGS]' }}{{- tool_call.arguments | tojson }}"
+)
+_MISTRAL_HELP = "To call a function reply [TOOL_CALLS]NAME[ARGS]{JSON arguments}"
+
 _PROMPT_THINKING = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
@@ -80,13 +90,17 @@ _PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- e
 
 
 def chat_template(call_format: str = "json_tools", thinking: bool = True) -> str:
-    call, help_ = {"json_tools": (_JSON_CALL, _JSON_HELP), "qwen3_coder": (_XML_CALL, _XML_HELP)}[call_format]
+    call, help_ = {"json_tools": (_JSON_CALL, _JSON_HELP), "qwen3_coder": (_XML_CALL, _XML_HELP),
+                   "mistral": (_MISTRAL_CALL, _MISTRAL_HELP)}[call_format]
     system = _SYSTEM_TOOLS.replace("CALL_HELP", "'" + help_ + "'")
     return system + _MESSAGES.replace("CALL", call) + (_PROMPT_THINKING if thinking else _PROMPT)
 
 
 def _tiny() -> Path:
-    from rankharness import tiny_model_path  # tests/launch is on sys.path in the rank tests
+    launch = str(Path(__file__).resolve().parent / "launch")
+    if launch not in sys.path:  # the rank tests have it; other folders may not
+        sys.path.insert(0, launch)
+    from rankharness import tiny_model_path
 
     return tiny_model_path()
 
@@ -100,7 +114,7 @@ def write_tokenizer(dest: Path, *, call_format: str = "json_tools", thinking: bo
     tok = json.loads((source / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     by_id = {i: s for s, i in vocab.items()}
-    markers = TOOL_MARKERS + (THINK_MARKERS if thinking else [])
+    markers = TOOL_MARKERS[call_format] + (THINK_MARKERS if thinking else [])
     size = len(vocab)
     for k, marker in enumerate(markers):
         i = size - len(markers) + k
