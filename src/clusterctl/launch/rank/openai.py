@@ -17,34 +17,15 @@ from clusterctl.launch.rankspec import RankSpec
 MAX_STOPS = 4
 MAX_SALT = 1024  # characters of a cache_salt
 MAX_BIAS = 300  # entries of a logit_bias, as OpenAI allows
+BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
 # fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
 # accepted and ignored; each with the value that asks for nothing
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
-
-
-MAX_TEMPLATE_ARGS = 16384  # bytes of a request's chat_template_kwargs as JSON
-
-
-def _template_kwargs(body: dict) -> dict:
-    """A request's chat_template_kwargs (e.g. {"enable_thinking": false}): over the operator's arguments."""
-    kw = body.get("chat_template_kwargs")
-    if kw is None:
-        return {}
-    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw) \
-            or len(json.dumps(kw)) > MAX_TEMPLATE_ARGS:
-        raise ApiError(400, f"chat_template_kwargs must be an object of names to JSON values (at most "
-                            f"{MAX_TEMPLATE_ARGS} bytes)", param="chat_template_kwargs")
-    reserved = sorted(set(kw) & {"messages", "tools", "add_generation_prompt", "tokenize", "documents",
-                                 "continue_final_message", "return_dict", "chat_template"})
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-    return kw
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -225,8 +206,9 @@ class RequestBuilder:
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         params = self._common(body, "max_tokens", tenant)
-        if body.get("chat_template_kwargs") is not None:
-            raise ApiError(400, "chat_template_kwargs is for /v1/chat/completions", param="chat_template_kwargs")
+        for name in ("chat_template_kwargs", "tools", "tool_choice"):
+            if body.get(name) is not None:
+                raise ApiError(400, f"{name} is for /v1/chat/completions", param=name)
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
         elif len(prompt) + (params["max_tokens"] or 1) > self.context:
@@ -246,38 +228,42 @@ class RequestBuilder:
         return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
 
     def chat(self, body: dict, tenant: str | None = None) -> Job:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
-        clean = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "each message needs a role", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                content = "".join(texts)
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise ApiError(400, "message content must be a string", param="messages")
-            clean.append({"role": m["role"], "content": content})
+        """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
+        here (tools.py); rendered and tokenized by ``prepare`` on the request's HTTP thread."""
+        from clusterctl.launch.rank import tools as tl
+
+        try:
+            chat = tl.ChatTools.from_body(body)
+        except tl.ToolsError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        if chat.choice in ("required", "function"):
+            raise ApiError(400, f"tool_choice {chat.function or chat.choice!r} (a forced call) is not supported "
+                                "yet; use \"auto\"", param="tool_choice")
         params = self._common(body, "max_completion_tokens", tenant)
-        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in clean))
-        template_args = {**self.spec.serving.chat_template_args, **_template_kwargs(body)}
+        self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+                              for m in chat.messages))
+        defaults = self.spec.serving.chat_template_args
         job_id = "chatcmpl-" + secrets.token_hex(12)
+        job = None
 
         def prepare(tokenizer) -> GenRequest:
             if not getattr(tokenizer, "has_chat_template", True):
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
             # rendered, then measured, then tokenized (what tokenize=True does in one call): a template can make
             # far more text than the messages hold, and tokenizing it is the slow part
-            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False, **template_args)
+            try:
+                text = tl.render(tokenizer, chat, defaults)
+            except tl.ToolsError as e:
+                raise ApiError(400, str(e), param=e.param) from None
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            return self._request(job_id, tokens, params)
+            req = self._request(job_id, tokens, params)
+            banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
+            if banned:
+                req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}
+            job.splitter = chat.splitter(tokenizer, req.tokens)
+            return req
 
-        return Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+        job = Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+        return job
 

@@ -129,11 +129,44 @@ class Answer:
         elif n >= 2 and result.finish_reason != "cancelled":
             metrics.per_output_token((now - job.first_token_at) / (n - 1))
 
+    # -- the text: through the splitter on chat (content, reasoning, tool calls), as it is on completions
+
+    def _split(self, text: str) -> list:
+        """Events of a piece of text. A splitter that wants no more (a call is complete and parallel calls are
+        off) cancels the generation on every rank; its answer still ends as "tool_calls"."""
+        from clusterctl.launch.rank.tools import Event
+
+        sp = self.job.splitter
+        if sp is None:
+            return [Event("content", text)] if text else []
+        events = sp.feed(text)
+        if sp.should_stop and not self.job.cancelled.is_set():
+            self.job.cancelled.set()
+        return events
+
+    def _end(self, result: GenResult) -> tuple[list, str]:
+        """The events of the end and the answer's finish_reason."""
+        from clusterctl.launch.rank.tools import Event
+
+        sp = self.job.splitter
+        if sp is None:
+            return [], result.finish_reason
+        if result.finish_reason == "cancelled" and sp.should_stop:
+            events = sp.finish("stop")
+        else:
+            events = sp.finish(result.finish_reason)
+        finish = next((e.value for e in events if e.kind == "finish"), result.finish_reason)
+        return [e for e in events if e.kind != "finish"], finish
+
     # -- one JSON document
 
     def _whole(self) -> None:
+        from clusterctl.launch.rank.tools import Reply
+
+        reply = Reply()
         kind, value = self._next()
         while kind == "text":
+            reply.add(self._split(value))
             kind, value = self._next()
         if self.job.gone.is_set():
             self.h.outcome = "cancelled"
@@ -142,9 +175,11 @@ class Answer:
             self.h.error(value)
             return
         result: GenResult = value
-        choice: dict = {"index": 0, "finish_reason": result.finish_reason}
+        events, finish = self._end(result)
+        reply.add(events)
+        choice: dict = {"index": 0, "finish_reason": finish}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"] = reply.message()
             choice["logprobs"] = self._take_lps()
         else:
             choice.update(text=result.text, logprobs=self._take_lps())
@@ -152,7 +187,7 @@ class Answer:
             choice["token_ids"] = result.tokens
         self.h.json(200, {**self._head("chat.completion" if self.chat else "text_completion"),
                           "choices": [choice], "usage": usage(result)})
-        self.h.outcome = "cancelled" if result.finish_reason == "cancelled" else "ok"
+        self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
 
     def _take_lps(self) -> dict | None:
         """The log-probabilities not yet written, in the shape of this route (None: not asked for)."""
@@ -170,30 +205,36 @@ class Answer:
 
     # -- server-sent events
 
-    def _chunk(self, delta: str | None, finish: str | None, role: bool = False, extra: dict | None = None) -> None:
+    def _chunk(self, delta: dict | None, finish: str | None, extra: dict | None = None) -> None:
+        """One chunk: chat's ``delta`` (content, reasoning_content, tool_calls, role) or completions' text."""
         if self.chat:
-            d: dict = {}
-            if role:
-                d["role"] = "assistant"
-            if delta is not None:
-                d["content"] = delta
-            c = {"index": 0, "delta": d, "logprobs": self._take_lps() if self.lps else None, "finish_reason": finish}
+            c = {"index": 0, "delta": delta or {}, "logprobs": self._take_lps() if self.lps else None,
+                 "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta or "", "logprobs": self._take_lps(), "finish_reason": finish}
-            self.text_at += len(delta or "")
+            text = (delta or {}).get("content") or ""
+            c = {"index": 0, "text": text, "logprobs": self._take_lps(), "finish_reason": finish}
+            self.text_at += len(text)
         c.update(extra or {})
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [c]}
         if self.shape.include_usage:
             out["usage"] = None
         self.h.sse(out)
 
+    def _deltas(self, events: list) -> None:
+        from clusterctl.launch.rank.tools import delta
+
+        for e in events:
+            d = delta(e)
+            if d is not None:
+                self._chunk(d, None)
+
     def _stream(self) -> None:
         h, job = self.h, self.job
         if self.chat:
-            self._chunk("", None, role=True)
+            self._chunk({"role": "assistant", "content": ""}, None)
         kind, value = self._next()
         while kind == "text":
-            self._chunk(value, None)
+            self._deltas(self._split(value))
             kind, value = self._next()
         if kind == "error":
             if job.gone.is_set():
@@ -204,9 +245,11 @@ class Answer:
             h.sse("[DONE]")
             return
         result: GenResult = value
-        if result.finish_reason == "cancelled" or job.gone.is_set():
+        events, finish = self._end(result)
+        self._deltas(events)
+        if finish == "cancelled" or job.gone.is_set():
             h.outcome = "cancelled"
-        self._chunk(None if self.chat else "", result.finish_reason,
+        self._chunk({} if self.chat else None, finish,
                     extra={"token_ids": result.tokens} if self.shape.token_ids else None)
         if self.shape.include_usage:
             h.sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
