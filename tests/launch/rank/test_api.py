@@ -212,3 +212,55 @@ def test_bad_logprobs_are_refused(cluster, path, body):
     base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": PROMPT}
     status, out, _ = call(cluster, "POST", path, {**base, "max_tokens": 2, **body})
     assert status == 400 and out["error"]["param"] in ("logprobs", "top_logprobs"), out
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                      "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+     "required": ["colour", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_always_parses_and_validates(cluster, stream):
+    """A random-weight model, constrained: every answer parses and validates, sampled or greedy, stream or not, in
+    every schedule; the schema's required fields are there even when max_tokens is tight."""
+    import jsonschema
+
+    for i, schema in enumerate(SCHEMAS):
+        for temperature, max_tokens in ((0, 60), (1.0, 60), (0.7, 24)):
+            body = {"messages": [{"role": "user", "content": "give me json"}], "max_tokens": max_tokens,
+                    "temperature": temperature, "seed": i, "stream": stream,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                               "strict": True}}}
+            if stream:
+                conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=120)
+                conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                             headers={"Content-Type": "application/json"})
+                text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                               for line in conn.getresponse().read().decode().splitlines()
+                               if line.startswith("data: {"))
+                conn.close()
+            else:
+                status, out, _ = call(cluster, "POST", "/v1/chat/completions", body)
+                assert status == 200, out
+                text = out["choices"][0]["message"]["content"]
+            jsonschema.validate(json.loads(text), schema)
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, "temperature": 1,
+                                                                "response_format": {"type": "json_object"}})
+    assert status == 200 and isinstance(json.loads(out["choices"][0]["text"]), dict), out
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+    "json",
+])
+def test_bad_response_formats_are_refused(cluster, fmt):
+    status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2,
+                                                                "response_format": fmt})
+    assert status == 400 and out["error"]["param"] == "response_format", out

@@ -98,7 +98,7 @@ class Batch:
         if not self.seqs:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        procs = processors(req)
+        procs = processors(req, self.tokenizer)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
         if guard is not None:

@@ -24,8 +24,31 @@ UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
-    "response_format": (None, {"type": "text"}),
 }
+
+
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response_format as the request's grammar (checked against the tokenizer when it is prepared)."""
+    rf = body.get("response_format")
+    if rf is None or rf == {"type": "text"}:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    return {"response_format": rf}
+
+
+def check_grammar(tokenizer, req: GenRequest) -> None:
+    """Compile the request's grammar once on admission (rank 0's HTTP side): a schema that cannot be enforced is
+    a 400 now, not a failed row later."""
+    if req.grammar is None:
+        return
+    from clusterctl.launch.rank.sampling import grammar_factory
+
+    try:
+        grammar_factory(tokenizer, deterministic=False, user="admission").compile_request(req.grammar, req.max_tokens)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice") \
+            from None
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -158,6 +181,7 @@ class RequestBuilder:
             seed=self._seed(body),
             stop=_stops(body),
             partition=self._partition(body, tenant),
+            grammar=_response_format(body),
             logprobs=self._logprobs(body, max_key == "max_completion_tokens"),
         )
 
@@ -176,11 +200,15 @@ class RequestBuilder:
             out[str(int(k))] = _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
         return out or None
 
-    def _request(self, job_id: str, tokens: list[int], params: dict) -> GenRequest:
-        """The request to generate: max_tokens resolved (none given: until the context is full) and checked."""
+    def _request(self, job_id: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
+        """The request to generate: max_tokens resolved (none given: until the context is full) and checked,
+        its grammar compiled once."""
         max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
         self._check_len(tokens, max_tokens)
-        return GenRequest(id=job_id, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
+        req = GenRequest(id=job_id, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
+        if tokenizer is not None:
+            check_grammar(tokenizer, req)
+        return req
 
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
@@ -223,7 +251,7 @@ class RequestBuilder:
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
-            return self._request(job_id, tokens, params)
+            return self._request(job_id, tokens, params, tokenizer)
 
         return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
 
@@ -236,10 +264,10 @@ class RequestBuilder:
             chat = tl.ChatTools.from_body(body)
         except tl.ToolsError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        if chat.choice in ("required", "function"):
-            raise ApiError(400, f"tool_choice {chat.function or chat.choice!r} (a forced call) is not supported "
-                                "yet; use \"auto\"", param="tool_choice")
         params = self._common(body, "max_completion_tokens", tenant)
+        if chat.choice in ("required", "function") and params["grammar"] is not None:
+            raise ApiError(400, "a forced tool call (tool_choice required or a function) and a response_format "
+                                "cannot both shape one answer", param="response_format")
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass"))
                               for m in chat.messages))
         defaults = self.spec.serving.chat_template_args
@@ -257,7 +285,13 @@ class RequestBuilder:
                 raise ApiError(400, str(e), param=e.param) from None
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            req = self._request(job_id, tokens, params)
+            try:
+                forced = chat.constraint(tokenizer, tokens)  # tool_choice required / a function: its grammar
+            except tl.ToolsError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            if forced is not None:
+                params["grammar"] = {"lark": forced.lark()}
+            req = self._request(job_id, tokens, params, tokenizer)
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:
                 req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}

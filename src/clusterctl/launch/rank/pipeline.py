@@ -272,6 +272,8 @@ class GenRequest:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
+    # structured output (grammar.py): {"response_format": {...}} or {"lark": "..."} (a forced tool call)
+    grammar: Optional[dict] = None
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None
     cache_len: int = 0
