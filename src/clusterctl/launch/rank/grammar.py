@@ -17,23 +17,32 @@ Interface (the rank's samplers integrate it; nothing here knows about batches or
                                                       # or "length" when c.closed_by_budget)
     c.accepting                                       # EOS is allowed now (the answer so far is valid)
     c.mask()                                          # one row: (vocab,) bool
+    c.min_tokens                                      # the shortest answer (tokens), when max_tokens was given
 
 ``response_format``: ``{"type": "text"}`` -> None (no constraint); ``{"type": "json_object"}`` -> any JSON
 object; ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``. ``strict: true`` refuses a
-schema using keywords llguidance does not implement; ``strict: false`` (OpenAI: best effort) ignores them and
-enforces the rest. Either way the answer is enforced, unlike OpenAI's non-strict mode. JSON is written compactly
-with ``", "`` and ``": "`` separators and no other whitespace: a model cannot pad an answer with blanks forever.
+schema using keywords llguidance does not implement (``uniqueItems``, ``not``, ``if``, ``contains``, unknown
+formats, ...) but, unlike OpenAI, does not require its subset (every key required, ``additionalProperties:
+false``); ``strict: false`` (OpenAI: best effort) ignores what is not implemented and enforces the rest, so such
+an answer may break the ignored keywords. Either way the rest is enforced, unlike OpenAI's non-strict mode. JSON
+is written compactly, with ``", "`` and ``": "`` separators and no other whitespace: a model cannot pad an answer
+with blanks forever.
 
 max_tokens: OpenAI and mlx-lm cut the answer at max_tokens, leaving invalid JSON with finish "length". Here a
-constraint given ``max_tokens`` closes the JSON in time: in the last tokens it computes the shortest way to a
-complete answer (a deterministic roll-out on a copy of the matcher that closes strings, arrays and objects as soon
-as the schema allows) and, once that way needs every token left, forces it token by token. The answer then
+constraint given ``max_tokens`` closes the JSON in time: in the last tokens it computes a short way to a
+complete answer (a greedy, deterministic roll-out on a copy of the matcher that closes strings, arrays and objects
+as soon as the schema allows, and otherwise takes the shortest allowed token) and, once that way needs the tokens
+left, forces it token by token. The answer then
 parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
-report finish "length". A schema whose smallest answer does not fit in max_tokens is still cut (finish "length").
+report finish "length". The model is free until the way out plus a margin of 8 tokens fills the budget (one
+sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
+A schema whose shortest answer found (``min_tokens``) does not fit in max_tokens is still cut (finish "length").
+The roll-out costs a few masks (~15 µs each) per step in the last ``2 * min_tokens + 8`` (at least 64) tokens
+while the model strays from it, and is bounded (512 tokens, 20 ms: past that, no way out, and a cut answer).
 
 Cost bounds: a schema is refused above 64 KiB of JSON; llguidance's own limits (lexer fuel, grammar size) bound
-compilation, so a hostile schema fails in milliseconds (bench/grammar.py measures some); compiled matchers are
-cached by schema (LRU) and each request gets a cheap deep copy.
+compilation, so a hostile schema compiles or fails in milliseconds (bench/grammar.py measures some: at most
+~50 ms); compiled matchers are cached by schema (LRU, 128) and each request gets a deep copy (~10 µs).
 """
 
 from __future__ import annotations
@@ -73,8 +82,10 @@ class Constraint:
         self.closed_by_budget = False  # the budget forced the end of the answer
         self._window = ROLLOUT_WINDOW
         self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
+        self.min_tokens: int | None = None  # the shortest answer's length in tokens (known when max_tokens is)
         if max_tokens is not None:
             self._way_out = factory._rollout(matcher, 0)
+            self.min_tokens = len(self._way_out) or None
             # the way out of a deeper state may be longer than the shortest answer: look well before
             self._window = max(ROLLOUT_WINDOW, 2 * len(self._way_out) + MARGIN)
 
@@ -133,9 +144,13 @@ class Constraint:
 
 class GrammarFactory:
     """Per rank: the tokenizer's token table for llguidance (~0.7 s for 49k tokens, done once), a cache of
-    compiled schemas, and the executor that computes the masks of several rows in parallel."""
+    compiled schemas, the executor that computes the masks of several rows in parallel, and (made on first use,
+    ~1 s) the tables of the roll-out that closes an answer within max_tokens."""
 
     def __init__(self, tokenizer, vocab: int | None = None, *, threads: int | None = None):
+        """``tokenizer``: mlx-lm's TokenizerWrapper (or a fast HF tokenizer); ``vocab``: the logits' width (a
+        config's vocab_size may exceed the tokenizer's: the extra ids are never allowed); ``threads``: for the
+        masks of several rows (llguidance's default: 80% of the cores)."""
         import llguidance
         import llguidance.hf
 
@@ -149,13 +164,12 @@ class GrammarFactory:
         self._words = (self.lltok.vocab_size + 31) // 32
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._texts = hf.batch_decode([[i] for i in range(n_tok)])
-        self._order = self._rollout_orders(self._texts)
-        self._quotes = np.array(['"' in t or "\\" in t for t in self._texts], dtype=bool)
+        self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
 
     # -- compile -------------------------------------------------------------------------------------------------
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
-        """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format).
+        """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format); with
+        ``max_tokens`` (the request's budget) it closes the answer within it (see the module's docstring).
         ValueError (one line, fit for a 400) when the format or its schema is unsupported or invalid."""
         import llguidance
 
@@ -245,11 +259,19 @@ class GrammarFactory:
         return (np.lexsort((ids, np.where(outside, -length, length), ~outside)),
                 np.lexsort((ids, np.where(inside, -length, length), ~inside)))
 
+    def _rollout_tables(self):
+        if self._tables is None:  # ~1 s for 49k tokens
+            texts = self._hf.batch_decode([[i] for i in range(len(self._hf))])
+            quotes = np.array(['"' in t or "\\" in t for t in texts], dtype=bool)
+            self._tables = texts, self._rollout_orders(texts), quotes
+        return self._tables
+
     def _scan(self, state: int, token: int) -> int:
         """The string state (see Constraint._str) after ``token``'s text."""
-        if token >= len(self._quotes) or (state != 2 and not self._quotes[token]):
+        texts, _orders, quotes = self._rollout_tables()
+        if token >= len(quotes) or (state != 2 and not quotes[token]):
             return state
-        for ch in self._texts[token]:
+        for ch in texts[token]:
             if state == 2:
                 state = 1
             elif state == 1:
@@ -261,10 +283,11 @@ class GrammarFactory:
     def _rollout(self, matcher, state: int) -> list[int]:
         """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
         accepted answer; [] when none is found within ROLLOUT_STEPS and ROLLOUT_SECONDS."""
+        texts, orders, _quotes = self._rollout_tables()
         m = matcher.deep_copy()
         row = np.empty(self._words, dtype=np.int32)
         way: list[int] = []
-        n_tok = len(self._texts)
+        n_tok = len(texts)
         repeats = 0
         deadline = time.perf_counter() + ROLLOUT_SECONDS
         for _ in range(ROLLOUT_STEPS):
@@ -274,7 +297,7 @@ class GrammarFactory:
                 return []
             m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
             allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:n_tok].view(np.bool_)
-            order = self._order[1 if state else 0]
+            order = orders[1 if state else 0]
             candidates = order[allowed[order]]
             if not len(candidates) or m.is_error():
                 return []
