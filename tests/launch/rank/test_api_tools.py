@@ -113,14 +113,16 @@ def test_bad_tool_fields_are_refused_by_name(cluster, body, param):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_a_forced_call_always_parses_and_fits_the_function(cluster, choice):
     """tool_choice required (or one function): the model's call markup is constrained by the grammar, so even a
-    random-weight model calls the tool with arguments that parse and validate, finish tool_calls."""
+    random-weight model calls the tool with arguments that parse and validate; with one call allowed (a named
+    function, or parallel_tool_calls false) the answer ends after it, finish tool_calls."""
     import jsonschema
 
     for seed in range(3):
         out = chat(cluster, {"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": choice, "max_tokens": 80,
-                             "temperature": 1.0, "seed": seed, "chat_template_kwargs": {"enable_thinking": False}})
+                             "temperature": 1.0, "seed": seed, "chat_template_kwargs": {"enable_thinking": False},
+                             "parallel_tool_calls": False})
         c = out["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
-        [call] = c["message"]["tool_calls"] if isinstance(choice, dict) else c["message"]["tool_calls"][:1]
+        [call] = c["message"]["tool_calls"]
         assert call["function"]["name"] == "add"
         jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
