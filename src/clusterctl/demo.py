@@ -70,7 +70,7 @@ class DemoResult:
 
 
 def stream_chat(endpoint: str, prompt: str, *, max_tokens: int, on_text=lambda s: None,
-                api_key: str | None = None, timeout: float = 120, model: str | None = "default"
+                api_key: str | None = None, timeout: float = 120, model: str | None = "default_model"
                 ) -> tuple[str, int, float]:
     """POST a streaming chat completion and read its server-sent events; returns (text, tokens, seconds).
     ``model`` None leaves the field out (mlx_lm.server then serves its --model instead of loading that name)."""

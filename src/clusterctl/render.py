@@ -182,6 +182,14 @@ class FitTable:
         yield t
 
 
+def serving_line(defaults: dict | None) -> str:
+    """status -a: rank 0's defaults for what a request leaves out."""
+    if not defaults:
+        return "request defaults: OpenAI's (temperature 1, top_p 1, max_tokens until the context is full)"
+    return "request defaults: " + ", ".join(f"{k} {json.dumps(v) if isinstance(v, dict) else v}"
+                                            for k, v in defaults.items())
+
+
 def _job_state(job: dict) -> str:
     down = job.get("ranks_down")
     return esc(job["state"]) + (f" [red]{down}/{len(job['ranks'])} down[/red]" if down else "")

@@ -52,11 +52,11 @@ def test_detached_launch_status_openai_and_verified_teardown(tmp_path, tiny, env
     from openai import OpenAI
 
     client = OpenAI(base_url=endpoint + "/v1", api_key="unused")
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hello"}],
+    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hello"}],
                                        max_tokens=8, temperature=0)
     assert r.usage.completion_tokens == 8 and r.choices[0].message.content
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True)
+        model="default_model", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True)
         if c.choices]
     assert "".join(pieces) == r.choices[0].message.content
     curl = subprocess.run(["curl", "-sf", endpoint + "/v1/models"], capture_output=True, text=True)

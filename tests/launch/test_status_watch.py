@@ -46,7 +46,7 @@ def _requests(endpoint: str, stop: threading.Event) -> None:
 
     client = OpenAI(base_url=endpoint + "/v1", api_key="unused", max_retries=0)
     while not stop.is_set():
-        for _ in client.completions.create(model="m", prompt="def main(argv):", max_tokens=48, temperature=0,
+        for _ in client.completions.create(model="default_model", prompt="def main(argv):", max_tokens=48, temperature=0,
                                            stream=True):
             pass
 

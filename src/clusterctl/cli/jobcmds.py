@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, ApiKeysFileOpt, DrainOpt, GraceOpt, HostOpt,
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, ApiKeysFileOpt,
+                                    ChatTemplateArgsOpt, ChatTemplateOpt, MaxTokensOpt, MinPOpt, TemperatureOpt,
+                                    TopKOpt, TopPOpt, serving_of, AliasOpt, CorsOpt, DrainOpt, GraceOpt, HostOpt,
                                     JsonOpt, KnownHostsOpt, MaxQueueOpt,
                                     NoApiKeyOpt, PortOpt, QuietOpt, SeedOpt,
                                     StateOpt, TimeoutOpt, api_key_of, api_keys_of, app,
@@ -32,6 +34,8 @@ def launch(
     api_key_env: ApiKeyEnvOpt = None,
     api_keys_file: ApiKeysFileOpt = None,
     no_api_key: NoApiKeyOpt = False,
+    cors_origin: CorsOpt = None,
+    model_alias: AliasOpt = None,
     seed: SeedOpt = 0,
     max_queue: MaxQueueOpt = 64,
     verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
@@ -54,6 +58,7 @@ def launch(
                          api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
                          ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify)
     opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
+    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
     check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
     if lease is not None:
         opts.lease_seconds = lease
@@ -137,6 +142,13 @@ def replan(
     headroom_gb: Annotated[Optional[float], typer.Option("--headroom-gb", help="Per-rank headroom (GiB) (default: "
                                                          "the current deployment's).", parser=number(0, 1e6),
                                                          metavar="GIB")] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_args: ChatTemplateArgsOpt = None,
     path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path); each new path is checked on its node first.')] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
@@ -149,6 +161,8 @@ def replan(
     api_key_env: ApiKeyEnvOpt = None,
     api_keys_file: ApiKeysFileOpt = None,
     no_api_key: NoApiKeyOpt = False,
+    cors_origin: CorsOpt = None,
+    model_alias: AliasOpt = None,
     seed: SeedOpt = 0,
     max_queue: MaxQueueOpt = 64,
     known_hosts: KnownHostsOpt = None,
@@ -172,6 +186,9 @@ def replan(
     given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("parallel", parallel),
                                ("schedule", schedule), ("context", context), ("batch", batch),
                                ("prompt_cache_gb", prompt_cache_gb), ("headroom_gb", headroom_gb)) if v is not None}
+    serving = serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template, chat_template_args)
+    if serving:
+        given["serving"] = serving  # merged over the current deployment's defaults
     node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
                    path_map=_path_map(path_map), to=to)
@@ -193,6 +210,7 @@ def replan(
                                grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
                                max_queue=max_queue, host=host)
     opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
+    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
     check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
     raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
 
@@ -361,6 +379,10 @@ def status(
         o.info(f"no launches of {target}" if target else "no launches")
     for job in doc["jobs"]:
         o.table(status_table(job, wide=all_))
+        if all_:
+            from clusterctl.render import serving_line
+
+            o.info(serving_line(job.get("serving")))
     for m in doc["malformed"]:
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
 

@@ -121,6 +121,76 @@ def state_of(state_dir: Path | None):
     return StateDir(state_dir).check_safe()
 
 
+# rank 0's defaults for what a request leaves out (plan and replan; docs/api.md)
+TemperatureOpt = Annotated[Optional[float], typer.Option(
+    "--temperature", help="Default sampling temperature (OpenAI's: 1).", parser=number(0, 2), metavar="T")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Default top_p.", parser=number(0, 1), metavar="P")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Default top_k (0: none).", min=0, max=1 << 20)]
+MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="Default min_p.", parser=number(0, 1), metavar="P")]
+MaxTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-tokens", help="Default max_tokens (OpenAI's: until the request's context is full).", min=1, max=1 << 26)]
+ChatTemplateOpt = Annotated[Optional[Path], typer.Option(
+    "--chat-template", help="A Jinja chat template file used in place of the model's.", metavar="FILE")]
+ChatTemplateArgsOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template-args", help='JSON object passed to every chat template rendering, e.g. \'{"enable_thinking": false}\'.',
+    metavar="JSON")]
+
+
+def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=None, chat_template=None,
+               chat_template_args=None) -> dict:
+    """The serving defaults given on the command line (only those given)."""
+    import json as _json
+
+    from clusterctl.errors import UsageError
+
+    out = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                             ("max_tokens", max_tokens)) if v is not None}
+    if chat_template is not None:
+        from clusterctl.atomic import read_capped
+
+        try:
+            out["chat_template"] = read_capped(chat_template, limit=65536, what="chat template").decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"--chat-template {chat_template}: not UTF-8 text") from None
+        from clusterctl.ggufcheck import check_template
+
+        check_template(out["chat_template"], f"--chat-template {chat_template}")
+    if chat_template_args is not None:
+        try:
+            args = _json.loads(chat_template_args)
+        except ValueError as e:
+            raise UsageError(f"--chat-template-args: not JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise UsageError("--chat-template-args: want a JSON object")
+        out["chat_template_args"] = args
+    return out
+
+
+def _origin(value: str) -> str:
+    """A browser origin (scheme://host[:port], no path) or "*"."""
+    import re
+
+    if value == "*" or re.fullmatch(r"https?://[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?",
+                                    value):
+        return value
+    raise typer.BadParameter(f"{value[:60]!r} is not an origin (scheme://host[:port], or *)")
+
+
+def _alias(value: str) -> str:
+    from clusterctl.names import NAME_RE
+
+    if NAME_RE.match(value):
+        return value
+    raise typer.BadParameter(f"{value[:60]!r} is not a model name (letters, digits, . _ -, at most 63)")
+
+
+CorsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--cors-origin", help="A browser origin allowed to call the API (repeatable; * for any). Without it: no CORS.",
+    parser=_origin, metavar="ORIGIN")]
+AliasOpt = Annotated[Optional[list[str]], typer.Option(
+    "--model-alias", help="Another name clients may give as `model` (repeatable).", parser=_alias, metavar="NAME")]
+
+
 def api_key_of(env_name: str | None, no_key: bool) -> str | None:
     from clusterctl.launch.apikey import api_key_from_env
 

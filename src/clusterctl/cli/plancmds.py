@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ClusterOpt, JsonOpt, QuietOpt, StateOpt, app,
-                                    complete_targets, number, output, ssh_options,
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt, ChatTemplateOpt, ClusterOpt,
+                                    JsonOpt, MaxTokensOpt, MinPOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt,
+                                    TopPOpt, app, complete_targets, number, output, serving_of, ssh_options,
                                     state_of)
 
 
@@ -37,6 +38,13 @@ def plan(
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Per-rank memory (GiB) kept for the "
                                                    "prompt cache (0: none).", parser=number(0, 1e6),
                                                    metavar="GIB")] = 0.25,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_args: ChatTemplateArgsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
     probe: Annotated[bool, typer.Option("--probe", help="Read memory_gb of remote nodes that lack it over SSH.")] = False,
     known_hosts: Annotated[Optional[Path], typer.Option("--known-hosts", help="known_hosts file for --probe.")] = None,
@@ -59,7 +67,9 @@ def plan(
     dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
-                                prompt_cache_gb=prompt_cache_gb)
+                                prompt_cache_gb=prompt_cache_gb,
+                                serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
+                                                   chat_template_args) or None)
     for w in dep.warnings:
         o.warn(w)
     if o.json:

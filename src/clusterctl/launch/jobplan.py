@@ -52,6 +52,8 @@ class LaunchOptions:
     http_port: int | None = None
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # more tenants: name -> key (docs/security.md)
+    cors_origins: list[str] = field(default_factory=list)  # browser origins rank 0 answers with CORS headers
+    model_aliases: list[str] = field(default_factory=list)  # more names rank 0 answers to as `model`
 
     @property
     def any_key(self) -> str | None:
@@ -205,11 +207,15 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,
                "api_key": opts.api_key if r.rank == 0 else None, "seed": opts.seed,
                **({"api_keys": dict(opts.api_keys)} if r.rank == 0 and opts.api_keys else {}),
+               **({"cors_origins": list(opts.cors_origins)} if r.rank == 0 and opts.cors_origins else {}),
+               **({"model_aliases": list(opts.model_aliases)} if r.rank == 0 and opts.model_aliases else {}),
                "runtime_dir": d, "marker_path": rec.marker_path, "gate_path": rf.gate_path(d, job_id),
                "lease_path": rf.lease_path(d, job_id) if lease_seconds else None,
                "lease_seconds": lease_seconds or DEFAULT_LEASE, "embedding_offload": dep.embedding_offload,
                "abort_grace_s": abort_grace_s, "compute_nice": compute_nice, "max_batch": dep.batch_slots,
-               "max_queue": opts.max_queue, "context_tokens": dep.options.context if r.rank == 0 else None}
+               "max_queue": opts.max_queue, "context_tokens": dep.options.context if r.rank == 0 else None,
+               **({"serving": dep.options.serving.model_dump(mode="json", exclude_defaults=True)}
+                  if r.rank == 0 and dep.options.serving is not None else {})}
         spec = parse_rank_spec(doc, source=f"the rank contract of rank {r.rank} on {r.node}")
         ranks.append(PlannedRank(rank=r.rank, node=r.node, runtime_dir=d, spec=spec, record=rec))
         key_id, key_text = trusted_key

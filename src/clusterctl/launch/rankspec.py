@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from clusterctl.errors import IntegrityError
 from clusterctl.names import Ident, Name
+from clusterctl.plan.deployment import ServingDefaults
 
 # Set by the rank itself from the contract; extra env must not override them.
 RESERVED_ENV = frozenset({"MLX_RANK", "MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE"})
@@ -50,6 +51,10 @@ class RankSpec(BaseModel):
     # rank 0: more callers, each with its own key and its own prompt-cache partition (tenant name -> key); the
     # api_key above is the tenant "default"
     api_keys: dict[Name, SecretStr] = Field(default_factory=dict, max_length=1024)
+    # rank 0: more names clients may give as `model` (besides the model folder's name and "default_model")
+    model_aliases: list[Name] = Field(default_factory=list, max_length=64)
+    # rank 0: browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all
+    cors_origins: list[str] = Field(default_factory=list, max_length=64)
     seed: int = Field(default=0, ge=0, lt=2**31)
     runtime_dir: str
     marker_path: str
@@ -57,7 +62,10 @@ class RankSpec(BaseModel):
     lease_path: Optional[str] = None
     lease_seconds: float = Field(default=30.0, gt=0, le=3600)
     embedding_offload: bool = False
-    max_tokens_default: int = Field(default=256, ge=1, le=1 << 20)
+    # when a request gives no max_tokens and serving has none: this many (None: until its context is full)
+    max_tokens_default: Optional[int] = Field(default=None, ge=1, le=1 << 26)
+    # rank 0: the operator's defaults for what a request leaves out, chat template override and arguments
+    serving: ServingDefaults = Field(default_factory=ServingDefaults)
     # serving: requests decoded together (the plan's batch slots) and requests waiting beyond them (then 429)
     max_batch: int = Field(default=8, ge=1, le=1024)
     max_queue: int = Field(default=64, ge=0, le=1 << 16)

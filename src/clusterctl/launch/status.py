@@ -64,6 +64,27 @@ async def _look(m, ssh: SshOptions) -> tuple[dict, dict]:
         await close_all(hs)
 
 
+def _serving_defaults(state, deployment_id: str) -> dict | None:
+    """Rank 0's defaults for what requests leave out, as the deployment sets them (None: OpenAI's own, or the
+    deployment file is not at hand)."""
+    from clusterctl.atomic import read_capped
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.plan.deployment import decode
+
+    try:  # read only: status never migrates or moves a file
+        path = state.deployment_path(deployment_id)
+        dep = decode(read_capped(path, what="deployment file"), state.keyring.public_keys(),
+                     source=str(path)).deployment
+    except ClusterctlError:
+        return None
+    if dep.options.serving is None:
+        return None
+    doc = dep.options.serving.model_dump(mode="json", exclude_defaults=True)
+    if "chat_template" in doc:
+        doc["chat_template"] = f"({len(doc['chat_template'])} characters)"
+    return doc or None
+
+
 async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
     concurrently."""
@@ -100,5 +121,6 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                      "endpoint": m.endpoint, "created_at": m.created_at, "coordinator_pid": m.coordinator.pid,
                      "coordinator_alive": alive, "detached": m.coordinator.detached, "manifest": str(path),
                      "activity": q["state"] if q else None, "ranks": ranks,
+                     "serving": _serving_defaults(state, m.deployment_id),
                      "ranks_down": sum(x["state"] in DOWN for x in ranks) if probe_nodes else None})
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}

@@ -294,7 +294,7 @@ def op_canary(req: dict) -> dict:
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": req.get("model", "default"), "prompt": req.get("prompt", "Hello"),
+    body = json.dumps({"model": req.get("model", "default_model"), "prompt": req.get("prompt", "Hello"),
                        "max_tokens": int(req.get("max_tokens", 2)), "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
     if req.get("api_key"):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional, Literal
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from clusterctl.atomic import dumps, strict_loads
 from clusterctl.errors import IntegrityError, pydantic_line
@@ -62,6 +62,26 @@ class RankAssignment(BaseModel):
     usable_bytes: int | None
 
 
+class ServingDefaults(BaseModel):
+    """What rank 0 uses when a request leaves a field out (plan/replan --temperature ...). None: OpenAI's default
+    (temperature 1, top_p 1, no top_k or min_p; max_tokens: until the request's context is full)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0, le=1 << 20)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=1 << 26)
+    chat_template: Optional[str] = Field(default=None, min_length=1, max_length=65536)  # replaces the model's
+    chat_template_args: dict[str, Any] = Field(default_factory=dict)  # passed to every template rendering
+
+    @model_validator(mode="after")
+    def _args(self) -> "ServingDefaults":
+        if len(json.dumps(self.chat_template_args)) > 16384:
+            raise ValueError("chat_template_args: at most 16 KiB of JSON")
+        return self
+
+
 class PlanOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # auto: work when the stages overlap, else balanced (planner.choose_allocation)
@@ -75,6 +95,8 @@ class PlanOptions(BaseModel):
     schedule: Literal["auto", "lockstep", "overlap"] = "auto"
     # bytes per rank kept for the prompt cache (None: a file from before it, no cache)
     prompt_cache_gb: Optional[float] = Field(default=None, ge=0, le=1 << 20)
+    # rank 0's defaults for what a request leaves out (None: a file from before them, OpenAI's defaults)
+    serving: Optional[ServingDefaults] = None
 
 
 class Deployment(BaseModel):

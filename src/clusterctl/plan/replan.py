@@ -18,7 +18,7 @@ from clusterctl.plan.deployment import Deployment, PlanOptions, identity_changes
 from clusterctl.plan.inventory import Cluster
 
 OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload",
-                 "schedule", "prompt_cache_gb")
+                 "schedule", "prompt_cache_gb", "serving")
 
 
 @dataclass
@@ -35,6 +35,10 @@ class Inputs:
 
 
 def _show(v) -> str:
+    if hasattr(v, "model_dump"):  # the serving defaults
+        v = v.model_dump(exclude_defaults=True)
+    if isinstance(v, dict) and isinstance(v.get("chat_template"), str):
+        v = {**v, "chat_template": f"({len(v['chat_template'])} characters)"}
     if isinstance(v, dict):
         return ",".join(f"{k}={x}" for k, x in sorted(v.items())) or "(empty)"
     if isinstance(v, list):
@@ -89,7 +93,11 @@ def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] 
                           source=pool.source)
     opts = {}
     for k in OPTION_FIELDS:
-        if k in options:
+        if k == "serving" and k in options:  # the defaults given, over the current deployment's
+            old_serving = old.options.serving.model_dump(exclude_defaults=True) if old.options.serving else {}
+            opts[k] = {**old_serving, **options[k]}
+            given[k] = _show(options[k])
+        elif k in options:
             opts[k] = options[k]
             given[k] = _show(options[k])
         else:
@@ -159,7 +167,7 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
         if x != y:
             other.append({"field": what, "before": x, "after": y})
     for k in ("allocation", "backend", "parallel", "batch", "headroom_gb", "embedding_offload", "schedule",
-              "prompt_cache_gb"):  # as given (what a later replan derives from); context is listed above
+              "prompt_cache_gb", "serving"):  # as given (what a later replan derives from); context is listed above
         x, y = getattr(old.options, k), getattr(new.options, k)
         if x != y:
             other.append({"field": f"options.{k}", "before": _show(x), "after": _show(y)})

@@ -70,9 +70,9 @@ def test_openai_streaming_chat_through_the_pipeline(cluster):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "hello"}]
-    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(model="default_model", messages=messages, max_tokens=16, temperature=0)
     parts = [ev.choices[0].delta.content or "" for ev in client.chat.completions.create(
-        model="m", messages=messages, max_tokens=16, temperature=0, stream=True) if ev.choices]
+        model="default_model", messages=messages, max_tokens=16, temperature=0, stream=True) if ev.choices]
     assert "".join(parts) == plain.choices[0].message.content
 
 

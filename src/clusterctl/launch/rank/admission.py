@@ -68,6 +68,15 @@ def _vocab(tokenizer) -> list[str]:
     return [w for w in words if isinstance(w, str)]
 
 
+def use_template(tokenizer, template: str | None) -> None:
+    """The operator's chat template (plan --chat-template) in place of the model's own."""
+    if not template:
+        return
+    tokenizer._chat_template = None  # mlx-lm's own Python template of some models, which would win
+    tokenizer._tokenizer.chat_template = template
+    tokenizer.has_chat_template = True
+
+
 class BudgetExceeded(Exception):
     pass
 

@@ -35,6 +35,8 @@ class Seq:
     stops: StopMatcher = None  # type: ignore[assignment]
     stopped_by_text: bool = False
     guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
+    lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
+    emit_lp: Callable[[dict], None] | None = None
 
     def out(self, s: str) -> None:
         if s:
@@ -85,17 +87,18 @@ class Batch:
     def ids(self) -> list[str]:
         return list(self.by_id)
 
-    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None) -> None:
-        from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
+            emit_lp: Callable[[dict], None] | None = None) -> None:
+        from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
-        from clusterctl.launch.rank.sampling import Guard
+        from clusterctl.launch.rank.sampling import Guard, processors
 
         if req.id in self.by_id:
             raise ValueError(f"request {req.id} is already in the batch")
         if not self.seqs:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        procs = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else []
+        procs = processors(req, self.tokenizer)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
         if guard is not None:
@@ -105,7 +108,11 @@ class Batch:
                                  logits_processors=[procs], caches=[prefix] if prefix is not None else None,
                                  all_tokens=[list(req.tokens[:n])])
         s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
-                guard=guard)
+                guard=guard, emit_lp=emit_lp)
+        if emit_lp is not None and req.logprobs >= 0:
+            from clusterctl.launch.rank.logprobs import Entries
+
+            s.lp = Entries(self.tokenizer, req.logprobs)
         self.seqs[uid] = s
         self.by_id[req.id] = s
 
@@ -145,6 +152,8 @@ class Batch:
                 pass  # the EOS token ends the text, it is not part of it
             else:
                 s.tokens.append(int(r.token))
+                if s.lp is not None:
+                    s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
                 s.detok.add_token(int(r.token))
                 text, hit = s.stops.feed(s.detok.last_segment)
                 s.out(text)

@@ -165,8 +165,42 @@ class GrammarFactory:
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
+        # a roll-out's time bound (None: only its step bound). The ranks of a lockstep pipeline all sample, so
+        # their masks must not depend on how fast each one is: they run without it
+        self.rollout_seconds: float | None = ROLLOUT_SECONDS
 
     # -- compile -------------------------------------------------------------------------------------------------
+    def compile_request(self, grammar: dict, max_tokens: int | None = None) -> Constraint | None:
+        """A rank's request grammar: ``{"response_format": ...}`` (``compile``) or ``{"lark": text}`` (a forced tool
+        call's markup, tools.CallConstraint.lark)."""
+        if "lark" in grammar:
+            return self.compile_lark(grammar["lark"], max_tokens)
+        return self.compile(grammar.get("response_format"), max_tokens)
+
+    def compile_lark(self, text: str, max_tokens: int | None = None) -> Constraint:
+        """An llguidance Lark grammar -> a fresh Constraint; ValueError (one line) when it does not compile."""
+        import llguidance
+
+        if not isinstance(text, str) or len(text) > MAX_SCHEMA_BYTES:
+            raise ValueError("the tool call's grammar is too large")
+        key = "lark:" + text
+        base = self._cache.get(key)
+        if base is None:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_lark(text)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"the tool call's grammar: {_one_line(e)}") from None
+            base = llguidance.LLMatcher(self.lltok, grammar, log_level=0,
+                                        limits=llguidance.LLParserLimits(verbose_errors=False))
+            if base.is_error():
+                raise ValueError(f"the tool call's grammar: {_one_line(base.get_error())}")
+            self._cache[key] = base
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens))
+
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
         """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format); with
         ``max_tokens`` (the request's budget) it closes the answer within it (see the module's docstring).
@@ -289,11 +323,11 @@ class GrammarFactory:
         way: list[int] = []
         n_tok = len(texts)
         repeats = 0
-        deadline = time.perf_counter() + ROLLOUT_SECONDS
+        deadline = time.perf_counter() + self.rollout_seconds if self.rollout_seconds is not None else None
         for _ in range(ROLLOUT_STEPS):
             if m.is_accepting():
                 return way
-            if time.perf_counter() > deadline:
+            if deadline is not None and time.perf_counter() > deadline:
                 return []
             m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
             allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:n_tok].view(np.bool_)

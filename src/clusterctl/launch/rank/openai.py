@@ -16,6 +16,51 @@ from clusterctl.launch.rankspec import RankSpec
 
 MAX_STOPS = 4
 MAX_SALT = 1024  # characters of a cache_salt
+MAX_BIAS = 300  # entries of a logit_bias, as OpenAI allows
+BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
+# fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
+# accepted and ignored; each with the value that asks for nothing
+UNSUPPORTED = {
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
+    "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
+}
+
+
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response_format as the request's grammar (checked against the tokenizer when it is prepared)."""
+    rf = body.get("response_format")
+    if rf is None or rf == {"type": "text"}:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    return {"response_format": rf}
+
+
+def check_grammar(tokenizer, req: GenRequest) -> None:
+    """Compile the request's grammar once on admission (rank 0's HTTP side): a schema that cannot be enforced is
+    a 400 now, not a failed row later."""
+    if req.grammar is None:
+        return
+    from clusterctl.launch.rank.sampling import grammar_factory
+
+    try:
+        grammar_factory(tokenizer, deterministic=False, user="admission").compile_request(req.grammar, req.max_tokens)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice") \
+            from None
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored."""
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "only n=1 is supported", param="n")
+    for name, fine in UNSUPPORTED.items():
+        if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(400, "only the text modality is supported", param="modalities")
 # below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
 # logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
 GREEDY_BELOW = 1e-6
@@ -84,31 +129,86 @@ class RequestBuilder:
         ident = json.dumps([tenant or "", salt]).encode("utf-8", "surrogatepass")
         return hashlib.sha256(ident).hexdigest()[:32]
 
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> int:
+        """-1: none; else the alternatives per token (chat: logprobs true and top_logprobs; completions: the
+        integer logprobs, as OpenAI's legacy API has it)."""
+        from clusterctl.launch.rank.logprobs import MAX_TOP
+
+        if chat:
+            want = body.get("logprobs")
+            if want not in (None, True, False):
+                raise ApiError(400, "logprobs must be true or false", param="logprobs")
+            top = _num(body, "top_logprobs", 0, 0, MAX_TOP, kind=int)
+            if top and not want:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return top if want else -1
+        if body.get("logprobs") is None:
+            return -1
+        if body.get("top_logprobs") is not None:
+            raise ApiError(400, "top_logprobs is for chat; /v1/completions takes an integer logprobs",
+                           param="top_logprobs")
+        return _num(body, "logprobs", 0, 0, MAX_TOP, kind=int)
+
     def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
-        if body.get("n", 1) not in (1, None):
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        refuse_unsupported(body)
+        d = self.spec.serving  # the operator's defaults, else OpenAI's
         max_tokens = body.get(max_key, body.get("max_tokens"))
-        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
-        top_k = _num(body, "top_k", 0, 0, 1 << 20, kind=int)
-        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", min(self.spec.max_tokens_default,
-                                                                         self.context - 1), 1, 1 << 40, kind=int)
-        if max_tokens >= self.context:  # a prompt holds one token at least
-            raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
-                                f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
+        temperature = _num(body, "temperature", 1.0 if d.temperature is None else d.temperature, 0.0, 2.0)
+        top_k = _num(body, "top_k", d.top_k or 0, 0, 1 << 20, kind=int)
+        default = d.max_tokens or self.spec.max_tokens_default  # None: until the request's context is full
+        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", default, 1, 1 << 40, kind=int) \
+            if max_tokens is not None or default is not None else None
+        if max_tokens is not None and max_tokens >= self.context:  # a prompt holds one token at least
+            if body.get(max_key, body.get("max_tokens")) is None:
+                max_tokens = None  # the operator's default is past this plan's context: until it is full
+            else:
+                raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
+                                    f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
         return dict(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
+            top_p=_num(body, "top_p", 1.0 if d.top_p is None else d.top_p, 0.0, 1.0),
             top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
-            min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+            min_p=_num(body, "min_p", d.min_p or 0.0, 0.0, 1.0),
             repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
                                 if body.get("repetition_penalty") is not None else None),
+            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            **{f"{k}_context_size": _num(body, f"{k}_context_size", 20, 1, self.context, kind=int)
+               for k in ("repetition", "presence", "frequency")},
+            logit_bias=self._logit_bias(body),
             seed=self._seed(body),
             stop=_stops(body),
             partition=self._partition(body, tenant),
+            grammar=_response_format(body),
+            logprobs=self._logprobs(body, max_key == "max_completion_tokens"),
         )
+
+    def _logit_bias(self, body: dict) -> dict[str, float] | None:
+        """OpenAI's logit_bias: token id (a string, as JSON keys are) -> a bias in [-100, 100], at most 300."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return None
+        if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
+            raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIAS} token ids", param="logit_bias")
+        out = {}
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < self.limits.vocab):
+                raise ApiError(400, f"logit_bias: {k[:20]!r} is not a token id of this model (0 to "
+                                    f"{self.limits.vocab - 1})", param="logit_bias")
+            out[str(int(k))] = _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
+        return out or None
+
+    def _request(self, job_id: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
+        """The request to generate: max_tokens resolved (none given: until the context is full) and checked,
+        its grammar compiled once."""
+        max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
+        self._check_len(tokens, max_tokens)
+        req = GenRequest(id=job_id, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
+        if tokenizer is not None:
+            check_grammar(tokenizer, req)
+        return req
 
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
@@ -134,10 +234,13 @@ class RequestBuilder:
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         params = self._common(body, "max_tokens", tenant)
+        for name in ("chat_template_kwargs", "tools", "tool_choice"):
+            if body.get(name) is not None:
+                raise ApiError(400, f"{name} is for /v1/chat/completions", param=name)
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
-        elif len(prompt) + params["max_tokens"] > self.context:
-            self._check_len(prompt, params["max_tokens"])
+        elif len(prompt) + (params["max_tokens"] or 1) > self.context:
+            self._check_len(prompt, params["max_tokens"] or 1)
         elif any(t < 0 or t >= self.limits.vocab for t in prompt):
             raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         job_id = "cmpl-" + secrets.token_hex(12)
@@ -148,44 +251,53 @@ class RequestBuilder:
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
-            self._check_len(tokens, params["max_tokens"])
-            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+            return self._request(job_id, tokens, params, tokenizer)
 
         return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
 
     def chat(self, body: dict, tenant: str | None = None) -> Job:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
-        clean = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "each message needs a role", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                content = "".join(texts)
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise ApiError(400, "message content must be a string", param="messages")
-            clean.append({"role": m["role"], "content": content})
+        """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
+        here (tools.py); rendered and tokenized by ``prepare`` on the request's HTTP thread."""
+        from clusterctl.launch.rank import tools as tl
+
+        try:
+            chat = tl.ChatTools.from_body(body)
+        except tl.ToolsError as e:
+            raise ApiError(400, str(e), param=e.param) from None
         params = self._common(body, "max_completion_tokens", tenant)
-        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in clean))
+        if chat.choice in ("required", "function") and params["grammar"] is not None:
+            raise ApiError(400, "a forced tool call (tool_choice required or a function) and a response_format "
+                                "cannot both shape one answer", param="response_format")
+        self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+                              for m in chat.messages))
+        defaults = self.spec.serving.chat_template_args
         job_id = "chatcmpl-" + secrets.token_hex(12)
+        job = None
 
         def prepare(tokenizer) -> GenRequest:
             if not getattr(tokenizer, "has_chat_template", True):
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
             # rendered, then measured, then tokenized (what tokenize=True does in one call): a template can make
             # far more text than the messages hold, and tokenizing it is the slow part
-            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tl.render(tokenizer, chat, defaults)
+            except tl.ToolsError as e:
+                raise ApiError(400, str(e), param=e.param) from None
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            self._check_len(tokens, params["max_tokens"])
-            return GenRequest(id=job_id, tokens=list(map(int, tokens)), **params)
+            try:
+                forced = chat.constraint(tokenizer, tokens)  # tool_choice required / a function: its grammar
+            except tl.ToolsError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            if forced is not None:
+                params["grammar"] = {"lark": forced.lark()}
+            req = self._request(job_id, tokens, params, tokenizer)
+            banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
+            if banned:
+                req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}
+            job.splitter = chat.splitter(tokenizer, req.tokens)
+            return req
 
-        return Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+        job = Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+        return job
 

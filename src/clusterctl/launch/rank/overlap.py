@@ -182,7 +182,7 @@ class OverlapBatch:
         return [sum(not r.done for r in (*mb.rows, *mb.fresh)) for mb in self.mbs]
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
-            into: int | None = None) -> None:
+            into: int | None = None, emit_lp: Callable[[dict], None] | None = None) -> None:
         """A request joins micro-batch ``into`` (None: the emptiest, the lowest index on a tie) at its next slot."""
         if any(r.id == req.id for mb in self.mbs for r in (*mb.rows, *mb.fresh)):
             raise ValueError(f"request {req.id} is already in the batch")
@@ -190,8 +190,13 @@ class OverlapBatch:
             raise ValueError(f"request {req.id} has an empty prompt or no tokens to make")
         row = Row(req=req, prefix=prefix)
         if self.last:
-            row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop))
-            row.sampler = RowSampler(req)
+            row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
+                          emit_lp=emit_lp)
+            row.sampler = RowSampler(req, self.tokenizer)
+            if emit_lp is not None and req.logprobs >= 0:
+                from clusterctl.launch.rank.logprobs import Entries
+
+                row.seq.lp = Entries(self.tokenizer, req.logprobs)
         (min(self.mbs, key=len) if into is None else self.mbs[into]).fresh.append(row)
 
     def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
@@ -375,11 +380,16 @@ class OverlapBatch:
             mx.eval(states)
             return
         tokens = sample_rows([r.sampler for r in mb.rows], out[:, -1, :]).astype(mx.int32)
-        mx.eval(mx.distributed.send(tokens, self.world - 1, group=self.group), states)
-        for r, t in zip(mb.rows, tokens.tolist()):
+        lps = {i: r.seq.lp.pending(r.sampler.logprobs) for i, r in enumerate(mb.rows)
+               if r.seq.lp is not None and not r.done}
+        wanted = [a for row, top in lps.values() for a in (row, *(top or ()))]
+        mx.eval(mx.distributed.send(tokens, self.world - 1, group=self.group), states, wanted)
+        for i, (r, t) in enumerate(zip(mb.rows, tokens.tolist())):
             r.sampler.took(t)
             r.sampled.append(t)
             if not r.done:
+                if i in lps and t not in self.eos and not r.sampler.failed:
+                    r.seq.emit_lp(r.seq.lp.entry(t, lps[i]))
                 self._feed(r, t, on_done)
 
     def _feed(self, r: Row, token: int, on_done) -> None:

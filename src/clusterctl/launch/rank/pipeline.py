@@ -263,8 +263,17 @@ class GenRequest:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a JSON key) -> additive bias
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
+    # structured output (grammar.py): {"response_format": {...}} or {"lark": "..."} (a forced tool call)
+    grammar: Optional[dict] = None
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None
     cache_len: int = 0
@@ -295,6 +304,7 @@ class GenResult:
     finish_reason: str  # "stop" | "length" | "cancelled" | "shutdown" | "error"
     prompt_tokens: int
     error: Optional[str] = None  # "error": why this request failed (its own values, not the rank's state)
+    cached_tokens: int = 0  # prompt tokens whose KV the prompt cache gave (not computed again)
 
 
 class StopMatcher:

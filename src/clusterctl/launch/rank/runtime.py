@@ -181,7 +181,7 @@ class Rank:
         from clusterctl.launch.rank import pipeline
         from clusterctl.launch.rank.api import Api
         from clusterctl.launch.rank.jobs import ActiveSet, JobQueue
-        from clusterctl.launch.rank.admission import limits_for
+        from clusterctl.launch.rank.admission import limits_for, use_template
         from clusterctl.launch.rank.steploop import StepLoop
 
         spec = self.spec
@@ -195,11 +195,11 @@ class Rank:
                 self.api.state = "stopping"
         t0 = time.monotonic()
         model, tokenizer, config = pipeline.load_shard(spec)
+        if self.api is not None and not self.stopping.is_set():
+            self.api.state = "ready"  # before the marker says so: whoever reads "ready" there finds it here too
         self.marker.update(state="ready")
         _say(f"rank {spec.rank}: loaded layers [{spec.start_layer}, {spec.end_layer}) of {spec.num_layers} in "
              f"{time.monotonic() - t0:.1f} s; waiting for the gate")
-        if self.api is not None and not self.stopping.is_set():
-            self.api.state = "ready"
         gate = Path(spec.gate_path)
         while not gate.exists():
             if self.stopping.wait(GATE_POLL_S):
@@ -224,6 +224,7 @@ class Rank:
 
         lower_compute(spec.compute_nice)  # the control plane (HTTP, probes, markers) runs first when cores are busy
         if self.api is not None:
+            use_template(tokenizer, spec.serving.chat_template)
             self.api.serving(limits_for(config, tokenizer, spec.context_tokens), tokenizer)
             self.marker.update(state="serving", endpoint=self.api.endpoint)
             _say(f"rank 0: serving at {self.api.endpoint}")

@@ -18,13 +18,81 @@ import mlx.core as mx
 from clusterctl.launch.rank.pipeline import GenRequest
 
 
+class GrammarMask:
+    """A request's structured output (grammar.py) as a logits processor: tokens the grammar does not allow now
+    get -inf. Called once per sampled token (mlx-lm's batch and ``RowSampler`` alike): from the second call on,
+    the newest token of ``tokens`` is the one sampled last, which the grammar consumes first. On the ranks of a
+    lockstep pipeline every rank runs it and gets the same mask (the grammar is deterministic)."""
+
+    def __init__(self, constraint):
+        self.c = constraint
+        self._started = False
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started:
+            self.c.advance(int(tokens[-1].item()))
+        self._started = True
+        mask = self.c.mask()
+        width = logits.shape[-1]
+        if mask.shape[0] < width:  # ids past the tokenizer's own (a padded head) are never allowed
+            mask = mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
+        return mx.where(mask[:width], logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def grammar_factory(tokenizer, *, deterministic: bool, user: str = "steps"):
+    """The GrammarFactory of one thread (``user``: "steps", the step loop; "admission", the HTTP threads, one at
+    a time) for ``tokenizer``, made on first use (~1-2 s for a large vocabulary). ``deterministic``: no time bound
+    on closing an answer within max_tokens (every lockstep rank must compute the same masks); the overlapped
+    pipeline samples on rank 0 alone and keeps the bound."""
+    from clusterctl.launch.rank.grammar import GrammarFactory
+
+    attr = f"_clusterctl_grammar_{user}_{int(deterministic)}"
+    f = getattr(tokenizer, attr, None)
+    if f is None:
+        f = GrammarFactory(tokenizer)
+        if deterministic:
+            f.rollout_seconds = None
+        setattr(tokenizer, attr, f)
+    return f
+
+
+def processors(req: GenRequest, tokenizer=None, *, deterministic: bool = True) -> list:
+    """mlx-lm's logits processors for a request's logit_bias and penalties, and its grammar last (none when it
+    asks for none)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    procs = _bias_and_penalties(req)
+    if req.grammar is not None and tokenizer is not None:
+        try:
+            c = grammar_factory(tokenizer, deterministic=deterministic).compile_request(req.grammar, req.max_tokens)
+        except Exception as e:  # admitted, so it compiled on rank 0: fail this request alone, never the rank
+            def refuse(tokens, logits, why=failure(e)):
+                raise ValueError(why)
+
+            return [*procs, refuse]
+        procs.append(GrammarMask(c))
+    return procs
+
+
+def _bias_and_penalties(req: GenRequest) -> list:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    rep = req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None
+    return make_logits_processors(
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        repetition_penalty=rep, repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty or None, presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty or None, frequency_context_size=req.frequency_context_size)
+
+
 class RowSampler:
     """How one request's next token is chosen from its logits."""
 
     failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
+    logprobs: mx.array | None = None  # the last step's log-softmax after the processors (wants_logprobs)
 
-    def __init__(self, req: GenRequest):
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+    def __init__(self, req: GenRequest, tokenizer=None):
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self.temp = float(req.temperature)
         self.filters = []
@@ -34,14 +102,14 @@ class RowSampler:
             self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
         if req.top_k > 0:
             self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
-        self.procs = make_logits_processors(repetition_penalty=req.repetition_penalty) \
-            if req.repetition_penalty else []
+        self.procs = processors(req, tokenizer, deterministic=False)  # rank 0 alone samples
         self.history = list(req.tokens) if self.procs else None  # what the processors look back on
         self.key = mx.random.key(req.seed) if self.temp > 0 else None
+        self.wants_logprobs = req.logprobs >= 0
 
     @property
     def plain_greedy(self) -> bool:
-        return self.temp == 0 and not self.procs
+        return self.temp == 0 and not self.procs and not self.wants_logprobs
 
     def __call__(self, logits: mx.array) -> mx.array:
         """``logits`` of shape (1, vocab) -> the token, shape (1,)."""
@@ -49,6 +117,7 @@ class RowSampler:
             return self._sample(logits)
         except Exception as e:  # the request's values, not the rank's state: this row alone fails
             self.failed = failure(e)
+            self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return mx.argmax(logits, axis=-1)
 
     def _sample(self, logits: mx.array) -> mx.array:
@@ -57,6 +126,8 @@ class RowSampler:
             for proc in self.procs:
                 logits = proc(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.wants_logprobs:
+            self.logprobs = logprobs
         if self.temp == 0:
             return mx.argmax(logprobs, axis=-1)
         for f in self.filters:

@@ -284,10 +284,13 @@ class StepLoop:
                 self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
         for req, job in adds:
             emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
-            self.batch.add(req, emit, prefix=prefixes.get(req.id), **({"into": into} if into is not None else {}))
+            emit_lp = (lambda e, j=job: j.events.put(("logprob", e))) if job is not None else None
+            self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
+                           **({"into": into} if into is not None else {}))
             self.active.add(req.id)
             if job is not None:
                 job.started_at = time.monotonic()
+                job.cached_tokens = req.cache_len if req.id in prefixes else 0
                 self.inflight[req.id] = job
 
     def _end_all(self, adds: list) -> None:
@@ -370,6 +373,7 @@ class StepLoop:
     @staticmethod
     def _finish(job: Job, res: GenResult) -> None:
         job.finished_at = time.monotonic()
+        res.cached_tokens = job.cached_tokens
         if res.error is not None:  # the request's own values failed it (sampling.py): its client alone hears it
             job.events.put(("error", ApiError(400, res.error)))
             return

@@ -1,0 +1,66 @@
+"""Log probabilities of the generated tokens (OpenAI's ``logprobs``), made on the sampling rank (rank 0) from the
+log-softmax of the step's logits after the request's logits processors — what one mlx-lm process reports — and
+handed to the HTTP thread one entry per token.
+
+An entry is OpenAI's chat shape: ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+"bytes"}...]}`` plus the token's ``id``; /v1/completions turns a list of them into its legacy shape
+(``completion_shape``). ``token`` is the token's own text (a byte-level token that holds part of a character reads
+as U+FFFD there; ``bytes`` are then those of that text, not the raw byte: a known approximation)."""
+
+from __future__ import annotations
+
+MAX_TOP = 20  # top_logprobs, as OpenAI allows
+
+
+class Entries:
+    """Makes the entries of one request: ``top`` alternatives per token (0: the chosen token only)."""
+
+    def __init__(self, tokenizer, top: int):
+        self.tokenizer, self.top = tokenizer, top
+        self._text: dict[int, str] = {}
+
+    def _token(self, tid: int) -> str:
+        t = self._text.get(tid)
+        if t is None:
+            t = self._text[tid] = self.tokenizer.decode([tid])
+        return t
+
+    def _one(self, tid: int, lp: float) -> dict:
+        t = self._token(tid)
+        return {"id": tid, "token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+
+    def pending(self, logprobs):
+        """The lazy arrays an entry needs from a row's log-probabilities (shape (vocab,) or (1, vocab)): built
+        into the step's graph, evaluated with its tokens."""
+        import mlx.core as mx
+
+        row = logprobs.reshape(-1)
+        if self.top <= 0:
+            return row, None
+        idx = mx.argpartition(-row, kth=self.top - 1)[: self.top]
+        return row, (idx, row[idx])
+
+    def entry(self, token: int, pending) -> dict:
+        row, top = pending
+        e = self._one(token, row[token].item())
+        alts = []
+        if top is not None:
+            idx, vals = top
+            alts = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+        e["top_logprobs"] = [self._one(i, v) for i, v in alts]
+        return e
+
+
+def chat_shape(entries: list[dict]) -> dict:
+    return {"content": entries}
+
+
+def completion_shape(entries: list[dict], start: int = 0) -> dict:
+    """The legacy /v1/completions shape; ``start``: the text offset of the first entry's token."""
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
