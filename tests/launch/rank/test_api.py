@@ -47,19 +47,7 @@ def call(c: RankCluster, method: str, path: str, body: dict | None = None, heade
 
 def reference(model_path, prompt: str, max_tokens: int, **procs) -> list[int]:
     """One mlx-lm process, greedy, with mlx-lm's own logits processors for these settings (EOS excluded)."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-    from rankharness import _loaded
-
-    m, tok = _loaded(str(model_path))
-    out = []
-    for r in stream_generate(m, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0),
-                             logits_processors=make_logits_processors(**procs)):
-        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
+    return [t for t, _, _ in reference_logprobs(model_path, prompt, max_tokens, **procs)]
 
 
 def tokens_of(c, body: dict) -> list[int]:

@@ -183,23 +183,31 @@ class GrammarFactory:
 
         if not isinstance(text, str) or len(text) > MAX_SCHEMA_BYTES:
             raise ValueError("the tool call's grammar is too large")
-        key = "lark:" + text
+        base = self._cached("lark:" + text, lambda: self._matcher(
+            llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), "the tool call's grammar"))
+        return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens))
+
+    def _cached(self, key: str, build):
+        """The compiled matcher of ``key`` (built on a miss; least recently used out past CACHE_SIZE)."""
         base = self._cache.get(key)
         if base is None:
-            try:
-                grammar = llguidance.LLMatcher.grammar_from_lark(text)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"the tool call's grammar: {_one_line(e)}") from None
-            base = llguidance.LLMatcher(self.lltok, grammar, log_level=0,
-                                        limits=llguidance.LLParserLimits(verbose_errors=False))
-            if base.is_error():
-                raise ValueError(f"the tool call's grammar: {_one_line(base.get_error())}")
-            self._cache[key] = base
+            base = self._cache[key] = build()
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens))
+        return base
+
+    def _matcher(self, llguidance, grammar, what: str):
+        """A matcher of ``grammar()`` (llguidance's grammar text); ValueError (one line) naming ``what``."""
+        try:
+            g = grammar()
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{what}: {_one_line(e)}") from None
+        m = llguidance.LLMatcher(self.lltok, g, log_level=0, limits=llguidance.LLParserLimits(verbose_errors=False))
+        if m.is_error():
+            raise ValueError(f"{what}: {_one_line(m.get_error())}")
+        return m
 
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
         """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format); with
@@ -230,28 +238,12 @@ class GrammarFactory:
         if len(key) > MAX_SCHEMA_BYTES:
             raise ValueError(f"response_format.json_schema.schema is too large ({len(key)} bytes; "
                              f"at most {MAX_SCHEMA_BYTES})")
-        base = self._cache.get(key)
-        if base is None:
-            base = self._build(llguidance, schema, strict)
-            self._cache[key] = base
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+        options = dict(_JSON_OPTIONS, lenient=not strict)
+        base = self._cached(key, lambda: self._matcher(
+            llguidance, lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options),
+            "response_format.json_schema.schema"))
         budget = None if max_tokens is None else int(max_tokens)
         return Constraint(self, base.deep_copy(), budget)
-
-    def _build(self, llguidance, schema, strict: bool):
-        options = dict(_JSON_OPTIONS, lenient=not strict)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"response_format.json_schema.schema: {_one_line(e)}") from None
-        m = llguidance.LLMatcher(self.lltok, grammar, log_level=0,
-                                 limits=llguidance.LLParserLimits(verbose_errors=False))
-        if m.is_error():
-            raise ValueError(f"response_format.json_schema.schema: {_one_line(m.get_error())}")
-        return m
 
     # -- masks ---------------------------------------------------------------------------------------------------
     def bitmasks(self, constraints: Sequence[Constraint | None]) -> np.ndarray:
