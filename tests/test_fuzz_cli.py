@@ -186,7 +186,11 @@ def must_be_usage_error(p: Param, value: str) -> str | None:
         try:
             x = int(value) if p.kind == "int" else float(value)
         except ValueError:
-            return "not a number"
+            # Typer's (Click's) integers take a whole number written with a zero fraction ("1.0"), as Python's
+            # int(float(...)) would, but no exponent or other fraction
+            if p.kind != "int" or not re.fullmatch(r"\s*[+-]?[0-9_]+\.0*\s*", value):
+                return "not a number"
+            x = int(value.strip().split(".")[0])
         if isinstance(x, float) and not math.isfinite(x):
             return "not finite"
         if abs(x) >= 2**63:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rankharness import RankCluster, free_ports, tiny_model_path
+from rankharness import free_ports, tiny_model_path
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,11 @@ def model():
 
 
 @pytest.fixture(scope="module", params=["clusterctl", "mlx_lm.server"])
-def server(request, model, tmp_path_factory):
-    """(host port) of a server of the tiny model: 2 clusterctl ranks, or one mlx_lm.server process."""
+def server(request, model, tmp_path_factory, shared_clusters):
+    """The port of a server of the tiny model: 2 clusterctl ranks (the session's shared overlapped cluster), or
+    one mlx_lm.server process."""
     if request.param == "clusterctl":
-        c = RankCluster(tmp_path_factory.mktemp("conf"), model, [4, 4], tag="conf")
-        c.up()
-        yield c.http_port
-        c.stop()
+        yield shared_clusters("overlap").http_port
         return
     [port] = free_ports(1)
     log = open(tmp_path_factory.mktemp("mlxserver") / "server.log", "wb")
