@@ -103,7 +103,8 @@ def test_a_launch_that_fails_at_the_canary_keeps_every_rank_log_and_names_the_cu
     human = cli("launch", dep, *flags, "--timeout", "120", env=env)
     assert human.returncode == 1 and human.stdout == ""
     err = human.stderr.strip().splitlines()
-    head = next(i for i, ln in enumerate(err) if ln.startswith(f"rank {culprit} on "))
+    head = next((i for i, ln in enumerate(err) if ln.startswith(f"rank {culprit} on ")), None)
+    assert head is not None, human.stderr
     assert "last" in err[head] and "line(s) of its log" in err[head]
     assert MATMUL in err[-2] and err[-2].startswith("  ") and err[-1].startswith("error: ")
     assert re.search(r"rank logs kept in \S+/reports/\S+$", err[-1]), err[-1]
@@ -193,3 +194,16 @@ def test_a_node_that_cannot_be_read_is_noted_not_fatal(tmp_path):
     assert "(not kept: rank 0 on a: " in e.message and "\n" not in e.message
     doc = e.to_json()
     assert doc["kind"] == "LaunchFailed" and doc["logs"]["ranks"][0]["error"] and doc["logs"]["failing_tail"] == []
+
+
+def test_a_rank_that_only_followed_a_lost_peer_is_not_blamed_over_one_that_failed(tmp_path):
+    """The coordinator may see the follower gone first (a race): the kept logs decide."""
+    from clusterctl.launch.ranklogs import KeptLog, KeptLogs, with_own_failure
+
+    follower = KeptLog(rank=0, node="a", tail=["rank 0: lost a ring peer (rank 1 did not answer)"])
+    crashed = KeptLog(rank=1, node="b", tail=["  File \"x.py\", line 3", "ValueError: [matmul] shapes"])
+    logs = KeptLogs(folder=tmp_path, ranks=[follower, crashed])
+    assert with_own_failure(0, logs) == 1
+    assert with_own_failure(1, logs) == 1
+    quiet = KeptLogs(folder=tmp_path, ranks=[follower, KeptLog(rank=1, node="b", tail=["loaded layers"])])
+    assert with_own_failure(0, quiet) == 0  # nobody else explains more: the choice stands

@@ -177,6 +177,23 @@ def failing_rank(error: BaseException, run, gone: dict[int, bool]) -> int | None
     return 0 if run.manifest.ranks else None
 
 
+FOLLOWED = "lost a ring peer"  # what a rank that ended because another one did says last (rank/watchdog.py)
+
+
+def with_own_failure(chosen: int | None, logs: "KeptLogs") -> int | None:
+    """``chosen``, unless its log shows it only followed a lost peer and another rank's log ends in an error of
+    its own (a traceback, an exception's last line): that one explains the launch's failure (the coordinator may have seen the follower gone first)."""
+    def followed(k) -> bool:
+        return any(FOLLOWED in ln for ln in k.tail)
+
+    k = logs.of(chosen)
+    if k is None or not k.tail or not followed(k):
+        return chosen
+    own = [o.rank for o in logs.ranks if o.tail and not followed(o)
+           and any(ln.startswith("Traceback") or "Error" in ln for ln in o.tail)]
+    return own[0] if own else chosen
+
+
 class LaunchFailedWithLogs(LaunchFailed):
     """A LaunchFailed whose ranks' logs were kept: its JSON names the folder, each file and the failing rank's
     last lines (``logs``); ``kind`` stays ``LaunchFailed``."""

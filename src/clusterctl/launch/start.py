@@ -283,14 +283,14 @@ async def _gone_ranks(run: Running) -> dict[int, bool]:
 
 async def _keep_logs(run: Running, error: BaseException, gone: dict[int, bool]):
     """Every rank's log into ``<state>/reports/<job>/``; None when even that folder cannot be made."""
-    from clusterctl.launch.ranklogs import failing_rank, keep_logs
+    from clusterctl.launch.ranklogs import failing_rank, keep_logs, with_own_failure
     from clusterctl.launch.teardown import reports_dir
 
     try:
         logs = await keep_logs(run, reports_dir(run.store) / run.manifest.job_id)
     except (OSError, ClusterctlError):
         return None
-    logs.failing = failing_rank(error, run, gone)
+    logs.failing = with_own_failure(failing_rank(error, run, gone), logs)
     return logs
 
 
