@@ -29,15 +29,18 @@ def _error_lines(c: RankCluster, r: int) -> list[str]:
     return [ln for ln in log.splitlines() if ln.startswith("error: ")]
 
 
-def _stream_forever(c: RankCluster) -> threading.Event:
-    """A long streaming request in the background (it ends when the rank dies); the event is set once its first
-    token has arrived, i.e. once the ranks are generating (the marker lists a request from the moment it is
-    accepted, queued or not)."""
-    import http.client
+class _Stream:
+    """A long streaming request in the background (it ends when the rank dies). ``generating`` is set once its
+    first token has arrived, i.e. once the ranks are generating (the marker lists a request from the moment it is
+    accepted, queued or not); ``lines`` holds every data line and ``ended`` is set when the connection is over."""
 
-    generating = threading.Event()
+    def __init__(self, c: RankCluster):
+        self.generating, self.ended = threading.Event(), threading.Event()
+        self.lines: list[bytes] = []
+        self.cut = False
+        threading.Thread(target=self._run, args=(c,), daemon=True).start()
 
-    def run():
+    def _run(self, c: RankCluster) -> None:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
             conn.request("POST", "/v1/completions", body=json.dumps(
@@ -46,20 +49,55 @@ def _stream_forever(c: RankCluster) -> threading.Event:
             r = conn.getresponse()
             while line := r.readline():
                 if line.startswith(b"data: "):
-                    generating.set()
+                    self.lines.append(line.strip())
+                    self.generating.set()
         except OSError:
-            pass
+            self.cut = True
+        finally:
+            self.ended.set()
 
-    threading.Thread(target=run, daemon=True).start()
-    return generating
+    def wait(self, timeout: float) -> bool:
+        return self.generating.wait(timeout)
+
+    def told_why(self) -> dict:
+        """The stream ended as a client expects when the deployment fails: an error event (503, retry later),
+        then ``[DONE]`` — never a cut connection."""
+        assert self.ended.wait(10) and not self.cut, self.lines[-3:]
+        assert self.lines[-1] == b"data: [DONE]", self.lines[-3:]
+        err = json.loads(self.lines[-2][6:])["error"]
+        assert err["type"] == "server_error" and err["code"] == "deployment_unavailable", err
+        return err
+
+
+def _stream_forever(c: RankCluster) -> _Stream:
+    return _Stream(c)
 
 
 def test_a_killed_peer_mid_request_ends_rank_0_with_one_line(model, tmp_path):
     with RankCluster(tmp_path, model, [4, 4], tag="peer") as c:
         c.up()
-        assert _stream_forever(c).wait(20), "the request never started"
+        stream = _stream_forever(c)
+        assert stream.wait(20), "the request never started"
+        whole: list = []  # a request in flight without a stream gets its answer: a 503, not a cut connection
+
+        def ask():
+            conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "y", "max_tokens": 3000}),
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            whole.append((r.status, r.getheader("Retry-After"), json.loads(r.read())))
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        deadline = time.monotonic() + 10
+        while len(c.marker(0).active_requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         c.procs[1].send_signal(signal.SIGKILL)
         assert c.wait_exit(0, 20) == 69
+        assert "lost a ring peer" in stream.told_why()["message"]
+        asker.join(10)
+        assert whole and whole[0][0] == 503 and whole[0][1] == "5", whole
+        assert whole[0][2]["error"]["code"] == "deployment_unavailable"
         m = c.marker(0)
         # the ring's own error usually comes first; if MLX hangs instead, the peer-loss ladder ends it
         assert (m.state == "failed" and "lost a ring peer" in m.error) or (m.state == "lost" and "peer rank 1" in m.error)
@@ -279,6 +317,8 @@ def test_a_middle_stage_frozen_mid_flight_is_ended_by_the_ladder(model, tmp_path
         log = c.logs(0)
         assert "missed 2 probes" in log and " lost: " in log, log
         assert c.marker(0).state == "lost" and len(_error_lines(c, 0)) == 1
+        for s in streams:
+            assert "peer rank 1" in s.told_why()["message"] or "lost a ring peer" in s.told_why()["message"]
 
 
 def test_a_peer_back_inside_the_grace_leaves_the_ranks_serving(model, tmp_path):

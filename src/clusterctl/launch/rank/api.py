@@ -93,6 +93,20 @@ class Api:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def fail_everyone(self, err: ApiError, wait_s: float = 1.0) -> None:
+        """The rank is about to end (a lost peer, a stale lease): every request accepted and not yet answered
+        gets ``err`` as its last event (a stream: an error event, then ``[DONE]``; otherwise the error as the
+        answer), and its HTTP thread up to ``wait_s`` to write it. A client never meets a cut connection while
+        rank 0 can still speak."""
+        self.state = "failed"
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.events.put(("error", err))
+        deadline = time.monotonic() + wait_s
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def admit(self, job: Job) -> None:
         """Take a request if the batch and the queue behind it have room (else 429, raised as ApiError), prepare
         it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it. On an error

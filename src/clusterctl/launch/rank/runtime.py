@@ -42,6 +42,10 @@ def _say(msg: str) -> None:
         pass
 
 
+FAILED_TELL_S = 1.0  # how long a failing rank 0 gives its HTTP threads to tell their clients
+FAILED_RETRY_AFTER_S = 5
+
+
 def _exit_now(code: int) -> None:
     # os._exit: a ring group's sockets and threads must not be able to hang interpreter shutdown
     from clusterctl.hardexit import exit_now
@@ -71,7 +75,22 @@ class Rank:
             if self.marker is not None:
                 self.marker.update(state=state, error=err.message, final=True)
             _say(f"error: {err.message}")
+            self._tell_clients(err)
             _exit_now(int(err.exit_code))
+
+    def _tell_clients(self, err: ClusterctlError) -> None:
+        """Rank 0's clients hear why their requests end (503, retry later: a supervisor may heal the deployment)
+        instead of meeting a cut connection."""
+        if self.api is None:
+            return
+        from clusterctl.launch.rank.openai import ApiError
+
+        try:
+            self.api.fail_everyone(ApiError(503, f"the deployment stopped serving: {err.message}",
+                                            type="server_error", code="deployment_unavailable",
+                                            retry_after=FAILED_RETRY_AFTER_S), wait_s=FAILED_TELL_S)
+        except Exception:  # a courtesy on the way out: never let it keep the rank from ending
+            pass
 
     def _forced(self, why: str) -> None:
         msg = f"rank {self.spec.rank}: forced exit ({why})"
@@ -172,6 +191,7 @@ class Rank:
         err = sys.exc_info()[1]
         self.marker.update(state="failed", final=True,
                            error=f"rank {self.spec.rank}: internal error: {type(err).__name__}: {err}"[:500])
+        self._tell_clients(ClusterctlError(f"rank {self.spec.rank}: internal error"))
         _exit_now(int(Exit.SOFTWARE))
 
     def _join(self, pipeline):

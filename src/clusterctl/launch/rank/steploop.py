@@ -20,7 +20,7 @@ from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, Ge
                                         share_payload, share_words)
 from clusterctl.launch.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.launch.rankspec import RankSpec
-from clusterctl.launch.rank.watchdog import PeerLost
+from clusterctl.launch.rank.watchdog import PeerLost, peer_loss
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 
@@ -362,8 +362,13 @@ class StepLoop:
             self._finish(job, res)
 
     def _fail_all(self, e: Exception, finished: list[str]) -> None:
-        err = ApiError(500, f"generation failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                       type="server_error")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        lost = e if isinstance(e, PeerLost) else peer_loss(e, self.spec.rank)
+        if lost is not None:  # the deployment failed, not the request: retry later (a supervisor may heal it)
+            err = ApiError(503, f"the deployment stopped serving: {lost.message}", type="server_error",
+                           code="deployment_unavailable", retry_after=5)
+        else:
+            err = ApiError(500, f"generation failed: {why}", type="server_error")
         for rid in [*self.batch.ids(), *finished]:
             self.active.remove(rid)
             job = self.inflight.pop(rid, None)
