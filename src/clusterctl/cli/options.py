@@ -279,3 +279,20 @@ def ssh_options(known_hosts: Path | None, accept_new: bool):
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
 
 
+
+
+def front_address(value: str) -> str:
+    """--front HOST:PORT, checked when the command line is parsed (exit 2); the value stays the text given."""
+    from clusterctl.launch.frontstate import parse_front
+
+    try:
+        parse_front(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
+FrontOpt = Annotated[Optional[str], typer.Option(
+    "--front", help="Also serve the API at this stable HOST:PORT (the front door: it follows the cluster's current "
+                    "job across replans and heals; started detached unless one serves there already; docs/front.md).",
+    callback=lambda v: None if v is None else front_address(v), metavar="HOST:PORT")]
