@@ -1,0 +1,390 @@
+"""The front door: one stable address that forwards the OpenAI API to the cluster's current rank 0.
+
+``python -m clusterctl.launch.front --state-dir S --cluster C --host H --port P`` (what ``clusterctl front`` and
+``launch --front`` run) listens on H:P for as long as it lives, independent of any job: launch/frontfollow.py
+tells it which job is current (a replan, a heal or a new launch switches it without a restart). Every route but
+its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under ``/upstream/health`` and
+``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
+origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
+``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
+any byte was sent). aiohttp on both sides (docs/dependencies.md). docs/front.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+
+from clusterctl.launch.frontfollow import Follower, Rules, Target
+
+POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
+HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
+MAX_BODY = 4 << 20  # rank 0's own bound (rank/handler.py): a larger body is refused here the same way
+RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+       "transfer-encoding", "upgrade", "host", "content-length", "server", "date"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _error(status: int, message: str, *, type_: str = "server_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+class Front:
+    """The server's state: what it follows, its own health, its metrics."""
+
+    def __init__(self, follower: Follower, *, linger: float = 0.0, metrics_open: bool = False):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.follower = follower
+        self.linger = linger
+        self.metrics_open = metrics_open
+        self.session = None  # aiohttp.ClientSession, made in start()
+        self.healthy = False  # rank 0 of the target answered /health 200 last time
+        self.state, self.reason, self.since = "unavailable", None, time.time()
+        self.nothing_since = time.monotonic()
+        self.stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._last_health = 0.0
+        self._state_t = time.monotonic()
+        r = self.registry = CollectorRegistry()
+        self.m_requests = Counter("clusterctl_front_requests", "Requests the front answered, by outcome",
+                                  ["outcome"], registry=r)
+        self.m_state = Gauge("clusterctl_front_state", "1 for the front's current state", ["state"], registry=r)
+        self.m_seconds = Counter("clusterctl_front_state_seconds", "Seconds spent in each state", ["state"],
+                                 registry=r)
+        self.m_switches = Counter("clusterctl_front_upstream_changes", "Times the front followed another job",
+                                  registry=r)
+        self.m_transitions = Counter("clusterctl_front_transitions", "Times the front entered a state", ["state"],
+                                     registry=r)
+        for s in ("serving", "healing", "degraded", "unavailable"):
+            self.m_state.labels(s).set(1 if s == self.state else 0)
+
+    # ---- the view: what serves, and the state said on /health ---------------------------------------------------
+
+    @property
+    def target(self) -> Target | None:
+        return self.follower.target
+
+    @property
+    def rules(self) -> Rules | None:
+        t = self.follower.target
+        return t.rules if t is not None else self.follower.last_rules
+
+    def _set_state(self, state: str, reason: str | None) -> None:
+        now = time.monotonic()
+        self.m_seconds.labels(self.state).inc(now - self._state_t)
+        self._state_t = now
+        if state != self.state:
+            self.m_state.labels(self.state).set(0)
+            self.m_state.labels(state).set(1)
+            self.m_transitions.labels(state).inc()
+            self.state, self.since = state, time.time()
+        self.reason = reason
+
+    async def refresh(self) -> None:
+        from clusterctl.launch.frontstate import read_heal
+
+        before = self.target
+        t = await self.follower.refresh()
+        if t is not None and (before is None or before.job_id != t.job_id):
+            self.m_switches.inc()
+            self.healthy, self._last_health = False, 0.0
+        if t is not None and (not self.healthy or time.monotonic() - self._last_health > HEALTH_EVERY_S):
+            self.healthy = await self._probe(t)
+        heal = read_heal(self.follower.state, self.follower.cluster)
+        if heal is not None and heal.state in ("healing", "degraded"):
+            self._set_state(heal.state, heal.reason)
+        elif t is not None and self.healthy:
+            self._set_state("serving", None)
+        else:
+            self._set_state("unavailable", "no rank 0 serves" if t is None else f"rank 0 of job {t.job_id} "
+                                                                                 "does not answer")
+        busy = self.follower.has_jobs or (heal is not None and heal.state in ("healing", "degraded"))
+        if busy:
+            self.nothing_since = time.monotonic()
+
+    async def _probe(self, t: Target) -> bool:
+        import aiohttp
+
+        self._last_health = time.monotonic()
+        try:
+            async with self.session.get(t.endpoint + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def watch(self) -> None:
+        """Refresh until stopped; a front with a linger exits once its cluster has had nothing for that long."""
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            if self.linger and time.monotonic() - self.nothing_since > self.linger:
+                self.follower.log(f"front: nothing of cluster {self.follower.cluster} for {self.linger:g} s; exiting")
+                self.stop.set()
+                return
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+
+    async def refresh_now(self) -> Target | None:
+        """Rank 0 did not answer: look again at once (a replan may have moved it) before saying 503."""
+        self.healthy = False
+        with contextlib.suppress(Exception):
+            await self.refresh()
+        return self.target if self.healthy else None
+
+    def retry_after(self) -> str:
+        return str(RETRY_AFTER.get(self.state, 2))
+
+
+# ---- the server ---------------------------------------------------------------------------------------------------
+
+def make_app(front: Front):
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            resp = await _route(front, request)
+        except web.HTTPException as e:  # aiohttp's own refusals (a body too large...) in OpenAI's shape
+            resp = _json(front, request, e.status, _error(e.status, e.reason or "error",
+                                                          type_="invalid_request_error" if e.status < 500
+                                                          else "server_error"))
+        outcome = getattr(resp, "outcome", None) or _outcome(resp.status)
+        if outcome != "-":
+            front.m_requests.labels(outcome).inc()
+        return resp
+
+    app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 16384})
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def _outcome(status: int) -> str:
+    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+
+
+def _json(front: Front, request, status: int, doc: dict, extra: dict | None = None, outcome: str | None = None):
+    from aiohttp import web
+
+    rules = front.rules
+    headers = {**(rules.cors_headers(request.headers.get("Origin")) if rules else {}), **(extra or {})}
+    resp = web.json_response(doc, status=status, headers=headers)
+    resp.outcome = outcome
+    return resp
+
+
+def _unavailable(front: Front, request, message: str | None = None):
+    msg = message or {"healing": "the deployment is healing; retry shortly",
+                      "degraded": f"the deployment is degraded: {front.reason or 'no plan fits'}"}.get(
+        front.state, "no rank 0 serves this deployment right now; retry shortly")
+    return _json(front, request, 503, _error(503, msg, code="service_unavailable"),
+                 {"Retry-After": front.retry_after()}, outcome="unavailable")
+
+
+async def _route(front: Front, request):
+    from aiohttp import web
+
+    method, path = request.method, request.path
+    rules = front.rules
+    if path == "/health" and method in ("GET", "HEAD"):
+        ok = front.state == "serving"
+        extra = {} if ok else {"Retry-After": front.retry_after()}
+        return _json(front, request, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra, outcome="-")
+    if method == "OPTIONS" and rules is not None and rules.cors_origins:
+        resp = web.Response(status=204, headers={**rules.cors_headers(request.headers.get("Origin")),
+                                                 **rules.preflight_headers(request.headers.get("Origin"))})
+        resp.outcome = "-"
+        return resp
+    open_metrics = path in ("/metrics", "/upstream/metrics") and front.metrics_open
+    upstream_health = path == "/upstream/health" and method in ("GET", "HEAD")
+    if rules is None and not (open_metrics or upstream_health):
+        return _unavailable(front, request)  # no job seen yet: nobody can be told apart
+    if not (open_metrics or upstream_health) and not rules.authorized(request.headers.get("Authorization")):
+        return _json(front, request, 401, _error(401, "invalid or missing API key", type_="invalid_request_error",
+                                                 code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+    if path == "/metrics":
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        resp = web.Response(body=generate_latest(front.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        resp.outcome = "-"
+        return resp
+    if path in ("/upstream/health", "/upstream/metrics"):
+        path = path[len("/upstream"):]
+    length = request.content_length
+    if length is not None and length > MAX_BODY:
+        return _json(front, request, 413, _error(413, f"request body over {MAX_BODY} bytes",
+                                                 type_="invalid_request_error"), {"Connection": "close"})
+    body = await request.read()
+    return await _forward(front, request, path, body)
+
+
+async def _forward(front: Front, request, path: str, body: bytes):
+    import aiohttp
+
+    t = front.target if front.healthy else await front.refresh_now()
+    if t is None:
+        return _unavailable(front, request)
+    qs = f"?{request.query_string}" if request.query_string else ""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    for attempt in (0, 1):
+        try:
+            up = await front.session.request(request.method, t.endpoint + path + qs, data=body or None,
+                                             headers=headers, allow_redirects=False)
+            break
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
+            t2 = await front.refresh_now()
+            if attempt == 1 or t2 is None:
+                return _unavailable(front, request)
+            t = t2  # rank 0 moved (a replan, a heal): the same request once more, to the new one
+    try:
+        if up.content_type == "text/event-stream":
+            return await _stream(front, request, up, t)
+        try:
+            data = await up.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            front.healthy = False
+            return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
+                                                "retry shortly")
+        from aiohttp import web
+
+        return web.Response(status=up.status, body=data, headers=_copy_headers(up))
+    finally:
+        up.release()
+
+
+def _copy_headers(up) -> dict:
+    return {k: v for k, v in up.headers.items() if k.lower() not in HOP}
+
+
+async def _stream(front: Front, request, up, t: Target):
+    """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
+    ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
+    import aiohttp
+    from aiohttp import web
+
+    resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
+    await resp.prepare(request)
+    writer = getattr(resp, "_payload_writer", None)
+    if writer is not None and hasattr(writer, "send_headers"):
+        writer.send_headers()  # the status line at once, as rank 0 sends it (first-byte timeouts)
+    pending, done = b"", False
+    try:
+        async for chunk in up.content.iter_any():
+            pending += chunk
+            cut = pending.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            out, pending = pending[:cut + 2], pending[cut + 2:]
+            try:
+                await resp.write(out)
+            except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
+                resp.outcome = "client_gone"  # our client left: closing upstream cancels it on rank 0
+                up.close()
+                return resp
+            done = out.endswith(DONE)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        pass  # rank 0's side broke: said below
+    finally:
+        up.close()
+    if not done:
+        if request.transport is None or request.transport.is_closing():
+            resp.outcome = "client_gone"
+            return resp
+        front.healthy = False
+        front._wake.set()
+        err = _error(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
+                     code="upstream_lost")
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode() + DONE)
+        resp.outcome = "upstream_lost"
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
+        await resp.write_eof()
+    return resp
+
+
+# ---- the process --------------------------------------------------------------------------------------------------
+
+async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: float = 0.0, auto: bool = False,
+                ready=None) -> int:
+    """Listen on host:port and serve until SIGTERM/SIGINT/SIGHUP (or the linger); returns the exit code."""
+    import aiohttp
+    from aiohttp import web
+
+    from clusterctl.launch.frontstate import FrontRecord, record_path, remove_record, url_of, write_record
+    from clusterctl.launch.manifest import now_iso, this_coordinator
+    from clusterctl.launch.nodes import SshOptions
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+    front = Front(Follower(state, cluster, ssh or SshOptions(), log=log), linger=linger,
+                  metrics_open=os.environ.get("CLUSTERCTL_METRICS_OPEN") == "1")
+    runner = web.AppRunner(make_app(front), access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as e:
+        await runner.cleanup()
+        print(f"error: cannot listen on {url_of(host, port)}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 69
+    front.session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, front.stop.set)
+    me = this_coordinator()
+    rec = FrontRecord(url=url_of(host, port), bind_host=host, port=port, cluster=cluster, host=me.host, pid=me.pid,
+                      start_time=me.start_time, boot_id=me.boot_id, nonce=os.environ.get("CLUSTERCTL_NONCE", ""),
+                      started_at=now_iso(), auto=auto, linger_s=linger)
+    with contextlib.suppress(Exception):
+        await front.refresh()
+    write_record(state, rec)
+    log(f"front: listening on {rec.url} for cluster {cluster}")
+    if ready is not None:
+        ready(rec)
+    watcher = asyncio.ensure_future(front.watch())
+    try:
+        await front.stop.wait()
+    finally:
+        watcher.cancel()
+        remove_record(record_path(state, host, port), rec)
+        await runner.cleanup()
+        await front.session.close()
+    log("front: stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    from clusterctl.launch.nodes import SshOptions
+    from clusterctl.state import StateDir
+
+    ap = argparse.ArgumentParser(prog="python -m clusterctl.launch.front")
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--cluster", required=True)
+    ap.add_argument("--host", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--linger", type=float, default=0.0)
+    ap.add_argument("--auto", action="store_true")
+    ap.add_argument("--known-hosts")
+    ap.add_argument("--accept-new-host-keys", action="store_true")
+    a = ap.parse_args(argv)
+    ssh = SshOptions(known_hosts=Path(a.known_hosts) if a.known_hosts else None,
+                     accept_new_host_keys=a.accept_new_host_keys)
+    return asyncio.run(serve(StateDir(a.state_dir), a.cluster, a.host, a.port, ssh=ssh, linger=a.linger,
+                             auto=a.auto))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
