@@ -1,7 +1,9 @@
-"""Signed rank contracts: bound to their node, carrying the signed deployment; ranks refuse anything else."""
+"""Signed rank contracts: bound to their node, carrying the deployment's proof (not the deployment); ranks refuse
+anything else; a contract's size does not grow with the number of nodes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -10,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from clusterctl.errors import IntegrityError
-from clusterctl.launch.contract import encode_contract, load_rank_contract
+from clusterctl.atomic import dumps
+from clusterctl.launch.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
 from clusterctl.plan.deployment import PlanOptions, encode
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
-from clusterctl.plan.signing import Keyring
+from clusterctl.plan.signing import Keyring, sign_payload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelfiles import make_model  # noqa: E402
@@ -72,12 +75,76 @@ def test_every_edit_is_refused(setup):
             load_rank_contract(write(run, data.replace(needle, repl, 1)), "b")
 
 
-def test_signed_contract_that_disagrees_with_its_deployment_is_refused(setup):
+def test_the_launcher_refuses_to_sign_a_spec_its_deployment_does_not_give(setup):
+    dep, dep_bytes, key, run, _ = setup
+    for field, value, match in (("model_path", "/elsewhere", "path_map"), ("start_layer", 1, "layers"),
+                                ("world_size", 3, "world"), ("node", "a", "runs on")):
+        spec = spec_for(dep, 1, run)
+        spec[field] = value
+        with pytest.raises(IntegrityError, match=match):
+            encode_contract(dep_bytes, spec, key)
+
+
+def test_signed_contract_that_disagrees_with_its_deployment_row_is_refused(setup):
+    # validly signed (the key holder made it by hand), but the spec is not what its deployment row says
+    dep, dep_bytes, key, run, _ = setup
+    good = json.loads(encode_contract(dep_bytes, spec_for(dep, 1, run), key).decode())
+    good.pop("signature")
+    for edit, match in ((lambda d: d["spec"].update(model_path="/elsewhere"), "path_map"),
+                        (lambda d: d["deployment"]["assignment"].update(end_layer=5), "layers"),
+                        (lambda d: d["deployment"].update(backend="jaccl"), "backend"),
+                        (lambda d: d["deployment"].update(id="other"), "names deployment"),
+                        (lambda d: d.update(rank=0), "header")):
+        doc = json.loads(json.dumps(good))
+        edit(doc)
+        with pytest.raises(IntegrityError, match=match):
+            load_rank_contract(write(run, sign_payload(dumps(doc), contract_kind("b"), key)), "b")
+
+
+def test_contract_carries_the_deployment_proof_not_the_deployment(setup):
+    dep, dep_bytes, key, run, _ = setup
+    doc = json.loads(encode_contract(dep_bytes, spec_for(dep, 1, run), key).decode())
+    sig = json.loads(dep_bytes.decode())["signature"]
+    assert doc["deployment"]["sha256"] == hashlib.sha256(dep_bytes).hexdigest()
+    assert doc["deployment"]["signature"] == {"key_id": sig["key_id"], "value": sig["value"]}
+    assert doc["deployment"]["plan_hash"] == dep.plan_hash and "ranks" not in doc["deployment"]
+
+
+def test_a_version_1_contract_with_the_deployment_embedded_still_loads(setup):
     dep, dep_bytes, key, run, _ = setup
     spec = spec_for(dep, 1, run)
-    spec["model_path"] = "/elsewhere"  # validly signed, but not the deployment's path_map entry
+    doc = {"schema_version": 1, "type": "rank-contract", "node": "b", "rank": 1, "job_id": "job1",
+           "deployment_id": dep.deployment_id, "deployment": dep_bytes.decode(), "spec": spec}
+    assert load_rank_contract(write(run, sign_payload(dumps(doc), contract_kind("b"), key)), "b").rank == 1
+    doc["spec"] = {**spec, "model_path": "/elsewhere"}
     with pytest.raises(IntegrityError, match="path_map"):
-        load_rank_contract(write(run, encode_contract(dep_bytes, spec, key)), "b")
+        load_rank_contract(write(run, sign_payload(dumps(doc), contract_kind("b"), key)), "b")
+
+
+def _cluster_of(tmp_path, n: int):
+    model = make_model(tmp_path / f"m{n}", layers=256)
+    cluster = parse_cluster({"cluster": {"name": "c"}, "node": [
+        {"name": f"n{i}", "memory_gb": 8, "host": f"10.0.{i // 250}.{i % 250 + 1}", "model_path": "/models/m"}
+        for i in range(n)]})
+    return make_deployment(cluster, inspect_model(model), str(model), PlanOptions())
+
+
+def test_contract_size_does_not_grow_with_the_deployment(setup, tmp_path):
+    _, _, key, run, _ = setup
+    sizes = {}
+    for n in (2, 64):
+        dep = _cluster_of(tmp_path, n)
+        dep_bytes = encode(dep, key)
+        proof = deployment_proof(dep_bytes, dep)
+        last = len(dep.ranks) - 1
+        data = encode_contract(proof, spec_for(dep, last, run), key)
+        spec = load_rank_contract(write(run, data, f"c{n}.contract"), dep.ranks[last].node)
+        assert spec.rank == last
+        assert len(dep.ranks) == n
+        # what grows is the spec's own layer_counts (one small integer per rank), never the deployment's part
+        sizes[n] = (len(data) - len(dumps({"spec": spec_for(dep, last, run)})), len(dep_bytes))
+    assert sizes[64][1] > sizes[2][1] + 30000  # the deployment file grew by tens of KB...
+    assert abs(sizes[64][0] - sizes[2][0]) < 32  # ...what the contract adds to its spec did not
 
 
 def test_untrusted_key_and_unsigned(setup, tmp_path):
