@@ -12,7 +12,7 @@ import traceback
 
 import typer
 
-from clusterctl.cli import jobcmds, modelcmds, plancmds  # noqa: F401  (registers the commands, in this order)
+from clusterctl.cli import jobcmds, modelcmds, plancmds, supervisecmds  # noqa: F401  (registers them, in this order)
 from clusterctl.cli.options import app, model_app, os_error, report_error  # noqa: F401
 from clusterctl.errors import ClusterctlError, Exit, UsageError
 from clusterctl.render import Output
