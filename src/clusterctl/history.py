@@ -2,7 +2,7 @@
 
     <state>/history/<cluster>.json   {"cluster": NAME, "entries": [ENTRY, ...]}   (oldest first)
     ENTRY = {"applied_at", "from", "from_hash", "to", "to_hash", "changes": [str], "file": PATH | null,
-             "relaunched": JOB_ID | null}
+             "relaunched": JOB_ID | null, "kind": "heal" | "rejoin" (only entries the supervisor made)}
 
 Every deployment an entry names stays signed in ``<state>/deployments/`` (plans are never deleted, and no two
 deployments share an id, so none is ever overwritten by another), so ``clusterctl replan --to ID`` can go back to

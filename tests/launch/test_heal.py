@@ -169,6 +169,9 @@ def test_culprits_are_the_ranks_that_did_not_only_follow_a_lost_peer():
     assert culprits([{"node": "a", "state": "dead", "follower": True},
                      {"node": "b", "state": "dead", "follower": True}]) == ["a", "b"]
     assert culprits([{"node": "a", "state": "up"}]) == []
+    # a follower down, the other rank still looks up (frozen, its heartbeat not stale yet): wait, then suspect
+    ranks = [{"node": "a", "state": "exited", "follower": True}, {"node": "b", "state": "up"}]
+    assert culprits(ranks, insist=False) == [] and culprits(ranks) == ["a"]
 
 
 def test_a_policy_with_no_budget_is_refused():

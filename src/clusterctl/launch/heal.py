@@ -158,10 +158,14 @@ def state_doc(book: Book, now: float, *, since_iso: str, deployment: str, job: s
             "lost_nodes": list(book.lost if lost is None else lost)}
 
 
-def culprits(ranks: list[dict]) -> list[str]:
-    """The nodes to blame for a job's loss, from each down rank's record ``{"node", "state", "follower"}``:
-    a rank that only followed a lost peer (exited 69, or its marker says a peer was lost) blames no one
-    while another rank is to blame; with only followers, all of their nodes are suspects."""
+def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
+    """The nodes to blame for a job's loss, from each rank's record ``{"node", "state", "follower"}`` (state
+    ``up`` or why not): a rank that only followed a lost peer (exited 69, or its marker says a peer was lost)
+    blames no one while another rank is to blame. With only followers down and a rank still up, the one that
+    left may not show yet (a frozen rank's heartbeat takes seconds to go stale): nobody is blamed unless
+    ``insist``; then every node down is a suspect."""
     down = [r for r in ranks if r["state"] != "up"]
     blamed = [r for r in down if not r.get("follower")]
+    if not blamed and not insist and len(down) < len(ranks):
+        return []
     return sorted({r["node"] for r in (blamed or down)})

@@ -236,14 +236,16 @@ class _NothingStaged:
         pass
 
 
-def record(state, p: Proposal, *, changes: list[str], relaunched: str | None) -> None:
+def record(state, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
+    """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (launch/supervise.py)."""
     from clusterctl import history
     from clusterctl.launch.manifest import now_iso
 
     history.append(state, p.old.cluster, {
         "applied_at": now_iso(), "from": p.old.deployment_id, "from_hash": p.old.plan_hash,
         "to": p.new.deployment_id, "to_hash": p.new.plan_hash, "changes": changes,
-        "file": str(p.operator_file) if p.operator_file else None, "relaunched": relaunched})
+        "file": str(p.operator_file) if p.operator_file else None, "relaunched": relaunched,
+        **({"kind": kind} if kind else {})})
 
 
 def changes_of(p: Proposal) -> list[str]:

@@ -1,0 +1,62 @@
+"""``clusterctl supervise``: keep a detached deployment serving through lost ranks and nodes (docs/heal.md).
+``launch --heal`` is the same supervisor over a job it launches in the foreground (jobcmds.launch)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from clusterctl.cli.options import (AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt, CorsOpt, GraceOpt,
+                                    HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, HostOpt, JsonOpt,
+                                    KnownHostsOpt, MaxQueueOpt, NoApiKeyOpt, QuietOpt, RejoinAfterOpt, RejoinDrainOpt,
+                                    SeedOpt, StateOpt, TimeoutOpt, api_key_of, api_keys_of, app, complete_targets,
+                                    heal_policy, output, ssh_options, state_of)
+
+
+@app.command()
+def supervise(
+    ctx: typer.Context,
+    deployment: Annotated[str, typer.Argument(help="A deployment file or id (its running detached job is taken "
+                                                   "over; launched detached when none runs).",
+                                              autocompletion=complete_targets)],
+    heal_grace: HealGraceOpt = 5.0,
+    heal_max: HealMaxOpt = 3,
+    heal_window: HealWindowOpt = 600.0,
+    heal_backoff: HealBackoffOpt = 10.0,
+    rejoin_after: RejoinAfterOpt = 30.0,
+    rejoin_drain: RejoinDrainOpt = 30.0,
+    timeout: TimeoutOpt = 600,
+    grace: GraceOpt = 10.0,
+    host: HostOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    api_keys_file: ApiKeysFileOpt = None,
+    no_api_key: NoApiKeyOpt = False,
+    cors_origin: CorsOpt = None,
+    model_alias: AliasOpt = None,
+    seed: SeedOpt = 0,
+    max_queue: MaxQueueOpt = 64,
+    known_hosts: KnownHostsOpt = None,
+    accept_new_host_keys: AcceptNewOpt = False,
+    state_dir: StateOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Supervise a detached deployment until SIGTERM: heal it onto the nodes that answer when a rank or node is
+    lost, go back to its plan when they are healthy again. For systemd or launchd (docs/heal.md). A relaunch
+    serves with the keys and rules given here (as `launch` takes them), on the running job's host and port."""
+    o = output(ctx, json, quiet)
+    import asyncio
+
+    from clusterctl.launch.apikey import check_exposure
+    from clusterctl.launch.jobplan import LaunchOptions
+    from clusterctl.launch.supervise import run_supervised
+
+    policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain)
+    opts = LaunchOptions(timeout=timeout, grace=grace, detach=True, http_host=host or "", seed=seed,
+                         api_key=api_key_of(api_key_env, no_api_key), max_queue=max_queue,
+                         ssh=ssh_options(known_hosts, accept_new_host_keys))
+    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
+    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
+    check_exposure(host or "127.0.0.1", opts.api_key or bool(opts.api_keys), no_key=no_api_key)
+    raise typer.Exit(asyncio.run(run_supervised(o, state_of(state_dir), deployment, opts, policy, take_over=True)))

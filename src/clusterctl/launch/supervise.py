@@ -1,0 +1,451 @@
+"""The supervisor: keep a deployment serving through the loss of a rank or a node (docs/heal.md).
+
+Every ``POLL_S`` it looks at the job's ranks as ``status`` does (each rank's marker and its process,
+identity-checked, on its node; a foreground rank's keeper) with a short timeout per node. A rank that is not up
+(dead, stale, failed, stopping, its node unreachable) for the policy's grace is a loss (launch/heal.py decides;
+this module only acts):
+
+  heal     every rank torn down verified (launch/teardown.py), the nodes to blame left out, the nodes that
+           answer a probe replanned with ``replan``'s own rules (launch/replan.py: propose, write_new, record:
+           a history entry of kind ``heal``, so ``replan --to`` goes back), and relaunched on the same HTTP port.
+           A plan that does not fit, or nothing that answers: ``degraded`` with the reason.
+  rejoin   the lost nodes are probed; once every one has answered well for the policy's time, at a moment with
+           no request in flight (or after the drain deadline), back to the original deployment (kind
+           ``rejoin``).
+
+The state goes to ``<state>/heal/<cluster>.json`` (launch/healstate.py) at every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from clusterctl.errors import Busy, ClusterctlError
+from clusterctl.launch import healstate
+from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
+from clusterctl.launch.manifest import now_iso, this_coordinator
+
+POLL_S = 1.0
+LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe; a cut link must not stall the loop
+PROBE_EVERY_S = 2.0
+SAVE_EVERY_S = 5.0
+UP = ("loading", "ready", "serving")
+FOLLOWER_EXIT = 69  # a rank that left because a peer, its lease or its parent was lost (Exit.UNAVAILABLE)
+
+
+@dataclass
+class Job:
+    """The supervised job: its manifest and, launched here in the foreground, its Running (keepers, lease)."""
+
+    manifest: object
+    running: object | None = None
+
+
+class Supervisor:
+    def __init__(self, state, ref: str, opts, policy: HealPolicy, *, log=lambda msg: None, detach: bool = False,
+                 event=lambda doc: None, clock=time.monotonic):
+        _, loaded = state.load_deployment(ref)
+        dep = loaded.deployment
+        self.state, self.ref, self.opts, self.log, self.event, self.clock = state, ref, opts, log, event, clock
+        self.detach = detach  # relaunches: detached (``supervise``) or in the foreground (``launch --heal``)
+        self.cluster, self.original, self.current = dep.cluster, dep.deployment_id, dep.deployment_id
+        self.node_order = [r.node for r in dep.ranks]
+        self.book = Book(policy, phase_since=clock())
+        self.since_iso = now_iso()
+        self.job: Job | None = None
+        self.hs: dict = {}  # sessions for looking at the job, opened per job
+        self.pending: list[str] | None = None  # a lost job's nodes to leave out at the next heal
+        self.leftovers: list[str] = []  # jobs whose teardown could not be verified: retried
+        self.idle = False
+        self.last_probe = float("-inf")
+        self._saved: tuple[dict, float] | None = None
+        self._resume()
+
+    def _resume(self) -> None:
+        """A supervisor restarted (systemd) after a heal: the original deployment and the lost nodes from the
+        state file it left, when it names the deployment that is current now."""
+        doc = healstate.read(healstate.path_of(self.state, self.cluster))
+        if not doc or doc.get("deployment") != self.current or not isinstance(doc.get("original"), str):
+            return
+        with contextlib.suppress(ClusterctlError):
+            _, loaded = self.state.load_deployment(doc["original"])
+            self.original = doc["original"]
+            self.node_order = [r.node for r in loaded.deployment.ranks]
+            self.book.lost = [n for n in doc.get("lost_nodes") or [] if n in self.node_order]
+            self.book.heals = int(doc.get("heals") or 0)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                await self.step()
+                self.save()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), POLL_S)
+        finally:
+            await self._close_looks()
+
+    async def step(self) -> None:
+        now = self.clock()
+        if self.job is not None:
+            lost = await self.look(now)
+            if lost:
+                await self.lose(*lost)
+                return
+        elif self.pending is not None:
+            await self.heal(now)
+            return
+        if self.book.lost and now - self.last_probe >= PROBE_EVERY_S:
+            self.last_probe = now
+            await self.probe_lost(now)
+            if self.book.rejoin_now(now, idle=self.job is None or self.idle):
+                await self.rejoin()
+
+    # ---- phase and state file -------------------------------------------------------------------------------
+    def phase(self, name: str, reason: str | None = None) -> None:
+        before = self.book.phase
+        if self.book.set_phase(self.clock(), name, reason):
+            if name != before:
+                self.since_iso = now_iso()
+            self.log(f"heal: {name}" + (f": {reason}" if reason else ""))
+            self.save(force=True)
+            self.event(self.doc())
+
+    def doc(self) -> dict:
+        return {**state_doc(self.book, self.clock(), since_iso=self.since_iso, deployment=self.current,
+                            job=self.job.manifest.job_id if self.job else None, cluster=self.cluster,
+                            original=self.original),
+                "supervisor": this_coordinator().model_dump(mode="json"), "updated_at": now_iso()}
+
+    def save(self, force: bool = False) -> None:
+        doc, now = self.doc(), self.clock()
+        key = {k: v for k, v in doc.items() if k not in ("updated_at", "degraded_seconds")}
+        if not force and self._saved and self._saved[0] == key and now - self._saved[1] < SAVE_EVERY_S:
+            return
+        try:
+            healstate.write(self.state, self.cluster, doc)
+        except (ClusterctlError, OSError) as e:
+            self.log(f"warning: heal state not written: {e}")
+            return
+        self._saved = (key, now)
+
+    # ---- looking at the job ---------------------------------------------------------------------------------
+    async def look(self, now: float) -> tuple[list[str], str] | None:
+        """One look at every rank; the nodes to blame and why, once something has been down for the grace."""
+        from clusterctl.launch.quiescence import STALE_AFTER, judge
+
+        m = self.job.manifest
+        markers, procs = await self._markers_and_procs(m)
+        ranks = [self._rank(m, r, markers.get(r.rank, {}), procs.get(r.rank)) for r in m.ranks]
+        self.idle = judge(m, markers)["state"] == "idle"
+        down = [x for x in ranks if x["state"] != "up"]
+        self.book.seen_down(now, {x["node"] for x in down})
+        if not self.book.due(now):
+            return None
+        first = min(self.book.down_since.values())
+        blame = culprits(ranks, insist=now - first >= self.book.policy.grace_s + STALE_AFTER)
+        if not blame:
+            return None  # only ranks that followed a lost peer so far: the one that left shows itself soon
+        return blame, "; ".join(f"rank {x['rank']} on {x['node']} {x['state']}" for x in down)
+
+    def _rank(self, m, r, info: dict, process: str | None) -> dict:
+        from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
+        from clusterctl.launch.status import rank_state
+
+        mk = clean_marker(info.get("marker") or {})
+        age = info.get("age")
+        st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
+        run = self.job.running
+        follower = mk.get("state") == "lost" or "lost a ring peer" in (mk.get("error") or "")
+        if run is not None and run.exited(r.rank):
+            st = "exited"
+            follower = follower or run.procs[r.rank].returncode == FOLLOWER_EXIT
+        return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower}
+
+    async def _markers_and_procs(self, m) -> tuple[dict, dict]:
+        from clusterctl.launch.nodes import handles
+
+        if not self.hs:
+            self.hs = handles(m.nodes, self.opts.ssh)
+        markers: dict[int, dict] = {}
+        procs: dict[int, str] = {}
+        by_node: dict[str, list] = {}
+        for r in m.ranks:
+            by_node.setdefault(r.node, []).append(r)
+
+        async def one(node: str, recs: list) -> None:
+            h = self.hs[node]
+            targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
+                        "boot_id": r.boot_id} for r in recs if r.pid]
+            try:
+                ans = await h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id},
+                                 timeout=LOOK_TIMEOUT)
+                alive = await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
+            except ClusterctlError as e:
+                markers.update({r.rank: {"error": e.message} for r in recs})
+                return
+            for x in ans.get("markers", []):
+                doc = x.get("marker") or {}
+                if isinstance(doc.get("rank"), int) and doc.get("node") == node:
+                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+            st = alive.get("status") if isinstance(alive, dict) else None
+            if isinstance(st, list) and len(st) == len(targets):
+                procs.update({r.rank: str(s) for r, s in zip([r for r in recs if r.pid], st)})
+
+        await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
+        return markers, procs
+
+    async def _close_looks(self) -> None:
+        from clusterctl.launch.nodes import close_all
+
+        hs, self.hs = self.hs, {}
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(close_all(hs), LOOK_TIMEOUT)
+
+    # ---- probing nodes --------------------------------------------------------------------------------------
+    async def probe(self, names: list[str]) -> dict[str, bool]:
+        """Each node: does it answer a probe (on a session of its own) with its runtime dir usable and the
+        model folder of the original deployment there?"""
+        from clusterctl.launch.nodes import close_all, handles
+
+        _, loaded = self.state.load_deployment(self.original)
+        dep = loaded.deployment
+        hs = handles([dep.node(n) for n in names], self.opts.ssh)
+
+        async def one(n: str) -> bool:
+            try:
+                ans = await hs[n].op("probe", {"model_path": dep.path_map.get(n),
+                                                "runtime_dir": hs[n].runtime_dir}, timeout=LOOK_TIMEOUT)
+            except ClusterctlError:
+                return False
+            return bool(ans.get("model", {}).get("ok")) and bool(ans.get("runtime_dir", {}).get("ok"))
+
+        try:
+            ok = await asyncio.wait_for(asyncio.gather(*(one(n) for n in names)), LOOK_TIMEOUT + 5)
+        except asyncio.TimeoutError:
+            ok = [False] * len(names)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(close_all(hs), LOOK_TIMEOUT)
+        return dict(zip(names, ok))
+
+    async def probe_lost(self, now: float) -> None:
+        for n, ok in (await self.probe(list(self.book.lost))).items():
+            self.book.probed(now, n, ok)
+
+    # ---- acting ---------------------------------------------------------------------------------------------
+    async def lose(self, blame: list[str], why: str) -> None:
+        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``."""
+        self.phase("healing", f"{why}; leaving out {', '.join(blame)}")
+        await self.stop_job()
+        self.pending = blame
+
+    async def stop_job(self) -> bool:
+        """Every rank of the job stopped verified; False (the job noted, retried later) when not confirmed."""
+        job, self.job = self.job, None
+        await self._close_looks()
+        if job is None:
+            return True
+        m = job.manifest
+        try:
+            if job.running is not None:
+                report = await job.running.teardown()
+            else:
+                from clusterctl.launch.teardown import teardown_command
+
+                [report] = await teardown_command(self.state, m.job_id, self.opts.ssh, grace=self.opts.grace,
+                                                  force=True, log=self.log)
+        except ClusterctlError as e:
+            self.log(f"heal: teardown of job {m.job_id}: {e.message}")
+            self.leftovers.append(m.job_id)
+            return False
+        if not report.ok:  # ranks on a node that does not answer: that node is left out; retried later
+            self.log(f"heal: teardown of job {m.job_id} could not confirm: {'; '.join(report.survivors())}")
+            self.leftovers.append(m.job_id)
+        return report.ok
+
+    async def retry_leftovers(self) -> None:
+        from clusterctl.launch.teardown import teardown_command
+
+        for job_id in list(self.leftovers):
+            with contextlib.suppress(ClusterctlError):
+                reports = await teardown_command(self.state, job_id, self.opts.ssh, grace=self.opts.grace,
+                                                 force=True, log=self.log)
+                if all(r.ok for r in reports):
+                    self.leftovers.remove(job_id)
+
+    async def heal(self, now: float) -> None:
+        """Replan on the nodes that answer (the lost ones left out) and relaunch, when the budget allows."""
+        from clusterctl.launch.replan import propose
+
+        wait = self.book.wait(now)
+        if wait > 0:
+            self.phase("degraded", f"not serving; no heal yet: {self.book.why_waiting(now)}")
+            return
+        self.book.healed(now, self.pending)
+        asked = [n for n in self.node_order if n not in self.book.lost]
+        answers = await self.probe(asked) if asked else {}
+        nodes = [n for n in asked if answers.get(n)]
+        lost = ", ".join(self.book.lost)
+        if not nodes:
+            self.pending = []  # tried again after the backoff
+            self.phase("degraded", f"no node answers ({', '.join(asked) or 'none left'}; lost: {lost})")
+            return
+        try:
+            p = await asyncio.to_thread(propose, self.state, self.ref, nodes=nodes)
+        except ClusterctlError as e:
+            self.pending = None  # nothing to do until a lost node is back: the rejoin probes it
+            self.phase("degraded", f"the model does not fit on {', '.join(nodes)} ({lost} lost): {e.message}")
+            return
+        if await self.apply(p, "heal"):
+            self.pending = None
+            self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin")
+        else:
+            self.pending = []
+
+    async def rejoin(self) -> None:
+        """Every lost node answered well for long enough: back to the original deployment."""
+        from clusterctl.launch.replan import propose
+
+        lost = list(self.book.lost)
+        self.phase("healing", f"rejoin: {', '.join(lost)} healthy again; back to {self.original}")
+        try:
+            p = await asyncio.to_thread(propose, self.state, self.ref, to=self.original)
+        except ClusterctlError as e:
+            self.phase("degraded", f"rejoin to {self.original} refused: {e.message}")
+            return
+        await self.stop_job()
+        await self.retry_leftovers()
+        self.book.rejoined(self.clock())
+        if await self.apply(p, "rejoin"):
+            self.phase("serving")
+            return
+        self.book.lost = lost  # back on the survivors at the next step (after the backoff)
+        self.pending = []
+
+    async def apply(self, p, kind: str) -> bool:
+        """Swap in the new deployment (unless it is the current one), record it in the history as ``kind``,
+        launch it. False (and ``degraded`` with the reason) when that fails."""
+        from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, record, write_new
+
+        try:
+            lock = lock_for(self.state, p)
+        except Busy as e:
+            self.phase("degraded", f"{kind} waits: {e.message}")
+            return False
+        try:
+            unchanged = p.diff["unchanged"] and not p.diff["records_changed"]
+            if not unchanged:
+                await asyncio.to_thread(lambda: write_new(self.state, p).commit())
+            ref = deployment_ref(p)
+            self.ref, self.current = ref, p.new.deployment_id
+            try:
+                self.job = await self.launch(ref)
+            except ClusterctlError as e:
+                if not unchanged:
+                    record(self.state, p, changes=changes_of(p), relaunched=None, kind=kind)
+                self.phase("degraded", f"{kind} to {p.new.deployment_id} did not launch: {e.message}")
+                return False
+            if not unchanged:
+                record(self.state, p, changes=changes_of(p), relaunched=self.job.manifest.job_id, kind=kind)
+            return True
+        finally:
+            lock.release()
+
+    async def launch(self, ref: str) -> Job:
+        from clusterctl.launch.start import launch
+
+        opts = dataclasses.replace(self.opts, detach=self.detach)
+        running = await launch(ref, self.state, opts, log=self.log)
+        if self.opts.http_port is None and running.manifest.http_port:
+            self.opts.http_port = running.manifest.http_port  # every relaunch binds the same port
+        return Job(running.manifest, None if self.detach else running)
+
+    async def take_over(self) -> None:
+        """``supervise``: the deployment's running job, or a new detached launch when none runs."""
+        from clusterctl.launch.manifest import ManifestStore
+        from clusterctl.launch.start import live_jobs
+
+        store = ManifestStore(self.state.launches, None, self.state.keyring.public_keys())
+        jobs = await live_jobs(store, self.opts.ssh, self.current) if self.state.launches.is_dir() else []
+        for m in jobs:
+            if not m.coordinator.detached:
+                raise Busy(f"job {m.job_id} is supervised by its own coordinator (pid {m.coordinator.pid})",
+                           hint="stop it, launch it with --detach, then supervise it")
+        if not self.opts.http_host:  # "": the running job's host (else the default), as replan keeps it
+            host = (jobs[0].endpoint or "").split("://", 1)[-1].rpartition(":")[0].strip("[]") if jobs else ""
+            self.opts.http_host = host or "127.0.0.1"
+        if jobs:
+            self.job = Job(jobs[0])
+            if self.opts.http_port is None:
+                self.opts.http_port = jobs[0].http_port
+            self.log(f"supervising job {jobs[0].job_id} of deployment {self.current}")
+            return
+        self.log(f"deployment {self.current} is not running: launching it")
+        self.job = await self.launch(self.ref)
+
+
+async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
+    """``launch --heal`` (``take_over`` False: launched here in the foreground; a stop tears it down verified)
+    and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
+    the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
+    code."""
+    from clusterctl.launch.foreground import install_stop_signals
+    from clusterctl.locks import Lock
+
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
+                     event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
+    lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
+    try:
+        if not await _started(o, sup, stop, take_over):
+            return 130
+        stop.clear()
+        await sup.run(stop)
+        if take_over:
+            o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
+            return 0
+        ok = await sup.stop_job()
+        sup.phase("degraded", "stopped: the supervisor ended (launch --heal)")
+        (o.info if ok else o.error)("every rank confirmed gone" if ok else "teardown could not confirm every rank "
+                                    "gone (see the lines above)")
+        return 0 if ok else 1
+    finally:
+        lock.release()
+
+
+async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> bool:
+    """The first job (taken over or launched), or False when a stop came first (what started was stopped)."""
+    async def first() -> None:
+        if take_over:
+            await sup.take_over()
+        else:
+            sup.job = await sup.launch(sup.ref)
+
+    starting = asyncio.ensure_future(first())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        o.error("interrupted; everything it started was stopped")
+        return False
+    starting.result()
+    m = sup.job.manifest
+    sup.phase("serving")
+    sup.save(force=True)
+    if o.json:
+        o.event("ready", {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint,
+                          "heal": sup.doc()})
+    elif not o.quiet:
+        o.line(m.endpoint)
+        o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
+               f"{healstate.path_of(sup.state, sup.cluster)}; Ctrl-C to stop)")
+    return True
