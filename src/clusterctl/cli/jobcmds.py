@@ -17,6 +17,8 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKey
                                     complete_targets, number, output, ssh_options,
                                     state_of)
 from clusterctl.errors import Exit, UsageError
+from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
+                                    RejoinDrainOpt, heal_policy)
 
 
 @app.command()
@@ -39,6 +41,13 @@ def launch(
     seed: SeedOpt = 0,
     max_queue: MaxQueueOpt = 64,
     verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
+    heal: Annotated[bool, typer.Option("--heal", help="Supervise: heal onto the nodes that answer when a rank or node is lost, go back when it is healthy (docs/heal.md).")] = False,
+    heal_grace: HealGraceOpt = 5.0,
+    heal_max: HealMaxOpt = 3,
+    heal_window: HealWindowOpt = 600.0,
+    heal_backoff: HealBackoffOpt = 10.0,
+    rejoin_after: RejoinAfterOpt = 30.0,
+    rejoin_drain: RejoinDrainOpt = 30.0,
     known_hosts: KnownHostsOpt = None,
     accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
@@ -50,9 +59,7 @@ def launch(
     import asyncio
 
     from clusterctl.launch.apikey import check_exposure
-    from clusterctl.launch.foreground import run_foreground
     from clusterctl.launch.jobplan import LaunchOptions
-    from clusterctl.launch.start import launch as do_launch
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
                          api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
@@ -62,8 +69,12 @@ def launch(
     check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
     if lease is not None:
         opts.lease_seconds = lease
+    if heal and detach:
+        raise UsageError("--heal supervises in the foreground: leave out --detach, or launch detached and run "
+                         "`clusterctl supervise` (docs/heal.md)")
+    policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain) if heal else None
 
-    code = asyncio.run(run_foreground(o, lambda: do_launch(deployment, state_of(state_dir), opts, log=o.info), detach))
+    code = asyncio.run(_launched(o, state_of(state_dir), deployment, opts, detach, policy))
     raise typer.Exit(code)
 
 
@@ -104,6 +115,18 @@ def teardown(
     if not reports:
         o.info("nothing to tear down")
     raise typer.Exit(0 if ok else int(Exit.FAILED))
+
+
+async def _launched(o, state, deployment: str, opts, detach: bool, policy) -> int:
+    """The launch in the foreground (or detached), or under the supervisor with --heal (launch/supervise.py)."""
+    if policy is not None:
+        from clusterctl.launch.supervise import run_supervised
+
+        return await run_supervised(o, state, deployment, opts, policy, take_over=False)
+    from clusterctl.launch.foreground import run_foreground
+    from clusterctl.launch.start import launch as do_launch
+
+    return await run_foreground(o, lambda: do_launch(deployment, state, opts, log=o.info), detach)
 
 
 def _path_map(text: str | None) -> dict[str, str] | None:
