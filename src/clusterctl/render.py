@@ -192,7 +192,29 @@ def serving_line(defaults: dict | None) -> str:
 
 def _job_state(job: dict) -> str:
     down = job.get("ranks_down")
-    return esc(job["state"]) + (f" [red]{down}/{len(job['ranks'])} down[/red]" if down else "")
+    heal = job.get("heal")
+    return esc(job["state"]) + (f" [red]{down}/{len(job['ranks'])} down[/red]" if down else "") + (
+        f" [{HEAL_STYLE[heal['state']]}]{esc(heal['state'])}[/]" if heal else "")
+
+
+HEAL_STYLE = {"serving": "green", "healing": "yellow", "degraded": "red"}
+
+
+def heal_line(h: dict, *, plain: bool = False) -> str:
+    """A supervisor's state (``status``, ``status --watch``): the cluster, serving / healing / degraded since
+    when and why, heals so far, the time spent degraded, and whether its supervisor still runs. Markup, or
+    ``plain`` text for a stderr line."""
+    if plain:
+        from rich.text import Text
+
+        return Text.from_markup(heal_line(h)).plain
+    sup = h.get("supervisor") or {}
+    alive = h.get("supervisor_alive")
+    who = f"supervisor pid {sup.get('pid', '?')}" + (" [red](dead)[/red]" if alive is False else "")
+    reason = f": {esc(h['reason'])}" if h.get("reason") else ""
+    return (f"heal {esc(h.get('cluster', ''))}: [{HEAL_STYLE[h['state']]}]{esc(h['state'])}[/] since "
+            f"{esc(h.get('since', '?'))}{reason}; {h.get('heals', 0)} heal(s), "
+            f"{float(h.get('degraded_seconds') or 0):.0f} s degraded; deployment {esc(h.get('deployment'))}; {who}")
 
 
 def status_table(job: dict, *, wide: bool = False) -> Any:
@@ -252,6 +274,7 @@ def watch_view(doc: dict) -> Any:
                       _age(r["heartbeat_age"]) + (" [red]stale[/red]" if r["stale"] else ""),
                       f"{pc[1]}/{pc[2]} tok" if pc else "-", esc(r.get("ladder") or "-"))
         tables.append(t)
+    tables += [heal_line(h) for h in doc.get("heal") or []]
     return Group(*tables) if tables else "no launches"
 
 
@@ -358,4 +381,5 @@ class SyncView:
 def history_line(cluster: str, e: dict, *, kept: bool) -> str:
     """One applied replan, as `clusterctl history` prints it on stdout (``kept``: the old file still exists)."""
     return (f"{cluster}  {e['applied_at']}  {e['from']} ({e['from_hash'][:12]}){'' if kept else ' [file gone]'}"
-            f" -> {e['to']} ({e['to_hash'][:12]})  {'; '.join(e.get('changes') or [])}")
+            f" -> {e['to']} ({e['to_hash'][:12]})  {'; '.join(e.get('changes') or [])}"
+            + (f"  ({e['kind']})" if e.get("kind") else ""))

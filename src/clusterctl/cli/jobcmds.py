@@ -408,6 +408,11 @@ def status(
             o.info(serving_line(job.get("serving")))
     for m in doc["malformed"]:
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
+    if doc.get("heal"):
+        from clusterctl.render import heal_line
+
+        for h in doc["heal"]:
+            o.info(heal_line(h, plain=True))
 
 
 def _watch(o, state, ssh, target, interval: float) -> None:

@@ -123,4 +123,15 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                      "activity": q["state"] if q else None, "ranks": ranks,
                      "serving": _serving_defaults(state, m.deployment_id),
                      "ranks_down": sum(x["state"] in DOWN for x in ranks) if probe_nodes else None})
-    return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad]}
+    heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
+    for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
+        j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
+    return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal}
+
+
+def _heal_states(state, ref: str | None, deployments: set[str]) -> list[dict]:
+    """Every supervisor's state file (or those of ``ref``'s deployments, current or original)."""
+    from clusterctl.launch.healstate import read_all
+
+    return [h for h in read_all(state) if ref is None or {h.get("deployment"), h.get("original"), h.get("job")}
+            & (deployments | {ref})]
