@@ -5,7 +5,9 @@ protocol (nodes.OpSession: JSON lines ``{"id", "op", "req"}`` in, ``{"id", "answ
 ``ScriptedOps``: one function per op, each given the request and returning the answer. So the real
 ``NodeHandle``/``OpSession`` code runs, and a teardown, reap, cancel or status decision is tested in
 milliseconds without sshd or ranks. Files written through the handle (``read``/``write`` ops) live in
-``ScriptedOps.files``. Every request is recorded in ``ScriptedOps.calls``.
+``ScriptedOps.files``. Every request is recorded in ``ScriptedOps.calls``. ``run`` and ``start`` (a foreground
+rank through its keeper) are answered by the ops ``run`` and ``start`` the same way; a started process runs until
+its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node that a whole launch can run on.
 
     ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "terminated"}]}})
     with fake_nodes({"a": ops}):          # every handle of node "a" made from now on talks to ``ops``
@@ -26,7 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clusterctl.launch.transport import CommandResult
+from clusterctl.launch.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
+                                         raise_for_status, shell_command_line, stop_all)
 
 
 class NodeOpError(Exception):
@@ -44,6 +47,18 @@ class ScriptedOps:
     answers: dict[str, Callable[[dict], Any]] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
     calls: list[tuple[str, dict]] = field(default_factory=list)
+    bytes_in: int = 0  # what the coordinator sent this node (op requests)
+    pids: int = 4000
+
+    def _op_run(self, req: dict) -> dict:
+        """``transport.run``, unless scripted: exit 0, no output."""
+        return {"returncode": 0, "stdout": "", "stderr": ""}
+
+    def _op_start(self, req: dict) -> dict:
+        """``transport.start`` (a foreground process through the keeper), unless scripted: a new pid that runs
+        until its stdin closes. The answer is the keeper's report (pid, pgid, start_time, boot_id)."""
+        self.pids += 1
+        return {"pid": self.pids, "pgid": self.pids, "start_time": 1.0, "boot_id": "fake-boot"}
 
     def ops(self) -> list[str]:
         return [op for op, _ in self.calls]
@@ -81,6 +96,7 @@ class ScriptedPipe:
         self.returncode: int | None = None
 
     def write(self, data: bytes) -> None:
+        self.ops.bytes_in += len(data)
         for line in data.splitlines():
             msg = json.loads(line)
             t = asyncio.ensure_future(self._answer(msg))
@@ -98,13 +114,18 @@ class ScriptedPipe:
         await asyncio.sleep(0)
 
     async def readline(self) -> bytes:
+        if not self.lines.empty():
+            return self.lines.get_nowait()
         get = asyncio.ensure_future(self.lines.get())
         closed = asyncio.ensure_future(self.closed.wait())
-        done, _ = await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelled too (a session's reader is, when its handle closes): no task left pending
+            for t in (get, closed):
+                if not t.done():
+                    t.cancel()
         if get in done:
-            closed.cancel()
             return get.result()
-        get.cancel()
         return b""
 
     async def read_stderr(self, n: int = 65536) -> bytes:
@@ -125,21 +146,86 @@ class ScriptedPipe:
         return 0
 
 
+class FakeChannel:
+    """The keeper's channel of a fake started process: its report line, then nothing until its stdin closes
+    (exit 143, as the keeper's TERM) or it is told ``kill`` (137). ``exit(rc)`` ends it from the node's side."""
+
+    def __init__(self, report: dict, ops: ScriptedOps, argv: list[str]):
+        self.ops, self.argv, self.info = ops, argv, report
+        self.out = [json.dumps(report).encode() + b"\n"]
+        self.rc: int | None = None
+        self.done = asyncio.Event()
+
+    def exit(self, rc: int) -> None:
+        if self.rc is None:
+            self.rc = rc
+            self.ops.calls.append(("exit", {"argv": self.argv, "returncode": rc}))
+        self.done.set()
+
+    async def read_stdout(self, n: int) -> bytes:
+        if self.out:
+            return self.out.pop(0)
+        await self.done.wait()
+        return b""
+
+    async def read_stderr(self, n: int) -> bytes:
+        await self.done.wait()
+        return b""
+
+    async def write_stdin(self, data: bytes) -> None:
+        if data.strip() == b"kill":
+            self.exit(137)
+
+    async def close_stdin(self) -> None:
+        self.exit(143)
+
+    async def wait_exit(self) -> int:
+        await self.done.wait()
+        return self.rc
+
+    def abort(self) -> None:
+        self.exit(143)
+
+    async def force_kill(self, info) -> None:
+        self.exit(137)
+
+
 class FakeTransport:
-    """An in-memory remote node: node operations answered by ``ops``; nothing is ever run or started."""
+    """An in-memory remote node: node operations answered by ``ops``; ``run`` and ``start`` too (the ops
+    ``run`` and ``start``: the request is ``{"argv", "env", "input"}``), nothing real ever runs."""
 
     is_local = False
 
-    def __init__(self, node: str, ops: ScriptedOps, python: str = "python3"):
-        self.node, self.ops, self.python = node, ops, python
+    def __init__(self, node: str, ops: ScriptedOps, python: str = "python3", keeper_grace: float = 10.0):
+        self.node, self.ops, self.python, self.keeper_grace = node, ops, python, keeper_grace
         self.pipes: list[ScriptedPipe] = []
+        self.started: list = []
 
     async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
                   timeout: float | None = None, check: bool = False) -> CommandResult:
-        raise NotImplementedError("FakeTransport runs no commands: script the node operation instead")
+        check_argv(argv, env)
+        self.ops.bytes_in += len(shell_command_line(argv, env)) + len(input or b"")
+        try:
+            async with asyncio.timeout(timeout):
+                ans = await self.ops.answer("run", {"argv": list(argv), "env": env or {},
+                                                    "input": (input or b"").decode("utf-8", "replace")})
+        except TimeoutError:
+            raise CommandTimedOut(f"{argv[0]} timed out after {timeout:g} s on {self.node}", host=self.node,
+                                  argv=list(argv)) from None
+        result = CommandResult(list(argv), int(ans.get("returncode", 0)), str(ans.get("stdout", "")).encode(),
+                               str(ans.get("stderr", "")).encode())
+        return raise_for_status(self.node, result) if check else result
 
-    async def start(self, argv: list[str], *, env: dict[str, str] | None = None, grace: float | None = None):
-        raise NotImplementedError("FakeTransport starts no processes")
+    async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+                    grace: float | None = None) -> StartedProcess:
+        check_argv(argv, env)
+        grace = self.keeper_grace if grace is None else grace
+        self.ops.bytes_in += len(shell_command_line(keeper_argv(self.python, argv, grace), env))
+        report = await self.ops.answer("start", {"argv": list(argv), "env": env or {}})
+        sp = StartedProcess(self.node, list(argv), FakeChannel(report, self.ops, list(argv)), grace)
+        await sp._begin()
+        self.started = [p for p in self.started if p.returncode is None] + [sp]
+        return sp
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> ScriptedPipe:
         pipe = ScriptedPipe(self.ops)
@@ -147,6 +233,8 @@ class FakeTransport:
         return pipe
 
     async def close(self) -> None:
+        started, self.started = self.started, []
+        await stop_all(started)
         for p in self.pipes:
             p.kill()
 
@@ -160,7 +248,7 @@ def fake_nodes(script: dict[str, ScriptedOps]):
 
     def transport_for(node, ssh, *, keeper_grace: float = 10.0):
         if node.name in script:
-            return FakeTransport(node.name, script[node.name])
+            return FakeTransport(node.name, script[node.name], keeper_grace=keeper_grace)
         return real(node, ssh, keeper_grace=keeper_grace)
 
     nodes.transport_for = transport_for

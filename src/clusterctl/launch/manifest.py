@@ -1,8 +1,8 @@
 """Launch manifests: ``<state>/launches/<job>.json``, one per job, signed, written atomically.
 
-Written BEFORE the first rank starts and updated as each rank starts, so that a coordinator killed at any point
-leaves enough on disk for ``clusterctl reap`` to find and stop everything it started. Removed only after a
-verified teardown.
+Written BEFORE the first rank starts and updated as ranks start (saves coalesced: launch/start.py), so that a
+coordinator killed at any point leaves enough on disk for ``clusterctl reap`` to find and stop everything it
+started. Removed only after a verified teardown.
 """
 
 from __future__ import annotations
@@ -101,10 +101,15 @@ class ManifestStore:
         return self.folder / f"{job_id}.json"
 
     def save(self, m: LaunchManifest) -> Path:
+        return self.save_doc(m.job_id, m.model_dump(mode="json"))
+
+    def save_doc(self, job_id: str, doc: dict) -> Path:
+        """Save a manifest already dumped (``model_dump(mode="json")``): so a caller can take the snapshot on its
+        event loop and leave the JSON, the signature and the fsyncs to a thread."""
         if self.key is None:
             raise IntegrityError("no signing key to write a launch manifest")
-        p = self.path(m.job_id)
-        atomic_write_bytes(p, sign_payload(dumps(m.model_dump(mode="json")), KIND, self.key), mode=0o600)
+        p = self.path(job_id)
+        atomic_write_bytes(p, sign_payload(dumps(doc), KIND, self.key), mode=0o600)
         return p
 
     def load(self, path: Path) -> LaunchManifest:

@@ -9,6 +9,7 @@ check: the deployment still plans the same from its inputs.
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 from clusterctl import __version__
@@ -25,19 +26,27 @@ class PortsBusy(LaunchFailed):
         self.busy = busy
 
 
-def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
-    import sys
+@functools.cache
+def coordinator_versions() -> dict[str, str | None]:
+    """This machine's clusterctl, mlx and mlx-lm: looked up once per command (each lookup walks sys.path), not
+    once per node."""
     from importlib import metadata
 
-    errors, warnings = [], []
-    v = probe.get("versions", {})
     ours = {"clusterctl": __version__}
     for dist in ("mlx", "mlx-lm"):
         try:
             ours[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             ours[dist] = None
-    for dist, want in ours.items():
+    return ours
+
+
+def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
+    import sys
+
+    errors, warnings = [], []
+    v = probe.get("versions", {})
+    for dist, want in coordinator_versions().items():
         have = v.get(dist)
         if have is None:
             errors.append(f"{dist} is not installed")

@@ -4,10 +4,12 @@ Order of a launch (docs/launch.md):
   verify the deployment and re-derive its plan -> lock the deployment -> reap dead jobs -> preflight every node
   concurrently (all failures at once; another port block when only ports are busy) -> the job plan
   (launch/jobplan.py: every rank's validated spec and files) -> write the launch manifest -> write trusted key,
-  hostfile and signed contract on each node -> start the ranks (manifest updated as each starts) -> renew the
-  launcher lease -> wait for every marker to say ready -> write the gate -> wait for rank 0 to serve -> canary
+  hostfile and signed contract on each node -> start the ranks (manifest saves coalesced as they start: one in
+  flight, one pending) -> renew the launcher lease -> wait for every marker to say ready -> write the gate -> wait for rank 0 to serve -> canary
   request -> ready. A launch that fails part-way tears down what it started; the launch error is reported, and
   so is a teardown error. What follows (supervision, lease renewals, stop signals) is launch/foreground.py.
+Work that grows with the cluster (planning, contracts: JSON, signatures; manifest saves; name lookups) runs in
+threads, so the event loop keeps driving every node's connection (bench/scale.py measures its longest stall).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 
 from clusterctl.errors import Busy, ClusterctlError, Exit, LaunchFailed
 from clusterctl.launch import hostfile, runtimefiles as rf
-from clusterctl.launch.contract import encode_contract
+from clusterctl.launch.contract import deployment_proof, encode_contract
 from clusterctl.launch.foreground import Running, lease_loop, renew_leases
 from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
-    plan_job, port_requests, rank_addresses
+    plan_job, port_requests
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, now_iso, this_coordinator
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
@@ -127,9 +129,9 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
                          dep_ref: str | None = None) -> Running:
     job_id, nonce = new_job_id(dep.deployment_id), new_nonce()
     try:
-        addrs = rank_addresses(dep)
+        addrs = await rank_addresses(dep)
         block = await _preflight_ports(dep, hs, store, opts, log, manifest=manifest, dep_ref=dep_ref)
-        plan = _plan(dep, state, opts, hs, block, addrs, job_id, nonce)
+        plan = await asyncio.to_thread(_plan, dep, state, opts, hs, block, addrs, job_id, nonce)
     except BaseException:
         await close_all(hs)
         raise
@@ -139,10 +141,10 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         http_port=plan.http_port, ports=plan.block, lease_seconds=plan.lease_seconds or None,
         mlx_launch_hostfile=plan.mlx_launch_hostfile, nodes=[dep.node(r.node) for r in dep.ranks],
         ranks=plan.records())
-    store.save(m)  # BEFORE the first rank starts: a crash from here on leaves a trail for the reaper
+    await asyncio.to_thread(store.save, m)  # BEFORE the first rank starts: a crash from here on leaves a trail
     run = Running(manifest=m, store=store, hs=hs, procs={}, lock=lock, opts=opts)
     try:
-        await _start(run, plan, dep, Path(dep_path).read_bytes(), key, log)
+        await _start(run, plan, dep, Path(dep_path), key, log)
         if opts.detach:
             await close_all(hs)
             lock.release()
@@ -154,16 +156,52 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         raise other from None
 
 
-async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_bytes: bytes, key, log) -> None:
+async def rank_addresses(dep: Deployment) -> list[str]:
+    """jobplan.rank_addresses with the name lookups (nodes without ``ips``) made concurrently, in threads."""
+    nodes = [dep.node(r.node) for r in dep.ranks]
+    all_local = all(n.is_local for n in nodes)
+
+    async def one(n) -> str:
+        if all_local or n.ips or n.is_local:  # no lookup
+            return hostfile.rank_address(n, all_local=all_local, backend=dep.backend)
+        return await asyncio.to_thread(hostfile.rank_address, n, all_local=all_local, backend=dep.backend)
+
+    return list(await asyncio.gather(*(one(n) for n in nodes)))
+
+
+class ManifestSaver:
+    """Coalesced saves of a changing manifest: one in flight, and one more that covers every change made while it
+    ran (so N ranks starting together cost 2-3 saves, not N). The snapshot is taken on the loop; the JSON, the
+    signature and the fsyncs in a thread."""
+
+    def __init__(self, store, m):
+        self.store, self.m = store, m
+        self.lock = asyncio.Lock()
+        self.changed = self.saved = self.saves = 0
+
+    async def save(self) -> None:
+        self.changed += 1
+        want = self.changed
+        async with self.lock:
+            if self.saved >= want:
+                return  # a save that began after this change covered it
+            covers = self.changed
+            await asyncio.to_thread(self.store.save_doc, self.m.job_id, self.m.model_dump(mode="json"))
+            self.saved, self.saves = covers, self.saves + 1
+
+
+def _contracts(plan: JobPlan, dep: Deployment, dep_path: Path, key) -> dict[str, bytes]:
+    """Every rank's signed contract by path (in a thread: a hash of the deployment file, N signatures)."""
+    proof = deployment_proof(dep_path.read_bytes(), dep)
+    return {f.path: encode_contract(proof, contract_payload(f.spec), key) for f in plan.files if f.spec is not None}
+
+
+async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_path: Path, key, log) -> None:
     """Files, lease, ranks, ready, gate, serving, canary: the job from its plan to ready."""
     hs, opts, records = run.hs, run.opts, run.manifest.ranks
-    save_lock = asyncio.Lock()
-
-    async def save() -> None:
-        async with save_lock:
-            await asyncio.to_thread(run.store.save, run.manifest)
-
-    await asyncio.gather(*(_write_files(hs[node], plan, dep_bytes, key) for node in dict.fromkeys(
+    save = ManifestSaver(run.store, run.manifest).save
+    contracts = await asyncio.to_thread(_contracts, plan, dep, dep_path, key)
+    await asyncio.gather(*(_write_files(hs[node], plan, contracts) for node in dict.fromkeys(
         r.node for r in plan.ranks)))
     if plan.lease_seconds:
         await renew_leases(hs, plan.lease_paths(), plan.lease_seconds, seq=0)
@@ -189,11 +227,10 @@ async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_bytes: bytes,
     await save()
 
 
-async def _write_files(h: NodeHandle, plan: JobPlan, dep_bytes: bytes, key) -> None:
-    """A node's files of the plan, in order: trusted key, hostfile, contract (signed now)."""
+async def _write_files(h: NodeHandle, plan: JobPlan, contracts: dict[str, bytes]) -> None:
+    """A node's files of the plan, in order: trusted key, hostfile, contract (signed beforehand)."""
     for f in plan.files_of(h.name):
-        data = f.data if f.spec is None else encode_contract(dep_bytes, contract_payload(f.spec), key)
-        await h.write_file(f.path, data, mode=f.mode)
+        await h.write_file(f.path, f.data if f.spec is None else contracts[f.path], mode=f.mode)
 
 
 async def _start_rank(run: Running, r, save) -> None:

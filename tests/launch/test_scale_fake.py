@@ -1,0 +1,113 @@
+"""The fake transport runs every command a launch sends, foreground included, and leaks nothing; a launch saves
+its manifest a few times, not once per rank; contracts stay small as the cluster grows (launch/fakecluster.py)."""
+
+import asyncio
+import gc
+import json
+import warnings
+
+import pytest
+
+from clusterctl.atomic import dumps
+from clusterctl.launch.fakecluster import SimulatedNode, simulated_deployment
+from clusterctl.launch.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_nodes
+from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.manifest import ManifestStore
+from clusterctl.state import StateDir
+
+
+@pytest.fixture
+def state(tmp_path):
+    return StateDir(tmp_path / "state")
+
+
+def run_launch(state, n: int, *, detach: bool, saves: list | None = None):
+    from clusterctl.launch import manifest, start
+
+    path = simulated_deployment(state, n)
+    nodes = {f"n{i:04d}": SimulatedNode() for i in range(n)}
+    real = manifest.ManifestStore.save_doc
+
+    def counted(self, job_id, doc):
+        if saves is not None:
+            saves.append([r["state"] for r in doc["ranks"]])
+        return real(self, job_id, doc)
+
+    async def go():
+        run = await start.launch(path, state, LaunchOptions(check_model=False, detach=detach, timeout=30,
+                                                             lease_seconds=30, grace=1))
+        ready = run.manifest.state
+        report = None if detach else await run.teardown()
+        return run, ready, report
+
+    manifest.ManifestStore.save_doc = counted
+    try:
+        with fake_nodes(nodes):
+            run, ready, report = asyncio.run(go())
+    finally:
+        manifest.ManifestStore.save_doc = real
+    assert ready == "ready"
+    return run, report, nodes
+
+
+def test_a_foreground_launch_runs_on_fake_nodes_and_tears_down(state):
+    run, report, nodes = run_launch(state, 3, detach=False)
+    assert report.ok and report.manifest_removed
+    for name, node in nodes.items():
+        ops = node.ops()
+        # the rank started through the keeper (transport.start), ended by closing its stdin, then verified gone
+        assert "start" in ops and "spawn" not in ops and ("exit", 143) in [(op, r.get("returncode"))
+                                                                          for op, r in node.calls]
+        assert ops[-2:] == ["sweep", "clean"] and not node.running
+    assert nodes["n0000"].ops().count("canary") == 1
+
+
+def test_a_detached_launch_records_every_rank_in_a_few_saves(state):
+    saves: list = []
+    run, _, nodes = run_launch(state, 24, detach=True, saves=saves)
+    assert run.manifest.state == "ready" and all(r.pid for r in run.manifest.ranks)
+    assert saves[0] == ["pending"] * 24  # before the first rank starts
+    assert any(s == ["started"] * 24 for s in saves[1:-1])  # every start recorded before any is called ready
+    assert saves[-1] == ["ready"] * 24
+    assert len(saves) <= 5, f"{len(saves)} saves for 24 ranks"
+    disk = ManifestStore(state.launches, None, state.keyring.public_keys()).all()[0]
+    assert [m.state for _, m in disk] == ["ready"]
+
+
+def test_contracts_sent_to_a_node_do_not_grow_with_the_cluster(state, tmp_path):
+    sizes = {}
+    for n in (4, 48):
+        st = StateDir(tmp_path / f"s{n}")
+        run, _, nodes = run_launch(st, n, detach=True)
+        node = nodes["n0001"]
+        [contract] = [v for k, v in node.files.items() if k.endswith(".contract")]
+        spec = json.loads(contract)["spec"]
+        sizes[n] = len(contract) - len(dumps({"spec": spec}))  # the spec's layer_counts: one integer per rank
+    assert abs(sizes[48] - sizes[4]) < 64, sizes
+
+
+def test_run_is_answered_by_the_script():
+    ops = ScriptedOps({"run": lambda req: {"returncode": 3, "stdout": "out", "stderr": "why"}})
+    t = FakeTransport("a", ops)
+    res = asyncio.run(t.run(["echo", "hi"], input=b"x"))
+    assert (res.returncode, res.stdout, res.stderr) == (3, b"out", b"why")
+    assert ops.calls == [("run", {"argv": ["echo", "hi"], "env": {}, "input": "x"})]
+
+
+def test_a_cancelled_readline_leaves_no_pending_task():
+    async def go():
+        pipe = ScriptedPipe(ScriptedOps())
+        for _ in range(20):
+            reader = asyncio.ensure_future(pipe.readline())
+            await asyncio.sleep(0)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        left = asyncio.run(go())
+        gc.collect()
+    assert left == []
