@@ -268,3 +268,72 @@ def stop_front(state, rec: FrontRecord, *, grace: float = 10.0) -> bool:
 def summary(rec: FrontRecord) -> dict:
     return {"url": rec.url, "cluster": rec.cluster, "pid": rec.pid, "auto": rec.auto, "started_at": rec.started_at,
             "linger_s": rec.linger_s}
+
+
+def cluster_of_deployment(state, deployment_id: str, deployment_file: str | None = None) -> str | None:
+    """The cluster of a deployment, read only (the state dir's record, else the file a launch was given)."""
+    from clusterctl.atomic import read_capped
+    from clusterctl.plan.deployment import decode
+
+    for path in (state.deployments / f"{deployment_id}.json", deployment_file):
+        if not path:
+            continue
+        try:
+            return decode(read_capped(path, what="deployment file"), state.keyring.public_keys(),
+                          source=str(path)).deployment.cluster
+        except (ClusterctlError, OSError):
+            continue
+    return None
+
+
+def clusters_with_jobs(state) -> set[str]:
+    """The clusters that have a launch manifest (live or not) in the state dir."""
+    from clusterctl.launch.manifest import ManifestStore
+
+    if not state.launches.is_dir():
+        return set()
+    good, _ = ManifestStore(state.launches, None, state.keyring.public_keys()).all()
+    return {c for _, m in good if (c := cluster_of_deployment(state, m.deployment_id, m.deployment_file))}
+
+
+def stop_idle_auto_fronts(state, *, grace: float = 10.0) -> list[FrontRecord]:
+    """After a teardown: every front a launch started (``auto``) whose cluster has no job left, stopped."""
+    fronts = [r for r in live_fronts(state) if r.auto]
+    if not fronts:
+        return []
+    busy = clusters_with_jobs(state)
+    return [r for r in fronts if r.cluster not in busy and stop_front(state, r, grace=grace)]
+
+
+def front_health(rec: FrontRecord, timeout: float = 1.0) -> str:
+    """What the front's own /health says: serving, healing, degraded, unavailable, or unreachable."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    host = rec.bind_host if rec.bind_host not in ("0.0.0.0", "::") else "127.0.0.1"
+    try:
+        with urllib.request.urlopen(url_of(host, rec.port) + "/health", timeout=timeout) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            doc = json.loads(e.read())
+        except ValueError:
+            return "unreachable"
+    except (OSError, ValueError):
+        return "unreachable"
+    st = doc.get("status") if isinstance(doc, dict) else None
+    return "serving" if st == "ok" else str(st or "unreachable")
+
+
+def annotate_jobs(state, jobs: list[dict]) -> list[dict]:
+    """For ``status``: every running front (url, cluster, pid...), and on each job of a cluster with a front
+    ``front`` = its URL (None without one). Reads files only."""
+    fronts = live_fronts(state)
+    by_cluster: dict[str, str] = {}
+    for r in fronts:
+        by_cluster.setdefault(r.cluster, r.url)
+    for j in jobs:
+        c = cluster_of_deployment(state, j["deployment_id"]) if by_cluster else None
+        j["front"] = by_cluster.get(c) if c else None
+    return [summary(r) for r in fronts]

@@ -126,7 +126,11 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
     heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
     for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
         j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
-    return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal}
+    from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
+
+    fronts = annotate_jobs(state, jobs)
+    return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal,
+            "fronts": fronts}
 
 
 def _heal_states(state, ref: str | None, deployments: set[str]) -> list[dict]:
