@@ -276,6 +276,12 @@ def world(tmp_path_factory):
     async def fake_demo(*a, **kw):
         raise stopped("the demo")
 
+    async def fake_front(*a, **kw):  # a front in the foreground would serve until stopped
+        raise stopped("the front")
+
+    def fake_spawn(*a, **kw):
+        raise stopped("starting a front")
+
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         # an empty CLUSTERCTL_STATE_DIR falls back to the user's state dir: let that be one of ours too
@@ -288,6 +294,8 @@ def world(tmp_path_factory):
         mp.setattr("clusterctl.launch.start.launch", fake_launch)
         mp.setattr("clusterctl.tinymodel.build", fake_build)
         mp.setattr("clusterctl.demo.run_demo", fake_demo)
+        mp.setattr("clusterctl.launch.front.serve", fake_front)
+        mp.setattr("clusterctl.launch.frontstate.spawn_front", fake_spawn)
         cache_typer_command(mp)
         yield w
 

@@ -138,17 +138,9 @@ class Follower:
 
     def _cluster_of(self, m) -> str | None:
         if m.deployment_id not in self._clusters:
-            from clusterctl.atomic import read_capped
-            from clusterctl.plan.deployment import decode
+            from clusterctl.launch.frontstate import cluster_of_deployment
 
-            name = None
-            for path in (self.state.deployments / f"{m.deployment_id}.json", m.deployment_file):
-                try:  # read only: the front never migrates or moves a file
-                    name = decode(read_capped(path, what="deployment file"), self.state.keyring.public_keys(),
-                                  source=str(path)).deployment.cluster
-                    break
-                except (ClusterctlError, OSError):
-                    continue
+            name = cluster_of_deployment(self.state, m.deployment_id, m.deployment_file)
             if name is None:
                 return None  # not cached: the file may appear later
             self._clusters[m.deployment_id] = name

@@ -1,0 +1,203 @@
+"""The front door (launch/front.py) on a real 2-rank local launch of the tiny model: forwarding with the official
+`openai` client, keys and CORS at the front, a rank 0 lost mid-answer, 503 + Retry-After while nothing serves,
+the front following a new job at an unchanged URL, the heal supervisor's word, and bad --front values.
+
+One module-scoped deployment (two launches in all: the second is the job the front must follow)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from launchutil import cli, local_cluster, manifests, wait_gone
+
+pytestmark = pytest.mark.slow
+
+KEY = "front-test-key-0123456789"
+ORIGIN = "https://app.example"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, tmp, tiny):
+        self.tmp = tmp
+        self.env = {"CLUSTERCTL_STATE_DIR": str(tmp / "state"), "FRONT_KEY": KEY}
+        c = local_cluster(tmp, (4, 4))
+        self.dep = str(tmp / "dep.json")
+        cli("plan", "-c", str(c), "-m", str(tiny), "--context", "2048", "-o", self.dep, "-q", env=self.env,
+            check=True)
+        self.port = _free_port()
+        self.front = f"127.0.0.1:{self.port}"
+
+    def launch(self) -> dict:
+        p = cli("launch", self.dep, "--detach", "--json", "--timeout", "180", "--front", self.front,
+                "--api-key-env", "FRONT_KEY", "--cors-origin", ORIGIN, env=self.env)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                key: str | None = KEY):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+             **(headers or {})}
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=h)
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        return r.status, dict(r.getheaders()), data
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"http://{self.front}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory, tiny):
+    d = Deployment(tmp_path_factory.mktemp("front"), tiny)
+    d.first = d.launch()
+    yield d
+    cli("teardown", env=d.env)
+    cli("front", "--stop", env=d.env)
+
+
+def test_openai_client_through_the_front_stream_and_not(d):
+    client = d.openai()
+    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens == 8 and r.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
+        stream=True) if c.choices]
+    assert "".join(pieces) == r.choices[0].message.content
+    assert client.completions.create(model="default_model", prompt="hi", max_tokens=3).choices[0].text is not None
+    assert [m.id for m in client.models.list()]
+    st, _, body = d.request("GET", "/models")  # the routes without /v1, as rank 0 serves them
+    assert st == 200 and json.loads(body)["data"]
+    st, _, body = d.request("GET", "/upstream/health", key=None)  # rank 0's own /health
+    assert st == 200 and json.loads(body) == {"status": "ok"}
+    st, _, body = d.request("GET", "/health", key=None)
+    assert st == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_the_key_is_enforced_at_the_front_and_cors_preflight_answers(d):
+    for key in (None, "wrong-key-0123456789abc"):
+        st, h, body = d.request("POST", "/v1/chat/completions", {"messages": []}, key=key)
+        assert st == 401 and h.get("WWW-Authenticate") == "Bearer"
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert d.request("GET", "/metrics", key=key)[0] == 401
+    st, h, _ = d.request("OPTIONS", "/v1/chat/completions", key=None,
+                         headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert st == 204 and h["Access-Control-Allow-Origin"] == ORIGIN and "POST" in h["Access-Control-Allow-Methods"]
+    st, h, _ = d.request("GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert st == 200 and h["Access-Control-Allow-Origin"] == ORIGIN
+    st, h, _ = d.request("GET", "/v1/models", key=None, headers={"Origin": "https://evil.example"})
+    assert st == 401 and "Access-Control-Allow-Origin" not in h
+    st, _, body = d.request("GET", "/metrics")
+    assert st == 200 and b'clusterctl_front_state{state="serving"} 1.0' in body
+
+
+def _rank0(d) -> dict:
+    [m] = manifests(d.tmp / "state")
+    return m
+
+
+def test_rank0_lost_mid_answer_then_503_then_the_front_follows_a_new_job(d):
+    m = _rank0(d)
+    # a stream and a non-stream request in flight when rank 0 is SIGKILLed
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "once upon", "max_tokens": 1500,
+                                                             "stream": True, "ignore_eos": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200
+    first = r.readline()
+    assert first.startswith(b"data: ") or first.startswith(b":")
+    plain: list = []
+    t = threading.Thread(target=lambda: plain.append(d.request("POST", "/v1/completions", {
+        "prompt": "hi", "max_tokens": 1500})), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    os.kill(m["ranks"][0]["pid"], signal.SIGKILL)
+    events = [json.loads(x[6:]) if x[6:] != b"[DONE]" else "[DONE]"
+              for x in (line.strip() for line in r) if x.startswith(b"data: ")]
+    conn.close()
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_lost", events[-3:]
+    t.join(60)
+    assert plain and plain[0][0] == 503 and "Retry-After" in plain[0][1], plain
+
+    # nothing serves: 503 with Retry-After in OpenAI's shape, and /health says so
+    deadline = time.monotonic() + 10
+    while True:
+        st, h, body = d.request("GET", "/v1/models")
+        if st == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert st == 503 and int(h["Retry-After"]) >= 1 and json.loads(body)["error"]["type"] == "server_error"
+    st, h, body = d.request("GET", "/health", key=None)
+    assert st == 503 and json.loads(body)["status"] == "unavailable" and "Retry-After" in h
+    assert d.request("GET", "/v1/models", key=None)[0] == 401  # still no word without the key
+
+    # a new job of the same cluster (the dead one is reaped first): the same URL serves it
+    second = d.launch()
+    assert second["job_id"] != d.first["job_id"] and second["endpoint"] != d.first["endpoint"]
+    r = d.openai().chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    st, _, body = d.request("GET", "/metrics")
+    assert b"clusterctl_front_upstream_changes_total 2.0" in body
+    fronts = json.loads(cli("front", "--json", env=d.env).stdout)["fronts"]
+    assert [(f["url"], f["cluster"], f["state"]) for f in fronts] == [(f"http://{d.front}", "t", "serving")]
+    assert d.front in cli("status", env=d.env).stderr + cli("status", env=d.env).stdout
+
+
+def test_the_heal_supervisors_word_is_the_fronts_health(d):
+    heal = d.tmp / "state" / "heal" / "t.json"
+    heal.parent.mkdir(exist_ok=True)
+    heal.write_text(json.dumps({"state": "healing", "reason": "node b lost", "since": "2026-12-05T12:00:00Z"}))
+    try:
+        deadline = time.monotonic() + 5
+        while d.request("GET", "/health", key=None)[0] != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st, h, body = d.request("GET", "/health", key=None)
+        assert st == 503 and json.loads(body)["status"] == "healing" and h["Retry-After"] == "5"
+    finally:
+        heal.unlink()
+    deadline = time.monotonic() + 5
+    while d.request("GET", "/health", key=None)[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.request("GET", "/health", key=None)[0] == 200
+
+
+def test_bad_front_values_are_one_line_and_nothing_starts(d):
+    before = manifests(d.tmp / "state")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        for value, code in ((f"127.0.0.1:{taken}", 69), ("192.0.2.1:8080", 69), ("bad host:80", 2),
+                            ("127.0.0.1:0", 2), ("127.0.0.1", 2)):
+            p = cli("launch", d.dep, "--detach", "--front", value, "--timeout", "60", env=d.env)
+            lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+            assert p.returncode == code and len(lines) == 1, (value, p.returncode, p.stderr)
+    assert manifests(d.tmp / "state") == before
+
+
+def test_teardown_stops_the_front_it_started(d):
+    rec = json.loads(cli("front", "--json", env=d.env).stdout)["fronts"][0]
+    td = cli("teardown", env=d.env)
+    assert td.returncode == 0 and "stopped" in td.stderr, td.stderr
+    assert wait_gone([rec["pid"]], 10) == []
+    assert json.loads(cli("front", "--json", env=d.env).stdout)["fronts"] == []
