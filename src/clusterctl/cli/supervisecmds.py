@@ -50,7 +50,7 @@ def supervise(
 
     from clusterctl.launch.apikey import check_exposure
     from clusterctl.launch.jobplan import LaunchOptions
-    from clusterctl.launch.supervise import run_supervised
+    from clusterctl.launch.superviserun import run_supervised
 
     policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain)
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=True, http_host=host or "", seed=seed,

@@ -101,9 +101,11 @@ class Running:
             return
         self.logs.failing = self.failed_rank["rank"]
 
-    async def teardown(self, before_clean=None) -> TeardownReport:
+    async def teardown(self, before_clean=None, *, lost_nodes: frozenset[str] = frozenset()) -> TeardownReport:
         """Stop every rank verified (keepers first, then the sweep); ``before_clean`` runs once they are stopped,
-        before the job's node files are removed (teardown.teardown_job)."""
+        before the job's node files are removed (teardown.teardown_job). ``lost_nodes``: nodes that do not
+        answer (the supervisor's heal): their keepers are not waited for, their channel is dead; the sweep
+        reports their ranks as unconfirmed."""
         if self.lease_task:
             self.lease_task.cancel()
         for p in self.procs.values():
@@ -111,15 +113,16 @@ class Running:
         self.manifest.state = "stopping"
         with contextlib.suppress(ClusterctlError):
             self.store.save(self.manifest)
-        if self.waiters:
+        waiting = [t for r, t in self.waiters.items() if self.manifest.ranks[r].node not in lost_nodes]
+        if waiting:
             # Let the keepers finish their own stop first, so no rank gets a second SIGTERM from the sweep
             # (a second signal means "exit at once" to a rank); the sweep then verifies and catches stragglers.
-            await asyncio.wait([asyncio.shield(t) for t in self.waiters.values()], timeout=self.opts.grace + 5)
+            await asyncio.wait([asyncio.shield(t) for t in waiting], timeout=self.opts.grace + 5)
         try:
             return await teardown_job(self.manifest, self.store, self.opts.ssh, grace=self.opts.grace, hs=self.hs,
                                       before_clean=before_clean)
         finally:
-            for t in self.waiters.values():
+            for t in waiting:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(t), timeout=self.opts.grace + 5)
             await close_all(self.hs)

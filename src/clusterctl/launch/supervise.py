@@ -61,6 +61,7 @@ class Supervisor:
         self.pending: list[str] | None = None  # a lost job's nodes to leave out at the next heal
         self.leftovers: list[str] = []  # jobs whose teardown could not be verified: retried
         self.idle = False
+        self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
         self.last_probe = float("-inf")
         self._saved: tuple[dict, float] | None = None
         self._resume()
@@ -181,13 +182,18 @@ class Supervisor:
             h = self.hs[node]
             targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
                         "boot_id": r.boot_id} for r in recs if r.pid]
+            async def alive_op() -> dict:
+                return await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
+
             try:
-                ans = await h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id},
-                                 timeout=LOOK_TIMEOUT)
-                alive = await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
+                ans, alive = await asyncio.gather(
+                    h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id}, timeout=LOOK_TIMEOUT),
+                    alive_op())
             except ClusterctlError as e:
                 markers.update({r.rank: {"error": e.message} for r in recs})
+                self.unreachable[node] = True
                 return
+            self.unreachable[node] = False
             for x in ans.get("markers", []):
                 doc = x.get("marker") or {}
                 if isinstance(doc.get("rank"), int) and doc.get("node") == node:
@@ -214,7 +220,7 @@ class Supervisor:
 
         _, loaded = self.state.load_deployment(self.original)
         dep = loaded.deployment
-        hs = handles([dep.node(n) for n in names], self.opts.ssh)
+        hs = handles([dep.node(n) for n in names], self._ssh())
 
         async def one(n: str) -> bool:
             try:
@@ -241,11 +247,17 @@ class Supervisor:
     async def lose(self, blame: list[str], why: str) -> None:
         """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``."""
         self.phase("healing", f"{why}; leaving out {', '.join(blame)}")
-        await self.stop_job()
+        await self.stop_job(unreachable=frozenset(n for n in blame if self.unreachable.get(n)))
         self.pending = blame
 
-    async def stop_job(self) -> bool:
-        """Every rank of the job stopped verified; False (the job noted, retried later) when not confirmed."""
+    def _ssh(self):
+        """SSH options for a node that may not answer: connect within LOOK_TIMEOUT."""
+        return dataclasses.replace(self.opts.ssh, connect_timeout=min(self.opts.ssh.connect_timeout, LOOK_TIMEOUT))
+
+    async def stop_job(self, unreachable: frozenset[str] = frozenset()) -> bool:
+        """Every rank of the job stopped verified; False (the job noted, retried later) when not confirmed.
+        ``unreachable``: nodes whose sessions stopped answering: the teardown asks them over new ones, which
+        give up within LOOK_TIMEOUT, instead of waiting on a dead connection."""
         job, self.job = self.job, None
         await self._close_looks()
         if job is None:
@@ -253,11 +265,12 @@ class Supervisor:
         m = job.manifest
         try:
             if job.running is not None:
-                report = await job.running.teardown()
+                self._fresh_handles(job.running, unreachable)
+                report = await job.running.teardown(lost_nodes=unreachable)
             else:
                 from clusterctl.launch.teardown import teardown_command
 
-                [report] = await teardown_command(self.state, m.job_id, self.opts.ssh, grace=self.opts.grace,
+                [report] = await teardown_command(self.state, m.job_id, self._ssh(), grace=self.opts.grace,
                                                   force=True, log=self.log)
         except ClusterctlError as e:
             self.log(f"heal: teardown of job {m.job_id}: {e.message}")
@@ -267,6 +280,15 @@ class Supervisor:
             self.log(f"heal: teardown of job {m.job_id} could not confirm: {'; '.join(report.survivors())}")
             self.leftovers.append(m.job_id)
         return report.ok
+
+    def _fresh_handles(self, running, nodes: frozenset[str]) -> None:
+        from clusterctl.launch.nodes import close_all, handles
+
+        if not nodes:
+            return
+        old = {n: running.hs[n] for n in nodes if n in running.hs}
+        running.hs.update(handles([n for n in running.manifest.nodes if n.name in old], self._ssh()))
+        asyncio.ensure_future(asyncio.wait_for(close_all(old), LOOK_TIMEOUT))  # a dead connection: not awaited
 
     async def retry_leftovers(self) -> None:
         from clusterctl.launch.teardown import teardown_command
@@ -388,64 +410,3 @@ class Supervisor:
         self.log(f"deployment {self.current} is not running: launching it")
         self.job = await self.launch(self.ref)
 
-
-async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
-    """``launch --heal`` (``take_over`` False: launched here in the foreground; a stop tears it down verified)
-    and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
-    the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
-    code."""
-    from clusterctl.launch.foreground import install_stop_signals
-    from clusterctl.locks import Lock
-
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
-                     event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
-    lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
-    try:
-        if not await _started(o, sup, stop, take_over):
-            return 130
-        stop.clear()
-        await sup.run(stop)
-        if take_over:
-            o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
-            return 0
-        ok = await sup.stop_job()
-        sup.phase("degraded", "stopped: the supervisor ended (launch --heal)")
-        (o.info if ok else o.error)("every rank confirmed gone" if ok else "teardown could not confirm every rank "
-                                    "gone (see the lines above)")
-        return 0 if ok else 1
-    finally:
-        lock.release()
-
-
-async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> bool:
-    """The first job (taken over or launched), or False when a stop came first (what started was stopped)."""
-    async def first() -> None:
-        if take_over:
-            await sup.take_over()
-        else:
-            sup.job = await sup.launch(sup.ref)
-
-    starting = asyncio.ensure_future(first())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        o.error("interrupted; everything it started was stopped")
-        return False
-    starting.result()
-    m = sup.job.manifest
-    sup.phase("serving")
-    sup.save(force=True)
-    if o.json:
-        o.event("ready", {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint,
-                          "heal": sup.doc()})
-    elif not o.quiet:
-        o.line(m.endpoint)
-        o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
-               f"{healstate.path_of(sup.state, sup.cluster)}; Ctrl-C to stop)")
-    return True
