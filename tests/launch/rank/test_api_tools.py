@@ -126,3 +126,36 @@ def test_a_forced_call_always_parses_and_fits_the_function(cluster, choice):
         [call] = c["message"]["tool_calls"]
         assert call["function"]["name"] == "add"
         jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+
+
+def test_the_openai_client_gets_tool_calls_and_reasoning_stream_and_not(cluster):
+    """The official client, as agent frameworks call it: a forced call comes back as typed ``tool_calls`` (stream:
+    ``delta.tool_calls`` pieces that add up to the same call), finish ``tool_calls``; the history with the call and
+    its result is accepted back; reasoning arrives as ``reasoning_content``; template arguments via extra_body."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="unused", max_retries=0)
+    args = dict(model="m", messages=HISTORY[:1], tools=TOOLS, temperature=1.0, seed=5, max_tokens=80,
+                tool_choice={"type": "function", "function": {"name": "add"}},
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    out = client.chat.completions.create(**args)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "add" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    name, pieces, ids, finish = None, [], set(), None
+    for ch in client.chat.completions.create(stream=True, **args):
+        for c in ch.choices:
+            finish = c.finish_reason or finish
+            for tc in c.delta.tool_calls or []:
+                assert tc.index == 0
+                name = tc.function.name or name
+                pieces.append(tc.function.arguments or "")
+                ids |= {tc.id} - {None}
+    assert finish == "tool_calls" and name == "add" and len(ids) == 1
+    assert json.loads("".join(pieces)) == json.loads(call.function.arguments)  # the same seed, the same call
+    history = [HISTORY[0], out.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    assert client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=4).choices
+    thinking = client.chat.completions.create(model="m", messages=HISTORY[:1], max_tokens=6, temperature=0)
+    assert thinking.choices[0].message.model_extra.get("reasoning_content")

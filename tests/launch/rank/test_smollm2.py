@@ -33,7 +33,45 @@ def test_smollm2_in_pipeline_on_two_ranks(smollm2, tmp_path):
         # the conversation's second turn: the first turn's KV comes from the prompt cache, the answer is the same
         second = PROMPT + got["text"] + "<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
         again = complete(c, second, 8)
+        _with_the_openai_client(c, smollm2)
     assert again["token_ids"] == reference_tokens(smollm2, second, 8)
+
+
+def _with_the_openai_client(c: RankCluster, smollm2) -> None:
+    """Issue 31 (b) to (d) on the real model, with the official client: logprobs as one mlx-lm process computes
+    them, penalties and logit_bias giving its tokens, a JSON schema answered for real, the prompt cache in usage."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from test_api import _close, reference, reference_logprobs
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{c.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    from mlx_lm.utils import load_tokenizer
+
+    rendered = load_tokenizer(smollm2).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    _close([e.model_dump() for e in out.choices[0].logprobs.content], reference_logprobs(smollm2, rendered, 4))
+    again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # this plan keeps a prompt cache
+    procs = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"12": 8})
+    got = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"repetition_penalty": 1.2, "return_token_ids": True}, **procs)
+    assert got.choices[0].model_extra["token_ids"] == reference(
+        smollm2, PROMPT, 6, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={12: 8.0}, repetition_penalty=1.2)
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 20},
+                                               "capital": {"type": "string", "maxLength": 20}},
+              "required": ["country", "capital"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    doc = json.loads(answer.choices[0].message.content)
+    jsonschema.validate(doc, schema)
+    assert doc["capital"] == "Paris", doc  # the real model, constrained, still answers
 
 
 def test_smollm2_sharded_over_three_ranks(smollm2, tmp_path):
