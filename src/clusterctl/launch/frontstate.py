@@ -164,9 +164,22 @@ def read_heal(state, cluster: str) -> HealState | None:
     """The heal supervisor's state of ``cluster``, or None (no file, or one this reader cannot use)."""
     p = heal_path(state, cluster)
     try:
-        return HealState.model_validate(read_json(p, limit=65536, what="heal state"))
-    except (ClusterctlError, ValidationError, OSError, ValueError, TypeError):
+        doc = read_json(p, limit=65536, what="heal state")
+        heal = HealState.model_validate(doc)
+    except (ClusterctlError, ValidationError, OSError, ValueError, TypeError, RecursionError):
         return None
+    if isinstance(doc.get("supervisor"), dict) and heal.state != "serving" and not _supervisor_alive(doc["supervisor"]):
+        return None  # its supervisor is gone: "healing" would be said forever
+    return heal
+
+
+def _supervisor_alive(sup: dict) -> bool:
+    from clusterctl.launch.manifest import Coordinator, coordinator_alive
+
+    try:
+        return coordinator_alive(Coordinator.model_validate(sup))
+    except ValidationError:
+        return True  # a record this reader does not know: taken at its word
 
 
 # ---- starting and stopping a detached front -----------------------------------------------------------------------
