@@ -48,6 +48,7 @@ class ScriptedOps:
     files: dict[str, bytes] = field(default_factory=dict)
     calls: list[tuple[str, dict]] = field(default_factory=list)
     bytes_in: int = 0  # what the coordinator sent this node (op requests)
+    sessions: int = 0  # op sessions opened to this node (each would be an SSH channel and a Python start-up)
     pids: int = 4000
 
     def _op_run(self, req: dict) -> dict:
@@ -229,6 +230,7 @@ class FakeTransport:
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> ScriptedPipe:
         pipe = ScriptedPipe(self.ops)
+        self.ops.sessions += 1
         self.pipes.append(pipe)
         return pipe
 

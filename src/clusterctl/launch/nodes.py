@@ -172,6 +172,7 @@ class NodeHandle:
     probe: dict = field(default_factory=dict)
     _session: OpSession | None = field(default=None, init=False, repr=False)
     _opening: asyncio.Lock | None = field(default=None, init=False, repr=False)
+    _busy: int = field(default=0, init=False, repr=False)  # node operations in flight
 
     @property
     def name(self) -> str:
@@ -187,10 +188,31 @@ class NodeHandle:
                 self._session = OpSession(self.name, await self.transport.open_pipe(argv), argv)
             return self._session
 
+    def idle(self) -> bool:
+        return self._busy == 0
+
+    async def evict(self) -> None:
+        """Close the connection to make room for another node's (fdlimit.SLOTS); the next op reopens it."""
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            await self.close()
+
     async def op(self, op: str, req: dict, *, timeout: float = NODEOP_TIMEOUT) -> dict:
         """Run one node operation (clusterctl.node.nodeops) and return its JSON answer."""
-        sess = await self.session()
-        msg = await sess.call(op, req, timeout)
+        self._busy += 1
+        try:
+            sess = await self.session()
+            msg = await sess.call(op, req, timeout)
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                from clusterctl.launch.fdlimit import SLOTS
+
+                SLOTS.poke()
+        return self._answer(op, msg, sess)
+
+    def _answer(self, op: str, msg: dict, sess: OpSession) -> dict:
         if "error" in msg:
             kind = _KINDS.get(msg.get("kind"))
             if kind is not None:
@@ -271,13 +293,37 @@ def handles(nodes: list[Node], ssh: SshOptions, *, keeper_grace: float = 10.0,
             runtime_dirs: dict[str, str] | None = None) -> dict[str, NodeHandle]:
     out = {}
     for n in nodes:
-        out[n.name] = NodeHandle(n, transport_for(n, ssh, keeper_grace=keeper_grace),
-                                 runtime_dir=(runtime_dirs or {}).get(n.name) or n.runtime_dir)
+        h = out[n.name] = NodeHandle(n, transport_for(n, ssh, keeper_grace=keeper_grace),
+                                     runtime_dir=(runtime_dirs or {}).get(n.name) or n.runtime_dir)
+        if hasattr(h.transport, "owner"):
+            h.transport.owner = h  # the connection is idle when no op is in flight (fdlimit.SLOTS)
     return out
 
 
 async def close_all(hs: dict[str, NodeHandle]) -> None:
     await asyncio.gather(*(h.close() for h in hs.values()), return_exceptions=True)
+
+
+class NodePool:
+    """Node handles kept across the looks of one command (``status --watch``, ``reap`` over several jobs): one
+    connection and one op session per node, reopened only when it dropped (NodeHandle.session)."""
+
+    def __init__(self, ssh: SshOptions, *, keeper_grace: float = 10.0):
+        self.ssh, self.keeper_grace = ssh, keeper_grace
+        self.kept: dict[tuple, NodeHandle] = {}
+
+    def handles(self, nodes: list[Node]) -> dict[str, NodeHandle]:
+        out = {}
+        for n in nodes:
+            key = (n.name, n.host, n.port, n.user, n.identity_file, n.python, n.runtime_dir, n.is_local)
+            if key not in self.kept:
+                self.kept[key] = handles([n], self.ssh, keeper_grace=self.keeper_grace)[n.name]
+            out[n.name] = self.kept[key]
+        return out
+
+    async def close(self) -> None:
+        kept, self.kept = self.kept, {}
+        await asyncio.gather(*(h.close() for h in kept.values()), return_exceptions=True)
 
 
 def first_error_code(errors: list[BaseException]):
@@ -288,7 +334,7 @@ def first_error_code(errors: list[BaseException]):
     return codes.pop() if len(codes) == 1 else Exit.FAILED
 
 
-__all__ = ["NodeHandle", "SshOptions", "handles", "close_all", "transport_for", "make_transport", "node_python", "IntegrityError"]
+__all__ = ["NodeHandle", "NodePool", "SshOptions", "handles", "close_all", "transport_for", "make_transport", "node_python", "IntegrityError"]
 
 
 def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:

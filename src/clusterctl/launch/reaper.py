@@ -12,15 +12,16 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch.manifest import ManifestStore, coordinator_alive
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.nodes import NodePool, SshOptions
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
 
 
 
 
-async def ranks_alive(m, ssh: SshOptions) -> bool:
-    """Does any rank of the job still run? Unreachable nodes count as yes (we cannot tell)."""
+async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
+    """Does any rank of the job still run? Unreachable nodes count as yes (we cannot tell). ``pool``
+    (nodes.NodePool): the node sessions to ask over, left open."""
     import asyncio
 
     from clusterctl.launch.nodes import close_all, handles
@@ -32,24 +33,26 @@ async def ranks_alive(m, ssh: SshOptions) -> bool:
                                                    "pgid": r.pgid, "boot_id": r.boot_id})
     if not by_node:
         return False
-    hs = handles([n for n in m.nodes if n.name in by_node], ssh)
+    asked = [n for n in m.nodes if n.name in by_node]
+    hs = pool.handles(asked) if pool is not None else handles(asked, ssh)
     try:
         answers = await asyncio.gather(*(hs[n].op("alive", {"targets": t}, timeout=30) for n, t in by_node.items()),
                                        return_exceptions=True)
     finally:
-        await close_all(hs)
+        if pool is None:
+            await close_all(hs)
     for a in answers:
         if isinstance(a, BaseException) or any(st in ("alive", "unverifiable") for st in a.get("status", [])):
             return True
     return False
 
 
-async def job_is_live(m, ssh: SshOptions) -> bool:
+async def job_is_live(m, ssh: SshOptions, pool=None) -> bool:
     """A job is live while its coordinator is, or (detached) while any of its ranks still runs."""
     if not coordinator_alive(m.coordinator):
         return False
     if m.coordinator.detached:
-        return await ranks_alive(m, ssh)
+        return await ranks_alive(m, ssh, pool)
     return True
 
 
@@ -72,40 +75,53 @@ class ReapReport:
 
 async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
                log=lambda msg: None, held: frozenset[str] = frozenset()) -> ReapReport:
-    """``held``: deployment ids whose lock the caller already holds (a launch reaping its own dead jobs)."""
+    """``held``: deployment ids whose lock the caller already holds (a launch reaping its own dead jobs).
+    One connection and session per node for every job on it (nodes.NodePool); the jobs' checks concurrent."""
     report = ReapReport(dry_run=dry_run)
     if not state.launches.is_dir():
         return report  # nothing was ever launched: no key, no lock needed
-    with locked(state.locks / "reap.lock", what="reap"):
-        trusted = state.keyring.public_keys()
-        store = ManifestStore(state.launches, None, trusted)
-        good, bad = store.all()
-        for path, why in bad:
-            report.malformed.append({"manifest": str(path), "error": why})
-        for path, m in good:
-            if await job_is_live(m, ssh):
-                continue
-            if dry_run:
-                report.reaped.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "dry_run": True,
-                                      "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
-                continue
-            try:
-                lock = Lock(deployment_lock_path(state, m.deployment_id))
-                if m.deployment_id not in held:
-                    lock.acquire(what=f"deployment {m.deployment_id}")
-            except Busy:
-                report.skipped.append({"job_id": m.job_id, "reason": "deployment locked by a launch or teardown"})
-                continue
-            try:
-                store.key = state.keyring.signing_key()
-                log(f"reaping job {m.job_id} (" + ("every rank of the detached job has exited)" if m.coordinator.detached
-                                                   else f"coordinator pid {m.coordinator.pid} is gone)"))
-                try:
-                    tr = await teardown_job(m, store, ssh, grace=grace)
-                except ClusterctlError as e:
-                    report.failed.append({"job_id": m.job_id, "error": e.message})
-                    continue
-                (report.reaped if tr.ok else report.failed).append(tr.to_json())
-            finally:
-                lock.release()
+    pool = NodePool(ssh)
+    try:
+        with locked(state.locks / "reap.lock", what="reap"):
+            await _reap_locked(state, ssh, pool, report, grace=grace, dry_run=dry_run, log=log, held=held)
+    finally:
+        await pool.close()
     return report
+
+
+async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grace: float, dry_run: bool, log,
+                       held: frozenset[str]) -> None:
+    import asyncio
+
+    trusted = state.keyring.public_keys()
+    store = ManifestStore(state.launches, None, trusted)
+    good, bad = store.all()
+    for path, why in bad:
+        report.malformed.append({"manifest": str(path), "error": why})
+    live = await asyncio.gather(*(job_is_live(m, ssh, pool) for _, m in good))
+    for (path, m), is_live in zip(good, live):
+        if is_live:
+            continue
+        if dry_run:
+            report.reaped.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "dry_run": True,
+                                  "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
+            continue
+        try:
+            lock = Lock(deployment_lock_path(state, m.deployment_id))
+            if m.deployment_id not in held:
+                lock.acquire(what=f"deployment {m.deployment_id}")
+        except Busy:
+            report.skipped.append({"job_id": m.job_id, "reason": "deployment locked by a launch or teardown"})
+            continue
+        try:
+            store.key = state.keyring.signing_key()
+            log(f"reaping job {m.job_id} (" + ("every rank of the detached job has exited)" if m.coordinator.detached
+                                               else f"coordinator pid {m.coordinator.pid} is gone)"))
+            try:
+                tr = await teardown_job(m, store, ssh, grace=grace, hs=pool.handles(m.nodes))
+            except ClusterctlError as e:
+                report.failed.append({"job_id": m.job_id, "error": e.message})
+                continue
+            (report.reaped if tr.ok else report.failed).append(tr.to_json())
+        finally:
+            lock.release()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import socket
 
 import asyncssh
 
 from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
-from clusterctl.launch import ssh_policy
+from clusterctl.launch import fdlimit, ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
 from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
                                          keeper_argv, keeper_env, raise_for_status, shell_command_line, stop_all)
@@ -53,15 +54,36 @@ class _PolicyClient(asyncssh.SSHClient):
             return False
 
 
+_KNOWN_HOSTS: dict[str, tuple[tuple[int, int], asyncssh.SSHKnownHosts]] = {}
+
+
+def known_hosts(spec: str | bytes):
+    """A known_hosts file parsed once per command (asyncssh given a path parses it again for every connection:
+    0.7 s of event loop at 256 nodes), parsed again only when the file changed (a key accepted meanwhile)."""
+    if not isinstance(spec, str):
+        return spec
+    try:
+        st = os.stat(spec)
+    except OSError:
+        return spec  # asyncssh reports it as it would
+    stamp = (st.st_mtime_ns, st.st_size)
+    got = _KNOWN_HOSTS.get(spec)
+    if got is None or got[0] != stamp:
+        got = _KNOWN_HOSTS[spec] = (stamp, asyncssh.read_known_hosts(spec))
+    return got[1]
+
+
 async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
     """Open a verified connection or raise AuthRejected (77) / HostUnreachable (69) / ConfigError."""
     kwargs = ssh_policy.asyncssh_connect_kwargs(target)
-    client = _PolicyClient(target, kwargs["known_hosts"])
+    client = None
     try:
+        kwargs["known_hosts"] = known_hosts(kwargs["known_hosts"])
+        client = _PolicyClient(target, kwargs["known_hosts"])
         conn, _ = await asyncssh.create_connection(lambda: client, **kwargs)
         return conn
     except asyncssh.HostKeyNotVerifiable as e:
-        raise client.refusal or ssh_policy.unknown_host_key_error(target, str(e)) from None
+        raise (client and client.refusal) or ssh_policy.unknown_host_key_error(target, str(e)) from None
     except asyncssh.PermissionDenied as e:
         raise ssh_policy.auth_failed_error(target, e.reason or "permission denied") from None
     except asyncssh.KeyExchangeFailed as e:
@@ -79,6 +101,8 @@ async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
     except FileNotFoundError as e:
         raise ConfigError(f"cannot read {e.filename or 'an ssh key or known_hosts file'}: {e.strerror}") from None
     except OSError as e:
+        if fdlimit.is_emfile(e):  # this machine's limit, not the node: never "check that the node is up"
+            raise fdlimit.too_many_open_files(f"connecting to {ssh_policy.describe(target)}") from None
         raise ssh_policy.unreachable_error(target, e.strerror or str(e)) from None
 
 
@@ -170,6 +194,9 @@ class SshTransport:
         self._lock = asyncio.Lock()
         self._channels = asyncio.Semaphore(SHORT_CHANNELS)
         self._started: list[StartedProcess] = []
+        self.owner = None  # the NodeHandle using this transport: it says when the connection is idle
+        self._busy = 0  # commands in flight
+        self._pipes = 0  # pipes opened on this connection (an owner-less transport is never idle with one)
 
     def __repr__(self) -> str:
         return f"SshTransport({self.node!r}, {ssh_policy.describe(self.target)})"
@@ -182,9 +209,25 @@ class SshTransport:
         async with self._lock:
             if self._conn is not None and self._conn.is_closed():
                 self._conn = None
+                fdlimit.SLOTS.release(self)
             if self._conn is None:
-                self._conn = await connect(self.target)
+                await fdlimit.SLOTS.acquire(self)  # waves when the open-file limit cannot cover every node
+                try:
+                    self._conn = await connect(self.target)
+                except BaseException:
+                    fdlimit.SLOTS.release(self)
+                    raise
+                self._pipes = 0
             return self._conn
+
+    def idle(self) -> bool:
+        """Nothing in flight and nothing started here: the connection may be closed and reopened later."""
+        if any(p.returncode is None for p in self._started) or self._busy:
+            return False
+        return self.owner.idle() if self.owner is not None else self._pipes == 0
+
+    async def evict(self) -> None:
+        await (self.owner.evict() if self.owner is not None else self.close())
 
     async def _open(self, command: str) -> asyncssh.SSHClientProcess:
         conn = await self.connection()
@@ -198,6 +241,15 @@ class SshTransport:
 
     async def _run_line(self, argv: list[str], command: str, *, input: bytes | None,
                         timeout: float | None) -> CommandResult:
+        self._busy += 1
+        try:
+            return await self._run_counted(argv, command, input=input, timeout=timeout)
+        finally:
+            self._busy -= 1
+            fdlimit.SLOTS.poke()
+
+    async def _run_counted(self, argv: list[str], command: str, *, input: bytes | None,
+                           timeout: float | None) -> CommandResult:
         async with self._channels:
             proc = await self._open(command)
             try:
@@ -241,6 +293,7 @@ class SshTransport:
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _SshPipe:
         check_argv(argv, env)
+        self._pipes += 1
         return _SshPipe(self, await self._open(shell_command_line(argv, env, exec_=True)))
 
     async def close(self) -> None:
@@ -249,6 +302,7 @@ class SshTransport:
         await stop_all(started)
         async with self._lock:
             conn, self._conn = self._conn, None
+            fdlimit.SLOTS.release(self)
         if conn is not None:
             conn.close()
             with contextlib.suppress(Exception):

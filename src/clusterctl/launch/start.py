@@ -50,6 +50,7 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
 
     dep_path, loaded = state.load_deployment(dep_ref)
     dep: Deployment = loaded.deployment
+    _check_connections(dep, opts)
     # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
     # deployment, the model and the other launches: preflight then finds them ready. Nothing on a node changes.
     hs = handles([dep.node(r.node) for r in dep.ranks], opts.ssh, keeper_grace=opts.grace)
@@ -85,6 +86,19 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
         await close_all(hs)
         lock.release()
         raise
+
+
+def _check_connections(dep: Deployment, opts: LaunchOptions) -> None:
+    """A foreground job holds one connection per remote node for its whole life (its ranks' keepers): it cannot
+    run in waves (fdlimit.SLOTS), so it must fit under the open-file limit at once."""
+    from clusterctl.errors import ConfigError
+    from clusterctl.launch.fdlimit import SLOTS, soft_limit
+
+    remote = sum(not dep.node(r.node).is_local for r in dep.ranks)
+    if not opts.detach and remote > SLOTS.limit:
+        raise ConfigError(f"a foreground launch keeps one connection per node open: {remote} nodes, but the "
+                          f"open-file limit ({soft_limit()}) allows {SLOTS.limit}",
+                          hint="raise it (`ulimit -n`), or launch --detach (docs/scale.md)")
 
 
 async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: LaunchOptions, log, *, manifest,

@@ -55,13 +55,14 @@ async def _processes(m, hs) -> dict[int, str]:
     return out
 
 
-async def _look(m, ssh: SshOptions) -> tuple[dict, dict]:
-    """A job's markers and its ranks' processes, over one session per node."""
-    hs = handles(m.nodes, ssh)
+async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
+    """A job's markers and its ranks' processes, over one session per node (``pool``'s, kept open after)."""
+    hs = pool.handles(m.nodes) if pool is not None else handles(m.nodes, ssh)
     try:
         return await asyncio.gather(job_markers(m, ssh, hs=hs), _processes(m, hs))
     finally:
-        await close_all(hs)
+        if pool is None:
+            await close_all(hs)
 
 
 def _serving_defaults(state, deployment_id: str) -> dict | None:
@@ -85,16 +86,18 @@ def _serving_defaults(state, deployment_id: str) -> dict | None:
     return doc or None
 
 
-async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None) -> dict:
+async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None,
+                 pool=None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
-    concurrently."""
+    concurrently. ``pool`` (nodes.NodePool): node sessions kept between calls (``status --watch``)."""
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is not None:
         ref = job_ref(state, ref)
         good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
         bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
-    looks = await asyncio.gather(*(_look(m, ssh) for _, m in good)) if probe_nodes else [({}, {})] * len(good)
+    looks = await asyncio.gather(*(_look(m, ssh, pool) for _, m in good)) if probe_nodes \
+        else [({}, {})] * len(good)
     jobs = []
     for (path, m), (markers, procs) in zip(good, looks):
         alive = coordinator_alive(m.coordinator)

@@ -1,8 +1,9 @@
 """``clusterctl status --watch``: the status of a deployment's ranks again and again, with rates between two looks.
 
-Each refresh asks every node for its ranks' markers (launch/status.py), which carry what each rank's step loop
-last said of its load: requests in its batch, the queue (rank 0), tokens generated (rank 0), step time, idle
-share, RSS, the peer-loss ladder's last stage. Tokens per second is the difference of rank 0's token count
+Each refresh asks every node for its ranks' markers (launch/status.py), over the same connection and node session
+each time (reopened only when it dropped). Markers carry what each rank's step loop last said of its load:
+requests in its batch, the queue (rank 0), tokens generated (rank 0), step time, idle share, RSS, the peer-loss
+ladder's last stage. Tokens per second is the difference of rank 0's token count
 between two refreshes over the time between them. The loop ends on Ctrl-C (exit 0) or ``count`` refreshes.
 """
 
@@ -25,16 +26,21 @@ def with_rates(doc: dict, prev: dict | None, dt: float) -> dict:
 
 async def _looks(state, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
                  count: int | None) -> None:
+    from clusterctl.launch.nodes import NodePool
     from clusterctl.launch.status import status
 
+    pool = NodePool(ssh)  # each node's connection and session kept between refreshes; a dropped one reopened
     prev, t_prev, n = None, None, 0
-    while count is None or n < count:
-        t0 = time.monotonic()
-        doc = await status(state, ssh, ref=ref)
-        show(with_rates(doc, prev, t0 - t_prev if t_prev is not None else 0.0))
-        prev, t_prev, n = doc, t0, n + 1
-        if count is None or n < count:
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+    try:
+        while count is None or n < count:
+            t0 = time.monotonic()
+            doc = await status(state, ssh, ref=ref, pool=pool)
+            show(with_rates(doc, prev, t0 - t_prev if t_prev is not None else 0.0))
+            prev, t_prev, n = doc, t0, n + 1
+            if count is None or n < count:
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
+    finally:
+        await pool.close()
 
 
 def watch(state, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
