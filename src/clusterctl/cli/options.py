@@ -298,27 +298,34 @@ FrontOpt = Annotated[Optional[str], typer.Option(
     callback=lambda v: None if v is None else front_address(v), metavar="HOST:PORT")]
 
 
-# the supervisor's policy (launch --heal, supervise; launch/heal.py, docs/heal.md)
-HealGraceOpt = Annotated[float, typer.Option("--heal-grace", help="Seconds a rank or node must stay down before it "
-                                             "is healed.", parser=number(0, 3600), metavar="SECONDS")]
-HealMaxOpt = Annotated[int, typer.Option("--heal-max", help="At most this many heals and rejoins per --heal-window.",
-                                         min=1, max=1000)]
-HealWindowOpt = Annotated[float, typer.Option("--heal-window", help="The window of --heal-max, in seconds.",
-                                              parser=number(1, 7 * 86400), metavar="SECONDS")]
-HealBackoffOpt = Annotated[float, typer.Option("--heal-backoff", help="Seconds after a heal before the next one; "
-                                               "doubles with each heal in the window (at most 300 s, or this).",
-                                               parser=number(0, 86400), metavar="SECONDS")]
-RejoinAfterOpt = Annotated[float, typer.Option("--rejoin-after", help="Seconds a lost node must answer and pass the "
-                                               "probe before the original plan comes back.",
-                                               parser=number(0, 86400), metavar="SECONDS")]
-RejoinDrainOpt = Annotated[float, typer.Option("--rejoin-drain", help="Seconds the rejoin waits for no request in "
-                                               "flight before it goes ahead anyway.", parser=number(0, 86400),
-                                               metavar="SECONDS")]
+# the supervisor's policy (launch --heal, supervise; launch/heal.py, docs/heal.md); None: the policy's default
+HealGraceOpt = Annotated[Optional[float], typer.Option(
+    "--heal-grace", help="Seconds a rank or node must stay down before it is healed (default 5).",
+    parser=number(0, 3600), metavar="SECONDS")]
+HealMaxOpt = Annotated[Optional[int], typer.Option(
+    "--heal-max", help="At most this many heals and rejoins per --heal-window (default 3).", min=1, max=1000)]
+HealWindowOpt = Annotated[Optional[float], typer.Option(
+    "--heal-window", help="The window of --heal-max, in seconds (default 600).", parser=number(1, 7 * 86400),
+    metavar="SECONDS")]
+HealBackoffOpt = Annotated[Optional[float], typer.Option(
+    "--heal-backoff", help="Seconds after a heal before the next one; doubles with each heal in the window "
+                           "(default 10; at most 300 s, or this).", parser=number(0, 86400), metavar="SECONDS")]
+RejoinAfterOpt = Annotated[Optional[float], typer.Option(
+    "--rejoin-after", help="Seconds a lost node must answer and pass the probe before the original plan comes "
+                           "back (default 20).", parser=number(0, 86400), metavar="SECONDS")]
+RejoinDrainOpt = Annotated[Optional[float], typer.Option(
+    "--rejoin-drain", help="Seconds the rejoin waits for a moment with no request in flight before it goes ahead "
+                           "anyway (default 15).", parser=number(0, 86400), metavar="SECONDS")]
 
 
-def heal_policy(grace: float = 5.0, max_heals: int = 3, window: float = 600.0, backoff: float = 10.0,
-                rejoin_after: float = 30.0, drain: float = 30.0):
+def heal_policy(grace: float | None = None, max_heals: int | None = None, window: float | None = None,
+                backoff: float | None = None, rejoin_after: float | None = None, drain: float | None = None):
+    """The policy from the flags given (None: launch/heal.py's default)."""
     from clusterctl.launch.heal import HealPolicy
 
-    return HealPolicy(grace_s=grace, max_heals=max_heals, window_s=window, backoff_s=backoff,
-                      backoff_max_s=max(300.0, backoff), rejoin_after_s=rejoin_after, drain_s=drain)
+    given = {k: v for k, v in (("grace_s", grace), ("max_heals", max_heals), ("window_s", window),
+                               ("backoff_s", backoff), ("rejoin_after_s", rejoin_after), ("drain_s", drain))
+             if v is not None}
+    if backoff is not None:
+        given["backoff_max_s"] = max(HealPolicy.backoff_max_s, backoff)
+    return HealPolicy(**given)

@@ -27,8 +27,8 @@ class HealPolicy:
     window_s: float = 600.0
     backoff_s: float = 10.0
     backoff_max_s: float = 300.0
-    rejoin_after_s: float = 30.0
-    drain_s: float = 30.0
+    rejoin_after_s: float = 20.0
+    drain_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.max_heals < 1 or min(self.grace_s, self.window_s, self.backoff_s, self.backoff_max_s,
