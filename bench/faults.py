@@ -726,6 +726,42 @@ def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     return f"seed {seed}, {schedule}: {tally.ok} served, {tally.refused} refused ({tally.by_status})"
 
 
+def _heal_trial(case_name: str):
+    """A heal row: bench/heal.py's case, held to its goals (heal time, rejoin time, 0 hung clients, same URL)."""
+    def trial(bed: Bed, rng: random.Random, i: int) -> str:
+        from heal import CASES, GOAL_HEAL, GOAL_REJOIN, run_case
+
+        case = next(c for c in CASES if c.name == case_name)
+        nbed = None
+        if case.fault == "link":
+            from fixtures_ssh import NetnsBed
+
+            why = NetnsBed.why_not()
+            if why:
+                raise Skip(why)
+            nbed = NetnsBed(bed.root / f"heal-netns{i}")
+        try:
+            r = run_case(bed.root, case, [], nbed)
+        finally:
+            if nbed is not None:
+                nbed.close()
+        c = r["clients"]
+        need(r["heal_s"] <= GOAL_HEAL[case.kind], f"serving again {r['heal_s']:.1f} s after the fault "
+             f"(goal {GOAL_HEAL[case.kind]:g} s)")
+        need(r["rejoin_s"] <= GOAL_REJOIN, f"original plan {r['rejoin_s']:.1f} s after the node was healthy "
+             f"(goal {GOAL_REJOIN:g} s)")
+        need(c["hung"] == 0, f"{c['hung']} client request(s) hung")
+        need(r["url_same"] and r["served_after_heal"] and r["served_after_rejoin"], f"the URL did not serve: {r}")
+        need(r["kinds"] == ["heal", "rejoin"] and r["old_ranks_left"] == 0, f"history {r['kinds']}, "
+             f"{r['old_ranks_left']} rank(s) of the lost job left")
+        return (f"heal {r['heal_s']:.1f} s, rejoin {r['rejoin_s']:.1f} s, ranks {'->'.join(map(str, r['ranks']))}, "
+                f"clients ok/error/hung {c['ok']}/{c['error']}/{c['hung']}")
+    return trial
+
+
+HEAL_CRITERION = ("launch --heal serves again on the nodes left within the goal (tiny 30 s, SmolLM2 60 s), back to "
+                  "the original plan within 60 s of the node healthy, 0 hung clients, the same URL")
+
 ROWS = [
     Row("coordinator SIGKILL (preflight, mid-launch, serving, mid-teardown)",
         "after one reap: 0 rank processes of the job, 0 strangers signalled, manifest gone", coordinator_sigkill),
@@ -749,6 +785,11 @@ ROWS = [
         "each a 200 within the context or a clean 4xx; no rank ends", request_fuzz),
     Row("GGUF metadata and counts fuzzed (model import)",
         "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
+    Row("heal: tiny 2->1, rank SIGKILL", HEAL_CRITERION, _heal_trial("tiny 2->1, rank SIGKILL"), trials=2),
+    Row("heal: tiny 2->1, rank frozen (SIGSTOP)", HEAL_CRITERION, _heal_trial("tiny 2->1, rank frozen (SIGSTOP)"),
+        trials=2),
+    Row("heal: tiny 2->1, link cut (netns)", HEAL_CRITERION, _heal_trial("tiny 2->1, link cut (netns)"), trials=2),
+    Row("heal: SmolLM2 3->2, rank SIGKILL", HEAL_CRITERION, _heal_trial("SmolLM2 3->2, rank SIGKILL"), trials=1),
     Row("replan option matrix (plan/replan random walk)", "new id + history entry for every change, --to gives "
         "the same bytes back, no-op says unchanged, a missing --path-map refused (69), nothing lost", replan_matrix),
 ]

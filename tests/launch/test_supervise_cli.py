@@ -1,0 +1,42 @@
+"""The supervisor's command line and what `status` makes of its state file (fast: no ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launchutil import cli
+
+
+def _state_file(state: Path, name: str, doc) -> Path:
+    p = state / "heal" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return p
+
+
+def test_heal_and_detach_contradict_and_supervise_names_a_missing_deployment(tmp_path, env):
+    p = cli("launch", "nope", "--heal", "--detach", env=env)
+    assert p.returncode == 2 and "clusterctl supervise" in p.stderr
+    p = cli("supervise", "nope", "--heal-grace", "1", "--rejoin-after", "2", env=env)
+    assert p.returncode == 66, p.stderr
+    p = cli("supervise", "nope", "--heal-max", "0", env=env)
+    assert p.returncode == 2
+
+
+def test_status_shows_each_supervisors_state_and_ignores_a_garbled_file(tmp_path, env):
+    state = Path(env["CLUSTERCTL_STATE_DIR"])
+    _state_file(state, "t.json", {
+        "schema_version": 1, "state": "degraded", "reason": "the model does not fit on a (b lost): needs 9 GiB",
+        "since": "2026-12-05T12:00:00Z", "heals": 2, "degraded_seconds": 61.5, "deployment": "t-1", "job": None,
+        "cluster": "t", "original": "t-0", "lost_nodes": ["b"],
+        "supervisor": {"host": "elsewhere-host", "pid": 1, "start_time": 1.0, "boot_id": None, "detached": False}})
+    _state_file(state, "u.json", '{"state": "serving", "deployment": ')  # truncated
+    _state_file(state, "v.json", {"state": "asleep", "deployment": "v-1"})  # not a state
+    p = cli("status", "--json", env=env)
+    assert p.returncode == 0, p.stderr
+    [h] = json.loads(p.stdout)["heal"]
+    assert h["state"] == "degraded" and h["heals"] == 2 and h["lost_nodes"] == ["b"]
+    p = cli("status", env=env)
+    assert p.returncode == 0 and "heal t: degraded since 2026-12-05T12:00:00Z: the model does not fit" in p.stderr
+    assert "2 heal(s), 62 s degraded" in p.stderr and "Traceback" not in p.stderr
