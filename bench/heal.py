@@ -185,6 +185,10 @@ def _launch_netns(d: Path, case: Case, extra: list[str], bed):
     return env, proc, "ns", lambda endpoint: (lambda: ask_netns(cluster, endpoint)), cluster
 
 
+def _job(state: Path, job_id: str) -> dict:
+    return next(m for m in manifests(state) if m["job_id"] == job_id)
+
+
 def run_case(root: Path, case: Case, extra: list[str], bed=None) -> dict:
     """One case, start to end; the figures."""
     d = Path(tempfile.mkdtemp(prefix=case.fault + "-", dir=root))
@@ -211,14 +215,14 @@ def run_case(root: Path, case: Case, extra: list[str], bed=None) -> dict:
             os.kill(victim["pid"], signal.SIGKILL if case.fault == "sigkill" else signal.SIGSTOP)
         t_heal = wait_state(state, cname, lambda s: s.get("state") == "serving" and s.get("job") not in (
             None, m0["job_id"]) and s.get("deployment") != original, 300, "the heal")
-        [m1] = manifests(state)
+        m1 = _job(state, heal_state(state, cname)["job"])  # the lost job's manifest stays while its node is cut
         healed_ok = asker(endpoint)() == "ok"
         if case.fault == "link":
             cluster.restore(cluster.nodes[-1])
         t_healthy = time.monotonic()
         t_back = wait_state(state, cname, lambda s: s.get("state") == "serving" and s.get("deployment") == original
                             and s.get("job") not in (None, m1["job_id"]), 300, "the rejoin")
-        [m2] = manifests(state)
+        m2 = _job(state, heal_state(state, cname)["job"])
         back_ok = asker(endpoint)() == "ok"
         counts = clients.end()
         hist = json.loads(cli("history", "--json", env=env).stdout or "{}").get("clusters", [{}])[0]

@@ -288,7 +288,7 @@ class Supervisor:
             return
         old = {n: running.hs[n] for n in nodes if n in running.hs}
         running.hs.update(handles([n for n in running.manifest.nodes if n.name in old], self._ssh()))
-        asyncio.ensure_future(asyncio.wait_for(close_all(old), LOOK_TIMEOUT))  # a dead connection: not awaited
+        asyncio.ensure_future(_quietly(close_all(old)))  # a dead connection: not awaited
 
     async def retry_leftovers(self) -> None:
         from clusterctl.launch.teardown import teardown_command
@@ -410,3 +410,8 @@ class Supervisor:
         self.log(f"deployment {self.current} is not running: launching it")
         self.job = await self.launch(self.ref)
 
+
+async def _quietly(aw) -> None:
+    """Close what may hang (a dead connection) in the background, within LOOK_TIMEOUT, never an error."""
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(aw, LOOK_TIMEOUT)

@@ -34,6 +34,8 @@ async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_o
             o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
             return 0
         ok = await sup.stop_job()
+        await sup.retry_leftovers()  # a lost job whose node did not answer, if it answers now
+        ok = ok and not sup.leftovers
         sup.phase("degraded", "stopped: the supervisor ended (launch --heal)")
         (o.info if ok else o.error)("every rank confirmed gone" if ok else "teardown could not confirm every rank "
                                     "gone (see the lines above)")
