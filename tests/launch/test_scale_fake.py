@@ -111,3 +111,29 @@ def test_a_cancelled_readline_leaves_no_pending_task():
         left = asyncio.run(go())
         gc.collect()
     assert left == []
+
+
+def test_a_fan_out_starts_at_most_a_burst_of_operations_per_loop_turn():
+    from collections import Counter
+
+    from clusterctl.launch.nodes import Pacer
+
+    async def go():
+        pacer, turn, passed = Pacer(), [0], []
+
+        async def ticker():
+            while True:
+                turn[0] += 1
+                await asyncio.sleep(0)
+
+        async def one():
+            await pacer.turn()
+            passed.append(turn[0])
+
+        t = asyncio.ensure_future(ticker())
+        await asyncio.gather(*(one() for _ in range(200)))
+        t.cancel()
+        return passed
+
+    per_turn = Counter(asyncio.run(go()))
+    assert sum(per_turn.values()) == 200 and max(per_turn.values()) <= Pacer.BURST and len(per_turn) >= 200 // 32

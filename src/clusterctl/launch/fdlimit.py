@@ -18,6 +18,8 @@ import sys
 from clusterctl.errors import ClusterctlError, Exit
 
 RESERVE = 64  # files the coordinator needs besides its connections: state dir, locks, pipes, asyncssh's own
+# a connection's socket, and a key or known_hosts file read while its handshake runs
+FDS_PER_CONNECTION = 2
 CEILING = 1 << 16  # the most this asks for: enough for thousands of nodes, far from a kernel's maximum
 EMFILE = (errno.EMFILE, errno.ENFILE)
 
@@ -39,6 +41,18 @@ def raise_nofile(want: int = CEILING) -> tuple[int, int]:
         except (ValueError, OSError):
             continue
     return soft, hard
+
+
+def open_fds() -> int:
+    """How many descriptors this process has open now (0 when the system does not say)."""
+    import os
+
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 0
 
 
 def soft_limit() -> int:
@@ -65,23 +79,25 @@ class ConnectionSlots:
     """How many connections may be open at once, process-wide. A holder is an object with ``idle() -> bool``
     and ``async evict()`` (close its connection; reopened on its next use)."""
 
-    def __init__(self, limit: int | None = None, fds_per_connection: int = 1):
+    def __init__(self, limit: int | None = None, fds_per_connection: int = FDS_PER_CONNECTION):
         self.fixed, self.fds_per_connection = limit, fds_per_connection
         self.holders: list = []  # least recently used first
         self.waiters: list[asyncio.Future] = []
         self.told = False
         self.loop = None
+        self.base: int | None = None  # descriptors open before the first connection (files, the loop's own)
 
     @property
     def limit(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        return max(4, (soft_limit() - RESERVE) // self.fds_per_connection)
+        base = open_fds() if self.base is None else self.base
+        return max(4, (soft_limit() - RESERVE - base) // self.fds_per_connection)
 
     def _same_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self.loop:  # a new command (asyncio.run): what an earlier loop held is gone with it
-            self.loop, self.holders, self.waiters = loop, [], []
+            self.loop, self.holders, self.waiters, self.base = loop, [], [], open_fds()
 
     async def acquire(self, holder) -> None:
         self._same_loop()
