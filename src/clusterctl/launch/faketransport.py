@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import inspect
 import json
@@ -91,7 +92,8 @@ class ScriptedPipe:
 
     def __init__(self, ops: ScriptedOps):
         self.ops = ops
-        self.lines: asyncio.Queue[bytes] = asyncio.Queue()
+        self.lines: collections.deque[bytes] = collections.deque()
+        self.waiter: asyncio.Future | None = None  # a readline waiting for a line or the end
         self.tasks: set[asyncio.Task] = set()
         self.closed = asyncio.Event()
         self.returncode: int | None = None
@@ -109,25 +111,28 @@ class ScriptedPipe:
             out = {"id": msg["id"], "answer": await self.ops.answer(msg["op"], msg.get("req") or {})}
         except NodeOpError as e:
             out = {"id": msg["id"], "error": e.message, "kind": e.kind}
-        await self.lines.put(json.dumps(out).encode() + b"\n")
+        self.lines.append(json.dumps(out).encode() + b"\n")
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     async def drain(self) -> None:
         await asyncio.sleep(0)
 
     async def readline(self) -> bytes:
-        if not self.lines.empty():
-            return self.lines.get_nowait()
-        get = asyncio.ensure_future(self.lines.get())
-        closed = asyncio.ensure_future(self.closed.wait())
-        try:
-            done, _ = await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
-        finally:  # cancelled too (a session's reader is, when its handle closes): no task left pending
-            for t in (get, closed):
-                if not t.done():
-                    t.cancel()
-        if get in done:
-            return get.result()
-        return b""
+        # a plain future, no task: a readline cancelled (a session's reader is, when its handle closes) leaves
+        # nothing pending behind
+        while not self.lines:
+            if self.closed.is_set():
+                return b""
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.lines.popleft()
 
     async def read_stderr(self, n: int = 65536) -> bytes:
         await self.closed.wait()
@@ -141,6 +146,7 @@ class ScriptedPipe:
             t.cancel()
         self.returncode = 0
         self.closed.set()
+        self._wake()
 
     async def wait(self) -> int:
         await self.closed.wait()
