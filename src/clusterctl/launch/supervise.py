@@ -310,8 +310,12 @@ class Supervisor:
             return
         self.book.healed(now, self.pending)
         asked = [n for n in self.node_order if n not in self.book.lost]
-        answers = await self.probe(asked) if asked else {}
-        nodes = [n for n in asked if answers.get(n)]
+        # a node that answered the last look of the lost job just now needs no probe of its own (one SSH
+        # connection and one Python start-up less before the relaunch); the others are asked
+        fresh = {n for n in asked if self.unreachable.get(n) is False}
+        self.unreachable = {}
+        answers = await self.probe([n for n in asked if n not in fresh]) if set(asked) - fresh else {}
+        nodes = [n for n in asked if n in fresh or answers.get(n)]
         lost = ", ".join(self.book.lost)
         if not nodes:
             self.pending = []  # tried again after the backoff
