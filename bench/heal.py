@@ -9,7 +9,8 @@ requests all along. The fault: the rank of the last node SIGKILLed, frozen with 
 (`ip link set DEV down` in its namespace; restored once the heal is done). Measured:
 
   heal s     the fault -> the supervisor serving again on the nodes left (its state file says `serving` with a
-             new job, which passed launch's canary), checked with a request on the same URL
+             new job, which passed launch's canary), checked with a request on the same URL; "seen at": the
+             fault -> the state file saying `healing` (detection and grace; the rest is teardown and relaunch)
   rejoin s   the node healthy again -> serving on the original plan again. A killed or frozen rank's node is
              healthy all along, but can only be judged once the heal took it out of the plan: from the heal;
              a cut link: from its restore
@@ -213,6 +214,7 @@ def run_case(root: Path, case: Case, extra: list[str], bed=None) -> dict:
             cluster.cut(cluster.nodes[-1])
         else:
             os.kill(victim["pid"], signal.SIGKILL if case.fault == "sigkill" else signal.SIGSTOP)
+        t_detect = wait_state(state, cname, lambda s: s.get("state") != "serving", 300, "the loss seen")
         t_heal = wait_state(state, cname, lambda s: s.get("state") == "serving" and s.get("job") not in (
             None, m0["job_id"]) and s.get("deployment") != original, 300, "the heal")
         m1 = _job(state, heal_state(state, cname)["job"])  # the lost job's manifest stays while its node is cut
@@ -234,7 +236,8 @@ def run_case(root: Path, case: Case, extra: list[str], bed=None) -> dict:
             with contextlib.suppress(OSError):
                 os.kill(victim["pid"], signal.SIGCONT)
         code = _stop(proc)
-    return {"case": case.name, "kind": case.kind, "heal_s": t_heal - t0, "rejoin_s": t_back - t_healthy,
+    return {"case": case.name, "kind": case.kind, "heal_s": t_heal - t0, "detect_s": t_detect - t0,
+            "rejoin_s": t_back - t_healthy,
             "clients": counts, "url_same": m1["endpoint"] == endpoint == m2["endpoint"],
             "served_after_heal": healed_ok, "served_after_rejoin": back_ok, "ranks": [len(m0["ranks"]),
             len(m1["ranks"]), len(m2["ranks"])], "kinds": [e.get("kind") for e in hist.get("entries", [])],
@@ -281,7 +284,8 @@ def main() -> int:
                         and r["served_after_rejoin"] and r["old_ranks_left"] == 0)
                 ok &= good
                 c = r["clients"]
-                rows.append([case.name, f"{r['heal_s']:.1f} ({r['heal_s'] / GOAL_HEAL[r['kind']]:.2f}x goal)",
+                rows.append([case.name, f"{r['heal_s']:.1f} ({r['heal_s'] / GOAL_HEAL[r['kind']]:.2f}x goal; "
+                             f"seen at {r['detect_s']:.1f})",
                              f"{r['rejoin_s']:.1f} ({r['rejoin_s'] / GOAL_REJOIN:.2f}x goal)",
                              f"{c['ok']}/{c['error']}/{c['hung']}", "yes" if r["url_same"] else "NO",
                              "->".join(map(str, r["ranks"])) + " " + ",".join(map(str, r["kinds"])),

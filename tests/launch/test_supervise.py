@@ -49,7 +49,7 @@ def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, 
     c = local_cluster(tmp_path, (6, 6))
     dep = tmp_path / "dep.json"
     cli("plan", "-c", str(c), "-m", str(tiny), "--context", "256", "-o", str(dep), "-q", env=env, check=True)
-    proc = start_cli("launch", str(dep), "--heal", "--heal-grace", "1", "--rejoin-after", "4", "--rejoin-drain",
+    proc = start_cli("launch", str(dep), "--heal", "--heal-grace", "1", "--rejoin-after", "2", "--rejoin-drain",
                      "5", "--timeout", "120", "--grace", "3", env=env)
     try:
         endpoint = wait_line(proc)

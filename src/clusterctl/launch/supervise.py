@@ -144,7 +144,9 @@ class Supervisor:
         ranks = [self._rank(m, r, markers.get(r.rank, {}), procs.get(r.rank)) for r in m.ranks]
         self.idle = judge(m, markers)["state"] == "idle"
         down = [x for x in ranks if x["state"] != "up"]
+        # down since the look began (a node that let it time out has not answered since then), judged now
         self.book.seen_down(now, {x["node"] for x in down})
+        now = self.clock()
         if not self.book.due(now):
             return None
         first = min(self.book.down_since.values())
