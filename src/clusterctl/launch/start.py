@@ -35,6 +35,7 @@ from clusterctl.plan.deployment import Deployment
 
 PORT_ATTEMPTS = 5
 POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
+YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
 
 
 async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | None = None) -> list[LaunchManifest]:
@@ -372,7 +373,9 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
         found = {r.rank: (d, e) for rs, ans in zip(by_node.values(), got)
                  for r, d, e in zip(rs, ans["markers"], ans["exited"])}
         pending = []
-        for r in ranks:
+        for i, r in enumerate(ranks):
+            if i and not i % YIELD_EVERY:
+                await asyncio.sleep(0)  # hundreds of markers: let the loop serve the nodes' connections between
             doc, exited = found[r.rank]
             mk = rf.parse_marker(doc)
             st = mk.state if mk else "starting"
