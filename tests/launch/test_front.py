@@ -2,10 +2,12 @@
 `openai` client, keys and CORS at the front, a rank 0 lost mid-answer, 503 + Retry-After while nothing serves,
 the front following a new job at an unchanged URL, the heal supervisor's word, and bad --front values.
 
-One module-scoped deployment (two launches in all: the second is the job the front must follow)."""
+One module: two jobs of the same cluster (two deployments) launched at once, one with --front: the front follows
+one, then the other when the first one's rank 0 is SIGKILLed, then says 503 when both are gone."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -13,15 +15,18 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from launchutil import cli, local_cluster, manifests, wait_gone
+from cliutil import run as cli_in  # in-process: no interpreter start per call
+from launchutil import cli, local_cluster, manifests, start_cli, wait_gone
 
 pytestmark = pytest.mark.slow
 
 KEY = "front-test-key-0123456789"
 ORIGIN = "https://app.example"
+NO_EOS = {"0": -100, "2": -100}  # the tiny model's end tokens banned: an answer runs until it is cut
 
 
 def _free_port() -> int:
@@ -35,17 +40,33 @@ class Deployment:
         self.tmp = tmp
         self.env = {"CLUSTERCTL_STATE_DIR": str(tmp / "state"), "FRONT_KEY": KEY}
         c = local_cluster(tmp, (4, 4))
-        self.dep = str(tmp / "dep.json")
-        cli("plan", "-c", str(c), "-m", str(tiny), "--context", "2048", "-o", self.dep, "-q", env=self.env,
-            check=True)
+        self.deps = [str(tmp / "dep1.json"), str(tmp / "dep2.json")]
+        for dep, ctx in zip(self.deps, ("2048", "1024")):  # two deployments of cluster t
+            cli("plan", "-c", str(c), "-m", str(tiny), "--context", ctx, "-o", dep, "-q", env=self.env, check=True)
+        self.dep = self.deps[0]
         self.port = _free_port()
         self.front = f"127.0.0.1:{self.port}"
 
-    def launch(self) -> dict:
-        p = cli("launch", self.dep, "--detach", "--json", "--timeout", "180", "--front", self.front,
-                "--api-key-env", "FRONT_KEY", "--cors-origin", ORIGIN, env=self.env)
-        assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout)
+    def launch_both(self) -> list[dict]:
+        """Both deployments at once; the first one's launch starts the front (the second knows of no front)."""
+        procs = [start_cli("launch", dep, "--detach", "--json", "--timeout", "180", "--api-key-env", "FRONT_KEY",
+                           "--cors-origin", ORIGIN, *(["--front", self.front] if i == 0 else []), env=self.env)
+                 for i, dep in enumerate(self.deps)]
+        docs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+            docs.append(json.loads(out))
+        return docs
+
+    def following(self) -> str | None:
+        """The job the front forwards to, as its /metrics says."""
+        import re
+
+        st, _, body = self.request("GET", "/metrics")
+        assert st == 200
+        found = re.findall(rb'clusterctl_front_following\{job="([^"]+)"\} 1\.0', body)
+        return found[0].decode() if found else None
 
     def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
                 key: str | None = KEY):
@@ -67,9 +88,9 @@ class Deployment:
 @pytest.fixture(scope="module")
 def d(tmp_path_factory, tiny):
     d = Deployment(tmp_path_factory.mktemp("front"), tiny)
-    d.first = d.launch()
+    d.jobs = d.launch_both()
     yield d
-    cli("teardown", env=d.env)
+    cli("teardown", "--force", env=d.env)
     cli("front", "--stop", env=d.env)
 
 
@@ -109,60 +130,6 @@ def test_the_key_is_enforced_at_the_front_and_cors_preflight_answers(d):
     assert st == 200 and b'clusterctl_front_state{state="serving"} 1.0' in body
 
 
-def _rank0(d) -> dict:
-    [m] = manifests(d.tmp / "state")
-    return m
-
-
-def test_rank0_lost_mid_answer_then_503_then_the_front_follows_a_new_job(d):
-    m = _rank0(d)
-    # a stream and a non-stream request in flight when rank 0 is SIGKILLed
-    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "once upon", "max_tokens": 1500,
-                                                             "stream": True, "ignore_eos": True}),
-                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    r = conn.getresponse()
-    assert r.status == 200
-    first = r.readline()
-    assert first.startswith(b"data: ") or first.startswith(b":")
-    plain: list = []
-    t = threading.Thread(target=lambda: plain.append(d.request("POST", "/v1/completions", {
-        "prompt": "hi", "max_tokens": 1500})), daemon=True)
-    t.start()
-    time.sleep(0.3)
-    os.kill(m["ranks"][0]["pid"], signal.SIGKILL)
-    events = [json.loads(x[6:]) if x[6:] != b"[DONE]" else "[DONE]"
-              for x in (line.strip() for line in r) if x.startswith(b"data: ")]
-    conn.close()
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_lost", events[-3:]
-    t.join(60)
-    assert plain and plain[0][0] == 503 and "Retry-After" in plain[0][1], plain
-
-    # nothing serves: 503 with Retry-After in OpenAI's shape, and /health says so
-    deadline = time.monotonic() + 10
-    while True:
-        st, h, body = d.request("GET", "/v1/models")
-        if st == 503 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert st == 503 and int(h["Retry-After"]) >= 1 and json.loads(body)["error"]["type"] == "server_error"
-    st, h, body = d.request("GET", "/health", key=None)
-    assert st == 503 and json.loads(body)["status"] == "unavailable" and "Retry-After" in h
-    assert d.request("GET", "/v1/models", key=None)[0] == 401  # still no word without the key
-
-    # a new job of the same cluster (the dead one is reaped first): the same URL serves it
-    second = d.launch()
-    assert second["job_id"] != d.first["job_id"] and second["endpoint"] != d.first["endpoint"]
-    r = d.openai().chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4, temperature=0)
-    assert r.usage.completion_tokens == 4
-    st, _, body = d.request("GET", "/metrics")
-    assert b"clusterctl_front_upstream_changes_total 2.0" in body
-    fronts = json.loads(cli("front", "--json", env=d.env).stdout)["fronts"]
-    assert [(f["url"], f["cluster"], f["state"]) for f in fronts] == [(f"http://{d.front}", "t", "serving")]
-    assert d.front in cli("status", env=d.env).stderr + cli("status", env=d.env).stdout
-
-
 def test_the_heal_supervisors_word_is_the_fronts_health(d):
     heal = d.tmp / "state" / "heal" / "t.json"
     heal.parent.mkdir(exist_ok=True)
@@ -189,15 +156,84 @@ def test_bad_front_values_are_one_line_and_nothing_starts(d):
         taken = busy.getsockname()[1]
         for value, code in ((f"127.0.0.1:{taken}", 69), ("192.0.2.1:8080", 69), ("bad host:80", 2),
                             ("127.0.0.1:0", 2), ("127.0.0.1", 2)):
-            p = cli("launch", d.dep, "--detach", "--front", value, "--timeout", "60", env=d.env)
+            p = cli_in("launch", d.dep, "--detach", "--front", value, "--timeout", "60", env=d.env)
             lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
-            assert p.returncode == code and len(lines) == 1, (value, p.returncode, p.stderr)
+            assert p.code == code and len(lines) == 1, (value, p.code, p.stderr)
     assert manifests(d.tmp / "state") == before
 
 
+def _kill_rank0_mid_answer(d, job: dict) -> None:
+    """A stream and a non-stream request in flight through the front when ``job``'s rank 0 is SIGKILLed: the
+    stream ends with an error event then [DONE], the other request gets 503 with Retry-After."""
+    [m] = [m for m in manifests(d.tmp / "state") if m["job_id"] == job["job_id"]]
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "once upon", "max_tokens": 1000,
+                                                             "stream": True, "logit_bias": NO_EOS}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline()  # the first event (or keepalive) arrived: the request is on rank 0
+    plain: list = []
+    t = threading.Thread(target=lambda: plain.append(d.request("POST", "/v1/completions", {
+        "prompt": "hi", "max_tokens": 1000, "logit_bias": NO_EOS})), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20  # both on rank 0 (its marker lists the requests in flight)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if len(json.loads(Path(m["ranks"][0]["marker_path"]).read_text()).get("active_requests") or []) >= 2:
+                break
+        time.sleep(0.05)
+    os.kill(m["ranks"][0]["pid"], signal.SIGKILL)
+    events = [json.loads(x[6:]) if x[6:] != b"[DONE]" else "[DONE]"
+              for x in (line.strip() for line in r) if x.startswith(b"data: ")]
+    conn.close()
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_lost", events[-3:]
+    t.join(60)
+    assert plain and plain[0][0] == 503 and "Retry-After" in plain[0][1], plain
+
+
+def test_rank0_lost_mid_answer_the_front_follows_the_other_job_then_503(d):
+    ids = {j["job_id"]: j for j in d.jobs}
+    first = d.following()
+    assert first in ids
+    _kill_rank0_mid_answer(d, ids[first])
+
+    # the other job of the cluster serves at the same URL
+    deadline = time.monotonic() + 10
+    while d.following() == first and time.monotonic() < deadline:
+        time.sleep(0.1)
+    other = d.following()
+    assert other in ids and other != first
+    r = d.openai().chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    st, _, body = d.request("GET", "/metrics")
+    import re
+
+    assert float(re.search(rb"^clusterctl_front_upstream_changes_total (\S+)$", body, re.M)[1]) >= 2
+    fronts = cli_in("front", "--json", env=d.env).json()["fronts"]
+    assert [(f["url"], f["cluster"], f["state"]) for f in fronts] == [(f"http://{d.front}", "t", "serving")]
+    st = cli_in("status", "--json", env=d.env).json()
+    assert {j["front"] for j in st["jobs"]} == {f"http://{d.front}"} and st["fronts"][0]["url"] == f"http://{d.front}"
+    assert f"front http://{d.front}: cluster t" in cli_in("status", env=d.env).stderr
+
+    # and when that one's rank 0 is lost too, nothing serves: 503 with Retry-After in OpenAI's shape
+    os.kill([m for m in manifests(d.tmp / "state") if m["job_id"] == other][0]["ranks"][0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        st, h, body = d.request("GET", "/v1/models")
+        if st == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert st == 503 and int(h["Retry-After"]) >= 1 and json.loads(body)["error"]["type"] == "server_error"
+    st, h, body = d.request("GET", "/health", key=None)
+    assert st == 503 and json.loads(body)["status"] == "unavailable" and "Retry-After" in h
+    assert d.request("GET", "/v1/models", key=None)[0] == 401  # still no word without the key
+
+
 def test_teardown_stops_the_front_it_started(d):
-    rec = json.loads(cli("front", "--json", env=d.env).stdout)["fronts"][0]
+    rec = cli_in("front", "--json", env=d.env).json()["fronts"][0]
     td = cli("teardown", env=d.env)
     assert td.returncode == 0 and "stopped" in td.stderr, td.stderr
     assert wait_gone([rec["pid"]], 10) == []
-    assert json.loads(cli("front", "--json", env=d.env).stdout)["fronts"] == []
+    assert cli_in("front", "--json", env=d.env).json()["fronts"] == []

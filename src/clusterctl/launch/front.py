@@ -62,6 +62,8 @@ class Front:
                                   registry=r)
         self.m_transitions = Counter("clusterctl_front_transitions", "Times the front entered a state", ["state"],
                                      registry=r)
+        self.m_following = Gauge("clusterctl_front_following", "1 for the job whose rank 0 the front forwards to",
+                                 ["job"], registry=r)
         for s in ("serving", "healing", "degraded", "unavailable"):
             self.m_state.labels(s).set(1 if s == self.state else 0)
 
@@ -92,11 +94,16 @@ class Front:
 
         before = self.target
         t = await self.follower.refresh()
-        if t is not None and (before is None or before.job_id != t.job_id):
-            self.m_switches.inc()
-            self.healthy, self._last_health = False, 0.0
+        self._switched(before, t)
         if t is not None and (not self.healthy or time.monotonic() - self._last_health > HEALTH_EVERY_S):
             self.healthy = await self._probe(t)
+            if not self.healthy:  # passed over while another job of the cluster serves (until it answers again)
+                self.follower.down.add(t.job_id)
+                t2 = await self.follower.refresh()
+                if t2 is not None and t2.job_id != t.job_id:
+                    self._switched(t, t2)
+                    t = t2
+                    self.healthy = await self._probe(t)
         heal = read_heal(self.follower.state, self.follower.cluster)
         if heal is not None and heal.state in ("healing", "degraded"):
             self._set_state(heal.state, heal.reason)
@@ -109,6 +116,16 @@ class Front:
         if busy:
             self.nothing_since = time.monotonic()
 
+    def _switched(self, before: Target | None, t: Target | None) -> None:
+        if (t and t.job_id) == (before and before.job_id):
+            return
+        if before is not None:
+            self.m_following.remove(before.job_id)
+        if t is not None:
+            self.m_following.labels(t.job_id).set(1)
+            self.m_switches.inc()
+        self.healthy, self._last_health = False, 0.0
+
     async def _probe(self, t: Target) -> bool:
         import aiohttp
 
@@ -116,6 +133,8 @@ class Front:
         try:
             async with self.session.get(t.endpoint + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 await r.read()
+                if r.status == 200:
+                    self.follower.down.discard(t.job_id)
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -161,8 +180,12 @@ def make_app(front: Front):
             front.m_requests.labels(outcome).inc()
         return resp
 
+    async def server_header(request, resp) -> None:
+        resp.headers["Server"] = "clusterctl"  # as rank 0 says; not the library and its version
+
     app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 16384})
     app.router.add_route("*", "/{tail:.*}", handle)
+    app.on_response_prepare.append(server_header)
     return app
 
 
@@ -238,11 +261,16 @@ async def _forward(front: Front, request, path: str, body: bytes):
             up = await front.session.request(request.method, t.endpoint + path + qs, data=body or None,
                                              headers=headers, allow_redirects=False)
             break
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
+        except aiohttp.ClientConnectorError:  # never reached rank 0: safe to send again
             t2 = await front.refresh_now()
             if attempt == 1 or t2 is None:
                 return _unavailable(front, request)
             t = t2  # rank 0 moved (a replan, a heal): the same request once more, to the new one
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):  # sent, then lost: never sent twice
+            front.healthy = False
+            front._wake.set()
+            return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
+                                                "retry shortly")
     try:
         if up.content_type == "text/event-stream":
             return await _stream(front, request, up, t)

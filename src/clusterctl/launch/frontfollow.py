@@ -105,6 +105,7 @@ class Follower:
     _files: dict = field(default_factory=dict)  # path -> ((mtime_ns, size), manifest | None)
     _clusters: dict = field(default_factory=dict)  # deployment id -> cluster name
     _bad_rules: dict = field(default_factory=dict)  # job id -> error seen (said once)
+    down: set = field(default_factory=set)  # jobs whose rank 0 did not answer: passed over while another serves
     log: object = print
 
     def _manifests(self) -> list:
@@ -155,6 +156,7 @@ class Follower:
         live = [m for m in ours if m.state == "ready" and m.endpoint and coordinator_alive(m.coordinator)]
         if not live:
             return None
+        live = [m for m in live if m.job_id not in self.down] or live  # all silent: the best one all the same
         try:
             current = history.current(self.state, self.cluster)
         except ClusterctlError:
