@@ -32,6 +32,7 @@ from clusterctl.launch.manifest import now_iso, this_coordinator
 POLL_S = 1.0
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe; a cut link must not stall the loop
 PROBE_EVERY_S = 2.0
+UNREACHABLE_CONNECT = 1.0  # the teardown's connection to a node that stopped answering
 SAVE_EVERY_S = 5.0
 UP = ("loading", "ready", "serving")
 FOLLOWER_EXIT = 69  # a rank that left because a peer, its lease or its parent was lost (Exit.UNAVAILABLE)
@@ -252,9 +253,9 @@ class Supervisor:
         await self.stop_job(unreachable=frozenset(n for n in blame if self.unreachable.get(n)))
         self.pending = blame
 
-    def _ssh(self):
-        """SSH options for a node that may not answer: connect within LOOK_TIMEOUT."""
-        return dataclasses.replace(self.opts.ssh, connect_timeout=min(self.opts.ssh.connect_timeout, LOOK_TIMEOUT))
+    def _ssh(self, within: float = LOOK_TIMEOUT):
+        """SSH options for a node that may not answer: connect within ``within`` seconds."""
+        return dataclasses.replace(self.opts.ssh, connect_timeout=min(self.opts.ssh.connect_timeout, within))
 
     async def stop_job(self, unreachable: frozenset[str] = frozenset()) -> bool:
         """Every rank of the job stopped verified; False (the job noted, retried later) when not confirmed.
@@ -289,7 +290,9 @@ class Supervisor:
         if not nodes:
             return
         old = {n: running.hs[n] for n in nodes if n in running.hs}
-        running.hs.update(handles([n for n in running.manifest.nodes if n.name in old], self._ssh()))
+        # it has just not answered for the grace: one more second to connect, then its ranks are "unreachable"
+        # (the job's manifest is kept, its teardown retried once the node answers again)
+        running.hs.update(handles([n for n in running.manifest.nodes if n.name in old], self._ssh(UNREACHABLE_CONNECT)))
         asyncio.ensure_future(_quietly(close_all(old)))  # a dead connection: not awaited
 
     async def retry_leftovers(self) -> None:
