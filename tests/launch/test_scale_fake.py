@@ -137,3 +137,31 @@ def test_a_fan_out_starts_at_most_a_burst_of_operations_per_loop_turn():
 
     per_turn = Counter(asyncio.run(go()))
     assert sum(per_turn.values()) == 200 and max(per_turn.values()) <= Pacer.BURST and len(per_turn) >= 200 // 32
+
+
+def test_names_of_nodes_without_ips_are_looked_up_concurrently_off_the_loop(state, monkeypatch):
+    import socket
+    import threading
+    import time
+
+    from clusterctl.launch import hostfile
+    from clusterctl.launch.start import rank_addresses
+
+    dep = state.load_deployment(simulated_deployment(state, 6, ips=False))[1].deployment
+    loop_thread, inflight, most, threads = threading.get_ident(), [0], [0], set()
+    lock = threading.Lock()
+
+    def slow_lookup(host, *args, **kw):
+        with lock:
+            inflight[0] += 1
+            most[0] = max(most[0], inflight[0])
+            threads.add(threading.get_ident())
+        time.sleep(0.3)  # a slow resolver
+        with lock:
+            inflight[0] -= 1
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (f"10.9.9.{int(host[1:5]) + 1}", 0))]
+
+    monkeypatch.setattr(hostfile.socket, "getaddrinfo", slow_lookup)
+    addrs = asyncio.run(rank_addresses(dep))
+    assert sorted(addrs) == [f"10.9.9.{i + 1}" for i in range(6)]
+    assert loop_thread not in threads and most[0] > 1

@@ -120,8 +120,9 @@ class SimulatedNode(ScriptedOps):
         return len(self.calls)
 
 
-def simulated_deployment(state, nodes: int, *, layers: int | None = None) -> str:
-    """A signed deployment of ``nodes`` remote nodes ``n0000``... (each with ``ips``: no name lookups) over a
+def simulated_deployment(state, nodes: int, *, layers: int | None = None, ips: bool = True) -> str:
+    """A signed deployment of ``nodes`` remote nodes ``n0000``... (each with ``ips``: no name lookups, unless
+    ``ips=False``: then each is host ``n0000.sim`` and launch resolves it) over a
     synthetic model of ``layers`` (default: one per node), saved in ``state``; returns its path. Launch it with
     ``LaunchOptions(check_model=False)``: there is no model folder to check."""
     from clusterctl.plan.deployment import PlanOptions
@@ -135,7 +136,8 @@ def simulated_deployment(state, nodes: int, *, layers: int | None = None) -> str
                        layer_bytes=[64 << 20] * layers, shared_bytes=256 << 20, kv_dtype_bytes=2,
                        facts_hash="0" * 64, files=["model.safetensors"])
     cluster = parse_cluster({"cluster": {"name": f"sim{nodes}"}, "node": [
-        {"name": f"n{i:04d}", "host": f"10.{i // 250}.{i % 250}.1", "ips": [f"10.{i // 250}.{i % 250}.1"],
+        {"name": f"n{i:04d}", **({"host": f"10.{i // 250}.{i % 250}.1", "ips": [f"10.{i // 250}.{i % 250}.1"]}
+                                 if ips else {"host": f"n{i:04d}.sim"}),
          "memory_gb": 64, "model_path": "/models/m", "runtime_dir": "/run/fake"} for i in range(nodes)]})
     dep = make_deployment(cluster, facts, "/models/m", PlanOptions())
     if len(dep.ranks) != nodes:
