@@ -71,7 +71,9 @@ def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, 
         [entry] = hist["clusters"][0]["entries"]
         assert entry["kind"] == "heal" and entry["from"] == original["deployment"] and "a leaves" in entry["changes"]
         st = json.loads(cli("status", "--json", env=env, check=True).stdout)
-        assert st["heal"][0]["state"] == "serving" and st["heal"][0]["heals"] == 1
+        # the rejoin may be under way already (2 s of health): either way the heal is counted and named
+        assert st["heal"][0]["heals"] == 1 and st["heal"][0]["original"] == original["deployment"]
+        assert st["heal"][0]["state"] in ("serving", "healing") and st["heal"][0]["supervisor_alive"] is True
 
         back = _wait("the rejoin", lambda: (lambda d: d if d.get("deployment") == original["deployment"]
                                             and d.get("state") == "serving" and d.get("job") else None)(
