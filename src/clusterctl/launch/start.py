@@ -49,7 +49,8 @@ async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
     from clusterctl.launch.reaper import reap
 
-    dep_path, loaded = state.load_deployment(dep_ref)
+    # verified and re-hashed in a thread: hundreds of KB at hundreds of nodes
+    dep_path, loaded = await asyncio.to_thread(state.load_deployment, dep_ref)
     dep: Deployment = loaded.deployment
     _check_connections(dep, opts)
     # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
