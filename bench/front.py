@@ -4,12 +4,16 @@ Run: .venv/bin/python bench/front.py [--rounds N] [--clients 1,8] [--requests N]
 
 One real 2-rank local deployment of the tiny model (`launch --detach --front 127.0.0.1:PORT`); every round
 measures both arms back to back (the order alternates), and the medians over rounds are compared:
-  latency    each of C clients sends --requests requests one after another over a kept-alive connection:
-             GET /v1/models (rank 0's HTTP path, no model work) and a 1-token chat completion; the added latency
-             is median(front) - median(direct) per request
+  latency    each of C clients holds a kept-alive connection to each arm and sends --requests requests to
+             each, alternating request by request: GET /v1/models (rank 0's HTTP path, no model work) and a
+             1-token chat completion; added = median over rounds of (median front - median direct) of a round
   streamed   C clients each stream one greedy chat completion of --tokens tokens: aggregate tokens/s
-             (all completion tokens / first request sent -> last stream ended); the ratio is front / direct
+             (all completion tokens / first request sent -> last stream ended), the arms back to back (the order
+             alternates by round); the ratio is the median over rounds of front / direct of a round
 Targets: added latency <= 1 ms per request; streamed tokens/s >= 0.98x direct; at 1 and 8 clients.
+Also printed: the front process's own CPU time per request and per streamed token (psutil), which a loaded
+machine does not inflate the way it inflates wall-clock latency (every hop through one more process waits for a
+core).
 """
 
 from __future__ import annotations
@@ -37,30 +41,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def latencies(base: str, clients: int, requests: int, what: str) -> list[float]:
-    """Per-request seconds of ``clients`` threads, each on its own kept-alive connection."""
-    host, port = base.removeprefix("http://").rsplit(":", 1)
-    out: list[float] = []
+def latencies(direct: str, front: str, clients: int, requests: int, what: str) -> dict[str, list[float]]:
+    """Per-request seconds by arm: each of ``clients`` threads holds a kept-alive connection to each arm and
+    alternates between them request by request (the order flips every time), so both arms see the same load."""
+    out: dict[str, list[float]] = {"direct": [], "front": []}
     lock = threading.Lock()
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0})
 
+    def one(conn) -> float:
+        t0 = time.perf_counter()
+        if what == "models":
+            conn.request("GET", "/v1/models")
+        else:
+            conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{what}: {r.status}")
+        return time.perf_counter() - t0
+
     def client() -> None:
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        mine = []
-        for _ in range(requests):
-            t0 = time.perf_counter()
-            if what == "models":
-                conn.request("GET", "/v1/models")
-            else:
-                conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            r.read()
-            mine.append(time.perf_counter() - t0)
-            if r.status != 200:
-                raise RuntimeError(f"{what}: {r.status}")
-        conn.close()
+        conns = {name: http.client.HTTPConnection(*base.removeprefix("http://").rsplit(":", 1), timeout=60)
+                 for name, base in (("direct", direct), ("front", front))}
+        mine: dict[str, list[float]] = {"direct": [], "front": []}
+        for i in range(requests):
+            for name in (("direct", "front") if i % 2 == 0 else ("front", "direct")):
+                mine[name].append(one(conns[name]))
+        for c in conns.values():
+            c.close()
         with lock:
-            out.extend(mine)
+            for k, v in mine.items():
+                out[k].extend(v)
 
     ts = [threading.Thread(target=client) for _ in range(clients)]
     for t in ts:
@@ -68,6 +79,14 @@ def latencies(base: str, clients: int, requests: int, what: str) -> list[float]:
     for t in ts:
         t.join()
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the front process so far: its cost, whatever the machine's load."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def streamed(base: str, clients: int, tokens: int, offset: int) -> float:
@@ -109,33 +128,46 @@ def main() -> int:
     p = check(clusterctl("launch", str(dep), "--detach", "--json", "--timeout", "300", "--front", front, env=env,
                          timeout=400), "launch")
     direct, via = json.loads(p.stdout)["endpoint"], f"http://{front}"
+    [rec] = (work / "state" / "fronts").glob("*.json")
+    fpid = json.loads(rec.read_text())["pid"]
     log(f"rank 0 at {direct}, front at {via}; {machine_note()}")
     res: dict = {}
     try:
-        for arm in (direct, via):  # warm-up: connections, the prompt path
-            streamed(arm, 1, 8, 0)
-            latencies(arm, 1, 5, "chat")
+        streamed(direct, 1, 8, 0)  # warm-up: connections, the prompt path
+        streamed(via, 1, 8, 0)
+        latencies(direct, via, 1, 5, "chat")
         for rnd in range(ns.rounds):
             for c in clients:
+                for what in ("models", "chat"):
+                    cpu0 = cpu_seconds(fpid)
+                    got = latencies(direct, via, c, ns.requests, what)
+                    res.setdefault((c, what, "cpu"), []).append((cpu_seconds(fpid) - cpu0) / (c * ns.requests))
+                    for name, xs in got.items():
+                        res.setdefault((c, what, name), []).append(med(xs))
                 arms = [("direct", direct), ("front", via)]
                 for name, base in (arms if rnd % 2 == 0 else arms[::-1]):
-                    for what in ("models", "chat"):
-                        res.setdefault((c, what, name), []).append(med(latencies(base, c, ns.requests, what)))
+                    cpu0 = cpu_seconds(fpid)
                     res.setdefault((c, "tok/s", name), []).append(streamed(base, c, ns.tokens, rnd * c))
-            log(f"round {rnd + 1}/{ns.rounds} done")
+                    if name == "front":
+                        res.setdefault((c, "tok/s", "cpu"), []).append((cpu_seconds(fpid) - cpu0) / (c * ns.tokens))
+            log(f"round {rnd + 1}/{ns.rounds} done ({machine_note()})")
     finally:
         clusterctl("teardown", env=env, timeout=120)
         clusterctl("front", "--stop", env=env, timeout=60)
     rows = []
     for c in clients:
         for what in ("models", "chat"):
-            d, f = med(res[(c, what, "direct")]), med(res[(c, what, "front")])
-            rows.append([str(c), f"latency {what}", fmt(d * 1e3, " ms", 3), fmt(f * 1e3, " ms", 3),
-                         fmt((f - d) * 1e3, " ms", 3), "<= 1 ms"])
-        d, f = med(res[(c, "tok/s", "direct")]), med(res[(c, "tok/s", "front")])
-        rows.append([str(c), "streamed tok/s", fmt(d, "", 1), fmt(f, "", 1), f"{f / d:.3f}x", ">= 0.98x"])
+            d, f = res[(c, what, "direct")], res[(c, what, "front")]
+            added = med([b - a for a, b in zip(d, f)])  # paired: the same round, requests interleaved
+            rows.append([str(c), f"latency {what}", fmt(med(d) * 1e3, " ms", 3), fmt(med(f) * 1e3, " ms", 3),
+                         fmt(added * 1e3, " ms", 3), "<= 1 ms", fmt(med(res[(c, what, "cpu")]) * 1e3, " ms/req", 3)])
+        d, f = res[(c, "tok/s", "direct")], res[(c, "tok/s", "front")]
+        ratio = med([b / a for a, b in zip(d, f)])  # paired: the two arms of one round, back to back
+        rows.append([str(c), "streamed tok/s", fmt(med(d), "", 1), fmt(med(f), "", 1), f"{ratio:.3f}x", ">= 0.98x",
+                     fmt(med(res[(c, "tok/s", "cpu")]) * 1e3, " ms/token", 3)])
     say(f"front vs direct, medians of {ns.rounds} rounds ({machine_note()})")
-    say(table(rows, ["clients", "what", "direct", "front", "front - direct (or ratio)", "target"]))
+    say(table(rows, ["clients", "what", "direct", "front", "front - direct (or front / direct)", "target",
+                     "front CPU"]))
     return 0
 
 
