@@ -92,6 +92,20 @@ async def read_rules(state, m, ssh) -> Rules:
     return rules_of_spec(parse_rank_spec(doc.get("spec"), source=source))
 
 
+def reachable(m) -> str:
+    """Rank 0's endpoint as this machine reaches it: a rank bound to every address (0.0.0.0, ::) is reached at its
+    node's host (loopback for a local node)."""
+    from urllib.parse import urlsplit
+
+    url = m.endpoint.rstrip("/")
+    parts = urlsplit(url)
+    if parts.hostname not in ("0.0.0.0", "::"):
+        return url
+    r0 = m.ranks[0]
+    host = "127.0.0.1" if r0.local else r0.host
+    return f"{parts.scheme}://{'[' + host + ']' if ':' in host else host}:{parts.port}"
+
+
 @dataclass
 class Follower:
     """The front's view of its cluster, refreshed by ``refresh()`` (cheap when nothing changed)."""
@@ -178,8 +192,7 @@ class Follower:
                 self.log(f"front: job {m.job_id} not followed: {getattr(e, 'message', e)}")
             self.target = None
             return None
-        self.target = Target(job_id=m.job_id, deployment_id=m.deployment_id, endpoint=m.endpoint.rstrip("/"),
-                             rules=rules)
+        self.target = Target(job_id=m.job_id, deployment_id=m.deployment_id, endpoint=reachable(m), rules=rules)
         self.last_rules = rules
         self.log(f"front: following job {m.job_id} at {self.target.endpoint}")
         return self.target
