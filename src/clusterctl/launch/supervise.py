@@ -65,6 +65,7 @@ class Supervisor:
         self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
         self.last_probe = float("-inf")
         self._saved: tuple[dict, float] | None = None
+        self.me = this_coordinator().model_dump(mode="json")  # who writes the state file (its pid, start time)
         self._resume()
 
     def _resume(self) -> None:
@@ -121,7 +122,7 @@ class Supervisor:
         return {**state_doc(self.book, self.clock(), since_iso=self.since_iso, deployment=self.current,
                             job=self.job.manifest.job_id if self.job else None, cluster=self.cluster,
                             original=self.original),
-                "supervisor": this_coordinator().model_dump(mode="json"), "updated_at": now_iso()}
+                "supervisor": self.me, "updated_at": now_iso()}
 
     def save(self, force: bool = False) -> None:
         doc, now = self.doc(), self.clock()
@@ -417,7 +418,11 @@ class Supervisor:
             self.log(f"supervising job {jobs[0].job_id} of deployment {self.current}")
             return
         self.log(f"deployment {self.current} is not running: launching it")
-        self.job = await self.launch(self.ref)
+        try:
+            self.job = await self.launch(self.ref)
+        except ClusterctlError as e:  # e.g. restarted while a node is away: heal onto the nodes that answer
+            self.phase("degraded", f"deployment {self.current} did not launch: {e.message}")
+            self.pending = []
 
 
 async def _quietly(aw) -> None:

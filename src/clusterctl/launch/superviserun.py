@@ -63,6 +63,8 @@ async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> 
         o.error("interrupted; everything it started was stopped")
         return False
     starting.result()
+    if sup.job is None:  # supervise: the launch failed; the loop heals
+        return True
     m = sup.job.manifest
     sup.phase("serving")
     sup.save(force=True)
