@@ -82,9 +82,11 @@ class Book:
         return max(0.0, wait)
 
     def why_waiting(self, now: float) -> str:
+        """Why no change may be made now (the same words while that lasts: a state file's reason)."""
         n = len(self._recent(now))
-        return (f"{n} plan change(s) in the last {self.policy.window_s:g} s (at most {self.policy.max_heals}); "
-                f"next attempt in {self.wait(now):.0f} s")
+        if n >= self.policy.max_heals:
+            return f"{n} plan changes in the last {self.policy.window_s:g} s (at most {self.policy.max_heals})"
+        return f"backoff after {n} plan change(s) in the last {self.policy.window_s:g} s"
 
     def healed(self, now: float, lost_nodes: list[str]) -> None:
         """A heal was made (or attempted) at ``now``, leaving ``lost_nodes`` out of the plan."""
