@@ -165,3 +165,14 @@ def test_names_of_nodes_without_ips_are_looked_up_concurrently_off_the_loop(stat
     addrs = asyncio.run(rank_addresses(dep))
     assert sorted(addrs) == [f"10.9.9.{i + 1}" for i in range(6)]
     assert loop_thread not in threads and most[0] > 1
+
+
+def test_a_foreground_launch_that_cannot_hold_a_connection_per_node_is_refused_up_front(state, monkeypatch):
+    from clusterctl.errors import ConfigError
+    from clusterctl.launch import fdlimit
+
+    monkeypatch.setattr(fdlimit, "SLOTS", fdlimit.ConnectionSlots(limit=2))
+    with pytest.raises(ConfigError, match="foreground launch keeps one connection per node open: 3 nodes") as e:
+        run_launch(state, 3, detach=False)
+    assert "--detach" in e.value.hint
+    assert not state.launches.is_dir() or not list(state.launches.iterdir())  # nothing was started or recorded
