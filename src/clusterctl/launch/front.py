@@ -50,6 +50,7 @@ class Front:
         self.nothing_since = time.monotonic()
         self.stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._refreshing = asyncio.Lock()
         self._last_health = 0.0
         self._state_t = time.monotonic()
         r = self.registry = CollectorRegistry()
@@ -90,6 +91,10 @@ class Front:
         self.reason = reason
 
     async def refresh(self) -> None:
+        async with self._refreshing:  # the watcher and a request that found rank 0 gone, one at a time
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         from clusterctl.launch.frontstate import read_heal
 
         before = self.target
@@ -371,7 +376,7 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
             loop.add_signal_handler(sig, front.stop.set)
     me = this_coordinator()
     rec = FrontRecord(url=url_of(host, port), bind_host=host, port=port, cluster=cluster, host=me.host, pid=me.pid,
-                      start_time=me.start_time, boot_id=me.boot_id, nonce=os.environ.get("CLUSTERCTL_NONCE", ""),
+                      start_time=me.start_time, boot_id=me.boot_id, nonce=os.environ.get("CLUSTERCTL_NONCE") or None,
                       started_at=now_iso(), auto=auto, linger_s=linger)
     with contextlib.suppress(Exception):
         await front.refresh()

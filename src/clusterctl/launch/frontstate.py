@@ -43,7 +43,7 @@ class FrontRecord(BaseModel):
     pid: int
     start_time: float | None
     boot_id: str | None
-    nonce: str
+    nonce: str | None  # in the environment of a front started detached; None for one run in a terminal
     started_at: str
     auto: bool = False  # started by `launch --front` / `replan --front`: teardown and the linger end it
     linger_s: float = 0.0  # exit after this long with nothing to follow (0: never)
