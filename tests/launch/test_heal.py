@@ -18,6 +18,16 @@ def test_a_blip_shorter_than_the_grace_is_no_loss():
     assert b.due(10.9) == [] and b.due(11) == ["b"]
 
 
+def test_the_grace_counts_from_the_last_sign_of_life_when_that_is_known():
+    b = Book(HealPolicy(grace_s=5))
+    b.seen_down(10, {"b"}, since={"b": 4})  # a heartbeat 6 s old when first seen stale
+    assert b.due(10) == ["b"]
+    b.seen_down(11, {"b"}, since={"b": 9})  # a later, younger claim never moves it forward
+    assert b.down_since["b"] == 4
+    b.seen_down(12, {"c"}, since={"c": 20})  # nor past now
+    assert b.down_since == {"c": 12}
+
+
 def test_backoff_doubles_with_every_change_in_the_window_and_the_budget_caps_it():
     p = HealPolicy(max_heals=3, window_s=600, backoff_s=10, backoff_max_s=300)
     b = Book(p)

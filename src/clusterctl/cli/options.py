@@ -312,10 +312,10 @@ HealBackoffOpt = Annotated[Optional[float], typer.Option(
                            "(default 10; at most 300 s, or this).", parser=number(0, 86400), metavar="SECONDS")]
 RejoinAfterOpt = Annotated[Optional[float], typer.Option(
     "--rejoin-after", help="Seconds a lost node must answer and pass the probe before the original plan comes "
-                           "back (default 20).", parser=number(0, 86400), metavar="SECONDS")]
+                           "back (default 15).", parser=number(0, 86400), metavar="SECONDS")]
 RejoinDrainOpt = Annotated[Optional[float], typer.Option(
     "--rejoin-drain", help="Seconds the rejoin waits for a moment with no request in flight before it goes ahead "
-                           "anyway (default 15).", parser=number(0, 86400), metavar="SECONDS")]
+                           "anyway (default 10).", parser=number(0, 86400), metavar="SECONDS")]
 
 
 def heal_policy(grace: float | None = None, max_heals: int | None = None, window: float | None = None,

@@ -27,8 +27,8 @@ class HealPolicy:
     window_s: float = 600.0
     backoff_s: float = 10.0
     backoff_max_s: float = 300.0
-    rejoin_after_s: float = 20.0
-    drain_s: float = 15.0
+    rejoin_after_s: float = 15.0
+    drain_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_heals < 1 or min(self.grace_s, self.window_s, self.backoff_s, self.backoff_max_s,
@@ -53,13 +53,16 @@ class Book:
     degraded_total: float = 0.0
 
     # ---- losses ---------------------------------------------------------------------------------------------
-    def seen_down(self, now: float, down: set[str]) -> None:
-        """What is down at ``now`` (rank or node keys); what is not in ``down`` is up again (grace restarts)."""
+    def seen_down(self, now: float, down: set[str], since: dict[str, float] | None = None) -> None:
+        """What is down at ``now`` (rank or node keys); what is not in ``down`` is up again (grace restarts).
+        ``since``: when a key went silent, when known to be earlier than ``now`` (a heartbeat's age: the grace
+        counts the time without a sign of life, not the time since it was noticed)."""
         for k in list(self.down_since):
             if k not in down:
                 del self.down_since[k]
         for k in down:
-            self.down_since.setdefault(k, now)
+            t = min(now, (since or {}).get(k, now))
+            self.down_since[k] = min(self.down_since.get(k, t), t)
 
     def due(self, now: float) -> list[str]:
         """What has been down for the grace or longer: a loss."""

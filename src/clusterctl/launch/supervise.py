@@ -102,11 +102,13 @@ class Supervisor:
         elif self.pending is not None:
             await self.heal(now)
             return
-        if self.book.lost and now - self.last_probe >= PROBE_EVERY_S:
+        if not self.book.lost:
+            return
+        if now - self.last_probe >= PROBE_EVERY_S:
             self.last_probe = now
             await self.probe_lost(now)
-            if self.book.rejoin_now(now, idle=self.job is None or self.idle):
-                await self.rejoin()
+        if self.book.rejoin_now(self.clock(), idle=self.job is None or self.idle):  # idle: as of this look
+            await self.rejoin()
 
     # ---- phase and state file -------------------------------------------------------------------------------
     def phase(self, name: str, reason: str | None = None) -> None:
@@ -146,8 +148,10 @@ class Supervisor:
         ranks = [self._rank(m, r, markers.get(r.rank, {}), procs.get(r.rank)) for r in m.ranks]
         self.idle = judge(m, markers)["state"] == "idle"
         down = [x for x in ranks if x["state"] != "up"]
-        # down since the look began (a node that let it time out has not answered since then), judged now
-        self.book.seen_down(now, {x["node"] for x in down})
+        # down since the look began (a node that let it time out has not answered since then), or since its
+        # last heartbeat (a frozen rank: its age on its node's clock), judged now
+        silent = {x["node"]: now - x["silent_s"] for x in down if x.get("silent_s")}
+        self.book.seen_down(now, {x["node"] for x in down}, since=silent)
         now = self.clock()
         if not self.book.due(now):
             return None
@@ -169,7 +173,8 @@ class Supervisor:
         if run is not None and run.exited(r.rank):
             st = "exited"
             follower = follower or run.procs[r.rank].returncode == FOLLOWER_EXIT
-        return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower}
+        return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
+                "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
 
     async def _markers_and_procs(self, m) -> tuple[dict, dict]:
         from clusterctl.launch.nodes import handles
