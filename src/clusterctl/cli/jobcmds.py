@@ -16,7 +16,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKey
                                     StateOpt, TimeoutOpt, api_key_of, api_keys_of, app,
                                     complete_targets, number, output, ssh_options,
                                     state_of)
-from clusterctl.errors import ClusterctlError, Exit, UsageError
+from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
 
@@ -75,36 +75,17 @@ def launch(
                          "`clusterctl supervise` (docs/heal.md)")
     policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain) if heal else None
 
+    from clusterctl.cli.frontcmds import front_for, stop_started
+
     state = state_of(state_dir)
-    started = _front_for(o, state, front, lambda: state.load_deployment(deployment)[1].deployment.cluster,
+    started = front_for(o, state, front, lambda: state.load_deployment(deployment)[1].deployment.cluster,
                          known_hosts, accept_new_host_keys)
     try:
         code = asyncio.run(_launched(o, state, deployment, opts, detach, policy))
     except BaseException:
-        _stop_started(state, started)  # a front this launch started does not outlive its failed launch
+        stop_started(state, started)  # a front this launch started does not outlive its failed launch
         raise
     raise typer.Exit(code)
-
-
-def _front_for(o, state, front: str | None, cluster_of, known_hosts, accept_new):
-    """--front: the front of the deployment's cluster on that address, found or started detached before any
-    rank starts (so a port in use ends the command with nothing started). Returns its record if started here."""
-    if front is None:
-        return None
-    from clusterctl.launch.frontstate import ensure_front, parse_front
-
-    host, port = parse_front(front)
-    cluster = cluster_of()
-    rec, started = ensure_front(state, cluster, host, port, known_hosts=known_hosts, accept_new=accept_new)
-    o.info(f"front {rec.url}: {'started, ' if started else ''}follows cluster {cluster} (pid {rec.pid})")
-    return rec if started else None
-
-
-def _stop_started(state, rec) -> None:
-    if rec is not None:
-        from clusterctl.launch.frontstate import stop_front
-
-        stop_front(state, rec, grace=5)
 
 
 @app.command()
@@ -270,7 +251,9 @@ def replan(
     opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
     opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
     check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
-    _front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)
+    from clusterctl.cli.frontcmds import front_for
+
+    front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)
     raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
 
 
@@ -470,87 +453,4 @@ def _watch(o, state, ssh, target, interval: float) -> None:
         watch(state, ssh, target, interval, lambda doc: live.update(watch_view(doc), refresh=True))
 
 
-@app.command()
-def front(
-    ctx: typer.Context,
-    address: Annotated[Optional[str], typer.Argument(help="HOST:PORT the front listens on (none: list the fronts).",
-                                                     metavar="HOST:PORT")] = None,
-    target: Annotated[Optional[str], typer.Argument(help="The cluster to follow: its name, or one of its "
-                                                         "deployments (file or id).",
-                                                    autocompletion=complete_targets)] = None,
-    detach: Annotated[bool, typer.Option("--detach", help="Run in the background; `clusterctl front --stop HOST:PORT` ends it.")] = False,
-    stop: Annotated[bool, typer.Option("--stop", help="Stop the front on HOST:PORT (every front without one).")] = False,
-    linger: Annotated[float, typer.Option("--linger", help="Exit after S seconds with no job of the cluster (0: never).",
-                                          parser=number(0, 7 * 86400), metavar="S")] = 0.0,
-    known_hosts: KnownHostsOpt = None,
-    accept_new_host_keys: AcceptNewOpt = False,
-    state_dir: StateOpt = None,
-    json: JsonOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
-    """The front door: one stable address that forwards the OpenAI API to the cluster's current rank 0, across
-    replans and heals (docs/front.md)."""
-    o = output(ctx, json, quiet)
-    from clusterctl.launch import frontstate as fs
-
-    state = state_of(state_dir)
-    if address is not None:
-        try:
-            host, port = fs.parse_front(address)
-        except ValueError as e:
-            raise UsageError(f"HOST:PORT: {e}") from None
-    if stop:
-        gone = [r for r in fs.live_fronts(state)
-                if address is None or (r.bind_host, r.port) == (host, port)]
-        if address is not None and not gone:
-            o.info(f"no front serves {address}")
-        stopped = [r for r in gone if fs.stop_front(state, r)]
-        if o.json:
-            o.data({"stopped": [fs.summary(r) for r in stopped]})
-        for r in stopped:
-            o.info(f"front {r.url} of cluster {r.cluster}: stopped")
-        raise typer.Exit(0 if len(stopped) == len(gone) else int(Exit.FAILED))
-    if address is None:
-        fronts = [{**fs.summary(r), "state": fs.front_health(r)} for r in fs.live_fronts(state)]
-        if o.json:
-            o.data({"fronts": fronts})
-            return
-        for f in fronts:
-            o.line(f"{f['url']}  cluster {f['cluster']}  {f['state']}  pid {f['pid']}")
-        if not fronts:
-            o.info("no front runs")
-        return
-    if target is None:
-        raise UsageError("name the cluster to follow: clusterctl front HOST:PORT CLUSTER")
-    cluster = _cluster_named(state, target)
-    if detach:
-        rec, started = fs.ensure_front(state, cluster, host, port, linger=linger, auto=False,
-                                       known_hosts=known_hosts, accept_new=accept_new_host_keys)
-        if o.json:
-            o.data({**fs.summary(rec), "started": started})
-        else:
-            o.line(rec.url)
-        o.info(f"front {rec.url}: {'started' if started else 'already running'}, follows cluster {cluster}")
-        return
-    import asyncio
-
-    from clusterctl.launch.front import serve
-
-    for rec in fs.live_fronts(state):
-        if (rec.bind_host, rec.port) == (host, port):
-            raise UsageError(f"a front already serves {rec.url} (cluster {rec.cluster}, pid {rec.pid})")
-    code = asyncio.run(serve(state, cluster, host, port, ssh=ssh_options(known_hosts, accept_new_host_keys),
-                             linger=linger, ready=lambda rec: o.line(rec.url)))
-    raise typer.Exit(code)
-
-
-def _cluster_named(state, target: str) -> str:
-    """A cluster name, or the cluster of a deployment (file or id)."""
-    from clusterctl.names import NAME_RE
-
-    try:
-        return state.load_deployment(target)[1].deployment.cluster
-    except (ClusterctlError, OSError):
-        if NAME_RE.match(target) and not target.endswith(".json"):
-            return target
-        raise
+from clusterctl.cli import frontcmds  # noqa: E402,F401  (registers `clusterctl front` after these)
