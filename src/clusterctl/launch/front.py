@@ -368,7 +368,9 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
         print(f"error: cannot listen on {url_of(host, port)}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 69
     front.session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+        # idle connections to rank 0 are dropped well before rank 0 drops them (its http_timeout_s, 30 s): a POST
+        # is then never written into a connection the other side is closing (it would look like a lost rank 0)
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=5),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
