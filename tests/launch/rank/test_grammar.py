@@ -132,7 +132,7 @@ def tiny():
     from mlx_lm import load
 
     model, tok = load(str(tiny_model_path()))
-    return model, tok, GrammarFactory(tok, model.args.vocab_size)
+    return model, tok, _untimed(GrammarFactory(tok, model.args.vocab_size))
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,14 @@ def smollm2():
     from mlx_lm import load
 
     model, tok = load(str(import_gguf(smollm2_gguf_path(), REPO / ".cache" / "smollm2").dest))
-    return model, tok, GrammarFactory(tok, model.args.vocab_size)
+    return model, tok, _untimed(GrammarFactory(tok, model.args.vocab_size))
+
+
+def _untimed(factory: GrammarFactory) -> GrammarFactory:
+    """Roll-outs without their 20 ms bound (as lockstep ranks run them): what these tests check must not depend
+    on how busy the machine is (a loaded one gave up the roll-out of a long schema: min_tokens None)."""
+    factory.rollout_seconds = None
+    return factory
 
 
 def _check(cases, answers):
@@ -223,6 +230,15 @@ def test_a_tight_budget_still_closes_the_answer(tiny):
     answers = decode(model, tok, factory, prompt, rows, max_tokens=[24, 30], temperature=[1.0, 1.0], seed=3)
     _check([("a", None, schema)] * 2, answers)
     assert all(r.closed_by_budget for r in rows)
+    # what the client hears: finish "length" (max_tokens ended the answer; it still parses), as the ranks report
+    from clusterctl.launch.rank.batch import Seq
+    from clusterctl.launch.rank.pipeline import GenRequest, StopMatcher
+    from clusterctl.launch.rank.sampling import GrammarMask
+
+    req = GenRequest(id="r", tokens=prompt, max_tokens=24)
+    for procs, finish in (([GrammarMask(rows[0])], "length"), ([], "stop")):
+        seq = Seq(req=req, uid=0, detok=tok.detokenizer, stops=StopMatcher([]), procs=procs)
+        assert seq.result("stop").finish_reason == finish
 
 
 def test_the_mask_pads_past_the_tokenizer_and_ends_with_only_eos(tiny):

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from clusterctl.launch.rank.openai import ApiError
+from clusterctl.launch.rank.wire import ApiError
 
 PREPARE_BUDGET_S = 10.0  # chat template and tokenizer time a request may take
 MIN_TOKEN_BYTES = 16  # the byte cap's floor per token (a tokenizer whose vocabulary cannot be read)

@@ -37,6 +37,7 @@ class Seq:
     guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
     lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
     emit_lp: Callable[[dict], None] | None = None
+    procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
 
     def out(self, s: str) -> None:
         if s:
@@ -53,6 +54,11 @@ class Seq:
                 finish = "stop"
             else:
                 self.out(self.stops.flush())
+        if finish == "stop" and self.procs and not self.stopped_by_text:
+            from clusterctl.launch.rank.sampling import closed_by_budget
+
+            if closed_by_budget(self.procs):
+                finish = "length"
         return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
                          prompt_tokens=len(self.req.tokens))
 
@@ -98,7 +104,7 @@ class Batch:
         if not self.seqs:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        procs = processors(req, self.tokenizer)
+        procs = own = processors(req, self.tokenizer)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
         if guard is not None:
@@ -108,7 +114,7 @@ class Batch:
                                  logits_processors=[procs], caches=[prefix] if prefix is not None else None,
                                  all_tokens=[list(req.tokens[:n])])
         s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
-                guard=guard, emit_lp=emit_lp)
+                guard=guard, emit_lp=emit_lp, procs=own)
         if emit_lp is not None and req.logprobs >= 0:
             from clusterctl.launch.rank.logprobs import Entries
 

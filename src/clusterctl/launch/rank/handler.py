@@ -12,7 +12,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 from clusterctl.launch.rank.metrics import outcome_of
-from clusterctl.launch.rank.openai import ApiError
+from clusterctl.launch.rank.wire import ApiError
 
 MAX_BODY = 4 << 20
 UNAUTHORIZED = ApiError(401, "invalid or missing API key", code="invalid_api_key")

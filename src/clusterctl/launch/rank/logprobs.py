@@ -9,9 +9,6 @@ as U+FFFD there; ``bytes`` are then those of that text, not the raw byte: a know
 
 from __future__ import annotations
 
-MAX_TOP = 20  # top_logprobs, as OpenAI allows
-
-
 class Entries:
     """Makes the entries of one request: ``top`` alternatives per token (0: the chosen token only)."""
 

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import secrets
 import threading
 
 from clusterctl.launch.rank.jobs import Job
 from clusterctl.launch.rank.pipeline import GenRequest
+from clusterctl.launch.rank.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.launch.rankspec import RankSpec
 
-MAX_STOPS = 4
-MAX_SALT = 1024  # characters of a cache_salt
-MAX_BIAS = 300  # entries of a logit_bias, as OpenAI allows
 BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
 # fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
 # accepted and ignored; each with the value that asks for nothing
@@ -64,41 +61,6 @@ def refuse_unsupported(body: dict) -> None:
 # below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
 # logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
 GREEDY_BELOW = 1e-6
-SEED_RANGE = (-(1 << 63), 1 << 63)  # OpenAI's seed is a signed 64-bit integer; negatives map to 2^64 + seed
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _num(body: dict, name: str, default, lo=None, hi=None, kind=float):
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) \
-            or (isinstance(v, float) and not math.isfinite(v)):
-        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' finite number'}", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"{name} must be between {lo} and {hi}", param=name)
-    return kind(v)
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
-    return [s for s in stop if s]
 
 
 class RequestBuilder:
@@ -111,93 +73,83 @@ class RequestBuilder:
         self._count = 0
         self._lock = threading.Lock()
 
-    def _seed(self, body: dict) -> int:
-        if body.get("seed") is not None:
-            seed = _num(body, "seed", 0, SEED_RANGE[0], SEED_RANGE[1] - 1, kind=int)
-            return seed + (1 << 64) if seed < 0 else seed  # one-to-one onto MLX's unsigned 64-bit seeds
+    def _seed(self, b: CompletionBody | ChatBody) -> int:
+        if b.seed is not None:
+            return b.seed + (1 << 64) if b.seed < 0 else b.seed  # one-to-one onto MLX's unsigned 64-bit seeds
         with self._lock:
             self._count += 1
             return (self.spec.seed * 1_000_003 + self._count) & 0x7FFFFFFF
 
     @staticmethod
-    def _partition(body: dict, tenant: str | None) -> str:
+    def _partition(b: CompletionBody | ChatBody, tenant: str | None) -> str:
         """The prompt-cache partition of a request: its caller's tenant and its cache_salt (promptcache.py)."""
-        salt = body.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
-            raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT} characters",
-                           param="cache_salt")
-        ident = json.dumps([tenant or "", salt]).encode("utf-8", "surrogatepass")
+        ident = json.dumps([tenant or "", b.cache_salt]).encode("utf-8", "surrogatepass")
         return hashlib.sha256(ident).hexdigest()[:32]
 
     @staticmethod
-    def _logprobs(body: dict, chat: bool) -> int:
+    def _logprobs(b: CompletionBody | ChatBody) -> int:
         """-1: none; else the alternatives per token (chat: logprobs true and top_logprobs; completions: the
         integer logprobs, as OpenAI's legacy API has it)."""
-        from clusterctl.launch.rank.logprobs import MAX_TOP
-
-        if chat:
-            want = body.get("logprobs")
-            if want not in (None, True, False):
-                raise ApiError(400, "logprobs must be true or false", param="logprobs")
-            top = _num(body, "top_logprobs", 0, 0, MAX_TOP, kind=int)
-            if top and not want:
+        if isinstance(b, ChatBody):
+            if b.top_logprobs and not b.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-            return top if want else -1
-        if body.get("logprobs") is None:
-            return -1
-        if body.get("top_logprobs") is not None:
+            return (b.top_logprobs or 0) if b.logprobs else -1
+        if b.top_logprobs is not None:
             raise ApiError(400, "top_logprobs is for chat; /v1/completions takes an integer logprobs",
                            param="top_logprobs")
-        return _num(body, "logprobs", 0, 0, MAX_TOP, kind=int)
+        return -1 if b.logprobs is None else b.logprobs
 
-    def _common(self, body: dict, max_key: str, tenant: str | None = None) -> dict:
+    def _max_tokens(self, asked: int | None) -> int | None:
+        """The request's max_tokens, else the operator's default, else None: until the context is full."""
+        default = self.spec.serving.max_tokens or self.spec.max_tokens_default
+        max_tokens = asked if asked is not None else default
+        if max_tokens is not None and max_tokens >= self.context:  # a prompt holds one token at least
+            if asked is None:
+                return None  # the operator's default is past this plan's context: until it is full
+            raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in {self.limits.describe()}",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _common(self, body: dict, b: CompletionBody | ChatBody, tenant: str | None = None) -> dict:
         refuse_unsupported(body)
         d = self.spec.serving  # the operator's defaults, else OpenAI's
-        max_tokens = body.get(max_key, body.get("max_tokens"))
-        temperature = _num(body, "temperature", 1.0 if d.temperature is None else d.temperature, 0.0, 2.0)
-        top_k = _num(body, "top_k", d.top_k or 0, 0, 1 << 20, kind=int)
-        default = d.max_tokens or self.spec.max_tokens_default  # None: until the request's context is full
-        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", default, 1, 1 << 40, kind=int) \
-            if max_tokens is not None or default is not None else None
-        if max_tokens is not None and max_tokens >= self.context:  # a prompt holds one token at least
-            if body.get(max_key, body.get("max_tokens")) is None:
-                max_tokens = None  # the operator's default is past this plan's context: until it is full
-            else:
-                raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in "
-                                    f"{self.limits.describe()}", param="max_tokens", code="context_length_exceeded")
+        asked = b.max_completion_tokens if isinstance(b, ChatBody) and b.max_completion_tokens is not None \
+            else b.max_tokens
+        temperature = b.temperature if b.temperature is not None else (
+            1.0 if d.temperature is None else d.temperature)
+        top_k = b.top_k if b.top_k is not None else (d.top_k or 0)
+        for k in ("repetition", "presence", "frequency"):
+            size = getattr(b, f"{k}_context_size")
+            if size is not None and size > self.context:
+                raise ApiError(400, f"{k}_context_size must be between 1 and {self.context}",
+                               param=f"{k}_context_size")
         return dict(
-            max_tokens=max_tokens,
+            max_tokens=self._max_tokens(asked),
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=_num(body, "top_p", 1.0 if d.top_p is None else d.top_p, 0.0, 1.0),
+            top_p=b.top_p if b.top_p is not None else (1.0 if d.top_p is None else d.top_p),
             top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
-            min_p=_num(body, "min_p", d.min_p or 0.0, 0.0, 1.0),
-            repetition_penalty=(_num(body, "repetition_penalty", 1.0, 0.0, 10.0)
-                                if body.get("repetition_penalty") is not None else None),
-            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            **{f"{k}_context_size": _num(body, f"{k}_context_size", 20, 1, self.context, kind=int)
-               for k in ("repetition", "presence", "frequency")},
-            logit_bias=self._logit_bias(body),
-            seed=self._seed(body),
-            stop=_stops(body),
-            partition=self._partition(body, tenant),
+            min_p=b.min_p if b.min_p is not None else (d.min_p or 0.0),
+            repetition_penalty=b.repetition_penalty,
+            presence_penalty=b.presence_penalty or 0.0,
+            frequency_penalty=b.frequency_penalty or 0.0,
+            **{f"{k}_context_size": getattr(b, f"{k}_context_size") or 20 for k in ("repetition", "presence",
+                                                                                     "frequency")},
+            logit_bias=self._logit_bias(b),
+            seed=self._seed(b),
+            stop=b.stops(),
+            partition=self._partition(b, tenant),
             grammar=_response_format(body),
-            logprobs=self._logprobs(body, max_key == "max_completion_tokens"),
+            logprobs=self._logprobs(b),
         )
 
-    def _logit_bias(self, body: dict) -> dict[str, float] | None:
+    def _logit_bias(self, b: CompletionBody | ChatBody) -> dict[str, float] | None:
         """OpenAI's logit_bias: token id (a string, as JSON keys are) -> a bias in [-100, 100], at most 300."""
-        bias = body.get("logit_bias")
-        if bias is None:
-            return None
-        if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
-            raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIAS} token ids", param="logit_bias")
         out = {}
-        for k, v in bias.items():
-            if not (isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < self.limits.vocab):
+        for k, v in (b.logit_bias or {}).items():
+            if not (k.isascii() and k.isdigit() and int(k) < self.limits.vocab):
                 raise ApiError(400, f"logit_bias: {k[:20]!r} is not a token id of this model (0 to "
                                     f"{self.limits.vocab - 1})", param="logit_bias")
-            out[str(int(k))] = _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
+            out[str(int(k))] = float(v)
         return out or None
 
     def _request(self, job_id: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
@@ -225,7 +177,8 @@ class RequestBuilder:
                            code="context_length_exceeded")
 
     def completion(self, body: dict, tenant: str | None = None) -> Job:
-        prompt = body.get("prompt")
+        b = parse(CompletionBody, body)
+        prompt = b.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, list):
@@ -233,7 +186,7 @@ class RequestBuilder:
                 raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        params = self._common(body, "max_tokens", tenant)
+        params = self._common(body, b, tenant)
         for name in ("chat_template_kwargs", "tools", "tool_choice"):
             if body.get(name) is not None:
                 raise ApiError(400, f"{name} is for /v1/chat/completions", param=name)
@@ -253,18 +206,19 @@ class RequestBuilder:
                 tokens = list(prompt)
             return self._request(job_id, tokens, params, tokenizer)
 
-        return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(body.get("stream")))
+        return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(b.stream))
 
     def chat(self, body: dict, tenant: str | None = None) -> Job:
         """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
         here (tools.py); rendered and tokenized by ``prepare`` on the request's HTTP thread."""
         from clusterctl.launch.rank import tools as tl
 
+        b = parse(ChatBody, body)
         try:
             chat = tl.ChatTools.from_body(body)
         except tl.ToolsError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        params = self._common(body, "max_completion_tokens", tenant)
+        params = self._common(body, b, tenant)
         if chat.choice in ("required", "function") and params["grammar"] is not None:
             raise ApiError(400, "a forced tool call (tool_choice required or a function) and a response_format "
                                 "cannot both shape one answer", param="response_format")
@@ -298,6 +252,6 @@ class RequestBuilder:
             job.splitter = chat.splitter(tokenizer, req.tokens)
             return req
 
-        job = Job(id=job_id, kind="chat", prepare=prepare, stream=bool(body.get("stream")))
+        job = Job(id=job_id, kind="chat", prepare=prepare, stream=bool(b.stream))
         return job
 

@@ -193,6 +193,7 @@ class OverlapBatch:
             row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
                           emit_lp=emit_lp)
             row.sampler = RowSampler(req, self.tokenizer)
+            row.seq.procs = row.sampler.procs
             if emit_lp is not None and req.logprobs >= 0:
                 from clusterctl.launch.rank.logprobs import Entries
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from clusterctl.launch.rank.jobs import Job
 from clusterctl.launch.rank.metrics import outcome_of
-from clusterctl.launch.rank.openai import ApiError
 from clusterctl.launch.rank.pipeline import GenResult
+from clusterctl.launch.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
 
 CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
 KEEPALIVE_S = 1.0  # a stream's comment line while no token comes (queued, or its prompt being processed)
@@ -58,10 +58,8 @@ def serve(api, h, kind: str) -> None:
         api.active.remove(job.id)
 
 
-def usage(r: GenResult) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
-            "total_tokens": r.prompt_tokens + len(r.tokens),
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+def usage(r: GenResult) -> Usage:
+    return Usage.of(r.prompt_tokens, len(r.tokens), r.cached_tokens)
 
 
 class Answer:
@@ -177,16 +175,12 @@ class Answer:
         result: GenResult = value
         events, finish = self._end(result)
         reply.add(events)
-        choice: dict = {"index": 0, "finish_reason": finish}
+        extra = {"token_ids": result.tokens} if self.shape.token_ids else {}
         if self.chat:
-            choice["message"] = reply.message()
-            choice["logprobs"] = self._take_lps()
+            choice = ChatChoice(message=reply.message(), logprobs=self._take_lps(), finish_reason=finish, **extra)
         else:
-            choice.update(text=result.text, logprobs=self._take_lps())
-        if self.shape.token_ids:
-            choice["token_ids"] = result.tokens
-        self.h.json(200, {**self._head("chat.completion" if self.chat else "text_completion"),
-                          "choices": [choice], "usage": usage(result)})
+            choice = TextChoice(text=result.text, logprobs=self._take_lps(), finish_reason=finish, **extra)
+        self.h.json(200, self._answer([choice], usage=usage(result)))
         self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
 
     def _take_lps(self) -> dict | None:
@@ -198,27 +192,28 @@ class Answer:
         entries, self.lps = self.lps, []
         return chat_shape(entries) if self.chat else completion_shape(entries, self.text_at)
 
-    def _head(self, obj: str) -> dict:
+    def _answer(self, choices: list, stream: bool = False, **usage) -> dict:
+        """The document (or a stream's chunk) around ``choices``; ``usage`` when given (None included)."""
         job = self.job
-        return {"id": job.id, "object": obj, "created": job.created, "model": self.api.model_name,
-                "system_fingerprint": self.api.fingerprint}
+        head = dict(id=job.id, created=job.created, model=self.api.model_name,
+                    system_fingerprint=self.api.fingerprint, **usage)
+        if self.chat:
+            return ChatCompletion(object="chat.completion.chunk" if stream else "chat.completion", choices=choices,
+                                  **head).body()
+        return Completion(choices=choices, **head).body()
 
     # -- server-sent events
 
     def _chunk(self, delta: dict | None, finish: str | None, extra: dict | None = None) -> None:
         """One chunk: chat's ``delta`` (content, reasoning_content, tool_calls, role) or completions' text."""
         if self.chat:
-            c = {"index": 0, "delta": delta or {}, "logprobs": self._take_lps() if self.lps else None,
-                 "finish_reason": finish}
+            c = ChatDelta(delta=delta or {}, logprobs=self._take_lps() if self.lps else None, finish_reason=finish,
+                          **(extra or {}))
         else:
             text = (delta or {}).get("content") or ""
-            c = {"index": 0, "text": text, "logprobs": self._take_lps(), "finish_reason": finish}
+            c = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **(extra or {}))
             self.text_at += len(text)
-        c.update(extra or {})
-        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [c]}
-        if self.shape.include_usage:
-            out["usage"] = None
-        self.h.sse(out)
+        self.h.sse(self._answer([c], stream=True, **({"usage": None} if self.shape.include_usage else {})))
 
     def _deltas(self, events: list) -> None:
         from clusterctl.launch.rank.tools import delta
@@ -252,6 +247,5 @@ class Answer:
         self._chunk({} if self.chat else None, finish,
                     extra={"token_ids": result.tokens} if self.shape.token_ids else None)
         if self.shape.include_usage:
-            h.sse({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                   "usage": usage(result)})
+            h.sse(self._answer([], stream=True, usage=usage(result)))
         h.sse("[DONE]")

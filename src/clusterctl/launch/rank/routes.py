@@ -8,7 +8,7 @@ unauthenticated caller learns nothing, not even which routes exist."""
 from __future__ import annotations
 
 from clusterctl.launch.rank.handler import UNAUTHORIZED
-from clusterctl.launch.rank.openai import ApiError
+from clusterctl.launch.rank.wire import ApiError
 
 
 def health(api, h) -> None:

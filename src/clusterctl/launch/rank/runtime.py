@@ -83,7 +83,7 @@ class Rank:
         instead of meeting a cut connection."""
         if self.api is None:
             return
-        from clusterctl.launch.rank.openai import ApiError
+        from clusterctl.launch.rank.wire import ApiError
 
         try:
             self.api.fail_everyone(ApiError(503, f"the deployment stopped serving: {err.message}",

@@ -39,6 +39,12 @@ class GrammarMask:
         return mx.where(mask[:width], logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
+def closed_by_budget(procs) -> bool:
+    """A request's grammar forced its answer to an end to fit max_tokens: the answer parses, but the model did not
+    end it (finish "length", as OpenAI reports an answer max_tokens ended)."""
+    return any(isinstance(p, GrammarMask) and p.c.closed_by_budget for p in procs or ())
+
+
 def grammar_factory(tokenizer, *, deterministic: bool, user: str = "steps"):
     """The GrammarFactory of one thread (``user``: "steps", the step loop; "admission", the HTTP threads, one at
     a time) for ``tokenizer``, made on first use (~1-2 s for a large vocabulary). ``deterministic``: no time bound

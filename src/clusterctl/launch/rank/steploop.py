@@ -15,7 +15,7 @@ from typing import Callable
 from clusterctl.errors import IntegrityError
 from clusterctl.launch.cancelfile import RECENT_ACKS
 from clusterctl.launch.rank.jobs import ActiveSet, Job, JobQueue
-from clusterctl.launch.rank.openai import ApiError
+from clusterctl.launch.rank.wire import ApiError
 from clusterctl.launch.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens,
                                         share_payload, share_words)
 from clusterctl.launch.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
