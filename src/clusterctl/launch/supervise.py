@@ -317,9 +317,9 @@ class Supervisor:
 
         wait = self.book.wait(now)
         if wait > 0:
-            said = self.book.reason or ""  # said once (a countdown would rewrite the state file every second)
-            self.phase("degraded", said if said.startswith("not serving; no heal for") else
-                       f"not serving; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
+            said = self.book.reason or "not serving"  # said once (a countdown would rewrite the state file)
+            if "; no heal for " not in said:  # what went wrong stays in front: a failed launch, the loss
+                self.phase("degraded", f"{said}; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
             return
         self.book.healed(now, self.pending)
         asked = [n for n in self.node_order if n not in self.book.lost]
