@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import time
 from dataclasses import dataclass, field
 
 from clusterctl.errors import ClusterctlError
@@ -118,6 +119,7 @@ class Follower:
     has_jobs: bool = False  # any launch manifest of this cluster (live or not)
     _files: dict = field(default_factory=dict)  # path -> ((mtime_ns, size), manifest | None)
     _clusters: dict = field(default_factory=dict)  # deployment id -> cluster name
+    _stamp: int | None = None  # the launches folder's mtime at the last scan
     _bad_rules: dict = field(default_factory=dict)  # job id -> error seen (said once)
     down: set = field(default_factory=set)  # jobs whose rank 0 did not answer: passed over while another serves
     log: object = print
@@ -125,6 +127,14 @@ class Follower:
     def _manifests(self) -> list:
         from clusterctl.launch.manifest import ManifestStore
 
+        try:  # every manifest write is a rename into the folder: an unchanged folder has unchanged files
+            stamp = os.stat(self.state.launches).st_mtime_ns
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp == self._stamp:
+            return [m for _, m in self._files.values() if m is not None]
+        # a folder changed within the clock's tick (a few ms) may change again under the same mtime: look again
+        self._stamp = stamp if stamp is not None and time.time_ns() - stamp > 100_000_000 else None
         store = ManifestStore(self.state.launches, None, self.state.keyring.public_keys())
         seen = {}
         try:
