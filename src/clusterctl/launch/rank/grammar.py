@@ -32,7 +32,9 @@ max_tokens: OpenAI and mlx-lm cut the answer at max_tokens, leaving invalid JSON
 constraint given ``max_tokens`` closes the JSON in time: in the last tokens it computes a short way to a
 complete answer (a greedy, deterministic roll-out on a copy of the matcher that closes strings, arrays and objects
 as soon as the schema allows, and otherwise takes the shortest allowed token) and, once that way needs the tokens
-left, forces it token by token. The answer then
+left, forces it token by token; a little before that (``SLACK``), outside strings, a token that opens content
+(",", "{", "[") is allowed only when it is the way out's next token, since one such token can commit the answer to
+a whole new item (``},`` then an object with required keys). The answer then
 parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
 report finish "length". The model is free until the way out plus a margin of 8 tokens fills the budget (one
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
@@ -59,6 +61,10 @@ MAX_SCHEMA_BYTES = 64 * 1024
 CACHE_SIZE = 128
 ROLLOUT_WINDOW = 64  # start checking the way out when this many tokens (or fewer) are left
 MARGIN = 8  # force the way out this many tokens early: one sampled token may lengthen it (e.g. "[{" opens two)
+SLACK = 16  # and this many (at least the shortest answer's length) before that, tokens that open content (",", "{",
+# "[" outside a string) are allowed only as the way out's next token: one such token can commit the answer to a
+# whole new item (``},`` then an object with required keys: a way out of 2 tokens became 15 with 12 left)
+_OPENERS = set(",{[")
 ROLLOUT_STEPS = 512  # a roll-out longer than this is given up (the answer may then be cut)
 ROLLOUT_SECONDS = 0.02  # ... and one that takes longer (a hostile schema's masks can cost ms each)
 
@@ -81,13 +87,16 @@ class Constraint:
         self._way_out: list[int] | None = None  # the roll-out from the current state, when computed
         self.closed_by_budget = False  # the budget forced the end of the answer
         self._window = ROLLOUT_WINDOW
+        self._narrow = False  # the next mask keeps openers only as the way out's next token (``narrow``)
+        self._slack = SLACK
         self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
         self.min_tokens: int | None = None  # the shortest answer's length in tokens (known when max_tokens is)
         if max_tokens is not None:
             self._way_out = factory._rollout(matcher, 0)
             self.min_tokens = len(self._way_out) or None
+            self._slack = max(SLACK, len(self._way_out))
             # the way out of a deeper state may be longer than the shortest answer: look well before
-            self._window = max(ROLLOUT_WINDOW, 2 * len(self._way_out) + MARGIN)
+            self._window = max(ROLLOUT_WINDOW, 2 * len(self._way_out) + MARGIN + self._slack)
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
@@ -102,7 +111,8 @@ class Constraint:
 
     # -- per step ------------------------------------------------------------------------------------------------
     def forced(self) -> int | None:
-        """The token the budget forces now, or None (the grammar's own mask applies)."""
+        """The token the budget forces now, or None (the grammar's own mask applies, ``narrow``-ed near the end)."""
+        self._narrow = False
         if self.remaining is None or self.remaining > self._window or self._m.is_stopped():
             return None
         if self._m.is_accepting():  # e.g. a top-level number: one more digit could be fine, a "." would not
@@ -115,13 +125,24 @@ class Constraint:
         if self._way_out and len(self._way_out) + MARGIN >= self.remaining:  # [] when none was found
             self.closed_by_budget = True
             return self._way_out[0]
+        self._narrow = bool(self._way_out) and self._str == 0 \
+            and self.remaining <= len(self._way_out) + MARGIN + self._slack
         return None
+
+    def narrow(self, row: np.ndarray) -> None:
+        """Near the end (``forced`` said so), outside a string: tokens that open content leave the grammar's
+        mask ``row``, except the way out's next token, so the way out cannot grow past the budget."""
+        if self._narrow:
+            tok = self._way_out[0]
+            row &= self._f.no_openers()
+            row[tok >> 5] |= np.int32(np.uint32(1 << (tok & 31)).view(np.int32))
 
     def fill(self, row: np.ndarray) -> None:
         """Write the next token's bitmask (int32 words, llguidance's layout) into ``row``."""
         tok = self.forced()
         if tok is None:
             self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
+            self.narrow(row)
         else:
             row[:] = 0
             row[tok >> 5] = np.int32(np.uint32(1 << (tok & 31)).view(np.int32))
@@ -165,6 +186,7 @@ class GrammarFactory:
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
+        self._no_openers: np.ndarray | None = None
         # a roll-out's time bound (None: only its step bound). The ranks of a lockstep pipeline all sample, so
         # their masks must not depend on how fast each one is: they run without it
         self.rollout_seconds: float | None = ROLLOUT_SECONDS
@@ -256,11 +278,14 @@ class GrammarFactory:
                 continue
             tok = c.forced()
             if tok is None:
-                par.append((c._m, i))
+                par.append((c, i))
             else:
                 c.fill(bits[i])
         if par:
-            self._exec.unsafe_compute_mask_ptr(par, bits.ctypes.data, self._words * 4, len(constraints))
+            self._exec.unsafe_compute_mask_ptr([(c._m, i) for c, i in par], bits.ctypes.data, self._words * 4,
+                                               len(constraints))
+            for c, i in par:
+                c.narrow(bits[i])
         return bits
 
     def masks(self, constraints: Sequence[Constraint | None]) -> mx.array:
@@ -291,6 +316,15 @@ class GrammarFactory:
             quotes = np.array(['"' in t or "\\" in t for t in texts], dtype=bool)
             self._tables = texts, self._rollout_orders(texts), quotes
         return self._tables
+
+    def no_openers(self) -> np.ndarray:
+        """A bitmask (int32 words) of every token but those whose text holds ",", "{" or "[" (Constraint.narrow)."""
+        if self._no_openers is None:
+            texts = self._rollout_tables()[0]
+            keep = np.ones(self._words * 32, dtype=bool)
+            keep[:len(texts)] = [not (_OPENERS & set(t)) for t in texts]
+            self._no_openers = np.packbits(keep, bitorder="little").view(np.int32)
+        return self._no_openers
 
     def _scan(self, state: int, token: int) -> int:
         """The string state (see Constraint._str) after ``token``'s text."""
