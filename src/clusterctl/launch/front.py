@@ -160,6 +160,7 @@ class Front:
     async def refresh_now(self) -> Target | None:
         """Rank 0 did not answer: look again at once (a replan may have moved it) before saying 503."""
         self.healthy = False
+        self.follower.rescan()
         with contextlib.suppress(Exception):
             await self.refresh()
         return self.target if self.healthy else None
@@ -233,7 +234,10 @@ async def _route(front: Front, request):
     open_metrics = path in ("/metrics", "/upstream/metrics") and front.metrics_open
     upstream_health = path == "/upstream/health" and method in ("GET", "HEAD")
     if rules is None and not (open_metrics or upstream_health):
-        return _unavailable(front, request)  # no job seen yet: nobody can be told apart
+        await front.refresh_now()  # a job may have become ready since the watcher last looked
+        rules = front.rules
+        if rules is None:
+            return _unavailable(front, request)  # no job seen yet: nobody can be told apart
     if not (open_metrics or upstream_health) and not rules.authorized(request.headers.get("Authorization")):
         return _json(front, request, 401, _error(401, "invalid or missing API key", type_="invalid_request_error",
                                                  code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})

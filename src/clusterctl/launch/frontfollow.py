@@ -161,6 +161,10 @@ class Follower:
         self._files = seen
         return [m for _, m in seen.values() if m is not None]
 
+    def rescan(self) -> None:
+        """The next refresh reads the launches folder whatever its mtime says."""
+        self._stamp = None
+
     def _cluster_of(self, m) -> str | None:
         if m.deployment_id not in self._clusters:
             from clusterctl.launch.frontstate import cluster_of_deployment
