@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.ssh_policy import SshTarget
+from testports import free_port  # noqa: F401  (this worker's own ports; test_transport takes it from here)
 
 SSHD = "/usr/sbin/sshd"
 READY_TIMEOUT = 10.0
@@ -47,10 +48,6 @@ def public_key(path: Path) -> str:
     return f"{parts[0]} {parts[1]}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait_banner(host: str, port: int, proc: subprocess.Popen, log: Path, netns: str | None = None) -> None:

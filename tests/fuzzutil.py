@@ -126,19 +126,24 @@ def count(outcome: str) -> None:
 def report_cases(request, title: str) -> None:
     """Print (and forget) the counts gathered so far, on the terminal even under capture."""
     tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not CASES:
+    worker_out = getattr(request.config, "workeroutput", None)
+    if (tr is None and worker_out is None) or not CASES:
         CASES.clear()
+        return
+    lines = ["", f"{title} (CLUSTERCTL_FUZZ_EXAMPLES={MAX_EXAMPLES}):"]
+    for name, c in CASES.items():
+        parts = [f"{c['accepted']} accepted, {c['refused']} refused cleanly"] if {"accepted", "refused"} & set(c) \
+            else []
+        parts += [f"{c[k]} {k}" for k in sorted(c) if k not in ("accepted", "refused")]
+        lines.append(f"  {name}: {sum(c.values())} cases ({', '.join(parts)})")
+    CASES.clear()
+    if worker_out is not None:  # an xdist worker's terminal is nobody's: the controller prints these at the end
+        worker_out.setdefault("terminal_lines", []).extend(lines)
         return
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        tr.write_line("")
-        tr.write_line(f"{title} (CLUSTERCTL_FUZZ_EXAMPLES={MAX_EXAMPLES}):")
-        for name, c in CASES.items():
-            parts = [f"{c['accepted']} accepted, {c['refused']} refused cleanly"] if {"accepted", "refused"} & set(c) \
-                else []
-            parts += [f"{c[k]} {k}" for k in sorted(c) if k not in ("accepted", "refused")]
-            tr.write_line(f"  {name}: {sum(c.values())} cases ({', '.join(parts)})")
-    CASES.clear()
+        for line in lines:
+            tr.write_line(line)
 
 
 def only_clean_errors(fn, *args):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,9 @@ from clusterctl.launch.rankspec import layer_range
 PY = sys.executable
 
 
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # bench scripts put only tests/launch on the path
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from testports import free_ports  # noqa: E402,F401  (this worker's own ports: tests/testports.py)
 
 
 class RankCluster:

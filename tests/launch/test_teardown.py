@@ -179,12 +179,9 @@ def test_a_process_we_may_not_signal_counts_as_alive(tmp_path):
 def test_unreachable_host_keeps_the_manifest(state):
     nonce = secrets.token_hex(8)
     # an SSH node on a closed loopback port: connection refused
-    import socket
+    from testports import free_port
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # this worker's: no other worker's server can be listening there
     node = Node(name="far", host="127.0.0.1", port=port, local=False, runtime_dir="/tmp/nowhere")
     m = make_job(state, [None], nonce, nodes=[node])
     m.ranks[0].pid, m.ranks[0].start_time = 12345, 1.0

@@ -198,11 +198,9 @@ def test_wildcards_in_a_remote_path_are_refused(tmp_path, sshd, tiny, have_rsync
 
 
 def test_unreachable_node_is_reported_and_the_others_are_synced(tmp_path, sshd, tiny, have_rsync):
-    import socket
+    from testports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]  # closed again: nothing listens there
+    dead_port = free_port()  # free, and this worker's: no other worker's server can be listening there
     bed = Bed(tmp_path, sshd, tiny, port_b=dead_port)
     p = bed.sync()
     assert p.returncode == 69, p.stderr

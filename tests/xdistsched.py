@@ -1,0 +1,113 @@
+"""How the suite is shared out among pytest-xdist workers (scripts/test runs ``-n N --dist loadgroup``).
+
+- A worker takes a whole test file at a time (its module-scoped clusters start once), as ``--dist loadfile``.
+- Every file with a test that uses the session's shared rank clusters (``shared_clusters``,
+  tests/launch/rank/conftest.py) goes to one worker as one unit (group ``shared-clusters``), so those clusters
+  start once per run rather than once in each worker.
+- Longest first: the scheduler hands out the file (or group) with the largest expected cost next, so the last
+  file to finish is a short one. The costs are seconds measured on 2 cores (``--durations``); a file not in the
+  table counts 0.5 s per test. Keep the table's big entries roughly right when a file grows by minutes.
+
+The hooks are registered by tests/conftest.py; nothing here changes a run without xdist.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+
+SHARED_GROUP = "shared-clusters"
+
+# Seconds per file (or group): the sum of its tests' times in one run of the whole suite with 3 workers on this
+# 2-core VM (2026-12-05, a loaded machine: relative costs are what matters), the 30 largest, rounded.
+COST: dict[str, float] = {
+    "tests/launch/test_launch_local.py": 650,
+    "tests/launch/test_replan.py": 500,
+    "tests/launch/rank/test_architectures.py": 490,
+    "tests/launch/rank/test_rank_pipeline.py": 400,
+    "tests/sync/test_sync.py": 380,
+    "shared-clusters": 330,
+    "tests/test_fuzz_cli.py": 250,
+    "tests/launch/test_security.py": 240,
+    "tests/launch/test_launch_failure_logs.py": 180,
+    "tests/launch/rank/test_smollm2.py": 170,
+    "tests/launch/test_launch_ssh.py": 170,
+    "tests/test_fuzz.py": 160,
+    "tests/launch/rank/test_rank_failures.py": 150,
+    "tests/test_fuzz_limits.py": 140,
+    "tests/launch/rank/test_grammar.py": 140,
+    "tests/test_fuzz_ids.py": 130,
+    "tests/launch/rank/test_api_tools.py": 110,
+    "tests/launch/test_front.py": 90,
+    "tests/test_ggufimport.py": 90,
+    "tests/launch/rank/test_rank_serve.py": 90,
+    "tests/launch/test_teardown.py": 80,
+    "tests/plan/test_kv.py": 80,
+    "tests/launch/test_transport.py": 80,
+    "tests/launch/test_cancel_acks.py": 70,
+    "tests/launch/test_launch_netns.py": 60,
+    "tests/launch/test_status_watch.py": 60,
+    "tests/plan/test_replan_matrix.py": 50,
+    "tests/launch/test_tinymodel.py": 50,
+    "tests/launch/test_serving_defaults.py": 50,
+    "tests/launch/rank/test_admission_parts.py": 50,
+}
+DEFAULT_PER_TEST = 0.5
+
+
+def _dist(config) -> str | None:
+    try:
+        return config.getoption("dist")
+    except ValueError:  # pytest-xdist not installed
+        return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "loadgroup", False):  # set in the workers of --dist loadgroup (their dist is "no")
+        return
+    shared = {item.path for item in items if "shared_clusters" in getattr(item, "fixturenames", ())}
+    for item in items:
+        if item.path in shared:  # the whole file: its module fixtures then start once, in that one worker
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUP))
+
+
+class _LongestFirst(OrderedDict):
+    """The work queue of the scheduler below: ``popitem`` returns the unit with the largest expected cost."""
+
+    def popitem(self, last: bool = True):
+        scope = max(self, key=lambda s: COST.get(s, DEFAULT_PER_TEST * len(self[s])))
+        return scope, self.pop(scope)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if _dist(config) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FilesLongestFirst(LoadGroupScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = _LongestFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return scope if scope != nodeid else nodeid.split("::", 1)[0]  # no group: the test's file
+
+    return FilesLongestFirst(config, log)
+
+
+# Lines a worker wants on the terminal (the fuzzers' case counts, tests/fuzzutil.py): a worker's own terminal is
+# not shown, so it leaves them in ``config.workeroutput["terminal_lines"]`` and the controller prints them.
+_WORKER_LINES: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("terminal_lines", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _WORKER_LINES:
+        terminalreporter.write_line(line)
