@@ -5,8 +5,8 @@ import os
 import pytest
 
 from fixtures_ssh import netns_cluster, sshd, sshd_factory  # noqa: F401  (fixtures, registered by import)
-from xdistsched import (pytest_collection_modifyitems, pytest_terminal_summary, pytest_testnodedown,  # noqa: F401
-                        pytest_xdist_make_scheduler)  # hooks of parallel runs (scripts/test), registered by import
+from xdistsched import pytest_terminal_summary, pytest_testnodedown, pytest_xdist_make_scheduler  # noqa: F401
+# (hooks of parallel runs, scripts/test; registered by import)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,9 +1,9 @@
 """How the suite is shared out among pytest-xdist workers (scripts/test runs ``-n N --dist loadgroup``).
 
 - A worker takes a whole test file at a time (its module-scoped clusters start once), as ``--dist loadfile``.
-- Every file with a test that uses the session's shared rank clusters (``shared_clusters``,
-  tests/launch/rank/conftest.py) goes to one worker as one unit (group ``shared-clusters``), so those clusters
-  start once per run rather than once in each worker.
+- Every file whose tests use the session's shared rank clusters (``shared_clusters``,
+  tests/launch/rank/conftest.py; found in the file's text, see ``uses_shared_clusters``) goes to one worker as
+  one unit (group ``shared-clusters``), so those clusters start once per run rather than once in each worker.
 - Longest first: the scheduler hands out the file (or group) with the largest expected cost next, so the last
   file to finish is a short one. The costs are seconds measured on 2 cores (``--durations``); a file not in the
   table counts 0.5 s per test. Keep the table's big entries roughly right when a file grows by minutes.
@@ -13,6 +13,7 @@ The hooks are registered by tests/conftest.py; nothing here changes a run withou
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 
 import pytest
@@ -63,13 +64,22 @@ def _dist(config) -> str | None:
         return None
 
 
-def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "loadgroup", False):  # set in the workers of --dist loadgroup (their dist is "no")
-        return
-    shared = {item.path for item in items if "shared_clusters" in getattr(item, "fixturenames", ())}
-    for item in items:
-        if item.path in shared:  # the whole file: its module fixtures then start once, in that one worker
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUP))
+_RANK_DIR = "tests/launch/rank/"
+
+
+def uses_shared_clusters(root, path: str) -> bool:
+    """Does the test file at ``path`` (relative to ``root``) use the session's shared rank clusters? Read from its
+    text, as the controller has no collected items: it names ``shared_clusters``, or it sits in
+    tests/launch/rank/ and takes that folder's ``cluster`` fixture (an argument ``cluster`` without a fixture of
+    its own by that name)."""
+    try:
+        text = (root / path).read_text()
+    except OSError:
+        return False
+    if re.search(r"\bshared_clusters\b", text):
+        return True
+    return path.startswith(_RANK_DIR) and re.search(r"def test_\w*\([^)]*\bcluster\b", text) is not None \
+        and re.search(r"def cluster\(", text) is None
 
 
 class _LongestFirst(OrderedDict):
@@ -92,8 +102,15 @@ def pytest_xdist_make_scheduler(config, log):
             self.workqueue = _LongestFirst()
 
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return scope if scope != nodeid else nodeid.split("::", 1)[0]  # no group: the test's file
+            scope = super()._split_scope(nodeid)  # an xdist_group mark (pytest 9 drops its "@group": none here)
+            if scope != nodeid:
+                return scope
+            path = nodeid.split("::", 1)[0]
+            if path not in shared:
+                shared[path] = uses_shared_clusters(config.rootpath, path)
+            return SHARED_GROUP if shared[path] else path  # no group: the test's file
+
+    shared: dict[str, bool] = {}
 
     return FilesLongestFirst(config, log)
 
