@@ -55,6 +55,17 @@ def test_a_row_whose_sampler_raises_fails_alone_in_the_lockstep_batch(loaded):
     batch.close()
     assert got["bad"].finish_reason == "error" and "top_k" in got["bad"].error, got["bad"]
     assert got["good"].tokens == want.tokens and got["good"].error is None
+    # the failure left MLX's random state usable: the next sampled request of this rank is served (the sampler
+    # raised inside a compiled function, which once left the state an array without a primitive, and every
+    # later sampled request failed)
+    import mlx.core as mx
+
+    mx.eval(mx.random.state)
+    after = Batch(model, tok, max_batch=4)
+    after.add(_req("next", tokens, temperature=0.7, top_k=5))
+    res = _run(after, {"next"})["next"]
+    after.close()
+    assert res.error is None and res.tokens, res
 
 
 def test_the_overlapped_sampler_falls_back_and_says_why():

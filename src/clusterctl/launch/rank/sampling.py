@@ -152,6 +152,21 @@ def failure(e: Exception) -> str:
     return f"sampling failed for this request: {type(e).__name__}{': ' + text if text else ''}"[:300]
 
 
+def _reseed_from(state: list) -> None:
+    """The global random state, usable again after a compiled sampler raised: seeded from ``state``'s key (taken
+    before the call), or from 0 when even that cannot be read."""
+    try:
+        mx.eval(mx.random.state)
+        return  # still usable
+    except RuntimeError:
+        pass
+    try:
+        words = [int(w) for w in state[0].tolist()]
+        mx.random.seed((words[0] << 32 | words[-1]) & ((1 << 64) - 1))
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        mx.random.seed(0)
+
+
 class Guard:
     """mlx-lm's sampler and logits processors of one request in the lockstep batch (batch.py), guarded like
     ``RowSampler``: what raises falls back (the argmax; the logits unchanged) and ``failed`` says why."""
@@ -163,9 +178,15 @@ class Guard:
         self.procs = [self._proc(p) for p in procs]
 
     def _sample(self, logprobs: mx.array) -> mx.array:
+        state = list(mx.random.state)
         try:
             return self._sampler(logprobs)
         except Exception as e:
+            # mlx-lm's samplers are compiled with the global random state as input and output: one that raises
+            # while traced leaves that state an array without a primitive, and every later random draw of this
+            # rank would fail (every sampled request after it). Reseed from the state it started from (the same
+            # on every lockstep rank, so their draws stay in step).
+            _reseed_from(state)
             self.failed = self.failed or failure(e)
             return mx.argmax(logprobs, axis=-1)
 
