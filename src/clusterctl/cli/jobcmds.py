@@ -8,14 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, ApiKeyEnvOpt, ApiKeysFileOpt,
-                                    ChatTemplateArgsOpt, ChatTemplateOpt, MaxTokensOpt, MinPOpt, TemperatureOpt,
-                                    TopKOpt, TopPOpt, serving_of, AliasOpt, CorsOpt, DrainOpt, GraceOpt, HostOpt,
-                                    FrontOpt, JsonOpt, KnownHostsOpt, MaxQueueOpt,
-                                    NoApiKeyOpt, PortOpt, QuietOpt, SeedOpt,
-                                    StateOpt, TimeoutOpt, api_key_of, api_keys_of, app,
-                                    complete_targets, number, output, ssh_options,
-                                    state_of)
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt,
+                                    ChatTemplateArgsOpt, ChatTemplateOpt, CorsOpt, DrainOpt, FrontOpt, GraceOpt,
+                                    HostOpt, JsonOpt, KnownHostsOpt, MaxQueueOpt, MaxTokensOpt, MinPOpt, NoApiKeyOpt,
+                                    PortOpt, QuietOpt, SeedOpt, StateOpt, TemperatureOpt, TimeoutOpt, TopKOpt,
+                                    TopPOpt, api_key_of, app, complete_targets, number, output, serving_of,
+                                    set_access, ssh_options, state_of)
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
@@ -59,15 +57,13 @@ def launch(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.launch.apikey import check_exposure
     from clusterctl.launch.jobplan import LaunchOptions
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
                          api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
                          ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify)
-    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
-    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
-    check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
+    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
+               model_alias=model_alias)
     if lease is not None:
         opts.lease_seconds = lease
     if heal and detach:
@@ -216,7 +212,6 @@ def replan(
     import asyncio
 
     from clusterctl.launch import replan as rp
-    from clusterctl.launch.apikey import check_exposure
 
     if detach and foreground:
         raise UsageError("--detach and --foreground contradict each other: give one")
@@ -248,9 +243,8 @@ def replan(
     opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
                                grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
                                max_queue=max_queue, host=host)
-    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
-    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
-    check_exposure(opts.http_host, opts.api_key or bool(opts.api_keys), no_key=no_api_key)
+    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
+               model_alias=model_alias)
     from clusterctl.cli.frontcmds import front_for
 
     front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)

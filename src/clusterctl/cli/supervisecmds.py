@@ -10,7 +10,7 @@ import typer
 from clusterctl.cli.options import (AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt, CorsOpt, GraceOpt,
                                     HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, HostOpt, JsonOpt,
                                     KnownHostsOpt, MaxQueueOpt, NoApiKeyOpt, QuietOpt, RejoinAfterOpt, RejoinDrainOpt,
-                                    SeedOpt, StateOpt, TimeoutOpt, api_key_of, api_keys_of, app, complete_targets,
+                                    SeedOpt, StateOpt, TimeoutOpt, api_key_of, app, complete_targets, set_access,
                                     heal_policy, output, ssh_options, state_of)
 
 
@@ -48,7 +48,6 @@ def supervise(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.launch.apikey import check_exposure
     from clusterctl.launch.jobplan import LaunchOptions
     from clusterctl.launch.superviserun import run_supervised
 
@@ -56,7 +55,6 @@ def supervise(
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=True, http_host=host or "", seed=seed,
                          api_key=api_key_of(api_key_env, no_api_key), max_queue=max_queue,
                          ssh=ssh_options(known_hosts, accept_new_host_keys))
-    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
-    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
-    check_exposure(host or "127.0.0.1", opts.api_key or bool(opts.api_keys), no_key=no_api_key)
+    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
+               model_alias=model_alias, host=host)
     raise typer.Exit(asyncio.run(run_supervised(o, state_of(state_dir), deployment, opts, policy, take_over=True)))
