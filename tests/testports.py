@@ -5,7 +5,7 @@ closed again is back in the kernel's ephemeral pool: another worker's ``bind(0)`
 before the first worker's server binds it, and ring sockets bind with SO_REUSEPORT, so two clusters would then
 share a port. So each worker takes its ports from a block of its own (``PYTEST_XDIST_WORKER`` gw0, gw1, ...),
 below the kernel's ephemeral range (32768-60999 by default) and below the block launch picks its own ports from
-(launch/hostfile.py, 20000-60000): no port one worker hands out can be handed out by another worker or by the
+(launch/hostfile.py, 20000-32767): no port one worker hands out can be handed out by another worker or by the
 kernel. Within a worker the ports go round the block from a random start (so two sessions on one machine are
 unlikely to walk in step), each checked with a plain bind (no SO_REUSEADDR) before it is handed out, none handed
 out twice until the block wraps around.

@@ -15,7 +15,10 @@ from clusterctl.errors import ConfigError
 from clusterctl.plan.deployment import Deployment
 from clusterctl.plan.inventory import Node
 
-PORT_RANGE = (20000, 60000)
+# below the kernels' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port chosen for a ring or rank 0
+# is never one the kernel may hand to an outgoing connection between preflight and the rank's bind (a ring peer
+# then met "Couldn't connect (error: 111)" in a busy test run)
+PORT_RANGE = (20000, 32768)
 
 
 def strip_zone(addr: str) -> str:
