@@ -89,7 +89,13 @@ def test_status_watch_in_a_terminal_and_as_json_lines(tmp_path, tiny, env):
         w = start_cli("status", str(dep), "--watch", "--json", "--interval", "0.3", env=env)
         deadline = time.monotonic() + 60
         lines: list[str] = []
-        while len(lines) < 4 and time.monotonic() < deadline:  # the refreshes as they come, one line each
+
+        def moved(line: str) -> bool:
+            return bool(line.strip()) and any(r["tok_s"] for r in json.loads(line)["jobs"][0]["ranks"])
+
+        # the refreshes as they come, one line each, until rank 0's token count moved between two of them (a
+        # marker is rewritten between steps: under load two looks 0.3 s apart can both see the same count)
+        while (len(lines) < 4 or not any(moved(ln) for ln in lines[1:])) and time.monotonic() < deadline:
             lines.append(w.stdout.readline())
         os.killpg(w.pid, signal.SIGINT)
         out, err = w.communicate(timeout=30)
