@@ -204,7 +204,8 @@ def _stream(endpoint: str, max_tokens: int, started: threading.Event, out: dict)
 
 
 def rank_sigkill(bed: Bed, rng: random.Random, i: int) -> str:
-    from clusterctl.launch.rank.peerprobe import DEFAULT_GRACE, DEFAULT_INTERVAL, DEFAULT_TOLERANCE
+    from clusterctl.rank.peerprobe import DEFAULT_INTERVAL, DEFAULT_TOLERANCE
+    from clusterctl.shared.rankspec import DEFAULT_ABORT_GRACE as DEFAULT_GRACE
 
     d, env = bed.fresh("rk")
     dep = bed.plan(d, env)
@@ -439,7 +440,7 @@ def disk_full(bed: Bed, rng: random.Random, i: int) -> str:
 
 def _is_rank_of(p: psutil.Process, folder: Path) -> bool:
     try:
-        return "clusterctl.launch.rank" in " ".join(p.cmdline()) and str(folder) in " ".join(p.cmdline())
+        return "clusterctl.rank" in " ".join(p.cmdline()) and str(folder) in " ".join(p.cmdline())
     except psutil.Error:
         return False
 
@@ -519,7 +520,7 @@ def tampered(bed: Bed, rng: random.Random, i: int) -> str:
             _flip(c, rng)
         else:
             _resign(c, r, d)
-        q = subprocess.run([sys.executable, "-m", "clusterctl.launch.rank", "--contract", str(c), "--node", r["node"]],
+        q = subprocess.run([sys.executable, "-m", "clusterctl.rank", "--contract", str(c), "--node", r["node"]],
                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         need(q.returncode != 0, f"rank {r['rank']} accepted a {case}")
         need("Traceback" not in q.stderr, f"rank {r['rank']} printed a traceback")
@@ -530,8 +531,8 @@ def tampered(bed: Bed, rng: random.Random, i: int) -> str:
 
 def _resign(contract: Path, rank: dict, d: Path) -> None:
     """The same contract signed by a key the node does not trust."""
-    from clusterctl.launch.contract import contract_kind
-    from clusterctl.plan.signing import Keyring, sign_payload
+    from clusterctl.shared.contract import contract_kind
+    from clusterctl.shared.signing import Keyring, sign_payload
 
     data = contract.read_bytes()
     payload = data[: data.rfind(b',\n  "signature"')] + b"\n}\n"
@@ -708,7 +709,7 @@ def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     from mlx_lm.utils import load_tokenizer
     from rankharness import RankCluster
 
-    from clusterctl.launch.rank.admission import limits_for
+    from clusterctl.rank.admission import limits_for
 
     seed, schedule = rng.randrange(10**9), rng.choice(["overlap", "lockstep"])
     d, _ = bed.fresh("requests")

@@ -90,7 +90,7 @@ def scraper(base: str, stop) -> None:
 
 def metrics_update_cost(n: int = 2000) -> float:
     """Seconds of metrics work per request (what the API records for one request), measured in-process."""
-    from clusterctl.launch.rank.metrics import Metrics
+    from clusterctl.rank.metrics import Metrics
 
     m = Metrics(queue_depth=lambda: 0, occupancy=lambda: 0)
     t = time.perf_counter()

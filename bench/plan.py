@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from clusterctl.plan.deployment import PlanOptions
+from clusterctl.shared.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import ModelFacts
 from clusterctl.plan.planner import make_deployment

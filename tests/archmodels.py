@@ -72,7 +72,7 @@ def build(family: str, folder: Path, tokenizer_from: Path, *, layers: int = 4, s
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import save_config, save_model
 
-    from clusterctl.plan.archs import build_lazy
+    from clusterctl.shared.archs import build_lazy
 
     folder = Path(folder)
     config = config_of(family, layers)
@@ -262,7 +262,7 @@ def build_released(name: str, folder: Path, tokenizer_from: Path | None, *, seed
     from mlx.utils import tree_flatten, tree_map
 
     from clusterctl.atomic import atomic_write_json
-    from clusterctl.plan.archs import build_lazy
+    from clusterctl.shared.archs import build_lazy
 
     folder = Path(folder)
     config = RELEASED[name]
@@ -301,7 +301,7 @@ def write_deepseek_v3_fp8_headers(folder: Path) -> Path:
 
     from mlx.utils import tree_flatten
 
-    from clusterctl.plan.archs import build_lazy
+    from clusterctl.shared.archs import build_lazy
     from modelfiles import write_safetensors
 
     config = DEEPSEEK_V3_FP8

@@ -29,7 +29,7 @@ _count_cases, _report_cases = counting_fixtures("fuzz cases per parser")
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    from clusterctl.plan.signing import Keyring
+    from clusterctl.shared.signing import Keyring
 
     ring = Keyring(tmp_path_factory.mktemp("keys"))
     return ring.signing_key(), ring.public_keys()
@@ -37,7 +37,7 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from clusterctl.plan.deployment import PlanOptions
+    from clusterctl.shared.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import inspect_model
     from clusterctl.plan.planner import make_deployment
@@ -107,8 +107,8 @@ def test_cluster_toml_values():
 
 def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.plan.deployment import KIND, decode, encode
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.deployment import KIND, decode, encode
+    from clusterctl.shared.signing import sign_payload
 
     key, trusted = keys
     good = encode(deployment, key)
@@ -133,7 +133,7 @@ def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
 def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
     from clusterctl.atomic import dumps
     from clusterctl.launch.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.signing import sign_payload
 
     key, trusted = keys
     store = ManifestStore(tmp_path, key, trusted)
@@ -160,9 +160,9 @@ def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
 
 def test_rank_contract(tmp_path, deployment, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.launch.contract import contract_kind, encode_contract, load_rank_contract
-    from clusterctl.plan.deployment import encode
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.contract import contract_kind, encode_contract, load_rank_contract
+    from clusterctl.shared.deployment import encode
+    from clusterctl.shared.signing import sign_payload
 
     key, trusted = keys
     (tmp_path / "trusted-keys").mkdir()
@@ -217,7 +217,7 @@ def _json_file_cases(tmp_path, name, reader, doc):
 
 
 def test_marker(tmp_path):
-    from clusterctl.launch.runtimefiles import read_marker
+    from clusterctl.shared.runtimefiles import read_marker
 
     _json_file_cases(tmp_path, "m.json", read_marker, {
         "schema_version": 1, "type": "rank-marker", "deployment_id": "d", "job_id": "j", "nonce": "n", "rank": 0,
@@ -226,14 +226,14 @@ def test_marker(tmp_path):
 
 
 def test_lease(tmp_path):
-    from clusterctl.launch.runtimefiles import read_lease
+    from clusterctl.shared.runtimefiles import read_lease
 
     _json_file_cases(tmp_path, "l.json", read_lease,
                      {"schema_version": 1, "type": "lease", "holder": "h", "seq": 4, "duration_s": 30.0})
 
 
 def test_cancel_file_and_ack(tmp_path):
-    from clusterctl.launch.runtimefiles import read_ack, read_cancel
+    from clusterctl.shared.runtimefiles import read_ack, read_cancel
 
     _json_file_cases(tmp_path, "c.json", read_cancel, {"schema_version": 1, "type": "cancel", "deployment_id": "d",
                                                        "job_id": "j", "epoch": 2, "requests": ["a"],
@@ -244,7 +244,7 @@ def test_cancel_file_and_ack(tmp_path):
 
 def test_model_manifest(tmp_path):
     from clusterctl.atomic import read_json
-    from clusterctl.sync.manifest import FileHash, check_manifest, manifest_hash
+    from clusterctl.shared.modelmanifest import FileHash, check_manifest, manifest_hash
 
     files = [FileHash(path="config.json", size=10, sha256="a" * 64),
              FileHash(path="model.safetensors", size=99, sha256="b" * 64)]
@@ -314,13 +314,13 @@ def tokenizer():
 
 def test_request_bodies(tokenizer):
     """Any JSON body: a Job whose prepare() yields a request within the context, or a 4xx ApiError."""
-    from clusterctl.launch.rank.openai import ApiError, RequestBuilder
-    from clusterctl.launch.rankspec import RankSpec
+    from clusterctl.rank.openai import ApiError, RequestBuilder
+    from clusterctl.shared.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
                     marker_path="/r/m", gate_path="/r/g")
-    from clusterctl.launch.rank.admission import Limits, Preparer
+    from clusterctl.rank.admission import Limits, Preparer
 
     builder = RequestBuilder(spec, Limits(context=512, model_context=4096, vocab=len(tokenizer.get_vocab()),
                                           token_bytes=82))
@@ -348,7 +348,7 @@ def test_request_bodies(tokenizer):
         kind, body = case
         if not isinstance(body, dict):
             count("refused")
-            return  # the HTTP layer answers 400 before a builder sees a non-object (tests/launch/rank)
+            return  # the HTTP layer answers 400 before a builder sees a non-object (tests/rank)
         one(kind, body)
 
     run()

@@ -6,7 +6,7 @@ meetings, and files going bad in between — checked against one invariant:
 
 The pieces are the product's own, without SSH: the coordinator is ``clusterctl.launch.cancel.cancel_job`` on a
 real (unsigned, not saved) launch manifest whose nodes are local (``LocalTransport``: real files in temp runtime
-dirs); rank 0 is a real ``StepLoop`` (launch/rank/steploop.py) with a real ``CancelWatch`` and the ack writer the rank
+dirs); rank 0 is a real ``StepLoop`` (rank/steploop.py) with a real ``CancelWatch`` and the ack writer the rank
 runtime gives it (``write_ack``), driven one step at a time: ``_apply_cancels`` is what rank 0 does at a meeting
 before anything else, ``_ack(epoch)`` is what every rank does with the epoch a meeting hands round. The seam this
 needs and the product does not export: "one meeting of rank 0's cancel handling" without a model, a ring or a
@@ -137,11 +137,11 @@ class CancelMachine(RuleBasedStateMachine):
 
     @initialize(world=st.sampled_from([1, 2]), two_nodes=st.booleans())
     def setup(self, world, two_nodes):
-        from clusterctl.launch.cancelfile import CancelWatch, write_ack
+        from clusterctl.shared.cancelfile import CancelWatch, write_ack
         from clusterctl.launch.manifest import LaunchManifest, RankRecord, this_coordinator
-        from clusterctl.launch.rank.steploop import StepLoop
-        from clusterctl.launch.rankspec import RankSpec
-        from clusterctl.plan.inventory import Node
+        from clusterctl.rank.steploop import StepLoop
+        from clusterctl.shared.rankspec import RankSpec
+        from clusterctl.shared.nodespec import Node
 
         names = ["a", "b"] if world == 2 and two_nodes else ["a"]
         self.world = world
@@ -201,7 +201,7 @@ class CancelMachine(RuleBasedStateMachine):
             for loop in self.loops.values():
                 loop._ack(loop0.epoch)
         count("rank steps")
-        from clusterctl.launch.runtimefiles import ack_path
+        from clusterctl.shared.runtimefiles import ack_path
 
         for r in range(self.world):  # every ack a rank wrote: what a later "replay" may restore
             with contextlib.suppress(OSError):
@@ -334,7 +334,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_cancel_file(self, node, kind, epoch):
         """What may happen to a node's cancel file between commands: corruption, a file nobody can read (over
         64 KiB, another user's), another job's, an old one restored, or a valid one an operator wrote by hand."""
-        from clusterctl.launch.runtimefiles import EPOCH_MAX, cancel_path
+        from clusterctl.shared.runtimefiles import EPOCH_MAX, cancel_path
 
         rd = self.rds.get(node) or self.rds["a"]
         path = cancel_path(rd, DEP)
@@ -388,7 +388,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_ack(self, rank, kind, pick):
         """What may happen to a rank's ack file: corruption, removal, another job's, or an older copy restored
         (only ever an ack some rank really wrote: a forged ack is outside what the epochs can detect)."""
-        from clusterctl.launch.runtimefiles import ack_path
+        from clusterctl.shared.runtimefiles import ack_path
 
         rank %= self.world
         path = ack_path(self.rank_rd[rank], DEP, rank)

@@ -9,7 +9,7 @@ product's own (``StateDir``, ``ManifestStore.path``, ``history.path_of``, ``canc
 ``teardown.reports_dir``) and, where the code builds the name inline, the same f-string (the locks
 ``locks/deploy-<id>.lock``, ``sync-<id>.lock``, ``replan-<cluster>.lock``; the launcher's job id
 ``<deployment>-<time>-<hex>`` and the rank files ``<job>-rank<r>.json/.contract/.hostfile.json/.log``,
-``<job>.gate``, ``<job>.lease``; see launch/jobplan.py, launch/runtimefiles.py, sync/engine.py, launch/replan.py, launch/reaper.py).
+``<job>.gate``, ``<job>.lease``; see launch/jobplan.py, shared/runtimefiles.py, sync/engine.py, launch/replan.py, launch/reaper.py).
 An id that passes is then handed to the real writers (save_deployment, ManifestStore save/remove, the teardown
 report, write_ack, cancel_here, the locks, the replan history) in a sandbox, and nothing may appear outside the
 state and runtime dirs. And an id the product makes from an accepted one (the launcher's job id) must pass the
@@ -104,7 +104,7 @@ def box():
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from clusterctl.plan.deployment import PlanOptions
+    from clusterctl.shared.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import inspect_model
     from clusterctl.plan.planner import make_deployment
@@ -130,8 +130,8 @@ def pretty(doc) -> bytes:
 
 
 def _signed_deployment(box: Box, deployment, **fields) -> bytes:
-    from clusterctl.plan.deployment import KIND
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.deployment import KIND
+    from clusterctl.shared.signing import sign_payload
 
     doc = {**deployment.model_dump(mode="json"), **fields}
     return sign_payload(pretty(doc), KIND, box.key)
@@ -154,7 +154,7 @@ def parse_deployment(box, deployment, field, ident) -> dict:
 
 def parse_manifest(box, deployment, field, ident) -> dict:
     from clusterctl.launch.manifest import KIND, ManifestStore
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.signing import sign_payload
 
     doc = _manifest_doc(**{field: ident})
     path = _put(box, "job.json", sign_payload(pretty(doc), KIND, box.key))
@@ -178,8 +178,8 @@ def _spec(deployment_id: str, job_id: str, rd: Path) -> dict:
 
 
 def parse_contract(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.contract import contract_kind, encode_contract, load_rank_contract
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.contract import contract_kind, encode_contract, load_rank_contract
+    from clusterctl.shared.signing import sign_payload
 
     rd = box.runs[0]
     dep_id = ident if field == "deployment_id" else deployment.deployment_id
@@ -200,7 +200,7 @@ def parse_contract(box, deployment, field, ident) -> dict:
 
 
 def parse_marker(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.runtimefiles import read_marker
+    from clusterctl.shared.runtimefiles import read_marker
 
     doc = {"schema_version": 1, "type": "rank-marker", "deployment_id": "d1", "job_id": "j1", "nonce": "n",
            "rank": 0, "node": "a", "host": "h", "pid": 123, "pgid": 123, "start_time": 1.5, "boot_id": "b",
@@ -220,7 +220,7 @@ def parse_cluster_toml(box, deployment, field, ident) -> dict:
 
 
 def parse_cancel(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.runtimefiles import read_cancel
+    from clusterctl.shared.runtimefiles import read_cancel
 
     doc = {"schema_version": 1, "type": "cancel", "deployment_id": "d1", "job_id": "j1", "epoch": 2,
            "requests": None, "created_at": 1.0, field: ident}
@@ -229,7 +229,7 @@ def parse_cancel(box, deployment, field, ident) -> dict:
 
 
 def parse_ack(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.runtimefiles import read_ack
+    from clusterctl.shared.runtimefiles import read_ack
 
     doc = {"schema_version": 1, "type": "cancel-ack", "deployment_id": "d1", "job_id": "j1", "rank": 1,
            "epoch": 2, "applied": [], "at": 1.0, field: ident}
@@ -265,7 +265,7 @@ def job_of(deployment_id: str) -> str:
 def derived_paths(box: Box, ids: dict) -> list[tuple[str, Path, Path]]:
     """(what, path, the folder it must be in) for every file the code names after these ids."""
     from clusterctl import history
-    from clusterctl.launch.runtimefiles import ack_path, cancel_path
+    from clusterctl.shared.runtimefiles import ack_path, cancel_path
     from clusterctl.launch.manifest import ManifestStore
     from clusterctl.launch.teardown import reports_dir
 
@@ -316,7 +316,7 @@ def path_problems(what: str, path: Path, folder: Path) -> list[str]:
 def write_everything(box: Box, ids: dict, deployment) -> None:
     """The real writers, with ids that passed path_problems: each may only write where it should."""
     from clusterctl import history
-    from clusterctl.launch.runtimefiles import cancel_here, write_ack
+    from clusterctl.shared.runtimefiles import cancel_here, write_ack
     from clusterctl.launch.manifest import LaunchManifest, ManifestStore
     from clusterctl.launch.teardown import TeardownReport, save_report
     from clusterctl.locks import Lock
@@ -351,8 +351,8 @@ def made_ids_read_back(box: Box, ids: dict) -> list[str]:
     from pydantic import ValidationError
 
     from clusterctl.launch.manifest import LaunchManifest
-    from clusterctl.launch.runtimefiles import Marker
-    from clusterctl.launch.rankspec import RankSpec
+    from clusterctl.shared.runtimefiles import Marker
+    from clusterctl.shared.rankspec import RankSpec
 
     if "deployment_id" not in ids or "job_id" in ids:
         return []
@@ -466,7 +466,7 @@ def test_random_ids(box, deployment, source):
 def test_a_cancel_file_of_another_id_is_never_applied_and_writes_nothing(box):
     """Rank 0's watch of its cancel file: a file whose ids are hostile names another job: ignored (logged once),
     and nothing is written anywhere."""
-    from clusterctl.launch.cancelfile import CancelWatch, cancel_path
+    from clusterctl.shared.cancelfile import CancelWatch, cancel_path
 
     rd = box.runs[1]
     t = [0.0]

@@ -43,11 +43,12 @@ ALIAS_LIMITS = [-1, 2**63, "12", None]  # an alias goes through the same check a
 
 
 def declared_limits() -> list[int]:
-    """The bounds the model reader declares (its module's MAX_* / MIN_* integers), and one past each."""
+    """The bounds the model reader declares (its modules' MAX_* / MIN_* integers), and one past each."""
     import clusterctl.plan.model as model
+    import clusterctl.shared.modelfiles as files
 
     out = []
-    for name, v in sorted(vars(model).items()):
+    for name, v in sorted({**vars(files), **vars(model)}.items()):
         if name.startswith(("MAX_", "MIN_")) and isinstance(v, int) and not isinstance(v, bool):
             out += [v, v + 1 if name.startswith("MAX_") else v - 1]
     return out

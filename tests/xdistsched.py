@@ -2,7 +2,7 @@
 
 - A worker takes a whole test file at a time (its module-scoped clusters start once), as ``--dist loadfile``.
 - Every file whose tests use the session's shared rank clusters (``shared_clusters``,
-  tests/launch/rank/conftest.py; found in the file's text, see ``uses_shared_clusters``) goes to one worker as
+  tests/rank/conftest.py; found in the file's text, see ``uses_shared_clusters``) goes to one worker as
   one unit (group ``shared-clusters``), so those clusters start once per run rather than once in each worker.
 - Longest first: the scheduler hands out the file (or group) with the largest expected cost next, so the last
   file to finish is a short one. The costs are seconds measured on 2 cores (``--durations``); a file not in the
@@ -25,24 +25,24 @@ SHARED_GROUP = "shared-clusters"
 COST: dict[str, float] = {
     "tests/launch/test_launch_local.py": 650,
     "tests/launch/test_replan.py": 500,
-    "tests/launch/rank/test_architectures.py": 490,
-    "tests/launch/rank/test_rank_pipeline.py": 400,
+    "tests/rank/test_architectures.py": 490,
+    "tests/rank/test_rank_pipeline.py": 400,
     "tests/sync/test_sync.py": 380,
     "shared-clusters": 330,
     "tests/test_fuzz_cli.py": 250,
     "tests/launch/test_security.py": 240,
     "tests/launch/test_launch_failure_logs.py": 180,
-    "tests/launch/rank/test_smollm2.py": 170,
+    "tests/rank/test_smollm2.py": 170,
     "tests/launch/test_launch_ssh.py": 170,
     "tests/test_fuzz.py": 160,
-    "tests/launch/rank/test_rank_failures.py": 150,
+    "tests/rank/test_rank_failures.py": 150,
     "tests/test_fuzz_limits.py": 140,
-    "tests/launch/rank/test_grammar.py": 140,
+    "tests/rank/test_grammar.py": 140,
     "tests/test_fuzz_ids.py": 130,
-    "tests/launch/rank/test_api_tools.py": 110,
+    "tests/rank/test_api_tools.py": 110,
     "tests/launch/test_front.py": 90,
     "tests/test_ggufimport.py": 90,
-    "tests/launch/rank/test_rank_serve.py": 90,
+    "tests/rank/test_rank_serve.py": 90,
     "tests/launch/test_teardown.py": 80,
     "tests/plan/test_kv.py": 80,
     "tests/launch/test_transport.py": 80,
@@ -52,7 +52,7 @@ COST: dict[str, float] = {
     "tests/plan/test_replan_matrix.py": 50,
     "tests/launch/test_tinymodel.py": 50,
     "tests/launch/test_serving_defaults.py": 50,
-    "tests/launch/rank/test_admission_parts.py": 50,
+    "tests/rank/test_admission_parts.py": 50,
 }
 DEFAULT_PER_TEST = 0.5
 
@@ -64,13 +64,13 @@ def _dist(config) -> str | None:
         return None
 
 
-_RANK_DIR = "tests/launch/rank/"
+_RANK_DIR = "tests/rank/"
 
 
 def uses_shared_clusters(root, path: str) -> bool:
     """Does the test file at ``path`` (relative to ``root``) use the session's shared rank clusters? Read from its
     text, as the controller has no collected items: it names ``shared_clusters``, or it sits in
-    tests/launch/rank/ and takes that folder's ``cluster`` fixture (an argument ``cluster`` without a fixture of
+    tests/rank/ and takes that folder's ``cluster`` fixture (an argument ``cluster`` without a fixture of
     its own by that name)."""
     try:
         text = (root / path).read_text()

@@ -133,10 +133,14 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o600) -
     atomic_write_bytes(path, dumps(obj), mode=mode)
 
 
-def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file") -> bytes:
-    """Read a regular file without following a symlink, refusing anything larger than ``limit``."""
+def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file",
+                follow_symlinks: bool = False) -> bytes:
+    """Read a regular file (never a FIFO, device or folder), refusing anything larger than ``limit``. A symlink
+    is refused unless ``follow_symlinks`` (model folders: caches link their files to blobs)."""
     path = Path(path)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:

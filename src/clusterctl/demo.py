@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.plannedmodel import plan_command
+from clusterctl.launch.start import launch
+from clusterctl.launch.status import status
+from clusterctl.render import deployment_table, status_table
+from clusterctl.shared.runtimefiles import parse_marker
+from clusterctl.tinymodel import build
 
 DEMO_CLUSTER = """\
 # Written by `clusterctl demo`: two local nodes on this machine. The memory split (2 : 6 GiB) makes the
@@ -123,13 +131,9 @@ def one_process_answer(model: Path, prompt: str, max_tokens: int) -> str:
 
 def _model(workdir: Path, which: str, out) -> Path:
     if which == "tiny":
-        from clusterctl.tinymodel import build
-
         out.info(f"1/7 building (or reusing) the tiny random model in {workdir / 'tiny'}")
         return build(workdir / "tiny")
     if which == "smollm2":
-        from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
-
         src = smollm2_gguf_path()
         out.info(f"1/7 importing (or reusing) SmolLM2-135M-Instruct from {src.name} into {workdir / 'smollm2'}")
         return Path(import_gguf(src, workdir / "smollm2").dest)
@@ -140,12 +144,6 @@ def _model(workdir: Path, which: str, out) -> Path:
 
 async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
                    check: bool = True) -> DemoResult:
-    from clusterctl.launch.status import status
-    from clusterctl.launch.jobplan import LaunchOptions
-    from clusterctl.launch.runtimefiles import parse_marker
-    from clusterctl.launch.start import launch
-    from clusterctl.sync.planned import plan_command
-
     res = DemoResult(model=model)
     workdir.mkdir(parents=True, exist_ok=True)
     model = await asyncio.to_thread(_model, workdir, model, out)
@@ -156,8 +154,6 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, m
                           allocation="proportional", backend="auto", parallel="pipeline", context=2048, batch=1,
                           headroom_gb=0.5)
     res.deployment_id = dep.deployment_id
-    from clusterctl.render import deployment_table
-
     out.table(deployment_table(dep))
     out.info("3/7 launching: one rank per node, gate, canary")
     running = await launch(str(workdir / "deployment.json"), state, LaunchOptions(timeout=300, grace=10),
@@ -180,8 +176,6 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, m
         out.info("6/7 status")
         doc = await status(state, running.opts.ssh)
         job = next(j for j in doc["jobs"] if j["job_id"] == res.job_id)
-        from clusterctl.render import status_table
-
         out.table(status_table(job))
         peaks = {}
         for r in running.manifest.ranks:

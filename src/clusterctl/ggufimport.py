@@ -33,6 +33,8 @@ from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError, Integri
 from clusterctl.gguf import Header, TensorInfo, read_header
 from clusterctl.ggufcheck import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE, MIN_CONTEXT, RMS_EPS,
                                   ROPE_FACTOR, ROPE_THETA, check_tensors, f32, meta)
+from clusterctl.gguftokenizer import build_tokenizer
+from clusterctl.shared.modelmanifest import Found, HashCache, hash_files
 
 IMPORTER_VERSION = 1
 RECORD_FILE = "clusterctl-import.json"
@@ -118,7 +120,6 @@ def smollm2_gguf_path() -> Path:
 
 def _source_hash(src: Path) -> tuple[int, str]:
     """Size and SHA-256 of the source, through the per-machine hash cache (a second import reads nothing)."""
-    from clusterctl.sync.manifest import Found, HashCache, hash_files
 
     st = src.stat()
     found = Found(rel=src.name, path=str(src), size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
@@ -221,8 +222,6 @@ def _plan(h: Header, path: Path) -> _Plan:
     # Kept so: on a CPU float16 is far slower (SmolLM2: 0.13 against 6 tokens/s) and its answer was wrong.
     norm = next(t for t in h.tensors if t.name == "output_norm.weight")
     config["torch_dtype"] = "float32" if norm.type == "F32" else "float16"
-
-    from clusterctl.gguftokenizer import build_tokenizer
 
     tok = build_tokenizer(md, path, context_length=config["max_position_embeddings"])
     if tok.vocab_size != vocab:

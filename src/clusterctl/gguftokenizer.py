@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from clusterctl.errors import ConfigError, IntegrityError
+from clusterctl.ggufcheck import check_template
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 MAX_PIECE = 256  # characters of a SentencePiece piece that merges (SentencePiece's own default limit is 16)
@@ -138,8 +139,6 @@ def build_tokenizer(md: dict, path, *, context_length: int | None = None) -> Tok
     if template is not None and not isinstance(template, str):
         raise ConfigError(f"{path}: tokenizer.chat_template is not text")
     if template:
-        from clusterctl.ggufcheck import check_template
-
         check_template(template, path)
         config["chat_template"] = template
     eos = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]

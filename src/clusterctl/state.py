@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped, unsafe_folder
-from clusterctl.errors import IntegrityError, MissingInput
-from clusterctl.plan.signing import Keyring
+from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped, stage_bytes, unsafe_folder
+from clusterctl.errors import ConfigError, IntegrityError, MissingInput
+from clusterctl.shared.signing import Keyring
+from clusterctl.shared.deployment import decode, encode
 
 ENV_STATE_DIR = "CLUSTERCTL_STATE_DIR"
 
@@ -41,8 +42,6 @@ class StateDir:
         """Refuse a state dir (or one of its folders) that another user owns or may write into: anyone who can
         write there can plant a signing key, a deployment or a launch manifest that reap would act on."""
         import stat
-
-        from clusterctl.errors import ConfigError
 
         for p in (self.root, *(self.root / d for d in ("keys", "deployments", "launches", "locks", "history",
                                                        "manifests"))):
@@ -101,7 +100,6 @@ class StateDir:
 
     def load_deployment(self, ref: str):
         """Verify and load a deployment; migrate v1 files in place; move corrupt state files aside."""
-        from clusterctl.plan.deployment import decode, encode
 
         path = self.deployment_path(ref)
         if path.is_dir():
@@ -138,8 +136,6 @@ class StateDir:
         """Sign ``dep`` into ``<state>/deployments/<id>.json`` (a new name: written at once) and stage the
         operator's file ``out`` (written and fsynced beside it; ``commit()`` puts it in place; when ``out`` is the
         state dir's copy itself, only the staged file is written). None if there is no operator file."""
-        from clusterctl.atomic import stage_bytes
-        from clusterctl.plan.deployment import encode
 
         data = encode(dep, self.keyring.signing_key())
         target = self.deployments / f"{dep.deployment_id}.json"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from clusterctl.errors import IntegrityError
-from clusterctl.launch.runtimefiles import Marker, read_marker
-from clusterctl.launch.rankspec import layer_range
+from clusterctl.shared.runtimefiles import Marker, read_marker
+from clusterctl.shared.rankspec import layer_range
 
 PY = sys.executable
 
@@ -97,7 +97,7 @@ class RankCluster:
             path.write_text(json.dumps(self.spec(r)))
             log = open(self.log_path(r), "wb")
             self.procs.append(subprocess.Popen(
-                [PY, "-m", "clusterctl.launch.rank", "--spec", str(path)], env=env, stdin=subprocess.DEVNULL,
+                [PY, "-m", "clusterctl.rank", "--spec", str(path)], env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
         return self
@@ -135,7 +135,7 @@ class RankCluster:
         return self
 
     def renew_lease(self, seq: int, duration: float | None = None) -> None:
-        from clusterctl.launch.runtimefiles import Lease, write_lease
+        from clusterctl.shared.runtimefiles import Lease, write_lease
 
         write_lease(self.lease, Lease(holder="harness", seq=seq, duration_s=duration or self.lease_seconds))
 

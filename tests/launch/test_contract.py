@@ -13,12 +13,12 @@ import pytest
 
 from clusterctl.errors import IntegrityError
 from clusterctl.atomic import dumps
-from clusterctl.launch.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
-from clusterctl.plan.deployment import PlanOptions, encode
+from clusterctl.shared.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
+from clusterctl.shared.deployment import PlanOptions, encode
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
-from clusterctl.plan.signing import Keyring, sign_payload
+from clusterctl.shared.signing import Keyring, sign_payload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelfiles import make_model  # noqa: E402
@@ -164,7 +164,7 @@ def test_the_rank_process_refuses_with_65_and_one_line(setup, how):
         data = data.replace(b'"rank": 1', b'"rank": 0', 1)
     p = write(run, data) if how != "missing" else run / "nope.contract"
     node = "a" if how == "other-node" else "b"
-    r = subprocess.run([sys.executable, "-m", "clusterctl.launch.rank", "--contract", str(p), "--node", node],
+    r = subprocess.run([sys.executable, "-m", "clusterctl.rank", "--contract", str(p), "--node", node],
                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == (66 if how == "missing" else 65), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

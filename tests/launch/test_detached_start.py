@@ -21,7 +21,7 @@ def test_a_detached_rank_that_dies_at_start_fails_the_launch_at_once_with_its_lo
     # node b's python runs every node operation but dies at once as a rank, after a few lines of output
     py = tmp_path / "python-b"
     py.write_text("#!/bin/sh\n"
-                  'if [ "$2" = clusterctl.launch.rank ]; then\n'
+                  'if [ "$2" = clusterctl.rank ]; then\n'
                   "  for i in $(seq 1 30); do echo \"rank output line $i\"; done\n"
                   f"  echo \"{ERROR_LINE}\" >&2\n"
                   "  exit 3\n"
@@ -46,5 +46,5 @@ def test_a_detached_rank_that_dies_at_start_fails_the_launch_at_once_with_its_lo
     assert len(tail) == 20 and tail[-1] == ERROR_LINE and tail[0] == "rank output line 12"
     # what did start (rank 0, loading) was torn down, verified
     assert doc["teardown"]["ok"] is True and manifests(tmp_path / "state") == []
-    assert not [x for x in psutil.process_iter(["cmdline"]) if "clusterctl.launch.rank" in " ".join(x.info["cmdline"] or [])
+    assert not [x for x in psutil.process_iter(["cmdline"]) if "clusterctl.rank" in " ".join(x.info["cmdline"] or [])
                 and str(tmp_path) in " ".join(x.info["cmdline"] or [])]

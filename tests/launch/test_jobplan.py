@@ -14,9 +14,9 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.launch.jobplan import (LaunchOptions, contract_payload, mlx_view, new_job_id, plan_job,
                                        port_requests, rank_addresses)
-from clusterctl.launch.rank.pipeline import ENV_DEFAULTS
-from clusterctl.launch.rankspec import RankSpec
-from clusterctl.plan.deployment import PlanOptions
+from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
+from clusterctl.shared.rankspec import RankSpec
+from clusterctl.shared.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
@@ -40,7 +40,7 @@ def job(dep, opts=None, **kw):
     n = len(dep.ranks)
     args = dict(block=list(range(30000, 30000 + n + 1)), runtime_dirs={r.node: f"/run/{r.node}" for r in dep.ranks},
                 addrs=rank_addresses(dep), job_id=f"{dep.deployment_id}-20260102030405-abc123", nonce="n" * 32,
-                trusted_key=KEY, abort_grace_s=5.0, compute_nice=10, mlx_env=mlx_view(ENV_DEFAULTS))
+                trusted_key=KEY, abort_grace_s=5.0, compute_nice=10, mlx_env=mlx_view(MLX_ENV_DEFAULTS))
     args.update(kw)
     return plan_job(dep, opts or LaunchOptions(lease_seconds=30.0, api_key="secret-key"), **args)
 

@@ -49,7 +49,7 @@ def plan(tmp_path: Path, model: Path, env: dict, cluster: Path | None = None) ->
 
 def no_rank_left(tmp_path: Path) -> None:
     left = [x for x in psutil.process_iter(["cmdline"])
-            if "clusterctl.launch.rank" in " ".join(x.info["cmdline"] or []) and str(tmp_path) in " ".join(
+            if "clusterctl.rank" in " ".join(x.info["cmdline"] or []) and str(tmp_path) in " ".join(
                 x.info["cmdline"] or [])]
     assert not left, left
 

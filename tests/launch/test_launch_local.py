@@ -126,7 +126,7 @@ def test_rank_that_fails_while_loading_fails_the_launch_and_nothing_is_left(tmp_
     doc = json.loads(p.stdout)
     assert doc["ok"] is False and doc["teardown"]["ok"] is True
     assert manifests(tmp_path / "state") == []
-    assert not [x for x in psutil.process_iter(["cmdline"]) if "clusterctl.launch.rank" in " ".join(x.info["cmdline"] or [])
+    assert not [x for x in psutil.process_iter(["cmdline"]) if "clusterctl.rank" in " ".join(x.info["cmdline"] or [])
                 and str(tmp_path) in " ".join(x.info["cmdline"] or [])]
 
 

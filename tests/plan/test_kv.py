@@ -18,12 +18,12 @@ import pytest
 
 from archmodels import BASE, FAMILIES, UNBATCHABLE, WRAPPERS, config_of
 from clusterctl.errors import DoesNotFit
-from clusterctl.plan.deployment import PlanOptions, decode, encode
+from clusterctl.shared.deployment import PlanOptions, decode, encode
 from clusterctl.plan.fit import kv_bytes
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import KV_REMAP, KvLayer, inspect_model, kv_layers
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
-from clusterctl.plan.signing import Keyring
+from clusterctl.shared.signing import Keyring
 from modelfiles import make_model
 
 N = 512
@@ -76,7 +76,7 @@ def measured_bytes(config: dict, n: int = N, decoded: int = 2) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from clusterctl.plan.archs import build_lazy
+    from clusterctl.shared.archs import build_lazy
 
     mx.random.seed(0)
     model = build_lazy(config)
@@ -157,7 +157,7 @@ def _saved(folder, config: dict, dtype: str, norm_dtype: str | None = None):
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import save_model
 
-    from clusterctl.plan.archs import build_lazy
+    from clusterctl.shared.archs import build_lazy
 
     mx.random.seed(0)
     model = build_lazy(config)
@@ -250,7 +250,7 @@ def test_deployment_records_kv_layers_and_old_files_still_load_and_launch(mla_fa
     del doc["model"]["kv_layers"]
     del doc["deployment_hash"]  # as old as that: no identity hash either
     from clusterctl.atomic import dumps
-    from clusterctl.plan.signing import sign_payload
+    from clusterctl.shared.signing import sign_payload
 
     loaded = decode(sign_payload(dumps(doc), "deployment", sk), trusted).deployment
     assert loaded.model.kv_layers is None and loaded.plan_hash == new.plan_hash

@@ -163,7 +163,7 @@ def test_a_released_layout_plans_and_passes_the_launch_recheck(name, note, tmp_p
     from archmodels import build_released
 
     from clusterctl.launch.preflight import check_inputs_unchanged
-    from clusterctl.plan.deployment import PlanOptions
+    from clusterctl.shared.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.planner import make_deployment
 
@@ -188,7 +188,7 @@ def test_an_fp8_checkpoint_plans_as_mlx_lm_loads_it(tmp_path):
     from archmodels import DEEPSEEK_V3_FP8, write_deepseek_v3_fp8_headers
     from mlx.utils import tree_flatten
 
-    from clusterctl.plan.archs import build_lazy, kept_tensors
+    from clusterctl.shared.archs import build_lazy, kept_tensors
     from clusterctl.plan.model import read_safetensors_header
 
     path = write_deepseek_v3_fp8_headers(tmp_path / "v3")

@@ -24,7 +24,7 @@ import pytest
 from clusterctl.launch.nodes import SshOptions
 from clusterctl.state import StateDir
 from clusterctl.sync.engine import SyncOptions, sync_deployment
-from clusterctl.sync.manifest import build_manifest
+from clusterctl.shared.modelmanifest import build_manifest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

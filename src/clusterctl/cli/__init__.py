@@ -16,6 +16,7 @@ from clusterctl.cli import jobcmds, modelcmds, plancmds, supervisecmds  # noqa: 
 from clusterctl.cli.options import app, model_app, os_error, report_error  # noqa: F401
 from clusterctl.errors import ClusterctlError, Exit, UsageError
 from clusterctl.render import Output
+from clusterctl.hardexit import exit_now
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,8 +28,6 @@ def main(argv: list[str] | None = None) -> None:
             # A command that loaded mlx (demo, model tiny) ends without the interpreter's teardown: mlx's native
             # worker threads made it abort at exit ("terminate called without an active exception", SIGABRT)
             # in 2 of 20 demo runs here, after all the work was done and reported.
-            from clusterctl.hardexit import exit_now
-
             exit_now(code)
         raise
 

@@ -17,6 +17,9 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
+from clusterctl import history as hist
+from clusterctl.cli.frontcmds import front_for, stop_started
+from clusterctl.render import heal_line, history_line, serving_line, status_table, watch_view
 
 
 @app.command()
@@ -70,8 +73,6 @@ def launch(
         raise UsageError("--heal supervises in the foreground: leave out --detach, or launch detached and run "
                          "`clusterctl supervise` (docs/heal.md)")
     policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain) if heal else None
-
-    from clusterctl.cli.frontcmds import front_for, stop_started
 
     state = state_of(state_dir)
     started = front_for(o, state, front, lambda: state.load_deployment(deployment)[1].deployment.cluster,
@@ -245,8 +246,6 @@ def replan(
                                max_queue=max_queue, host=host)
     set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
                model_alias=model_alias)
-    from clusterctl.cli.frontcmds import front_for
-
     front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)
     raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
 
@@ -290,9 +289,6 @@ def history(
 ) -> None:
     """Applied replans, oldest first: when, from which deployment to which (plan_hash), and what changed."""
     o = output(ctx, json, quiet)
-    from clusterctl import history as hist
-    from clusterctl.render import history_line
-
     state = state_of(state_dir)
     found = {c: hist.entries(state, c) for c in hist.clusters_of(state, target)}
     if o.json:
@@ -325,7 +321,6 @@ def cancel(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.errors import UsageError
     from clusterctl.launch.cancel import CancelNotAcked, cancel_command
 
     if bool(request) == all_:
@@ -409,23 +404,17 @@ def status(
     if o.json:
         o.data(doc)
         return
-    from clusterctl.render import status_table
-
     if not doc["jobs"]:
         o.info(f"no launches of {target}" if target else "no launches")
     for job in doc["jobs"]:
         o.table(status_table(job, wide=all_))
         if all_:
-            from clusterctl.render import serving_line
-
             o.info(serving_line(job.get("serving")))
     for f in doc.get("fronts") or []:
         o.info(f"front {f['url']}: cluster {f['cluster']} (pid {f['pid']}; clients keep this URL across replans)")
     for m in doc["malformed"]:
         o.warn(f"malformed manifest: {m['manifest']}: {m['error']}")
     if doc.get("heal"):
-        from clusterctl.render import heal_line
-
         for h in doc["heal"]:
             o.info(heal_line(h, plain=True))
 
@@ -433,8 +422,6 @@ def status(
 def _watch(o, state, ssh, target, interval: float) -> None:
     """The live view: a Rich table redrawn in place on a terminal, one JSON line per refresh with --json."""
     from clusterctl.launch.watch import watch
-    from clusterctl.render import watch_view
-
     if o.json:
         watch(state, ssh, target, interval, lambda doc: o.event("status", doc))
         return

@@ -10,6 +10,8 @@ import typer
 
 from clusterctl.cli.options import (AcceptNewOpt, JsonOpt, KnownHostsOpt, QuietOpt, StateOpt, app, complete_targets,
                                     model_app, output, ssh_options, state_of)
+from clusterctl.errors import UsageError
+from clusterctl.render import SyncView, demo_summary_table, human_bytes, sync_table
 
 
 # ---- manifest / sync ---------------------------------------------------------------------------------------
@@ -23,7 +25,7 @@ def manifest(
 ) -> None:
     """Every file of a model folder with its size and SHA-256, and the manifest hash (docs/sync.md)."""
     o = output(ctx, json, quiet)
-    from clusterctl.sync.manifest import HashCache, build_manifest
+    from clusterctl.shared.modelmanifest import HashCache, build_manifest
 
     cache = HashCache()
     m = build_manifest(folder, cache=cache, use_cache=not no_cache)
@@ -32,8 +34,6 @@ def manifest(
     if o.json:
         o.data(m.model_dump(mode="json"))
         return
-    from clusterctl.render import human_bytes
-
     if not o.quiet:
         o.line(m.manifest_hash)
     o.info(f"{m.name}: {len(m.files)} file(s), {human_bytes(m.total_bytes)}"
@@ -59,7 +59,6 @@ def sync(
     o = output(ctx, json, quiet or (not json and not sys.stdout.isatty()))
     import asyncio
 
-    from clusterctl.render import SyncView, sync_table
     from clusterctl.sync.engine import SyncOptions, sync_deployment
 
     view = SyncView(o)
@@ -115,8 +114,6 @@ def model_tiny(
     if preset is not None:
         presets = {"bench": tinymodel.BENCH_100M}
         if preset not in presets:
-            from clusterctl.errors import UsageError
-
             raise UsageError(f"--preset: {preset!r} is not valid (choose from {', '.join(presets) or 'none'})")
         kw = dict(presets[preset])
     else:
@@ -179,6 +176,4 @@ def demo(
     if o.json:
         o.data({"ok": True, **res.to_json()})
     else:
-        from clusterctl.render import demo_summary_table
-
         o.table(demo_summary_table(res))

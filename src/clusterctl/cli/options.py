@@ -13,8 +13,9 @@ import typer
 from typer.core import TyperGroup
 
 from clusterctl import __version__
-from clusterctl.errors import ClusterctlError, Exit
+from clusterctl.errors import ClusterctlError, Exit, UsageError
 from clusterctl.render import Output
+from clusterctl.atomic import read_capped
 
 
 def report_error(o: Output, e: ClusterctlError, *, hint: bool = True) -> int:
@@ -141,13 +142,9 @@ def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=
     """The serving defaults given on the command line (only those given)."""
     import json as _json
 
-    from clusterctl.errors import UsageError
-
     out = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                              ("max_tokens", max_tokens)) if v is not None}
     if chat_template is not None:
-        from clusterctl.atomic import read_capped
-
         try:
             out["chat_template"] = read_capped(chat_template, limit=65536, what="chat template").decode("utf-8")
         except UnicodeDecodeError:
@@ -201,8 +198,6 @@ def api_keys_of(path: Path | None, default_key: str | None, no_key: bool) -> dic
     from clusterctl.launch.apikey import api_keys_from_file
 
     if path is not None and no_key:
-        from clusterctl.errors import UsageError
-
         raise UsageError("--api-keys-file and --no-api-key contradict each other: give one")
     return api_keys_from_file(str(path) if path is not None else None, default_key=default_key)
 

@@ -11,6 +11,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt,
                                     JsonOpt, MaxTokensOpt, MinPOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt,
                                     TopPOpt, app, complete_targets, number, output, serving_of, ssh_options,
                                     state_of)
+from clusterctl.render import deployment_table
 
 
 # ---- plan ---------------------------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def plan(
 ) -> None:
     """Split the model's layers across the nodes, check the fit, and write a signed deployment file."""
     o = output(ctx, json, quiet)
-    from clusterctl.sync.planned import plan_command
+    from clusterctl.launch.plannedmodel import plan_command
 
     probe_remote = None
     if probe:
@@ -75,8 +76,6 @@ def plan(
     if o.json:
         o.data(dep.model_dump(mode="json"))
         return
-    from clusterctl.render import deployment_table
-
     o.table(deployment_table(dep))
     if dep.parallel_reason:
         o.info(f"parallel {dep.parallel_reason}")

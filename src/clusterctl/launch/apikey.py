@@ -13,7 +13,8 @@ import os
 import re
 
 from clusterctl.errors import ConfigError, UsageError
-from clusterctl.names import clip
+from clusterctl.names import NAME_RE, clip
+from clusterctl.atomic import read_capped
 
 DEFAULT_ENV = "CLUSTERCTL_API_KEY"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -78,9 +79,6 @@ def api_keys_from_file(path: str | None, *, default_key: str | None = None) -> d
     refused (78), and so is a key that equals the default tenant's."""
     import os
     import stat
-
-    from clusterctl.atomic import read_capped
-    from clusterctl.names import NAME_RE
 
     if path is None:
         return {}

@@ -1,4 +1,4 @@
-"""`clusterctl cancel`: cancel requests on a running deployment through cancel files (launch/cancelfile.py).
+"""`clusterctl cancel`: cancel requests on a running deployment through cancel files (shared/cancelfile.py).
 
 The coordinator reads the job's cancel files and acks on its nodes, writes a cancel file with a larger epoch and a
 fresh nonce on every node, and with ``wait`` reads the ranks' acks until each one has applied that cancel. Nothing
@@ -11,9 +11,11 @@ import asyncio
 import json
 import time
 
-from clusterctl.errors import ClusterctlError, Exit, MissingInput
-from clusterctl.launch.manifest import ManifestStore
+from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
+from clusterctl.launch.manifest import ManifestStore, job_ref
 from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.shared.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile,
+                                            ack_path, cancel_path, new_cancel_nonce as new_nonce)
 
 ACK_POLL = 0.02
 
@@ -30,7 +32,6 @@ class CancelEpochsUsedUp(ClusterctlError):
 
 def resolve_jobs(state, target: str) -> list:
     """Launch manifests of a job id, a deployment id, or the deployment FILE that `launch` was given."""
-    from clusterctl.launch.manifest import job_ref
 
     ref = job_ref(state, target)
     store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
@@ -50,9 +51,6 @@ async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: fl
     counts only as proof of this cancel: rank 0's must show our (epoch, nonce), the others' an epoch at least
     ours once rank 0's does (the epoch reaches them in the meeting after rank 0 applied it)."""
     from pydantic import ValidationError
-
-    from clusterctl.launch.runtimefiles import EPOCH_MAX, CancelAck, CancelFile, ack_path, cancel_path
-    from clusterctl.launch.runtimefiles import new_cancel_nonce as new_nonce
 
     hs = handles(m.nodes, ssh)
     t0 = time.monotonic()
@@ -113,9 +111,6 @@ def check_requests(requests: list[str] | None) -> None:
     cannot."""
     import re
 
-    from clusterctl.errors import UsageError
-    from clusterctl.launch.runtimefiles import MAX_REQUEST_IDS, REQUEST_ID_PATTERN
-
     if requests is None:
         return
     if not requests or len(requests) > MAX_REQUEST_IDS:
@@ -129,8 +124,6 @@ def check_requests(requests: list[str] | None) -> None:
 def valid_cancel(doc: dict | None):
     """A cancel file's contents as CancelFile, or None when it is not one."""
     from pydantic import ValidationError
-
-    from clusterctl.launch.runtimefiles import CancelFile
 
     try:
         return CancelFile.model_validate(doc) if doc else None

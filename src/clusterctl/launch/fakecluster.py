@@ -19,11 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 from clusterctl.launch.faketransport import ScriptedOps
+from clusterctl.launch.preflight import coordinator_versions as mine
+from clusterctl.plan.inventory import parse_cluster
+from clusterctl.plan.model import ModelFacts
+from clusterctl.plan.planner import make_deployment
+from clusterctl.shared.deployment import PlanOptions
 
 
 def coordinator_versions() -> dict:
-    from clusterctl.launch.preflight import coordinator_versions as mine
-
     return {"python": ".".join(map(str, __import__("sys").version_info[:3])), **mine()}
 
 
@@ -125,10 +128,6 @@ def simulated_deployment(state, nodes: int, *, layers: int | None = None, ips: b
     ``ips=False``: then each is host ``n0000.sim`` and launch resolves it) over a
     synthetic model of ``layers`` (default: one per node), saved in ``state``; returns its path. Launch it with
     ``LaunchOptions(check_model=False)``: there is no model folder to check."""
-    from clusterctl.plan.deployment import PlanOptions
-    from clusterctl.plan.inventory import parse_cluster
-    from clusterctl.plan.model import ModelFacts
-    from clusterctl.plan.planner import make_deployment
 
     layers = layers or nodes
     facts = ModelFacts(name="synthetic", model_type="qwen2", num_layers=layers, hidden_size=1024, num_heads=16,

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from clusterctl.launch.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
+from clusterctl.launch import nodes
 
 
 class NodeOpError(Exception):
@@ -250,7 +251,6 @@ class FakeTransport:
 @contextlib.contextmanager
 def fake_nodes(script: dict[str, ScriptedOps]):
     """Every node handle made inside (``nodes.handles``) for a node named in ``script`` talks to its fake."""
-    from clusterctl.launch import nodes
 
     real = nodes.transport_for
 

@@ -19,11 +19,12 @@ from types import SimpleNamespace
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore
-from clusterctl.launch.runtimefiles import Lease, encode_lease
+from clusterctl.shared.runtimefiles import Lease, encode_lease
 from clusterctl.launch.nodes import NodeHandle, close_all
-from clusterctl.launch.teardown import TeardownReport, teardown_job
+from clusterctl.launch.teardown import TeardownReport, reports_dir, teardown_job
 from clusterctl.launch.transport import StartedProcess
 from clusterctl.locks import Lock
+from clusterctl.launch.ranklogs import keep_logs, last_lines
 
 
 @dataclass
@@ -83,8 +84,6 @@ class Running:
 
     def _rank_exited(self, r: int, t: asyncio.Task) -> None:
         rc = t.result() if not t.exception() else None
-        from clusterctl.launch.ranklogs import last_lines
-
         tail = [ln.strip() for ln in last_lines(self.procs[r].stderr_tail, 1)]
         node = self.manifest.ranks[r].node
         self.failure = f"rank {r} on {node} exited with code {rc}" + (f": {tail[-1]}" if tail else "")
@@ -92,8 +91,6 @@ class Running:
 
     async def _keep_logs(self) -> None:
         """A rank's exit ended the job: every rank's log into ``<state>/reports/<job>/`` (launch/ranklogs.py)."""
-        from clusterctl.launch.ranklogs import keep_logs
-        from clusterctl.launch.teardown import reports_dir
 
         try:
             self.logs = await keep_logs(self, reports_dir(self.store) / self.manifest.job_id)

@@ -21,6 +21,10 @@ import sys
 import time
 
 from clusterctl.launch.frontfollow import Follower, Rules, Target
+from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
+from clusterctl.launch.manifest import now_iso, this_coordinator
+from clusterctl.launch.nodes import SshOptions
+from clusterctl.state import StateDir
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
 HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
@@ -95,8 +99,6 @@ class Front:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        from clusterctl.launch.frontstate import read_heal
-
         before = self.target
         t = await self.follower.refresh()
         self._switched(before, t)
@@ -354,10 +356,6 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
     import aiohttp
     from aiohttp import web
 
-    from clusterctl.launch.frontstate import FrontRecord, record_path, remove_record, url_of, write_record
-    from clusterctl.launch.manifest import now_iso, this_coordinator
-    from clusterctl.launch.nodes import SshOptions
-
     def log(msg: str) -> None:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
@@ -405,9 +403,6 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
 def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
-
-    from clusterctl.launch.nodes import SshOptions
-    from clusterctl.state import StateDir
 
     ap = argparse.ArgumentParser(prog="python -m clusterctl.launch.front")
     ap.add_argument("--state-dir", required=True)

@@ -14,7 +14,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from clusterctl.errors import ClusterctlError
+from clusterctl.errors import ClusterctlError, IntegrityError
+from clusterctl import history
+from clusterctl.atomic import strict_loads
+from clusterctl.launch.frontstate import cluster_of_deployment
+from clusterctl.launch.manifest import ManifestStore, coordinator_alive
+from clusterctl.launch.nodes import close_all, handles
+from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind
+from clusterctl.shared.rankspec import parse_rank_spec
+from clusterctl.shared.signing import verify_signed
 
 
 @dataclass(frozen=True)
@@ -71,12 +79,6 @@ def rules_of_spec(spec) -> Rules:
 async def read_rules(state, m, ssh) -> Rules:
     """Rank 0's keys and CORS origins from its contract on its node, the signature checked with this state
     dir's keys. ClusterctlError when the contract cannot be read or verified."""
-    from clusterctl.atomic import strict_loads
-    from clusterctl.errors import IntegrityError
-    from clusterctl.launch.contract import MAX_CONTRACT_BYTES, contract_kind
-    from clusterctl.launch.nodes import close_all, handles
-    from clusterctl.launch.rankspec import parse_rank_spec
-    from clusterctl.plan.signing import verify_signed
 
     r0 = m.ranks[0]
     node = next(n for n in m.nodes if n.name == r0.node)
@@ -125,8 +127,6 @@ class Follower:
     log: object = print
 
     def _manifests(self) -> list:
-        from clusterctl.launch.manifest import ManifestStore
-
         try:  # every manifest write is a rename into the folder: an unchanged folder has unchanged files
             stamp = os.stat(self.state.launches).st_mtime_ns
         except OSError:
@@ -167,8 +167,6 @@ class Follower:
 
     def _cluster_of(self, m) -> str | None:
         if m.deployment_id not in self._clusters:
-            from clusterctl.launch.frontstate import cluster_of_deployment
-
             name = cluster_of_deployment(self.state, m.deployment_id, m.deployment_file)
             if name is None:
                 return None  # not cached: the file may appear later
@@ -176,9 +174,6 @@ class Follower:
         return self._clusters[m.deployment_id]
 
     def _pick(self, ms: list):
-        from clusterctl import history
-        from clusterctl.launch.manifest import coordinator_alive
-
         ours = [m for m in ms if self._cluster_of(m) == self.cluster]
         self.has_jobs = bool(ours)
         live = [m for m in ours if m.state == "ready" and m.endpoint and coordinator_alive(m.coordinator)]

@@ -23,9 +23,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from clusterctl.atomic import atomic_write_bytes, dumps, read_json
-from clusterctl.errors import ClusterctlError, ConfigError, Exit
+from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
+from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
+from clusterctl.launch.apikey import check_bind_host
+from clusterctl.launch.manifest import Coordinator, ManifestStore, coordinator_alive
+from clusterctl.shared.deployment import decode
+from clusterctl.node.procs import Identity, signal_process, status_of
 
 SCHEMA_VERSION = 1
 HEAL_STATES = ("serving", "healing", "degraded")
@@ -60,7 +64,6 @@ class HealState(BaseModel):
 
 def parse_front(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for an IPv6 address) -> (host, port); ValueError says what is wrong."""
-    from clusterctl.launch.apikey import check_bind_host
 
     host, sep, port = value.rpartition(":")
     if not sep or not host:
@@ -116,14 +119,11 @@ def records(state) -> list[tuple[Path, FrontRecord]]:
 
 
 def identity_of(rec: FrontRecord):
-    from clusterctl.node.procs import Identity
-
     return Identity(pid=rec.pid, start_time=rec.start_time, nonce=rec.nonce, boot_id=rec.boot_id)
 
 
 def is_alive(rec: FrontRecord) -> bool:
     """Is the front of this record still running? (another machine's record: assumed so)"""
-    from clusterctl.node.procs import status_of
 
     if rec.host != socket.gethostname():
         return True
@@ -174,8 +174,6 @@ def read_heal(state, cluster: str) -> HealState | None:
 
 
 def _supervisor_alive(sup: dict) -> bool:
-    from clusterctl.launch.manifest import Coordinator, coordinator_alive
-
     try:
         return coordinator_alive(Coordinator.model_validate(sup))
     except ValidationError:
@@ -244,8 +242,6 @@ def spawn_front(state, argv: list[str], host: str, port: int, *, timeout: float 
 
 
 def _last_line(log: Path, start: int) -> str:
-    from clusterctl.errors import one_line
-
     try:
         with open(log, "rb") as f:
             f.seek(start)
@@ -258,7 +254,6 @@ def _last_line(log: Path, start: int) -> str:
 
 def stop_front(state, rec: FrontRecord, *, grace: float = 10.0) -> bool:
     """TERM the front (identity checked), wait up to ``grace``, then KILL; True once it is gone."""
-    from clusterctl.node.procs import signal_process, status_of
 
     if rec.host != socket.gethostname():
         return False
@@ -285,8 +280,6 @@ def summary(rec: FrontRecord) -> dict:
 
 def cluster_of_deployment(state, deployment_id: str, deployment_file: str | None = None) -> str | None:
     """The cluster of a deployment, read only (the state dir's record, else the file a launch was given)."""
-    from clusterctl.atomic import read_capped
-    from clusterctl.plan.deployment import decode
 
     for path in (state.deployments / f"{deployment_id}.json", deployment_file):
         if not path:
@@ -301,7 +294,6 @@ def cluster_of_deployment(state, deployment_id: str, deployment_file: str | None
 
 def clusters_with_jobs(state) -> set[str]:
     """The clusters that have a launch manifest (live or not) in the state dir."""
-    from clusterctl.launch.manifest import ManifestStore
 
     if not state.launches.is_dir():
         return set()

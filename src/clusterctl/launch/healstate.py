@@ -14,6 +14,7 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, dumps, read_json
 from clusterctl.errors import ClusterctlError
+from clusterctl.launch.manifest import Coordinator, coordinator_alive
 
 LIMIT = 64 << 10
 STATES = ("serving", "healing", "degraded")
@@ -53,8 +54,6 @@ def read_all(state) -> list[dict]:
 def _alive(sup) -> bool | None:
     """The supervisor's process identity (pid and start time, boot id) checked on this machine."""
     from pydantic import ValidationError
-
-    from clusterctl.launch.manifest import Coordinator, coordinator_alive
 
     try:
         return coordinator_alive(Coordinator.model_validate(sup)) if isinstance(sup, dict) else None

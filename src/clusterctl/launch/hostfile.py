@@ -12,8 +12,9 @@ import random
 import socket
 
 from clusterctl.errors import ConfigError
-from clusterctl.plan.deployment import Deployment
-from clusterctl.plan.inventory import Node
+from clusterctl.shared.deployment import Deployment
+from clusterctl.shared.nodespec import Node
+from clusterctl.plan.backend import jaccl_devices
 
 # below the kernels' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port chosen for a ring or rank 0
 # is never one the kernel may hand to an outgoing connection between preflight and the rank's bind (a ring peer
@@ -91,7 +92,6 @@ def ring_hostfiles(addrs: list[str], ports: list[int]) -> list[list[list[str]]]:
 
 def mlx_launch_hostfile(dep: Deployment, addrs: list[str], env: dict[str, str]) -> dict:
     """What `mlx.launch --hostfile` reads, so an operator can reproduce the launch by hand."""
-    from clusterctl.plan.backend import jaccl_devices
 
     rdma = jaccl_devices(dep.nodes) if dep.backend == "jaccl" else None
     hosts = []

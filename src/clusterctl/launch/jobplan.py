@@ -15,12 +15,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from clusterctl.launch import hostfile, runtimefiles as rf
+from clusterctl.launch import hostfile
+from clusterctl.shared import runtimefiles as rf
 from clusterctl.launch.manifest import RankRecord
 from clusterctl.launch.nodes import SshOptions
-from clusterctl.launch.rankspec import RankSpec, parse_rank_spec
+from clusterctl.shared.rankspec import RankSpec, parse_rank_spec
 from clusterctl.launch.teardown import DEFAULT_GRACE
-from clusterctl.plan.deployment import Deployment
+from clusterctl.shared.deployment import Deployment
+from clusterctl.errors import UsageError
 
 ENV_LEASE = "CLUSTERCTL_LAUNCHER_LEASE"
 DEFAULT_LEASE = 30.0
@@ -28,7 +30,6 @@ DEFAULT_LEASE = 30.0
 
 def lease_from_env() -> float:
     """The launcher lease from env CLUSTERCTL_LAUNCHER_LEASE (unset or empty: the default), checked like --lease."""
-    from clusterctl.errors import UsageError
 
     text = os.environ.get(ENV_LEASE, "").strip()
     if not text:
@@ -69,8 +70,8 @@ class LaunchOptions:
 
 
 def mlx_view(rank_env: dict[str, str]) -> dict[str, str]:
-    """What the mlx.launch-compatible hostfile records of the environment every rank applies (rank/pipeline.py's
-    ENV_DEFAULTS): its MLX_ variables."""
+    """What the mlx.launch-compatible hostfile records of the environment every rank applies (shared/rankspec.py's
+    MLX_ENV_DEFAULTS): its MLX_ variables."""
     return {k: v for k, v in rank_env.items() if k.startswith("MLX_")}
 
 

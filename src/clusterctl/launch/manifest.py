@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from clusterctl.atomic import atomic_write_bytes, dumps, move_aside, read_capped, strict_loads
 from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.names import Ident, Name
-from clusterctl.plan.inventory import Node
-from clusterctl.plan.signing import PublicKey, SigningKey, sign_payload, verify_signed
+from clusterctl.shared.nodespec import Node
+from clusterctl.shared.signing import PublicKey, SigningKey, sign_payload, verify_signed
+from clusterctl.node.procs import Identity, boot_id, start_time_of, status_of
 
 KIND = "launch-manifest"
 SCHEMA_VERSION = 1
@@ -85,8 +86,6 @@ def now_iso() -> str:
 
 
 def this_coordinator(detached: bool = False) -> Coordinator:
-    from clusterctl.node.procs import boot_id, start_time_of
-
     return Coordinator(host=socket.gethostname(), pid=os.getpid(), start_time=start_time_of(os.getpid()),
                        boot_id=boot_id(), detached=detached)
 
@@ -165,7 +164,6 @@ def job_ref(state, target: str) -> str:
 
 def coordinator_alive(c: Coordinator) -> bool:
     """Is the coordinator that wrote a launch manifest still running (judged on this machine only)?"""
-    from clusterctl.node.procs import Identity, boot_id, status_of
 
     if c.detached:
         return True  # a detached job has no coordinator to outlive; only `teardown` ends it

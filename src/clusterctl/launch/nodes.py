@@ -17,10 +17,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import (CannotWrite, ClusterctlError, IntegrityError, MissingInput, RemoteCommandFailed,
-                               pydantic_line)
+from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, Exit, IntegrityError, MissingInput,
+                               RemoteCommandFailed, UsageError, pydantic_line)
 from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Pipe, Transport
-from clusterctl.plan.inventory import Node
+from clusterctl.shared.nodespec import Node
+from clusterctl.launch import fdlimit
+from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.node.nodeops import look_at_markers
 
 NODEOP_TIMEOUT = 120.0
 SESSION_CLOSE_WAIT = 2.0  # after stdin EOF: the node's session ends at once unless a request is still running
@@ -50,9 +53,6 @@ def ssh_target(node: Node, ssh: SshOptions):
         return None
     from pydantic import ValidationError
 
-    from clusterctl.errors import ConfigError
-    from clusterctl.launch.ssh_policy import SshTarget
-
     try:
         return SshTarget(host=node.host, port=node.port, user=node.user,
                          identity_file=Path(node.identity_file) if node.identity_file else None,
@@ -67,8 +67,6 @@ def make_transport(node_name: str, *, local: bool, target, python: str, keeper_g
     if local:
         return LocalTransport(node=node_name, python=python, keeper_grace=keeper_grace)
     if target is None:
-        from clusterctl.errors import UsageError
-
         raise UsageError(f"node {node_name} is not local and has no ssh target")
     from clusterctl.launch.sshnode import SshTransport  # asyncssh is imported only when a node needs it
 
@@ -248,9 +246,7 @@ class NodeHandle:
         finally:
             self._busy -= 1
             if not self._busy:
-                from clusterctl.launch.fdlimit import SLOTS
-
-                SLOTS.poke()
+                fdlimit.SLOTS.poke()
         return self._answer(op, msg, sess)
 
     def _answer(self, op: str, msg: dict, sess: OpSession) -> dict:
@@ -310,8 +306,6 @@ class NodeHandle:
             docs = [d if isinstance(d, dict) else None for d in ans["markers"]]
             exited = ans.get("exited") or [None] * len(paths)
             return {"markers": docs, "exited": [e if isinstance(e, dict) else None for e in exited]}
-        from clusterctl.node.nodeops import look_at_markers
-
         deadline = time.monotonic() + timeout
         while True:
             look = look_at_markers(paths, states, watch)
@@ -369,7 +363,6 @@ class NodePool:
 
 def first_error_code(errors: list[BaseException]):
     """One exit code for several per-node errors: the shared one, or 1 (failed on at least one host)."""
-    from clusterctl.errors import Exit
 
     codes = {getattr(e, "exit_code", Exit.FAILED) for e in errors}
     return codes.pop() if len(codes) == 1 else Exit.FAILED

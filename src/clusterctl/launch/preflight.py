@@ -15,7 +15,9 @@ from pathlib import Path
 from clusterctl import __version__
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, LaunchFailed
 from clusterctl.launch.nodes import NODEOP_TIMEOUT, NodeHandle, first_error_code
-from clusterctl.plan.deployment import Deployment, diff_placement
+from clusterctl.shared.deployment import Deployment, diff_placement
+from clusterctl.plan.model import inspect_model
+from clusterctl.plan.planner import replan_same_inputs
 
 
 class PortsBusy(LaunchFailed):
@@ -149,8 +151,6 @@ async def warm(hs: dict[str, NodeHandle], dep: Deployment) -> None:
 
 def check_inputs_unchanged(dep: Deployment) -> None:
     """Re-derive the plan from the deployment's own inputs and the model as it is now; refuse on any difference."""
-    from clusterctl.plan.model import inspect_model
-    from clusterctl.plan.planner import replan_same_inputs
 
     if not Path(dep.model.source_path).is_dir():
         return  # the coordinator holds no copy; each node's copy is checked in preflight

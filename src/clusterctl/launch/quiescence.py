@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from clusterctl.errors import ClusterctlError
+from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch.nodes import SshOptions, close_all, handles
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
@@ -129,7 +129,6 @@ async def refuse_activity(jobs, ssh: SshOptions, *, refuse: tuple[str, ...], hin
     waiting for it to go idle), naming its ranks' requests or why they are unknown; ``hints`` by activity.
     Teardown refuses ``busy`` only (stopping a broken job is its purpose); replan refuses ``unknown`` too.
     ``hs_of``: node handles per job id to reuse."""
-    from clusterctl.errors import Busy
 
     hs_of = hs_of or {}
     if drain > 0:

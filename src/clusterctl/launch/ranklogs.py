@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, LaunchFailed
+from clusterctl.atomic import atomic_write_bytes, atomic_write_json
+from clusterctl.launch.transport import TAIL_BYTES
 
 KEEP_BYTES = 4 << 20  # the last 4 MiB of each rank's log
 TAIL_LINES = 20  # of the failing rank, in --json (the error line carries the last one)
@@ -114,8 +116,6 @@ async def _collect(run, r) -> tuple[KeptLog, bytes]:
     k = KeptLog(rank=r.rank, node=r.node)
     p = run.procs.get(r.rank)
     if p is not None:
-        from clusterctl.launch.transport import TAIL_BYTES
-
         err, out = p.stderr_tail, p.stdout_tail
         data = err + (b"\n--- stdout ---\n" + out if out.strip() else b"")
         k.source, k.truncated = "keeper channel", len(err) >= TAIL_BYTES or len(out) >= TAIL_BYTES
@@ -139,7 +139,6 @@ async def _collect(run, r) -> tuple[KeptLog, bytes]:
 async def keep_logs(run, folder: Path) -> KeptLogs:
     """Copy every started rank's log of ``run`` into ``folder`` (``rank<r>.log``, atomically, 0600) and write
     the index ``ranks.json``. Per-rank problems are noted, never raised."""
-    from clusterctl.atomic import atomic_write_bytes, atomic_write_json
 
     ranks = sorted(run.manifest.ranks, key=lambda r: r.rank)
     got = await asyncio.gather(*(_collect(run, r) for r in ranks), return_exceptions=True)

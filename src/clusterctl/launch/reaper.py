@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch.manifest import ManifestStore, coordinator_alive
-from clusterctl.launch.nodes import NodePool, SshOptions
+from clusterctl.launch.nodes import NodePool, SshOptions, close_all, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
 
@@ -23,8 +23,6 @@ async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
     """Does any rank of the job still run? Unreachable nodes count as yes (we cannot tell). ``pool``
     (nodes.NodePool): the node sessions to ask over, left open."""
     import asyncio
-
-    from clusterctl.launch.nodes import close_all, handles
 
     by_node: dict[str, list[dict]] = {}
     for r in m.ranks:

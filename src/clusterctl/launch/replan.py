@@ -15,8 +15,25 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.errors import ClusterctlError, ConfigError, IntegrityError, MissingInput, UsageError
-from clusterctl.plan.deployment import Deployment
+from clusterctl.errors import ClusterctlError, ConfigError, Exit, IntegrityError, LaunchFailed, MissingInput, UsageError
+from clusterctl.shared.deployment import Deployment, decode, identity_changes
+from clusterctl import history
+from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
+from clusterctl.launch.foreground import run_foreground
+from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.manifest import ManifestStore, now_iso
+from clusterctl.launch.nodes import close_all, handles
+from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
+from clusterctl.launch.preflight import copy_problem
+from clusterctl.launch.quiescence import refuse_activity
+from clusterctl.launch.start import launch, live_jobs
+from clusterctl.launch.teardown import teardown_command
+from clusterctl.locks import Lock
+from clusterctl.plan.commands import fill_memory
+from clusterctl.plan.inventory import load_cluster
+from clusterctl.plan.model import inspect_model
+from clusterctl.plan.planner import make_deployment
+from clusterctl.plan.replan import derive, placement_diff
 
 
 @dataclass
@@ -38,8 +55,6 @@ class Proposal:
 
 
 def _manifests(state):
-    from clusterctl.launch.manifest import ManifestStore
-
     if not state.launches.is_dir():
         return []
     good, _ = ManifestStore(state.launches, None, state.keyring.public_keys()).all()
@@ -69,13 +84,10 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
             ) -> Proposal:
     """The preview. ``jobs`` lists every launch manifest of the current deployment (``live_jobs`` narrows it to
     the live ones once SSH is at hand)."""
-    from clusterctl.plan.replan import derive, placement_diff
 
     old_path, old, operator_file = resolve_current(state, ref)
     new_bytes = None
     if to is not None:
-        from clusterctl.atomic import read_capped
-
         if cluster_file or nodes or options or path_map is not None:
             raise UsageError("--to takes a previous deployment as it is: give no other plan option with it")
         to_path, loaded = state.load_deployment(to)
@@ -86,12 +98,6 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
             new_bytes = read_capped(to_path, what="deployment file")
         inputs = {"given": {"to": new.deployment_id}, "derived": {}}
     else:
-        from clusterctl.plan.commands import fill_memory
-        from clusterctl.sync.planned import record_manifest
-        from clusterctl.plan.inventory import load_cluster
-        from clusterctl.plan.model import inspect_model
-        from clusterctl.plan.planner import make_deployment
-
         cluster = fill_memory(load_cluster(cluster_file)) if cluster_file is not None else None
         ins = derive(old, cluster=cluster, nodes=nodes, options=options, path_map=path_map,
                      speeds_seen=speeds_seen(state, old.cluster))
@@ -115,7 +121,6 @@ def _named(old: Deployment, new: Deployment) -> Deployment:
     """The new deployment's id: the old one's when nothing in the identity differs (only measurements or the
     manifest record: the running job stays the deployment's job, even for a file whose id predates the identity
     hash); else its own, which never equals the old one (the old record is never overwritten)."""
-    from clusterctl.plan.deployment import identity_changes
 
     if not identity_changes(old, new):
         return new.model_copy(update={"deployment_id": old.deployment_id})
@@ -131,11 +136,6 @@ async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
     preflight checks it (the folder and its files, and the copy against the planned manifest). One error naming
     every bad path, exit 69; nothing has changed then. Returns the ``node=path`` pairs checked."""
     import asyncio
-
-    from clusterctl.errors import Exit, LaunchFailed
-    from clusterctl.launch.nodes import close_all, handles
-    from clusterctl.launch.preflight import copy_problem
-    from clusterctl.sync.planned import planned_manifest
 
     todo = {n: path for n, path in p.new.path_map.items()
             if n in {r.node for r in p.new.ranks} and p.old.path_map.get(n) != path}
@@ -178,7 +178,6 @@ async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
 
 def speeds_seen(state, cluster: str) -> dict[str, float]:
     """Node speeds recorded by the cluster's earlier deployments (history), the newest winning."""
-    from clusterctl import history
 
     out: dict[str, float] = {}
     for e in history.entries(state, cluster):  # oldest first: later entries overwrite
@@ -192,8 +191,6 @@ def speeds_seen(state, cluster: str) -> dict[str, float]:
 
 
 def lock_for(state, p: Proposal):
-    from clusterctl.locks import Lock
-
     return Lock(state.locks / f"replan-{p.old.cluster}.lock").acquire(what=f"replan of cluster {p.old.cluster}")
 
 
@@ -205,8 +202,6 @@ def write_new(state, p: Proposal):
     if not (state.deployments / f"{p.old.deployment_id}.json").exists():
         _keep(state, p)  # the way back must stay signed in the state dir
     if p.new_bytes is not None:  # --to: that deployment's file is in the state dir already, as it was kept
-        from clusterctl.atomic import stage_bytes
-
         return stage_bytes(p.operator_file, p.new_bytes) if p.operator_file is not None else _NothingStaged()
     return state.stage_deployment(p.new, p.operator_file) or _NothingStaged()
 
@@ -214,8 +209,6 @@ def write_new(state, p: Proposal):
 def _keep(state, p: Proposal) -> None:
     """The current deployment into the state dir as the very bytes it was read from (so `--to` gives back the
     same file, even one written by an older clusterctl), or re-signed when those bytes no longer say it."""
-    from clusterctl.atomic import atomic_write_bytes, read_capped
-    from clusterctl.plan.deployment import decode
 
     try:
         data = read_capped(p.old_path, what="deployment file")
@@ -238,8 +231,6 @@ class _NothingStaged:
 
 def record(state, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
     """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (launch/supervise.py)."""
-    from clusterctl import history
-    from clusterctl.launch.manifest import now_iso
 
     history.append(state, p.old.cluster, {
         "applied_at": now_iso(), "from": p.old.deployment_id, "from_hash": p.old.plan_hash,
@@ -270,8 +261,6 @@ def changes_of(p: Proposal) -> list[str]:
 
 async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) -> None:
     """Refuse unless idle, then verified teardown of every job of the old deployment."""
-    from clusterctl.launch.quiescence import refuse_activity
-    from clusterctl.launch.teardown import teardown_command
 
     if not p.jobs:
         return
@@ -292,7 +281,6 @@ async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) 
 def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
                      seed: int, max_queue: int, host: str | None = None):
     """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
-    from clusterctl.launch.jobplan import LaunchOptions
 
     m = p.jobs[0] if p.jobs else None
     old_host, port = "127.0.0.1", None
@@ -317,8 +305,6 @@ def way_back(state, p: Proposal) -> str:
 
 async def live_jobs_of(state, p: Proposal, ssh) -> list:
     """The live jobs of the current deployment (``p.jobs`` lists its launch manifests, live or not)."""
-    from clusterctl.launch.manifest import ManifestStore
-    from clusterctl.launch.start import live_jobs
 
     if not p.jobs:
         return []
@@ -330,8 +316,6 @@ def apply(state, p: Proposal, ssh, opts, *, grace: float, drain: float, out, doc
     """Apply a previewed replan under the cluster's replan lock (see the module docstring); ``out`` is the
     command's output, ``doc`` the preview as data. Returns the exit code (of the new job, in the foreground)."""
     import asyncio
-
-    from clusterctl.launch.foreground import run_foreground
 
     lock = lock_for(state, p)
     try:
@@ -363,8 +347,6 @@ def apply(state, p: Proposal, ssh, opts, *, grace: float, drain: float, out, doc
 
 
 async def _relaunch(state, p: Proposal, opts, lock, log):
-    from clusterctl.launch.start import launch
-
     try:
         running = await launch(deployment_ref(p), state, opts, log=log)
     except ClusterctlError as e:

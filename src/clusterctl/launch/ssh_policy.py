@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import ipaddress
 import os
-import re
 import shlex
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from clusterctl.errors import AuthRejected, ConfigError, HostUnreachable
+from clusterctl.shared.nodespec import check_host, check_user
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?\Z")
-_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\Z")
 _GLOB = set("*?[]")
 # rsync >= 3.2.4 escapes remote args itself; this turns that off so our shell quoting is the only one (the
 # same operand then works with old rsync and macOS openrsync, which pass it through the remote shell).
@@ -45,28 +42,12 @@ class SshTarget(BaseModel):
     @field_validator("host")
     @classmethod
     def _check_host(cls, v: str) -> str:
-        if not v:
-            raise ValueError("ssh host is empty")
-        if v.startswith("-"):
-            raise ValueError(f"ssh host {v!r} starts with '-' (it would be read as an ssh option)")
-        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in v):
-            raise ValueError(f"ssh host {v!r} contains whitespace or control characters")
-        if ":" in v:
-            try:
-                ipaddress.IPv6Address(v)
-            except ValueError:
-                raise ValueError(f"ssh host {v!r} is neither a host name nor an IP address") from None
-            return v
-        if not _HOSTNAME.match(v):
-            raise ValueError(f"ssh host {v!r} is not a plain host name or IP address (no user@, ports or paths)")
-        return v
+        return check_host(v)
 
     @field_validator("user")
     @classmethod
     def _check_user(cls, v: str | None) -> str | None:
-        if v is not None and not _USER.match(v):
-            raise ValueError(f"ssh user {v!r} is not a plain user name")
-        return v
+        return None if v is None else check_user(v)
 
     @field_validator("identity_file", "known_hosts")
     @classmethod

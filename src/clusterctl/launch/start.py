@@ -20,18 +20,24 @@ import shlex
 import time
 from pathlib import Path
 
-from clusterctl.errors import Busy, ClusterctlError, Exit, LaunchFailed
-from clusterctl.launch import hostfile, runtimefiles as rf
-from clusterctl.launch.contract import deployment_proof, encode_contract
+from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, LaunchFailed
+from clusterctl.launch import hostfile
+from clusterctl.shared import runtimefiles as rf
+from clusterctl.shared.contract import deployment_proof, encode_contract
 from clusterctl.launch.foreground import Running, lease_loop, renew_leases
 from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
     plan_job, port_requests
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, now_iso, this_coordinator
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
-from clusterctl.launch.ranklogs import last_lines, printable
+from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
 from clusterctl.locks import Lock, deployment_lock_path
-from clusterctl.plan.deployment import Deployment
+from clusterctl.shared.deployment import Deployment
+from clusterctl.launch import fdlimit
+from clusterctl.launch.plannedmodel import planned_manifest
+from clusterctl.launch.reaper import job_is_live, reap
+from clusterctl.launch.teardown import reports_dir
+from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
 
 PORT_ATTEMPTS = 5
 POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
@@ -39,16 +45,12 @@ YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
 
 
 async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | None = None) -> list[LaunchManifest]:
-    from clusterctl.launch.reaper import job_is_live
-
     good, _ = store.all()
     return [m for _, m in good
             if (deployment_id is None or m.deployment_id == deployment_id) and await job_is_live(m, ssh)]
 
 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
-    from clusterctl.launch.reaper import reap
-
     # verified and re-hashed in a thread: hundreds of KB at hundreds of nodes
     dep_path, loaded = await asyncio.to_thread(state.load_deployment, dep_ref)
     dep: Deployment = loaded.deployment
@@ -60,8 +62,6 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
     try:
         manifest = None
         if opts.check_model:
-            from clusterctl.sync.planned import planned_manifest
-
             # in a thread: the event loop meanwhile drives the nodes' SSH handshakes
             await asyncio.to_thread(check_inputs_unchanged, dep)
             manifest = await asyncio.to_thread(planned_manifest, state, dep)
@@ -93,13 +93,11 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
 def _check_connections(dep: Deployment, opts: LaunchOptions) -> None:
     """A foreground job holds one connection per remote node for its whole life (its ranks' keepers): it cannot
     run in waves (fdlimit.SLOTS), so it must fit under the open-file limit at once."""
-    from clusterctl.errors import ConfigError
-    from clusterctl.launch.fdlimit import SLOTS, soft_limit
 
     remote = sum(not dep.node(r.node).is_local for r in dep.ranks)
-    if not opts.detach and remote > SLOTS.limit:
+    if not opts.detach and remote > fdlimit.SLOTS.limit:
         raise ConfigError(f"a foreground launch keeps one connection per node open: {remote} nodes, but the "
-                          f"open-file limit ({soft_limit()}) allows {SLOTS.limit}",
+                          f"open-file limit ({fdlimit.soft_limit()}) allows {fdlimit.SLOTS.limit}",
                           hint="raise it (`ulimit -n`), or launch --detach (docs/scale.md)")
 
 
@@ -130,15 +128,11 @@ async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: Laun
 def _plan(dep: Deployment, state, opts: LaunchOptions, hs, block: list[int], addrs: list[str], job_id: str,
           nonce: str) -> JobPlan:
     # the ranks' settings read from this machine's environment, and the MLX environment every rank applies
-    # (the rank modules own them; these three import no more than the standard library and the rank spec)
-    from clusterctl.launch.rank.peerprobe import grace_from_env
-    from clusterctl.launch.rank.pipeline import ENV_DEFAULTS
-    from clusterctl.launch.rank.priority import nice_from_env
-
     pub = state.keyring.public_keys()[0]
     return plan_job(dep, opts, block=block, runtime_dirs={n: h.runtime_dir for n, h in hs.items()}, addrs=addrs,
                     job_id=job_id, nonce=nonce, trusted_key=(pub.key_id, pub.to_text()),
-                    abort_grace_s=grace_from_env(), compute_nice=nice_from_env(), mlx_env=mlx_view(ENV_DEFAULTS))
+                    abort_grace_s=abort_grace_from_env(), compute_nice=compute_nice_from_env(),
+                    mlx_env=mlx_view(MLX_ENV_DEFAULTS))
 
 
 async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
@@ -254,7 +248,7 @@ async def _write_files(h: NodeHandle, files: list, contracts: dict[str, bytes]) 
 
 async def _start_rank(run: Running, r, save) -> None:
     h, rec, opts = run.hs[r.node], run.manifest.ranks[r.rank], run.opts
-    argv = [h.transport.python, "-m", "clusterctl.launch.rank", "--contract", rec.contract_path, "--node", r.node]
+    argv = [h.transport.python, "-m", "clusterctl.rank", "--contract", rec.contract_path, "--node", r.node]
     env = {"CLUSTERCTL_NONCE": run.manifest.nonce}
     if opts.detach:
         info = await h.op("spawn", {"argv": argv, "env": env, "log_path": rec.log_path})
@@ -302,8 +296,6 @@ async def _after_failure(run: Running, launch_error: BaseException) -> BaseExcep
         return None
     err.teardown = report
     if kept and kept[0] is not None:
-        from clusterctl.launch.ranklogs import explain
-
         err = explain(err, kept[0])
     err.message += teardown_note
     err.args = (err.message,)
@@ -315,7 +307,6 @@ async def _gone_ranks(run: Running) -> dict[int, bool]:
     each with whether it only followed another: it exited for a lost peer, lease or parent (exit 69, or a
     marker that says so). A foreground rank's keeper has exited; a detached rank's process is dead on its node
     (identity-checked)."""
-    from clusterctl.errors import Exit
 
     gone = {r: run.procs[r].returncode == int(Exit.UNAVAILABLE) for r in run.procs if run.exited(r)}
     detached = [rec for rec in run.manifest.ranks if rec.pid and rec.rank not in run.procs]
@@ -339,8 +330,6 @@ async def _gone_ranks(run: Running) -> dict[int, bool]:
 
 async def _keep_logs(run: Running, error: BaseException, gone: dict[int, bool]):
     """Every rank's log into ``<state>/reports/<job>/``; None when even that folder cannot be made."""
-    from clusterctl.launch.ranklogs import failing_rank, keep_logs, with_own_failure
-    from clusterctl.launch.teardown import reports_dir
 
     try:
         logs = await keep_logs(run, reports_dir(run.store) / run.manifest.job_id)

@@ -8,6 +8,10 @@ from clusterctl.errors import ClusterctlError
 from clusterctl.launch.manifest import ManifestStore, coordinator_alive, job_ref
 from clusterctl.launch.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, job_markers, judge
+from clusterctl.atomic import read_capped
+from clusterctl.launch.healstate import read_all
+from clusterctl.shared.deployment import decode
+from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
 DOWN = ("dead", "lost", "failed")  # a job's ranks_down counts these
@@ -68,9 +72,6 @@ async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
 def _serving_defaults(state, deployment_id: str) -> dict | None:
     """Rank 0's defaults for what requests leave out, as the deployment sets them (None: OpenAI's own, or the
     deployment file is not at hand)."""
-    from clusterctl.atomic import read_capped
-    from clusterctl.errors import ClusterctlError
-    from clusterctl.plan.deployment import decode
 
     try:  # read only: status never migrates or moves a file
         path = state.deployment_path(deployment_id)
@@ -131,8 +132,6 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
     heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
     for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
         j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
-    from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
-
     fronts = annotate_jobs(state, jobs)
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal,
             "fronts": fronts}
@@ -140,7 +139,6 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
 
 def _heal_states(state, ref: str | None, deployments: set[str]) -> list[dict]:
     """Every supervisor's state file (or those of ``ref``'s deployments, current or original)."""
-    from clusterctl.launch.healstate import read_all
 
     return [h for h in read_all(state) if ref is None or {h.get("deployment"), h.get("original"), h.get("job")}
             & (deployments | {ref})]

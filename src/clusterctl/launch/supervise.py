@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch import healstate
 from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
-from clusterctl.launch.manifest import now_iso, this_coordinator
+from clusterctl.launch.manifest import ManifestStore, now_iso, this_coordinator
+from clusterctl.launch.nodes import close_all, handles
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
+from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
+from clusterctl.launch.start import launch, live_jobs
+from clusterctl.launch.status import rank_state
+from clusterctl.launch.teardown import teardown_command
 
 POLL_S = 1.0
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe; a cut link must not stall the loop
@@ -141,7 +147,6 @@ class Supervisor:
     # ---- looking at the job ---------------------------------------------------------------------------------
     async def look(self, now: float) -> tuple[list[str], str] | None:
         """One look at every rank; the nodes to blame and why, once something has been down for the grace."""
-        from clusterctl.launch.quiescence import STALE_AFTER, judge
 
         m = self.job.manifest
         markers, procs = await self._markers_and_procs(m)
@@ -162,9 +167,6 @@ class Supervisor:
         return blame, "; ".join(f"rank {x['rank']} on {x['node']} {x['state']}" for x in down)
 
     def _rank(self, m, r, info: dict, process: str | None) -> dict:
-        from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
-        from clusterctl.launch.status import rank_state
-
         mk = clean_marker(info.get("marker") or {})
         age = info.get("age")
         st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
@@ -177,8 +179,6 @@ class Supervisor:
                 "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
 
     async def _markers_and_procs(self, m) -> tuple[dict, dict]:
-        from clusterctl.launch.nodes import handles
-
         if not self.hs:
             self.hs = handles(m.nodes, self.opts.ssh)
         markers: dict[int, dict] = {}
@@ -215,8 +215,6 @@ class Supervisor:
         return markers, procs
 
     async def _close_looks(self) -> None:
-        from clusterctl.launch.nodes import close_all
-
         hs, self.hs = self.hs, {}
         with contextlib.suppress(Exception):
             await asyncio.wait_for(close_all(hs), LOOK_TIMEOUT)
@@ -225,7 +223,6 @@ class Supervisor:
     async def probe(self, names: list[str]) -> dict[str, bool]:
         """Each node: does it answer a probe (on a session of its own) with its runtime dir usable and the
         model folder of the original deployment there?"""
-        from clusterctl.launch.nodes import close_all, handles
 
         _, loaded = self.state.load_deployment(self.original)
         dep = loaded.deployment
@@ -277,8 +274,6 @@ class Supervisor:
                 self._fresh_handles(job.running, unreachable)
                 report = await job.running.teardown(lost_nodes=unreachable)
             else:
-                from clusterctl.launch.teardown import teardown_command
-
                 [report] = await teardown_command(self.state, m.job_id, self._ssh(), grace=self.opts.grace,
                                                   force=True, log=self.log)
         except ClusterctlError as e:
@@ -291,8 +286,6 @@ class Supervisor:
         return report.ok
 
     def _fresh_handles(self, running, nodes: frozenset[str]) -> None:
-        from clusterctl.launch.nodes import close_all, handles
-
         if not nodes:
             return
         old = {n: running.hs[n] for n in nodes if n in running.hs}
@@ -302,8 +295,6 @@ class Supervisor:
         asyncio.ensure_future(_quietly(close_all(old)))  # a dead connection: not awaited
 
     async def retry_leftovers(self) -> None:
-        from clusterctl.launch.teardown import teardown_command
-
         for job_id in list(self.leftovers):
             with contextlib.suppress(ClusterctlError):
                 reports = await teardown_command(self.state, job_id, self.opts.ssh, grace=self.opts.grace,
@@ -313,7 +304,6 @@ class Supervisor:
 
     async def heal(self, now: float) -> None:
         """Replan on the nodes that answer (the lost ones left out) and relaunch, when the budget allows."""
-        from clusterctl.launch.replan import propose
 
         wait = self.book.wait(now)
         if wait > 0:
@@ -348,7 +338,6 @@ class Supervisor:
 
     async def rejoin(self) -> None:
         """Every lost node answered well for long enough: back to the original deployment."""
-        from clusterctl.launch.replan import propose
 
         lost = list(self.book.lost)
         self.phase("healing", f"rejoin: {', '.join(lost)} healthy again; back to {self.original}")
@@ -369,7 +358,6 @@ class Supervisor:
     async def apply(self, p, kind: str) -> bool:
         """Swap in the new deployment (unless it is the current one), record it in the history as ``kind``,
         launch it. False (and ``degraded`` with the reason) when that fails."""
-        from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, record, write_new
 
         try:
             lock = lock_for(self.state, p)
@@ -396,8 +384,6 @@ class Supervisor:
             lock.release()
 
     async def launch(self, ref: str) -> Job:
-        from clusterctl.launch.start import launch
-
         opts = dataclasses.replace(self.opts, detach=self.detach)
         running = await launch(ref, self.state, opts, log=self.log)
         if self.opts.http_port is None and running.manifest.http_port:
@@ -406,8 +392,6 @@ class Supervisor:
 
     async def take_over(self) -> None:
         """``supervise``: the deployment's running job, or a new detached launch when none runs."""
-        from clusterctl.launch.manifest import ManifestStore
-        from clusterctl.launch.start import live_jobs
 
         store = ManifestStore(self.state.launches, None, self.state.keyring.public_keys())
         jobs = await live_jobs(store, self.opts.ssh, self.current) if self.state.launches.is_dir() else []

@@ -10,6 +10,8 @@ import contextlib
 from clusterctl.launch import healstate
 from clusterctl.launch.heal import HealPolicy
 from clusterctl.launch.supervise import Supervisor
+from clusterctl.launch.foreground import install_stop_signals
+from clusterctl.locks import Lock
 
 
 async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
@@ -17,8 +19,6 @@ async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_o
     and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
     the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
     code."""
-    from clusterctl.launch.foreground import install_stop_signals
-    from clusterctl.locks import Lock
 
     stop = asyncio.Event()
     install_stop_signals(stop)

@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from clusterctl.errors import ClusterctlError, HostUnreachable
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore
+from clusterctl.errors import Busy, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
+from clusterctl.atomic import atomic_write_json, read_json
+from clusterctl.launch.quiescence import refuse_activity
+from clusterctl.locks import Lock, deployment_lock_path
+from clusterctl.node.procs import Identity, signal_process, status_of
 
 DEFAULT_GRACE = 10.0
 
@@ -68,8 +72,6 @@ def reports_dir(store: ManifestStore):
 
 
 def save_report(store: ManifestStore, report: TeardownReport) -> None:
-    from clusterctl.atomic import atomic_write_json
-
     try:
         atomic_write_json(reports_dir(store) / f"{report.job_id}.json", report.to_json(), mode=0o600)
     except Exception:
@@ -77,8 +79,6 @@ def save_report(store: ManifestStore, report: TeardownReport) -> None:
 
 
 def load_report(store: ManifestStore, m: LaunchManifest) -> TeardownReport | None:
-    from clusterctl.atomic import read_json
-
     try:
         doc = read_json(reports_dir(store) / f"{m.job_id}.json", limit=1 << 20, what="teardown report")
         r = TeardownReport(job_id=m.job_id, deployment_id=m.deployment_id, manifest_removed=True,
@@ -179,8 +179,6 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     A job whose ranks report requests in flight (quiescence ``busy``) is not touched unless ``force``;
     ``drain`` seconds let it go idle first. Unknown activity (a rank unreachable or stale) does not block a
     teardown: stopping broken deployments is what teardown is for."""
-    from clusterctl.errors import MissingInput
-    from clusterctl.launch.manifest import job_ref
 
     malformed = malformed if malformed is not None else []
     trusted = state.keyring.public_keys()
@@ -193,8 +191,6 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
         if not good and not bad:
             raise MissingInput(f"no launch of {ref!r} in {state.launches}")
     if bad and not good:
-        from clusterctl.errors import IntegrityError
-
         # never act on a manifest we cannot trust, and never pretend there was nothing to do
         raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
     # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
@@ -203,8 +199,6 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
     try:
         if not force:
-            from clusterctl.launch.quiescence import refuse_activity
-
             await refuse_activity(jobs, ssh, refuse=("busy",), hints={"busy": BUSY_HINT}, drain=drain, log=log,
                                   hs_of=hs_of)
         return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
@@ -216,11 +210,6 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
     import os
     import signal as _signal
     import time
-
-    from clusterctl.errors import Busy
-    from clusterctl.node.procs import Identity, signal_process, status_of
-    from clusterctl.launch.manifest import coordinator_alive
-    from clusterctl.locks import Lock, deployment_lock_path
 
     reports = []
     for m in jobs:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from clusterctl.atomic import atomic_write_bytes, read_capped, strict_loads
 from clusterctl.errors import (ClusterctlError, HostUnreachable, IntegrityError, MissingInput, RemoteCommandFailed,
                                UsageError)
+from clusterctl.node.keeper import kill_group_if_same
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
@@ -356,8 +357,6 @@ class _LocalChannel:
             self.proc.stdin.close()
 
     async def force_kill(self, info: ChildInfo) -> None:
-        from clusterctl.node.keeper import kill_group_if_same
-
         kill_group_if_same(info.pid, info.pgid, info.start_time, info.boot_id)
 
 

@@ -13,6 +13,9 @@ import asyncio
 import time
 from typing import Callable
 
+from clusterctl.launch.nodes import NodePool
+from clusterctl.launch.status import status
+
 
 def with_rates(doc: dict, prev: dict | None, dt: float) -> dict:
     """Pure: ``doc`` with ``tok_s`` on every rank whose token count moved since ``prev`` (``dt`` seconds ago)."""
@@ -26,9 +29,6 @@ def with_rates(doc: dict, prev: dict | None, dt: float) -> dict:
 
 async def _looks(state, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
                  count: int | None) -> None:
-    from clusterctl.launch.nodes import NodePool
-    from clusterctl.launch.status import status
-
     pool = NodePool(ssh)  # each node's connection and session kept between refreshes; a dropped one reopened
     prev, t_prev, n = None, None, 0
     try:

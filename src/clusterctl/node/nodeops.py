@@ -25,6 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
+from clusterctl.errors import ClusterctlError
+from clusterctl.shared.copycheck import check_copy, free_bytes, local_rsync
+from clusterctl.shared.download import fetch_files
+from clusterctl.shared.modelfiles import weight_files
+from clusterctl.shared.modelmanifest import HashCache, check_manifest
+from clusterctl.shared.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
+from clusterctl.node.procs import Identity, boot_id, status_of, stop
+
 MARKER_LIMIT = 64 * 1024
 REQUEST_LIMIT = 64 << 20  # a model manifest of many files travels in the request
 
@@ -62,19 +71,17 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _model_check(path: str) -> dict:
+    """Is ``path`` a model folder this node can serve from: config.json, the weight files (those the index names,
+    or every *.safetensors without one: shared/modelfiles.py) and a tokenizer."""
     p = Path(path)
     if not p.is_dir():
         return {"ok": False, "error": f"model folder {path} does not exist"}
-    missing = [n for n in ("config.json", "model.safetensors.index.json") if not (p / n).is_file()]
-    files = []
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            files = names
-            missing += [n for n in names if not (p / n).is_file()]
-        except (ValueError, KeyError, TypeError, OSError):
-            return {"ok": False, "error": f"{index} is not a valid index"}
+    missing = [] if (p / "config.json").is_file() else ["config.json"]
+    try:
+        files = [f.name for f in weight_files(p)]
+    except ClusterctlError as e:
+        return {"ok": False, "error": f"model folder {path}: {e}"}
+    missing += [n for n in files if not (p / n).is_file()]
     if not any(p.glob("tokenizer*")):
         missing.append("tokenizer.json")
     if missing:
@@ -84,9 +91,6 @@ def _model_check(path: str) -> dict:
 
 def _copy_state(manifest: dict, path: str, verify: bool) -> dict:
     """The copy check of preflight: state and counts only (the file lists stay on the node)."""
-    from clusterctl.errors import ClusterctlError
-    from clusterctl.sync.copycheck import check_copy
-    from clusterctl.sync.manifest import HashCache, check_manifest
 
     try:
         st = check_copy(check_manifest(manifest, "manifest sent by the coordinator"), path, verify=verify,
@@ -99,8 +103,6 @@ def _copy_state(manifest: dict, path: str, verify: bool) -> dict:
 
 def op_probe(req: dict) -> dict:
     import psutil
-
-    from clusterctl.node.procs import boot_id
 
     out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": _versions(),
            "mem_available": psutil.virtual_memory().available, "mem_total": psutil.virtual_memory().total,
@@ -123,8 +125,6 @@ def op_probe(req: dict) -> dict:
         out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
     rd = req.get("runtime_dir") or default_runtime_dir()
     try:
-        from clusterctl.atomic import private_dirs, unsafe_folder
-
         private_dirs(rd)
         test = Path(rd) / f".probe-{os.getpid()}"
         test.write_bytes(b"x")
@@ -139,17 +139,12 @@ def op_probe(req: dict) -> dict:
 
 
 def op_stop(req: dict) -> dict:
-    from clusterctl.node.procs import Identity, stop
-
     idents = [Identity.from_dict(d) for d in req.get("targets", [])]
     results = stop(idents, grace=float(req.get("grace", 10.0)))
     return {"results": [r.to_json() for r in results]}
 
 
 def _read_json(path: Path) -> dict | None:
-    from clusterctl.atomic import read_json
-    from clusterctl.errors import ClusterctlError
-
     try:
         st = os.lstat(path)
         if st.st_uid != os.getuid():
@@ -167,8 +162,6 @@ def job_markers(runtime_dir: str, job_id: str) -> list[tuple[Path, dict | None]]
         names = sorted(os.listdir(folder))
     except OSError:
         return out
-    from clusterctl.launch.runtimefiles import marker_rank
-
     for n in names:
         if marker_rank(n, job_id) is not None:
             p = folder / n
@@ -191,7 +184,6 @@ def op_markers(req: dict) -> dict:
 
 def marker_identity(doc: dict, nonce: str):
     """The process a marker names, or None when its fields are not what a rank writes."""
-    from clusterctl.node.procs import Identity
 
     pid, start, pgid, boot = doc.get("pid"), doc.get("start_time"), doc.get("pgid"), doc.get("boot_id")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
@@ -212,9 +204,6 @@ def op_sweep(req: dict) -> dict:
     ``ranks`` (optional): only the markers of these rank numbers (``<job>-rank<r>.json``). Nodes that are one
     machine share a runtime dir, and each node's sweep must signal only its own ranks: a rank takes a second
     SIGTERM as "exit now", which cuts its clients' streams without a last event."""
-    from clusterctl.node.procs import Identity, stop
-    from clusterctl.launch.runtimefiles import marker_rank
-
     only = req.get("ranks")
     only = None if only is None else {str(int(r)) for r in only}
     idents = []
@@ -241,14 +230,12 @@ def op_sweep(req: dict) -> dict:
 
 def op_alive(req: dict) -> dict:
     """Which of these processes are still ours and running (no signal sent)."""
-    from clusterctl.node.procs import Identity, status_of
 
     return {"status": [status_of(Identity.from_dict(d)) for d in req.get("targets", [])]}
 
 
 def op_clean(req: dict) -> dict:
     """Remove a job's files from the runtime dir (only names that start with the job id)."""
-    from clusterctl.launch.runtimefiles import belongs_to_job, is_cancel_or_ack
 
     folder = Path(req["runtime_dir"])
     job = req["job_id"]
@@ -274,8 +261,6 @@ def op_clean(req: dict) -> dict:
 def op_spawn(req: dict) -> dict:
     """Start a rank detached from any channel: its own session, output to a log file, stdin from /dev/null."""
     import psutil
-
-    from clusterctl.node.procs import boot_id
 
     env = {**os.environ, **req.get("env", {}), "PYTHONUNBUFFERED": "1"}
     log = os.fdopen(os.open(req["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab",
@@ -312,9 +297,7 @@ def op_canary(req: dict) -> dict:
 
 
 def op_model_status(req: dict) -> dict:
-    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.sync.copycheck)."""
-    from clusterctl.sync.copycheck import check_copy, free_bytes
-    from clusterctl.sync.manifest import HashCache, check_manifest
+    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.shared.copycheck)."""
 
     expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
     out = check_copy(expected, req["path"], verify=bool(req.get("verify")), cache=HashCache(),
@@ -326,7 +309,6 @@ def op_model_status(req: dict) -> dict:
 
 def _rsync_facts() -> dict:
     """Which rsync runs here as the remote side of a sync: missing, GNU rsync (version), or openrsync."""
-    from clusterctl.sync.copycheck import local_rsync
 
     path, line = local_rsync()
     if not path:
@@ -336,7 +318,6 @@ def _rsync_facts() -> dict:
 
 def op_model_prepare(req: dict) -> dict:
     """Create the model folder (and parents) a sync will write into; report the free space there."""
-    from clusterctl.sync.copycheck import free_bytes
 
     path = req["path"]
     if not os.path.isabs(path):
@@ -349,9 +330,7 @@ def op_model_prepare(req: dict) -> dict:
 
 
 def op_fetch(req: dict) -> dict:
-    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.sync.download)."""
-    from clusterctl.sync.download import fetch_files
-    from clusterctl.sync.manifest import check_manifest
+    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.shared.download)."""
 
     expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
     return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))
@@ -361,8 +340,6 @@ def op_read(req: dict) -> dict:
     """A small regular file (not through a symlink), base64 in the answer."""
     import base64
 
-    from clusterctl.atomic import read_capped
-
     data = read_capped(req["path"], limit=int(req.get("limit", 65536)), what="file")
     return {"data": base64.b64encode(data).decode()}
 
@@ -370,8 +347,6 @@ def op_read(req: dict) -> dict:
 def op_write(req: dict) -> dict:
     """Replace a file atomically (temp file, fsync, rename), creating its folder."""
     import base64
-
-    from clusterctl.atomic import atomic_write_bytes
 
     data = base64.b64decode(req["data"], validate=True)
     atomic_write_bytes(req["path"], data, mode=int(req.get("mode", 0o600)))
@@ -423,7 +398,6 @@ def look_at_markers(paths: list[str], states: set[str], watch: list[dict | None]
     its ``log_path``. Nobody waits on a detached rank's exit, so a rank that dies at start would otherwise keep
     its launch waiting for the whole timeout: a watched process that is gone (identity-checked, a zombie counts
     as gone) while its marker is short of ``states`` gets the last lines of its log in ``exited``."""
-    from clusterctl.node.procs import Identity, status_of
 
     watch = list(watch or []) + [None] * (len(paths) - len(watch or []))
     # the processes first, their markers after: a rank that wrote its last marker and exited is judged by it
@@ -475,8 +449,6 @@ SESSION_DRAIN_S = 60.0  # after the coordinator went away: how long requests sti
 def session(stdin=None, stdout=None) -> int:
     """Serve requests, one JSON line each, until stdin ends; each on its own thread, answers in any order."""
     import threading
-
-    from clusterctl.errors import ClusterctlError
 
     stdin = stdin or sys.stdin.buffer
     if stdout is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from clusterctl.errors import UsageError
-from clusterctl.plan.deployment import Deployment, PlanOptions
+from clusterctl.shared.deployment import Deployment, PlanOptions
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
@@ -47,7 +47,7 @@ def fill_memory(cluster, probe_remote=None):
 
 
 def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, **options) -> Deployment:
-    """Read the inventory and the model, plan: the deployment, not yet signed or written (sync/planned.py's
+    """Read the inventory and the model, plan: the deployment, not yet signed or written (launch/plannedmodel.py's
     ``plan_command`` records the model's manifest in it and writes it)."""
     opts = plan_options(**options)
     cluster = fill_memory(load_cluster(cluster_file), probe_remote)

@@ -11,23 +11,13 @@ usable(node) = memory_gb x 2^30 x usable_fraction
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
 from clusterctl.errors import DoesNotFit
-from clusterctl.plan.inventory import GIB, Node
-from clusterctl.plan.model import KvLayer, ModelFacts
+from clusterctl.plan.model import ModelFacts
+from clusterctl.shared.deployment import KvLayer, RankBytes  # noqa: F401  (RankBytes: a record of the deployment file)
+from clusterctl.shared.nodespec import GIB, Node
 
 DEFAULT_HEADROOM_GB = 0.5
 DEFAULT_BATCH = 8  # batch slots a plan reserves when --batch is not given (fewer when fewer fit)
-
-
-class RankBytes(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    weights: int
-    kv: int
-    headroom: int
-    total: int
-    prompt_cache: int = 0
 
 
 def kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int = 1) -> int:

@@ -15,22 +15,15 @@ import json
 import math
 import os
 import re
-import struct
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from clusterctl.atomic import read_capped, strict_loads
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput
+from clusterctl.shared.deployment import KvLayer
+from clusterctl.shared.modelfiles import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
+from clusterctl.shared.archs import batching, capability, kept_tensors
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-DTYPE_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8,
-    "F32": 4, "I32": 4, "U32": 4,
-    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
-}
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 MAX_LAYERS = 1024  # the largest published models have a few hundred; plan builds the class (lazily) with them
 MAX_SIZE = 1 << 24  # hidden size, heads, vocabulary: far above any real model, small enough to plan with
@@ -49,24 +42,6 @@ class TensorInfo(BaseModel):
     shape: list[int]
     nbytes: int
     file: str
-
-
-class KvLayer(BaseModel):
-    """What one layer's cache holds for one sequence (one batch slot), as mlx-lm's class stores it.
-
-    bytes at a context of C tokens = bytes_per_token x min(C, window) + state_bytes (window None: all C tokens).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: str  # full | sliding | mla (a compressed latent) | mla-heads (MLA expanded per head) | linear (a state)
-    bytes_per_token: int = Field(default=0, ge=0)  # keys + values of one token
-    window: int | None = Field(default=None, ge=1)  # a sliding window keeps at most this many tokens
-    state_bytes: int = Field(default=0, ge=0)  # a fixed state, whatever the context (linear attention)
-    sharded: bool = True  # tensor parallel divides it over the ranks; False: every rank keeps it whole
-
-    def bytes_at(self, context: int) -> int:
-        tokens = context if self.window is None else min(context, self.window)
-        return self.bytes_per_token * tokens + self.state_bytes
 
 
 class ModelFacts(BaseModel):
@@ -90,7 +65,7 @@ class ModelFacts(BaseModel):
     kv_dtype_bytes: int
     facts_hash: str  # sha256 over config.json and every safetensors header: changes when the weights change
     files: list[str]
-    # how it splits over ranks (plan/archs.py): None when not looked at (inspect_model(classify=False))
+    # how it splits over ranks (shared/archs.py): None when not looked at (inspect_model(classify=False))
     model_class: str | None = None
     pipeline: str | None = None  # archs.STAGES | archs.MLX_PIPELINE | None (refused: pipeline_reason)
     pipeline_reason: str | None = None
@@ -184,13 +159,6 @@ def kv_arch(config: dict) -> str:
     names = [str(config.get("model_type") or ""), str(text.get("model_type") or "")]
     names = [KV_REMAP.get(n, n) for n in names]
     return next((n for n in names if n in known), names[0])
-
-
-def text_config(config: dict) -> dict:
-    """The text model's fields: the top level, or ``text_config`` over it when the top level has no layers."""
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        return {**config, **config["text_config"]}
-    return config
 
 
 def kv_layers(config: dict, dtype_bytes: int, *, folder: str | os.PathLike = "<model>") -> list[KvLayer]:
@@ -327,74 +295,6 @@ def _positive(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, bytes, int]:
-    """Return (tensors, raw header bytes, data start offset). Raises IntegrityError on any inconsistency."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise IntegrityError(f"{path}: truncated safetensors file (no header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > MAX_HEADER_BYTES:
-                raise IntegrityError(f"{path}: corrupt safetensors header (header length {n})")
-            if 8 + n > size:
-                raise IntegrityError(f"{path}: truncated safetensors file (header needs {n} bytes, file has {size - 8})")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise MissingInput(f"weights file not found: {path}") from None
-    except OSError as e:
-        raise IntegrityError(f"{path}: cannot read: {e.strerror or e}") from None
-    header = strict_loads(raw.rstrip(b" "), source=f"safetensors header of {path}")
-    if not isinstance(header, dict):
-        raise IntegrityError(f"{path}: corrupt safetensors header (not an object)")
-    data_len = size - 8 - n
-    tensors: dict[str, dict] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        def ints(v) -> bool:
-            return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-
-        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not ints(info.get("shape")) \
-                or not ints(info.get("data_offsets")) or len(info["data_offsets"]) != 2:
-            raise IntegrityError(f"{path}: corrupt safetensors header entry for {name!r}")
-        dtype, shape = info["dtype"], list(info["shape"])
-        begin, end = info["data_offsets"]
-        if dtype not in DTYPE_BYTES:
-            raise IntegrityError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        count = 1
-        for d in shape:
-            if d < 0:
-                raise IntegrityError(f"{path}: tensor {name!r} has a negative dimension")
-            count *= d
-        if not 0 <= begin <= end or end - begin != count * DTYPE_BYTES[dtype]:
-            raise IntegrityError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match {dtype}{shape}")
-        if end > data_len:
-            raise IntegrityError(f"{path}: truncated safetensors file (tensor {name!r} ends past the end of the file)")
-        tensors[name] = {"dtype": dtype, "shape": shape, "begin": begin, "end": end}
-    return tensors, raw, 8 + n
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            data = strict_loads(read_capped(index, limit=64 << 20, what="weight index"), source=str(index))
-            weight_map = data["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (KeyError, TypeError, AttributeError):
-            raise IntegrityError(f"{index}: no weight_map") from None
-        for n in names:
-            if not isinstance(n, str) or "/" in n or n.startswith("."):
-                raise IntegrityError(f"{index}: bad file name {n!r} in weight_map")
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise MissingInput(f"{folder}: no *.safetensors files and no model.safetensors.index.json")
-    return files
-
-
 def _int_cfg(config: dict, folder: Path, *keys: str, default=None, minimum: int = 0,
              maximum: int = MAX_SIZE) -> int | None:
     """An integer field of config.json (true/false, strings and lists are errors, not numbers), within bounds
@@ -456,7 +356,7 @@ def dropped_notes(raw: dict[str, tuple[str, list[int]]], kept: dict[str, tuple[s
 
 def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
     """The facts of a model folder. ``classify``: also find how it splits over ranks and whether mlx-lm batches
-    it (plan/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
+    it (shared/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
     checkpoint is found the same way either way (``archs.kept_tensors``, the loader's own ``sanitize``), so the
     plan and the launch's re-check of it apply the same rules."""
     folder = Path(folder)
@@ -481,15 +381,13 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     digest = hashlib.sha256()
     digest.update(b"config.json\0" + config_raw)
     raw_tensors: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, shape), as the files hold them
-    files = _weight_files(folder)
+    files = weight_files(folder)
     for path in files:
         tensors, raw, _ = read_safetensors_header(path)
         digest.update(f"\0{path.name}\0".encode() + raw)
         raw_tensors.update({name: (t["dtype"], t["shape"]) for name, t in tensors.items()})
     # what the ranks will hold is what mlx-lm's loader keeps (its sanitize: experts stacked, MTP layers and
-    # other modalities dropped); the ranks check their weights against the same function (launch/rank/pipeline.py)
-    from clusterctl.plan.archs import kept_tensors
-
+    # other modalities dropped); the ranks check their weights against the same function (rank/pipeline.py)
     kept = kept_tensors(config, raw_tensors)
     shapes = kept if kept is not None else raw_tensors
     sizes = {n: math.prod(shape) * DTYPE_BYTES[dtype] for n, (dtype, shape) in shapes.items()}
@@ -523,11 +421,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     layer_work, head_work = work(shapes, config, num_layers)
     cap = None
     if classify:
-        from clusterctl.plan.archs import capability
-
         cap = capability(config, num_layers)  # the top-level config: what mlx-lm's loader resolves
-        from clusterctl.plan.archs import batching
-
         batchable, batch_reason = batching(config)
     return ModelFacts(
         model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,

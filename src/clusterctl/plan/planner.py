@@ -8,12 +8,14 @@ from fractions import Fraction
 from clusterctl.errors import ConfigError
 from clusterctl.plan import allocate
 from clusterctl.plan.backend import all_links_fast, choose_backend
-from clusterctl.plan.deployment import (
+from clusterctl.shared.deployment import (
     Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash, with_identity,
 )
 from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, prompt_cache_tokens, rank_bytes, slots_that_fit
-from clusterctl.plan.inventory import Cluster, Node
+from clusterctl.plan.inventory import Cluster
+from clusterctl.shared.nodespec import Node
 from clusterctl.plan.model import KvLayer, ModelFacts
+from clusterctl.shared.archs import STAGES
 
 
 def _weights(nodes: list[Node], allocation: str) -> list[Fraction]:
@@ -99,7 +101,6 @@ def choose_parallel(requested: str, facts: ModelFacts, nodes: list[Node], alloca
 
 def choose_schedule(asked: str, facts: ModelFacts, nodes: list[Node], parallel: str) -> tuple[str, str]:
     """(schedule, why): overlap needs a pipeline of 2 or more ranks split by clusterctl's stage code."""
-    from clusterctl.plan.archs import STAGES
 
     if len(nodes) < 2:
         blocker = "one rank has no stages to overlap"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterctl.errors import ConfigError, UsageError
-from clusterctl.plan.deployment import Deployment, PlanOptions, identity_changes
+from clusterctl.shared.deployment import Deployment, PlanOptions, identity_changes
 from clusterctl.plan.inventory import Cluster
 
 OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload",

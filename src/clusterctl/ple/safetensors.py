@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
+from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.ple.errors import CorruptTensorFile, TensorNotFound, TruncatedTensorFile
-
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
-MAX_INDEX_BYTES = 64 * 1024 * 1024
-INDEX_NAME = "model.safetensors.index.json"
+from clusterctl.shared.modelfiles import INDEX_NAME, MAX_HEADER_BYTES, read_weight_map  # noqa: F401
 
 # storage dtype -> (bytes per element, numpy dtype string that keeps the stored bytes as they are)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -132,26 +130,10 @@ def _entry(name: str, spec: object, base: int, size: int, path: str) -> TensorEn
 
 
 def read_index(path: Path) -> dict[str, str]:
-    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> shard file name in the same folder."""
+    """``weight_map`` of a ``model.safetensors.index.json`` (shared/modelfiles.py), in the reader's errors."""
     try:
-        with open(path, "rb") as f:  # follows symlinks on purpose: model caches link to blobs
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except FileNotFoundError:
-        raise TensorNotFound(f"index not found: {path}") from None
-    except OSError as e:
-        raise CorruptTensorFile(f"cannot read index {path}: {e.strerror or e}") from None
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CorruptTensorFile(f"index {path} is larger than {MAX_INDEX_BYTES} bytes")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise CorruptTensorFile(f"index {path} is not valid JSON") from None
-    wm = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(wm, dict):
-        raise CorruptTensorFile(f"index {path} has no weight_map object")
-    out: dict[str, str] = {}
-    for name, fname in wm.items():
-        if not isinstance(fname, str) or not fname or os.path.isabs(fname) or ".." in Path(fname).parts:
-            raise CorruptTensorFile(f"index {path}: tensor {name!r} points at {fname!r}, not a file of the folder")
-        out[str(name)] = fname
-    return out
+        return read_weight_map(path)
+    except MissingInput as e:
+        raise TensorNotFound(str(e)) from None
+    except IntegrityError as e:
+        raise CorruptTensorFile(str(e)) from None

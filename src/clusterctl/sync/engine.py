@@ -23,10 +23,11 @@ from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit,
                                UsageError)
 from clusterctl.render import human_bytes
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
-from clusterctl.sync.copycheck import needed_files
-from clusterctl.sync.manifest import Manifest, build_manifest, HashCache
-from clusterctl.sync.planned import planned_manifest
+from clusterctl.shared.copycheck import check_copy, needed_files
+from clusterctl.shared.modelmanifest import Manifest, build_manifest, HashCache
+from clusterctl.launch.plannedmodel import planned_manifest
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync
+from clusterctl.locks import Lock
 
 MODES = ("auto", "rsync", "download")
 STATUS_TIMEOUT = 3600.0  # a --verify re-hash of a big model on a slow disk
@@ -207,7 +208,6 @@ class _Progress:
 async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state, ssh: SshOptions,
                           opts: SyncOptions, emit: Emit) -> str:
     """Pull the whole model from a node holding a verified copy into <state>/staging/<hash>/, verified here."""
-    from clusterctl.sync.copycheck import check_copy
 
     folder = state.root / "staging" / manifest.manifest_hash.removeprefix("sha256:")
     folder.mkdir(parents=True, exist_ok=True)
@@ -276,8 +276,6 @@ async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh
 # ---- the command --------------------------------------------------------------------------------------------------
 
 async def sync_deployment(state, dep_ref: str, opts: SyncOptions, emit: Emit = lambda e: None) -> SyncReport:
-    from clusterctl.locks import Lock
-
     if opts.mode not in MODES:
         raise UsageError(f"--mode: {opts.mode!r} is not valid (choose from {', '.join(MODES)})")
     if opts.url is not None and not opts.url.startswith(("http://", "https://")):

@@ -19,7 +19,7 @@ from typing import Callable
 
 from clusterctl.launch import ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.sync.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
+from clusterctl.shared.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
 
 PARTIAL_DIR = ".rsync-partial"
 

@@ -1,0 +1,208 @@
+"""Rank 0's HTTP server: its state, who may call it (API keys by tenant, CORS origins), which model names it
+answers to, and admission (at most max_batch + max_queue requests, then 429). The HTTP plumbing is handler.py,
+the routes routes.py, the answers respond.py; generation itself is the step loop's (``steploop``)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+from clusterctl.errors import ConfigError
+from clusterctl.rank.handler import make_handler
+from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
+from clusterctl.rank.metrics import Metrics, metrics_open
+from clusterctl.rank.openai import ApiError, RequestBuilder
+from clusterctl.rank.pipeline import GenResult
+from clusterctl.shared.rankspec import RankSpec
+from clusterctl.rank.admission import Preparer
+
+# the name clients written for mlx_lm.server send for "the model this server serves"
+SERVED_MODEL_ALIASES = ("default_model",)
+# how often the HTTP server's accept loop looks for a shutdown request: a rank's stop waits for it (at 0.2 s,
+# rank 0 took 0.25 s from TERM to exit against 0.1 s for the other ranks; a wake-up costs a few microseconds)
+HTTP_SHUTDOWN_POLL_S = 0.02
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (the batch frees a slot whenever a request finishes)
+
+
+class Api:
+    """The HTTP side of rank 0. Listens from start-up (so /health can say 503) and serves once ``state`` is
+    "serving"."""
+
+    def __init__(self, spec: RankSpec, jobs: JobQueue, *, model_name: str, active: ActiveSet | None = None):
+        self.spec = spec
+        self.jobs = jobs
+        self.active = active or ActiveSet()
+        self.model_name = model_name
+        self.model_names = {model_name, *SERVED_MODEL_ALIASES, *spec.model_aliases}
+        self.cors_origins = list(spec.cors_origins)
+        # what the answers' system_fingerprint says: this deployment and its placement (a replan changes it)
+        self.fingerprint = "fp_" + hashlib.sha256(json.dumps(
+            [spec.deployment_id, spec.layer_counts, spec.parallel, spec.schedule]).encode()).hexdigest()[:12]
+        self.state = "loading"
+        self.builder: RequestBuilder | None = None
+        self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
+        self._keys = [(name, key.encode()) for name, key in spec.tenant_keys().items()]
+        self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
+        self._jobs: dict[str, Job] = {}  # those requests, for the batch occupancy a scrape reads
+        self.capacity = spec.max_batch + spec.max_queue
+        self._lock = threading.Lock()
+        self.metrics = Metrics(rank=spec.rank, max_batch=spec.max_batch, max_queue=spec.max_queue,
+                               queue_depth=jobs.__len__, occupancy=self.occupancy,
+                               serving=lambda: self.state == "serving")
+        self.metrics_open = metrics_open()  # read once, on rank 0: /metrics without the API key
+        # The listen backlog holds connections not yet accepted. socketserver's default of 5 drops the SYNs of a
+        # burst of clients (64 reconnecting at once): the kernel then retries after 1 s, so /health took 1 s.
+        server_class = type("RankHTTPServer", (ThreadingHTTPServer,),
+                            {"request_queue_size": max(128, 2 * self.capacity)})
+        try:
+            self.httpd = server_class((spec.http_host, spec.http_port), make_handler(self))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {spec.http_host}:{spec.http_port}: {e.strerror or e}") from None
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": HTTP_SHUTDOWN_POLL_S},
+                                        name="http", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        host = self.spec.http_host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def serving(self, limits, tokenizer) -> None:
+        """Take requests: ``limits`` (admission.Limits) bound them, ``tokenizer`` prepares them."""
+
+        self.builder = RequestBuilder(self.spec, limits)
+        self.preparer = Preparer(tokenizer, wait_s=self.spec.http_timeout_s)
+        self.state = "serving"
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop taking requests; fail queued ones; give streams in flight a moment to see their last event."""
+        self.state = "stopping"
+        for job in self.jobs.drain():
+            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def fail_everyone(self, err: ApiError, wait_s: float = 1.0) -> None:
+        """The rank is about to end (a lost peer, a stale lease): every request accepted and not yet answered
+        gets ``err`` as its last event (a stream: an error event, then ``[DONE]``; otherwise the error as the
+        answer), and its HTTP thread up to ``wait_s`` to write it. A client never meets a cut connection while
+        rank 0 can still speak."""
+        self.state = "failed"
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.events.put(("error", err))
+        deadline = time.monotonic() + wait_s
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def admit(self, job: Job) -> None:
+        """Take a request if the batch and the queue behind it have room (else 429, raised as ApiError), prepare
+        it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it. On an error
+        the request holds nothing."""
+        with self._lock:
+            if self._inflight >= self.capacity:
+                raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
+                                    "waiting", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+            self._inflight += 1
+            self._jobs[job.id] = job
+        self.active.add(job.id)
+        try:
+            job.req = self.preparer.prepare(job)
+            if not self.jobs.put(job):
+                raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
+        except BaseException:
+            self.active.remove(job.id)
+            self.release(job)
+            raise
+
+    def leave_queue(self, job: Job) -> bool:
+        """Its client left before it joined the batch: out of the queue at once (its admission slot frees now,
+        not when the batch has room). False if the step loop took it already."""
+        if not self.jobs.remove(job):
+            return False
+        job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
+        return True
+
+    def release(self, job: Job) -> None:
+        """The request's HTTP side is over (answered, refused, or its client left)."""
+        with self._lock:
+            self._inflight -= 1
+            self._jobs.pop(job.id, None)
+
+    def occupancy(self) -> int:
+        """Requests in the batch now: joined it, not yet finished (read by a scrape, not per token)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        return sum(1 for j in jobs if j.started_at is not None and j.finished_at is None)
+
+    def tenant(self, header: str | None) -> str | None:
+        """The caller's tenant by its key (every key compared, in constant time each); "" for an open API; None
+        for a missing or wrong key."""
+        if not self._keys:
+            return ""
+        if not header or not header.startswith("Bearer "):
+            return None
+        given = header[7:].strip().encode()
+        found = None
+        for name, key in self._keys:
+            if hmac.compare_digest(given, key) and found is None:
+                found = name
+        return found
+
+    def authorized(self, header: str | None) -> bool:
+        return self.tenant(header) is not None
+
+    # -- the model's names
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "clusterctl"}
+
+    def knows_model(self, name: str) -> bool:
+        return name in self.model_names
+
+    def check_model(self, name) -> None:
+        """A request's ``model``: absent, the served model's id, or an alias (the operator's, or mlx_lm.server's
+        ``default_model``); anything else is 404 model_not_found, as OpenAI answers."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ApiError(400, "model must be a string", param="model")
+        if name not in self.model_names:
+            shown = name if len(name) <= 80 else name[:77] + "..."
+            raise ApiError(404, f"the model {shown!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # -- browsers (CORS)
+
+    def _allowed_origin(self, origin: str | None) -> str | None:
+        if not self.cors_origins:
+            return None
+        if "*" in self.cors_origins:
+            return "*"
+        return origin if origin in self.cors_origins else None
+
+    def cors_headers(self, origin: str | None) -> dict:
+        """On every answer when the operator allowed origins: who may read it from a browser."""
+        allowed = self._allowed_origin(origin)
+        if allowed is None:
+            return {}
+        return {"Access-Control-Allow-Origin": allowed, **({"Vary": "Origin"} if allowed != "*" else {})}
+
+    def preflight_headers(self, origin: str | None) -> dict:
+        if self._allowed_origin(origin) is None:
+            return {}
+        return {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Max-Age": "600"}

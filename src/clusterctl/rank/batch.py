@@ -1,0 +1,183 @@
+"""The batch of requests a rank decodes together (continuous batching on mlx-lm's ``BatchGenerator``).
+
+Every rank holds the same batch: rank 0 decides at each meeting which requests join (their shared
+``GenRequest``) and which leave early (cancelled), every rank applies that decision before the next step, and
+every other change is a pure function of the tokens (EOS, max_tokens, stop strings), which all ranks share
+through the model's own pipeline collectives. So the batch's shape is the same on every rank at every step —
+which mlx-lm's pipeline needs, because each step's forward pass is a chain of sends and receives.
+
+A request joins at a step boundary: its prompt is processed in the next step, alongside the decoding of the
+others; a finished request leaves at once without stalling the rest.
+
+Sampling randomness: the generator's random state is seeded with a request's seed when it starts an empty batch,
+so a request served alone is reproducible; requests sampled with temperature > 0 in a shared batch draw from one
+random stream, so their tokens depend on who else was in the batch (greedy ones do not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from clusterctl.rank.pipeline import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.logprobs import Entries
+
+
+@dataclass
+class Seq:
+    """One request in the batch: its tokens and text so far."""
+
+    req: GenRequest
+    uid: int
+    detok: object
+    emit: Callable[[str], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    stops: StopMatcher = None  # type: ignore[assignment]
+    stopped_by_text: bool = False
+    guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
+    lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
+    emit_lp: Callable[[dict], None] | None = None
+    procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
+
+    def out(self, s: str) -> None:
+        if s:
+            self.parts.append(s)
+            if self.emit is not None:
+                self.emit(s)
+
+    def result(self, finish: str) -> GenResult:
+        if finish in ("stop", "length") and not self.stopped_by_text:
+            self.detok.finalize()
+            text, hit = self.stops.feed(self.detok.last_segment)
+            self.out(text)
+            if hit:
+                finish = "stop"
+            else:
+                self.out(self.stops.flush())
+        if finish == "stop" and self.procs and not self.stopped_by_text:
+            from clusterctl.rank.sampling import closed_by_budget
+
+            if closed_by_budget(self.procs):
+                finish = "length"
+        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
+                         prompt_tokens=len(self.req.tokens))
+
+
+class Batch:
+    """The requests in flight on this rank, decoded together; identical on every rank."""
+
+    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = 2048, pcache=None):
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self._mx = mx
+        eos = sorted(set(tokenizer.eos_token_ids))
+        self.gen = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=max_batch,
+                                  prefill_batch_size=min(8, max_batch), prefill_step_size=prefill_step)
+        self.eos = set(eos)
+        self.seqs: dict[int, Seq] = {}  # by generator uid
+        self.by_id: dict[str, Seq] = {}
+        self.steps = 0
+        self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
+        self.produced = 0  # tokens generated (EOS included)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.seqs)
+
+    def ids(self) -> list[str]:
+        return list(self.by_id)
+
+    def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
+            emit_lp: Callable[[dict], None] | None = None) -> None:
+        from mlx_lm.sample_utils import greedy_sampler, make_sampler
+
+        from clusterctl.rank.sampling import Guard, processors
+
+        if req.id in self.by_id:
+            raise ValueError(f"request {req.id} is already in the batch")
+        if not self.seqs:
+            self._mx.random.seed(req.seed)
+        sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
+        procs = own = processors(req, self.tokenizer)
+        # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
+        guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
+        if guard is not None:
+            sampler, procs = guard.sampler, guard.procs
+        n = req.cache_len if prefix is not None else 0  # tokens whose KV the prompt cache gave
+        (uid,) = self.gen.insert([list(req.tokens[n:])], max_tokens=[req.max_tokens], samplers=[sampler],
+                                 logits_processors=[procs], caches=[prefix] if prefix is not None else None,
+                                 all_tokens=[list(req.tokens[:n])])
+        s = Seq(req=req, uid=uid, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
+                guard=guard, emit_lp=emit_lp, procs=own)
+        if emit_lp is not None and req.logprobs >= 0:
+            s.lp = Entries(self.tokenizer, req.logprobs)
+        self.seqs[uid] = s
+        self.by_id[req.id] = s
+
+    def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
+        """Take a request out before it finished (cancelled, shutdown); None if it is not in the batch."""
+        s = self.by_id.get(rid)
+        if s is None:
+            return None
+        self._forget(s)
+        return GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason=finish,
+                         prompt_tokens=len(s.req.tokens))
+
+    def _forget(self, s: Seq) -> None:
+        self.gen.remove([s.uid])
+        del self.seqs[s.uid]
+        del self.by_id[s.req.id]
+
+    def step(self) -> list[tuple[str, GenResult]]:
+        """One step of every request in the batch (a new request's prompt is processed in it); returns the
+        requests that finished in it, in the batch's order (the same on every rank)."""
+        done: list[tuple[str, GenResult]] = []
+        if not self.seqs:
+            return done
+        self.steps += 1
+        for r in self.gen.next_generated():
+            s = self.seqs.get(r.uid)
+            if s is None:
+                continue
+            self.produced += 1
+            finish = r.finish_reason
+            if s.guard is not None and s.guard.failed:  # its own values broke its sampling: it alone ends
+                self._forget(s)
+                done.append((s.req.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
+                                                 prompt_tokens=len(s.req.tokens), error=s.guard.failed)))
+                continue
+            if finish == "stop" and r.token in self.eos:
+                pass  # the EOS token ends the text, it is not part of it
+            else:
+                s.tokens.append(int(r.token))
+                if s.lp is not None:
+                    s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
+                s.detok.add_token(int(r.token))
+                text, hit = s.stops.feed(s.detok.last_segment)
+                s.out(text)
+                if hit:
+                    s.stopped_by_text = True
+                    finish = "stop"
+            if finish is None:
+                continue
+            if r.finish_reason is None:  # a stop string: the generator does not know, take it out here
+                kept = self.gen.remove([s.uid], return_prompt_caches=self.pcache is not None)
+                cache, tokens = kept.get(s.uid, (None, None))
+            else:
+                cache, tokens = r.prompt_cache, r.all_tokens
+            if self.pcache is not None and cache is not None:
+                self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took, partition=s.req.partition)
+            del self.seqs[s.uid]
+            del self.by_id[s.req.id]
+            done.append((s.req.id, s.result(finish)))
+        return done
+
+    def close(self) -> None:
+        self.gen.close()

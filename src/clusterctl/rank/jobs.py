@@ -1,0 +1,123 @@
+"""What a request is while it waits for, or is in, generation (``Job``), rank 0's bounded queue of them
+(``JobQueue``) and the ids each rank publishes as its active requests (``ActiveSet``): the hand-over between the
+HTTP threads and the step loop."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from clusterctl.rank.pipeline import GenRequest
+
+@dataclass
+class Job:
+    """One HTTP request waiting for, or in, generation. ``prepare`` (template and tokenizer) runs on its HTTP
+    thread before it is queued (admission.py), and leaves ``req`` for the step loop."""
+
+    id: str
+    kind: str  # "chat" | "completion"
+    prepare: Callable[[Any], GenRequest]
+    stream: bool
+    req: GenRequest | None = None
+    prepare_s: float = 0.0  # how long its template and tokenizer took
+    cached_tokens: int = 0  # prompt tokens the prompt cache gave it (usage.prompt_tokens_details.cached_tokens)
+    splitter: Any = None  # chat: tools.OutputSplitter (content, reasoning, tool calls out of the text)
+    created: int = field(default_factory=lambda: int(time.time()))
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    gone: threading.Event = field(default_factory=threading.Event)  # the client left: nobody reads the answer
+    arrived_at: float = field(default_factory=time.monotonic)  # its body was read and checked
+    started_at: float | None = None  # joined the batch
+    first_token_at: float | None = None  # its HTTP thread saw the first generated text
+    finished_at: float | None = None
+
+
+class ActiveSet:
+    """The request ids a rank is working on, published in its marker (the evidence quiescence reads).
+
+    On rank 0 a request counts from the moment the API accepts it (queued) until both its HTTP response and its
+    generation are over; on the other ranks while they generate it. Holders are counted, so the HTTP thread and
+    the step loop each add and remove their own hold."""
+
+    def __init__(self, publish: Callable[[list[str]], None] | None = None):
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._publish = publish
+
+    def add(self, rid: str) -> None:
+        with self._lock:
+            self._held[rid] = self._held.get(rid, 0) + 1
+            ids = list(self._held)
+        self._emit(ids)
+
+    def remove(self, rid: str) -> None:
+        with self._lock:
+            n = self._held.get(rid, 0) - 1
+            if n > 0:
+                self._held[rid] = n
+            else:
+                self._held.pop(rid, None)
+            ids = list(self._held)
+        self._emit(ids)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    def _emit(self, ids: list[str]) -> None:
+        if self._publish is not None:
+            self._publish(ids)
+
+
+class JobQueue:
+    def __init__(self, limit: int = 64):
+        self._q: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self.limit = limit
+        self.on_put: Callable[[], None] | None = None  # the step loop's wake-up
+
+    def put(self, job: Job) -> bool:
+        with self._cv:
+            if len(self._q) >= self.limit:
+                return False
+            self._q.append(job)
+            self._cv.notify()
+        if self.on_put is not None:
+            self.on_put()
+        return True
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def pop(self, timeout: float = 0.0) -> Job | None:
+        with self._cv:
+            if not self._q and timeout > 0:
+                self._cv.wait(timeout)
+            return self._q.popleft() if self._q else None
+
+    def remove(self, job: Job) -> bool:
+        """Take a job out before the step loop pops it (its client left while it waited)."""
+        with self._cv:
+            for i, queued in enumerate(self._q):
+                if queued is job:
+                    del self._q[i]
+                    return True
+            return False
+
+    def cancel(self, ids: list[str] | None) -> list[str]:
+        """Mark queued jobs cancelled (all when ``ids`` is None); the step loop ends them when it pops them."""
+        with self._cv:
+            hit = [j for j in self._q if ids is None or j.id in ids]
+        for j in hit:
+            j.cancelled.set()
+        return [j.id for j in hit]
+
+    def drain(self) -> list[Job]:
+        with self._cv:
+            out = list(self._q)
+            self._q.clear()
+            return out

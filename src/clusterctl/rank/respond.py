@@ -1,0 +1,246 @@
+"""How rank 0 answers one completion request: admission (the body, the model name, the request built and
+prepared), then the answer as one JSON document or as server-sent events, from the events the step loop puts
+on the request's queue. A stream's headers go out at once and ``: keepalive`` comments while nothing else does
+(a long prompt must not trip a first-byte timeout); a client that leaves cancels its request on every rank."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from clusterctl.rank.jobs import Job
+from clusterctl.rank.metrics import outcome_of
+from clusterctl.rank.pipeline import GenResult
+from clusterctl.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
+from clusterctl.rank.logprobs import chat_shape, completion_shape
+from clusterctl.rank.tools import Event, Reply, delta
+
+CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
+KEEPALIVE_S = 1.0  # a stream's comment line while no token comes (queued, or its prompt being processed)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the answer carries beyond the text, as the request asked."""
+
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    token_ids: bool = False  # return_token_ids (an extension): the choice's token ids
+
+    @classmethod
+    def of(cls, body: dict) -> "Shape":
+        so = body.get("stream_options")
+        return cls(include_usage=bool(so.get("include_usage")) if isinstance(so, dict) else False,
+                   token_ids=bool(body.get("return_token_ids")))
+
+
+def serve(api, h, kind: str) -> None:
+    """Route body of /v1/completions ("completion") and /v1/chat/completions ("chat")."""
+    try:
+        body = h.body()
+        if api.state != "serving" or api.builder is None:
+            raise ApiError(503, f"not serving ({api.state})", type="server_error")
+        api.check_model(body.get("model"))
+        build = api.builder.chat if kind == "chat" else api.builder.completion
+        job = build(body, h.tenant())
+        shape = Shape.of(body)
+        api.admit(job)
+    except ApiError as e:
+        h.error(e)
+        return
+    try:
+        Answer(api, h, job, shape).write()
+    except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        job.gone.set()
+        job.cancelled.set()
+        h.close_connection = True
+        h.outcome = "cancelled"
+    finally:
+        api.release(job)
+        api.active.remove(job.id)
+
+
+def usage(r: GenResult) -> Usage:
+    return Usage.of(r.prompt_tokens, len(r.tokens), r.cached_tokens)
+
+
+class Answer:
+    """One request's answer, written by its HTTP thread."""
+
+    def __init__(self, api, h, job: Job, shape: Shape):
+        self.api, self.h, self.job, self.shape = api, h, job, shape
+        self.chat = job.kind == "chat"
+        self._poll_at = 0.0
+        self._quiet_since = time.monotonic()
+        self.wants_lp = job.req is not None and job.req.logprobs >= 0
+        self.lps: list[dict] = []  # entries not yet written (a stream) or all of them (one document)
+        self.text_at = 0  # characters of text written so far (the legacy shape's text_offset)
+
+    def write(self) -> None:
+        if self.job.stream:
+            self.h.start_stream()
+            self._stream()
+        else:
+            self._whole()
+
+    # -- events
+
+    def _next(self):
+        """The job's next event. A client that went away meanwhile cancels it (at the next step boundary, on
+        every rank; out of the queue at once if it still waits) and the wait goes on until the step loop lets
+        go of the job. A stream gets a keepalive comment while nothing comes."""
+        job, h = self.job, self.h
+        while True:
+            now = time.monotonic()
+            if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
+                self._poll_at = now + CLIENT_POLL_S
+                if not job.gone.is_set() and h.client_gone():
+                    job.gone.set()
+                    job.cancelled.set()
+                    h.close_connection = True
+                    self.api.leave_queue(job)
+            if job.stream and not job.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
+                h.keepalive()
+                self._quiet_since = now
+            try:
+                event = job.events.get(timeout=CLIENT_POLL_S)
+            except queue.Empty:
+                continue
+            self._quiet_since = time.monotonic()
+            if event[0] == "logprob":
+                self.lps.append(event[1])
+                continue
+            if event[0] == "text" and job.first_token_at is None:
+                job.first_token_at = time.monotonic()
+                self.api.metrics.first_token(job.first_token_at - job.arrived_at)
+            elif event[0] == "done":
+                self._finished(event[1])
+            return event
+
+    def _finished(self, result: GenResult) -> None:
+        """A generation is over: its tokens, its time per output token, and a first token that came only with
+        the end (all its text was held back, e.g. by a possible stop string)."""
+        job, metrics = self.job, self.api.metrics
+        now, n = time.monotonic(), len(result.tokens)
+        metrics.tokens(result.prompt_tokens, n)
+        if n and job.first_token_at is None:
+            job.first_token_at = now
+            metrics.first_token(now - job.arrived_at)
+        elif n >= 2 and result.finish_reason != "cancelled":
+            metrics.per_output_token((now - job.first_token_at) / (n - 1))
+
+    # -- the text: through the splitter on chat (content, reasoning, tool calls), as it is on completions
+
+    def _split(self, text: str) -> list:
+        """Events of a piece of text. A splitter that wants no more (a call is complete and parallel calls are
+        off) cancels the generation on every rank; its answer still ends as "tool_calls"."""
+
+        sp = self.job.splitter
+        if sp is None:
+            return [Event("content", text)] if text else []
+        events = sp.feed(text)
+        if sp.should_stop and not self.job.cancelled.is_set():
+            self.job.cancelled.set()
+        return events
+
+    def _end(self, result: GenResult) -> tuple[list, str]:
+        """The events of the end and the answer's finish_reason."""
+
+        sp = self.job.splitter
+        if sp is None:
+            return [], result.finish_reason
+        if result.finish_reason == "cancelled" and sp.should_stop:
+            events = sp.finish("stop")
+        else:
+            events = sp.finish(result.finish_reason)
+        finish = next((e.value for e in events if e.kind == "finish"), result.finish_reason)
+        return [e for e in events if e.kind != "finish"], finish
+
+    # -- one JSON document
+
+    def _whole(self) -> None:
+        reply = Reply()
+        kind, value = self._next()
+        while kind == "text":
+            reply.add(self._split(value))
+            kind, value = self._next()
+        if self.job.gone.is_set():
+            self.h.outcome = "cancelled"
+            return  # the client is gone: nobody to answer
+        if kind == "error":
+            self.h.error(value)
+            return
+        result: GenResult = value
+        events, finish = self._end(result)
+        reply.add(events)
+        extra = {"token_ids": result.tokens} if self.shape.token_ids else {}
+        if self.chat:
+            choice = ChatChoice(message=reply.message(), logprobs=self._take_lps(), finish_reason=finish, **extra)
+        else:
+            choice = TextChoice(text=result.text, logprobs=self._take_lps(), finish_reason=finish, **extra)
+        self.h.json(200, self._answer([choice], usage=usage(result)))
+        self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
+
+    def _take_lps(self) -> dict | None:
+        """The log-probabilities not yet written, in the shape of this route (None: not asked for)."""
+
+        if not self.wants_lp:
+            return None
+        entries, self.lps = self.lps, []
+        return chat_shape(entries) if self.chat else completion_shape(entries, self.text_at)
+
+    def _answer(self, choices: list, stream: bool = False, **usage) -> dict:
+        """The document (or a stream's chunk) around ``choices``; ``usage`` when given (None included)."""
+        job = self.job
+        head = dict(id=job.id, created=job.created, model=self.api.model_name,
+                    system_fingerprint=self.api.fingerprint, **usage)
+        if self.chat:
+            return ChatCompletion(object="chat.completion.chunk" if stream else "chat.completion", choices=choices,
+                                  **head).body()
+        return Completion(choices=choices, **head).body()
+
+    # -- server-sent events
+
+    def _chunk(self, delta: dict | None, finish: str | None, extra: dict | None = None) -> None:
+        """One chunk: chat's ``delta`` (content, reasoning_content, tool_calls, role) or completions' text."""
+        if self.chat:
+            c = ChatDelta(delta=delta or {}, logprobs=self._take_lps() if self.lps else None, finish_reason=finish,
+                          **(extra or {}))
+        else:
+            text = (delta or {}).get("content") or ""
+            c = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **(extra or {}))
+            self.text_at += len(text)
+        self.h.sse(self._answer([c], stream=True, **({"usage": None} if self.shape.include_usage else {})))
+
+    def _deltas(self, events: list) -> None:
+        for e in events:
+            d = delta(e)
+            if d is not None:
+                self._chunk(d, None)
+
+    def _stream(self) -> None:
+        h, job = self.h, self.job
+        if self.chat:
+            self._chunk({"role": "assistant", "content": ""}, None)
+        kind, value = self._next()
+        while kind == "text":
+            self._deltas(self._split(value))
+            kind, value = self._next()
+        if kind == "error":
+            if job.gone.is_set():
+                h.outcome = "cancelled"
+                return  # an aborted request is never reported as a server error: nobody is there
+            h.outcome = outcome_of(value.status)  # the status line said 200; the request failed
+            h.sse({"error": value.body()["error"]})
+            h.sse("[DONE]")
+            return
+        result: GenResult = value
+        events, finish = self._end(result)
+        self._deltas(events)
+        if finish == "cancelled" or job.gone.is_set():
+            h.outcome = "cancelled"
+        self._chunk({} if self.chat else None, finish,
+                    extra={"token_ids": result.tokens} if self.shape.token_ids else None)
+        if self.shape.include_usage:
+            h.sse(self._answer([], stream=True, usage=usage(result)))
+        h.sse("[DONE]")

@@ -1,0 +1,208 @@
+"""Sampling on the last stage of an overlapped pipeline: one random stream per request.
+
+mlx-lm's samplers draw from MLX's global random state, so a request's tokens at temperature > 0 depend on who
+else was sampled before it in the same batch. Here each request owns a key, made from its seed and split once
+per token, so a request with a ``seed`` gives the same tokens whatever else is in the batch. The filters (top-p,
+min-p, top-k, in mlx-lm's order) and the logits processors (repetition penalty) are mlx-lm's own.
+
+A request's values are checked against the model at admission (openai.py), but no value may ever end a rank:
+a filter or processor that raises while its row's graph is built makes that row fall back to the argmax and
+marks the request failed (``failed``), and the batch ends that request alone with an error. The fallback is the
+same on every rank (the same inputs raise the same way), so the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from clusterctl.rank.pipeline import GenRequest
+
+
+class GrammarMask:
+    """A request's structured output (grammar.py) as a logits processor: tokens the grammar does not allow now
+    get -inf. Called once per sampled token (mlx-lm's batch and ``RowSampler`` alike): from the second call on,
+    the newest token of ``tokens`` is the one sampled last, which the grammar consumes first. On the ranks of a
+    lockstep pipeline every rank runs it and gets the same mask (the grammar is deterministic)."""
+
+    def __init__(self, constraint):
+        self.c = constraint
+        self._started = False
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started:
+            self.c.advance(int(tokens[-1].item()))
+        self._started = True
+        mask = self.c.mask()
+        width = logits.shape[-1]
+        if mask.shape[0] < width:  # ids past the tokenizer's own (a padded head) are never allowed
+            mask = mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
+        return mx.where(mask[:width], logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def closed_by_budget(procs) -> bool:
+    """A request's grammar forced its answer to an end to fit max_tokens: the answer parses, but the model did not
+    end it (finish "length", as OpenAI reports an answer max_tokens ended)."""
+    return any(isinstance(p, GrammarMask) and p.c.closed_by_budget for p in procs or ())
+
+
+def grammar_factory(tokenizer, *, deterministic: bool, user: str = "steps"):
+    """The GrammarFactory of one thread (``user``: "steps", the step loop; "admission", the HTTP threads, one at
+    a time) for ``tokenizer``, made on first use (~1-2 s for a large vocabulary). ``deterministic``: no time bound
+    on closing an answer within max_tokens (every lockstep rank must compute the same masks); the overlapped
+    pipeline samples on rank 0 alone and keeps the bound."""
+    from clusterctl.rank.grammar import GrammarFactory
+
+    attr = f"_clusterctl_grammar_{user}_{int(deterministic)}"
+    f = getattr(tokenizer, attr, None)
+    if f is None:
+        f = GrammarFactory(tokenizer)
+        if deterministic:
+            f.rollout_seconds = None
+        setattr(tokenizer, attr, f)
+    return f
+
+
+def processors(req: GenRequest, tokenizer=None, *, deterministic: bool = True) -> list:
+    """mlx-lm's logits processors for a request's logit_bias and penalties, and its grammar last (none when it
+    asks for none)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    procs = _bias_and_penalties(req)
+    if req.grammar is not None and tokenizer is not None:
+        try:
+            c = grammar_factory(tokenizer, deterministic=deterministic).compile_request(req.grammar, req.max_tokens)
+        except Exception as e:  # admitted, so it compiled on rank 0: fail this request alone, never the rank
+            def refuse(tokens, logits, why=failure(e)):
+                raise ValueError(why)
+
+            return [*procs, refuse]
+        procs.append(GrammarMask(c))
+    return procs
+
+
+def _bias_and_penalties(req: GenRequest) -> list:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    rep = req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None
+    return make_logits_processors(
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        repetition_penalty=rep, repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty or None, presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty or None, frequency_context_size=req.frequency_context_size)
+
+
+class RowSampler:
+    """How one request's next token is chosen from its logits."""
+
+    failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
+    logprobs: mx.array | None = None  # the last step's log-softmax after the processors (wants_logprobs)
+
+    def __init__(self, req: GenRequest, tokenizer=None):
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self.temp = float(req.temperature)
+        self.filters = []
+        if 0 < req.top_p < 1.0:
+            self.filters.append(lambda x, p=req.top_p: apply_top_p(x, p))
+        if req.min_p != 0.0:
+            self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
+        if req.top_k > 0:
+            self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
+        self.procs = processors(req, tokenizer, deterministic=False)  # rank 0 alone samples
+        self.history = list(req.tokens) if self.procs else None  # what the processors look back on
+        self.key = mx.random.key(req.seed) if self.temp > 0 else None
+        self.wants_logprobs = req.logprobs >= 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.temp == 0 and not self.procs and not self.wants_logprobs
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """``logits`` of shape (1, vocab) -> the token, shape (1,)."""
+        try:
+            return self._sample(logits)
+        except Exception as e:  # the request's values, not the rank's state: this row alone fails
+            self.failed = failure(e)
+            self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logits, axis=-1)
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        if self.procs:
+            context = mx.array(self.history)
+            for proc in self.procs:
+                logits = proc(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.wants_logprobs:
+            self.logprobs = logprobs
+        if self.temp == 0:
+            return mx.argmax(logprobs, axis=-1)
+        for f in self.filters:
+            logprobs = f(logprobs)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+
+    def took(self, token: int) -> None:
+        if self.history is not None:
+            self.history.append(token)
+
+
+def failure(e: Exception) -> str:
+    """One line saying why a request's sampling failed."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"sampling failed for this request: {type(e).__name__}{': ' + text if text else ''}"[:300]
+
+
+def _reseed_from(state: list) -> None:
+    """The global random state, usable again after a compiled sampler raised: seeded from ``state``'s key (taken
+    before the call), or from 0 when even that cannot be read."""
+    try:
+        mx.eval(mx.random.state)
+        return  # still usable
+    except RuntimeError:
+        pass
+    try:
+        words = [int(w) for w in state[0].tolist()]
+        mx.random.seed((words[0] << 32 | words[-1]) & ((1 << 64) - 1))
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        mx.random.seed(0)
+
+
+class Guard:
+    """mlx-lm's sampler and logits processors of one request in the lockstep batch (batch.py), guarded like
+    ``RowSampler``: what raises falls back (the argmax; the logits unchanged) and ``failed`` says why."""
+
+    def __init__(self, sampler, procs: list):
+        self.failed: str | None = None
+        self._sampler = sampler
+        self.sampler = self._sample
+        self.procs = [self._proc(p) for p in procs]
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        state = list(mx.random.state)
+        try:
+            return self._sampler(logprobs)
+        except Exception as e:
+            # mlx-lm's samplers are compiled with the global random state as input and output: one that raises
+            # while traced leaves that state an array without a primitive, and every later random draw of this
+            # rank would fail (every sampled request after it). Reseed from the state it started from (the same
+            # on every lockstep rank, so their draws stay in step).
+            _reseed_from(state)
+            self.failed = self.failed or failure(e)
+            return mx.argmax(logprobs, axis=-1)
+
+    def _proc(self, proc):
+        def run(tokens, logits):
+            try:
+                return proc(tokens, logits)
+            except Exception as e:
+                self.failed = self.failed or failure(e)
+                return logits
+
+        return run
+
+
+def sample_rows(samplers: list[RowSampler], logits: mx.array) -> mx.array:
+    """The next token of every row of ``logits`` (rows, vocab): one argmax when every row is plain greedy."""
+    if all(s.plain_greedy for s in samplers):
+        return mx.argmax(logits, axis=-1)
+    return mx.concatenate([s(logits[i:i + 1]) for i, s in enumerate(samplers)], axis=0)

@@ -1,0 +1,184 @@
+"""Admission's parts in one process, on the real tiny model: a request whose sampling fails fails alone (the
+lockstep batch and the overlapped sampler), the template budget, the byte cap before tokenizing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from rankharness import tiny_model_path
+
+PROMPT = "def main(argv):"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from mlx_lm import load
+
+    return load(str(tiny_model_path()))
+
+
+def _req(rid: str, tokens: list[int], **kw):
+    from clusterctl.rank.pipeline import GenRequest
+
+    return GenRequest(id=rid, tokens=tokens, max_tokens=kw.pop("max_tokens", 6), **kw)
+
+
+def _run(batch, ids: set[str]) -> dict:
+    done = {}
+    for _ in range(200):
+        for rid, res in batch.step():
+            done[rid] = res
+        if ids <= set(done):
+            return done
+    raise AssertionError(f"not finished: {ids - set(done)}")
+
+
+def test_a_row_whose_sampler_raises_fails_alone_in_the_lockstep_batch(loaded):
+    """top_k past the vocabulary reaches the batch (admission would have dropped it): mlx-lm's top-k raises as
+    the step is built; that request ends with an error, its neighbour gets the tokens it gets alone."""
+    from clusterctl.rank.batch import Batch
+
+    model, tok = loaded
+    tokens = tok.encode(PROMPT)
+    alone = Batch(model, tok, max_batch=4)
+    alone.add(_req("good", tokens, temperature=0.0))
+    want = _run(alone, {"good"})["good"]
+    alone.close()
+    batch = Batch(model, tok, max_batch=4)
+    batch.add(_req("good", tokens, temperature=0.0))
+    batch.add(_req("bad", tokens, temperature=0.7, top_k=1 << 20))
+    got = _run(batch, {"good", "bad"})
+    batch.close()
+    assert got["bad"].finish_reason == "error" and "top_k" in got["bad"].error, got["bad"]
+    assert got["good"].tokens == want.tokens and got["good"].error is None
+    # the failure left MLX's random state usable: the next sampled request of this rank is served (the sampler
+    # raised inside a compiled function, which once left the state an array without a primitive, and every
+    # later sampled request failed)
+    import mlx.core as mx
+
+    mx.eval(mx.random.state)
+    after = Batch(model, tok, max_batch=4)
+    after.add(_req("next", tokens, temperature=0.7, top_k=5))
+    res = _run(after, {"next"})["next"]
+    after.close()
+    assert res.error is None and res.tokens, res
+
+
+def test_the_overlapped_sampler_falls_back_and_says_why():
+    import mlx.core as mx
+
+    from clusterctl.rank.sampling import RowSampler
+
+    s = RowSampler(_req("r", [1, 2], temperature=0.5, top_k=500, seed=3))
+    logits = mx.array([[0.0] * 99 + [5.0]])
+    assert s(logits).item() == 99 and s.failed and "top_k" in s.failed
+    ok = RowSampler(_req("r", [1, 2], temperature=0.5, top_k=5, seed=3))
+    ok(logits)
+    assert ok.failed is None
+
+
+def _tokenizer_with_template(tmp_path, template: str):
+    from mlx_lm.utils import load_tokenizer
+
+    src = tiny_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return load_tokenizer(tmp_path)
+
+
+def _builder(tok, context=4096):
+    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.openai import RequestBuilder
+    from clusterctl.shared.rankspec import RankSpec
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
+                    marker_path="/r/m", gate_path="/r/g")
+    return RequestBuilder(spec, limits_for(json.loads((tiny_model_path() / "config.json").read_text()), tok,
+                                           context))
+
+
+def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
+    from clusterctl.rank.admission import Preparer
+    from clusterctl.rank.openai import ApiError
+
+    slow = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = _tokenizer_with_template(tmp_path, slow)
+    job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as e:
+        Preparer(tok, budget_s=0.5).prepare(job)
+    assert e.value.status == 400 and e.value.code == "prompt_budget_exceeded"
+    assert time.monotonic() - t0 < 30  # interrupted, not run to its end (10^10 iterations)
+    # the thread's tracing is gone afterwards, and a normal template still renders under the budget
+    import sys
+
+    assert sys.gettrace() is None
+    fine = _tokenizer_with_template(tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    req = Preparer(fine, budget_s=0.5).prepare(_builder(fine).chat({"messages": [{"role": "user", "content": "hi"}],
+                                                                   "max_tokens": 4}))
+    assert req.tokens
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
+    from clusterctl.rank.openai import ApiError
+
+    _, tok = loaded
+    b = _builder(tok, context=64)
+    cap = b.limits.prompt_bytes
+    assert b.limits.context == 64 and cap == 64 * b.limits.token_bytes
+    with pytest.raises(ApiError) as e:  # refused by the builder itself: no Job, no tokenizer
+        b.completion({"prompt": "x" * (cap + 1), "max_tokens": 4})
+    assert e.value.code == "context_length_exceeded" and "planned context of 64 tokens" in e.value.message
+    with pytest.raises(ApiError):
+        b.chat({"messages": [{"role": "user", "content": "é" * (cap // 2 + 1)}], "max_tokens": 4})
+    assert b.completion({"prompt": "x" * 10, "max_tokens": 4}) is not None
+
+
+def _random_template(rng) -> str:
+    """A chat template built from pieces that can take long: nested loops, recursive macros, filters."""
+    loops = rng.randint(0, 3)
+    body = "{{ m['content'] | trim }}"
+    for i in range(loops):
+        body = f"{{% for i{i} in range({rng.choice([10, 300, 100000])}) %}}{body}{{% endfor %}}"
+    parts = [f"{{% for m in messages %}}{body}{{% endfor %}}"]
+    if rng.random() < 0.3:
+        parts.insert(0, "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+    if rng.random() < 0.3:
+        parts.append("{{ (messages | map(attribute='content') | join(' ')) | upper | replace('A', 'b') }}")
+    return "".join(parts)
+
+
+def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
+    """Templates of random shape (seeded): each renders, or is refused with a 4xx, in about its budget."""
+    import random
+
+    from clusterctl.rank.admission import Preparer
+    from clusterctl.rank.openai import ApiError
+
+    rng = random.Random(30)
+    outcomes = {"rendered": 0, "refused": 0}
+    for n in range(6):
+        d = tmp_path / str(n)
+        d.mkdir()
+        tok = _tokenizer_with_template(d, _random_template(rng))
+        job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
+                                  "max_tokens": 2})
+        t0 = time.monotonic()
+        try:
+            Preparer(tok, budget_s=0.3).prepare(job)
+            outcomes["rendered"] += 1
+        except ApiError as e:
+            assert 400 <= e.status < 500 and e.message
+            outcomes["refused"] += 1
+        # the budget, plus what runs outside template code (the byte cap bounds the tokenizer's share)
+        assert time.monotonic() - t0 < 10, (n, time.monotonic() - t0)
+    assert outcomes["rendered"] and outcomes["refused"], outcomes

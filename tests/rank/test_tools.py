@@ -1,0 +1,523 @@
+"""Tool calls and reasoning text (rank/tools.py) with real tokenizers: the tiny model's, with tool-call and
+think markers made tokens and Qwen-style templates (tests/toolmodels.py), loaded by mlx-lm as a rank loads them."""
+
+import json
+
+import jsonschema
+import pytest
+import toolmodels
+
+from clusterctl.rank import tools as T
+from clusterctl.rank.pipeline import StopMatcher
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time"}}
+TOOLS = [WEATHER, TIME]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+# a reply that thinks, answers and calls twice, in the json_tools format
+REPLY = ("<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n"
+         "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n"
+         "{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>")
+CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+@pytest.fixture(scope="module")
+def toks(tmp_path_factory):
+    from mlx_lm.tokenizer_utils import load
+
+    from rankharness import tiny_model_path
+
+    root = tmp_path_factory.mktemp("tooltok")
+    return {
+        "json": load(toolmodels.write_tokenizer(root / "json")),
+        "xml": load(toolmodels.write_tokenizer(root / "xml", call_format="qwen3_coder")),
+        "mistral": load(toolmodels.write_tokenizer(root / "mistral", call_format="mistral", thinking=False)),
+        "nothink": load(toolmodels.write_tokenizer(root / "nothink", thinking=False)),
+        "plain": load(tiny_model_path()),
+    }
+
+
+def run(splitter, pieces, finish="stop"):
+    events = []
+    for p in pieces:
+        events += splitter.feed(p)
+    events += splitter.finish(finish)
+    return events
+
+
+def summary(events):
+    r = T.Reply().add(events)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in r.tool_calls]
+    return r.content, r.reasoning_content, calls, r.finish_reason
+
+
+def token_pieces(tok, text):
+    """The text as a rank streams it: one detokenizer segment per generated token."""
+    detok = tok.detokenizer
+    out = []
+    for t in tok.encode(text, add_special_tokens=False):
+        detok.add_token(t)
+        out.append(detok.last_segment)
+    detok.finalize()
+    out.append(detok.last_segment)
+    return out
+
+
+# ---- the test tokenizers are what mlx-lm recognises -------------------------------------------------------------
+
+def test_markers_are_tokens_and_inferred(toks):
+    j, x, n, p = toks["json"], toks["xml"], toks["nothink"], toks["plain"]
+    assert (j.has_tool_calling, T.call_format(j), j.has_thinking) == (True, "json_tools", True)
+    assert (x.has_tool_calling, T.call_format(x), x.has_thinking) == (True, "qwen3_coder", True)
+    assert (n.has_tool_calling, n.has_thinking) == (True, False)
+    m = toks["mistral"]
+    assert (T.call_format(m), m.tool_call_start, m.tool_call_end, m.has_thinking) == (
+        "mistral", "[TOOL_CALLS]", "", False)
+    assert (p.has_tool_calling, p.has_thinking) == (False, False)
+    assert len(j.tool_call_start_tokens) == 1 and len(j.tool_call_end_tokens) == 1
+    assert len(j) == len(p)  # the weights still fit: markers took ids inside the vocabulary
+    assert j.decode(j.encode(REPLY, add_special_tokens=False)) == REPLY
+
+
+# ---- request side ---------------------------------------------------------------------------------------------
+
+def test_render_matches_mlx_lm_server(toks):
+    """tools and tool-call history reach the template as mlx_lm.server passes them."""
+    import copy
+
+    from mlx_lm.server import process_message_content
+
+    tok = toks["json"]
+    chat = T.ChatTools.from_body({"messages": copy.deepcopy(HISTORY), "tools": TOOLS})
+    text = T.render(tok, chat)
+    ref_messages = copy.deepcopy(HISTORY)
+    process_message_content(ref_messages)
+    assert text == tok.apply_chat_template(ref_messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert json.dumps(WEATHER) in text
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}' in text  # a dict, not a string
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert HISTORY[2]["tool_calls"][0]["function"]["arguments"].startswith("{")  # the request is not changed
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.tool_call_start_tokens[0] in ids
+    assert T.initial_state(tok, ids) == "reasoning"  # the generation prompt opened <think>
+
+
+def test_chat_template_kwargs_and_defaults(toks):
+    tok = toks["json"]
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}],
+                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert T.render_kwargs(tok, chat, {"enable_thinking": True, "x": 1}) == \
+        {"enable_thinking": False, "x": 1, "tools": None}
+    text = T.render(tok, chat)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert T.initial_state(tok, tok.encode(text, add_special_tokens=False)) == "normal"
+    on = T.render(tok, T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]}))
+    assert on.endswith("<think>\n")  # mlx-lm's wrapper turns thinking on by default for a thinking vocabulary
+    assert T.initial_state(toks["plain"], toks["plain"].encode(on)) == "normal"
+
+
+def test_template_refusal_is_a_bad_request(toks):
+    bad = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather", "arguments": "[1]"}}]}]
+    chat = T.ChatTools.from_body({"messages": bad, "tools": TOOLS})
+    with pytest.raises(T.ToolsError, match="chat template refused") as e:
+        T.render(toks["xml"], chat)  # its template iterates the arguments' items
+    assert e.value.param == "messages" and "\n" not in str(e.value)
+    assert '"arguments": [1]' in T.render(toks["json"], chat)
+
+
+def test_tools_refused_without_tool_calling(toks):
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    with pytest.raises(T.ToolsError, match="cannot call tools") as e:
+        T.render_kwargs(toks["plain"], chat)
+    assert e.value.param == "tools"
+    # no tools: the plain model renders as before
+    plain = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})
+    assert T.render(toks["plain"], plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+    ({"tools": {"a": 1}}, "tools", "must be a list"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs", "chat_template"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages", "messages[0].tool_calls[0].function.arguments is not valid JSON"),
+    ({"messages": [{"role": "user", "tool_calls": []}]}, "messages", "only assistant"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text content parts"),
+    ({"messages": []}, "messages", "non-empty"),
+])
+def test_bad_fields_name_the_field(body, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(T.ToolsError) as e:
+        T.ChatTools.from_body(body)
+    assert isinstance(e.value, ValueError) and e.value.param == param
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tool_choice_modes():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert T.ChatTools.from_body({"messages": msgs}).choice == "none"
+    auto = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})
+    assert (auto.choice, auto.parse_calls) == ("auto", True)
+    none = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
+    assert (none.choice, none.parse_calls, none.tools) == ("none", False, TOOLS)
+    named = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS,
+                                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert (named.choice, named.function) == ("function", "get_time")
+    assert T.ChatTools.from_body({"messages": msgs, "tools": []}).tools is None
+    # the answer to a call gets the called function's name (templates that render it)
+    m = T.normalize_messages(HISTORY)
+    assert m[3]["name"] == "get_weather" and m[2]["content"] == "" and m[2]["tool_calls"][0]["id"] == "call_1"
+
+
+def test_banned_token_ids(toks):
+    tok = toks["json"]
+    msgs = [{"role": "user", "content": "hi"}]
+    none = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
+    assert T.banned_token_ids(tok, none) == [tok.tool_call_start_tokens[0]]
+    assert T.banned_token_ids(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})) == []
+    assert T.banned_token_ids(tok, T.ChatTools.from_body({"messages": msgs})) == []
+
+
+def test_call_constraint_schema(toks):
+    tok = toks["json"]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})) is None
+    req = T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
+    assert (req.start, req.end, req.min_calls, req.max_calls) == ("<tool_call>", "</tool_call>", 1, None)
+    assert req.think == ("<think>", "</think>")
+    named = T.call_constraint(tok, T.ChatTools.from_body({
+        "messages": msgs, "tools": TOOLS, "parallel_tool_calls": True,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+    assert named.max_calls == 1
+    ok = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+    jsonschema.validate(ok, named.schema)
+    jsonschema.validate(ok, req.schema)
+    jsonschema.validate({"name": "get_time", "arguments": {}}, req.schema)
+    for bad in ({"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"days": 2}},
+                {"name": "get_weather", "arguments": {"city": 3}}, {"name": "get_weather"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, named.schema)
+    with pytest.raises(jsonschema.ValidationError):  # no parameters: an empty parameter list
+        jsonschema.validate({"name": "get_time", "arguments": {"x": 1}}, req.schema)
+    # what the schema accepts, the model's own parser reads back as the same call
+    assert tok.tool_parser(json.dumps(ok), TOOLS) == ok
+    sequential = T.call_constraint(tok, T.ChatTools.from_body(
+        {"messages": msgs, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}))
+    assert sequential.max_calls == 1
+
+
+def test_call_grammar_in_llguidance(toks):
+    """The forced call's grammar, compiled by the grammar module's library over the model's tokens: what it
+    accepts, the splitter reads as the call that was asked for."""
+    import llguidance
+    import llguidance.hf
+
+    tok = toks["json"]
+    lltok = llguidance.hf.from_tokenizer(tok._tokenizer, n_vocab=len(tok), eos_token=sorted(tok.eos_token_ids))
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def grammar(initial, **fields):
+        c = T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, **fields}), initial)
+        g = llguidance.LLMatcher.grammar_from_lark(c.lark())
+        return lambda text: accepts(g, text)
+
+    def accepts(g, text):
+        m = llguidance.LLMatcher(lltok, g, log_level=0)
+        assert not m.is_error(), m.get_error()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    required = grammar("reasoning", tool_choice="required")
+    ok = "Rain?\n</think>\n\n" + weather + "\n" + clock
+    assert required(ok) and required("</think>" + clock)
+    s = T.OutputSplitter(tok, TOOLS, initial_state="reasoning")
+    assert summary(run(s, token_pieces(tok, ok))) == ("", "Rain?", CALLS[:1] + [("get_time", {})], "tool_calls")
+    for bad in (weather,  # the prompt opened the think block: it must be closed first
+                "Rain?</think>Sunny.", "Rain?</think>",  # no call
+                "</think>" + weather.replace("get_weather", "get_wether"),
+                "</think>" + weather.replace('"city"', '"town"'),
+                "</think>" + weather.replace('"name": ', '"name":'),  # the templates' JSON style
+                "</think>" + weather + "\nBye."):
+        assert not required(bad), bad
+    named = grammar("normal", tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named(weather) and named("<think>Rain?</think>" + weather)
+    assert not named(clock) and not named(weather + "\n" + weather)  # one call of that function
+    no_think = T.call_constraint(toks["nothink"], T.ChatTools.from_body(
+        {"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
+    assert no_think.lark().startswith("start: calls\n") and no_think.think is None
+
+
+def test_forced_call_refused_for_other_formats(toks):
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "tool_choice": "required"})
+    with pytest.raises(T.ToolsError, match="qwen3_coder") as e:
+        T.render_kwargs(toks["xml"], chat)
+    assert e.value.param == "tool_choice"
+    T.render_kwargs(toks["xml"], T.ChatTools.from_body({"messages": chat.messages, "tools": TOOLS}))
+
+
+# ---- response side --------------------------------------------------------------------------------------------
+
+def expected_reply():
+    return "Checking.", "The user wants weather.", CALLS, "tool_calls"
+
+
+def test_split_anywhere_gives_the_same_reply(toks):
+    tok = toks["json"]
+    want = expected_reply()
+    for cut in range(len(REPLY) + 1):
+        got = summary(run(T.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:]]))
+        assert got == want, cut
+    for cut in range(0, len(REPLY) + 1, 7):  # three pieces
+        for cut2 in range(cut, len(REPLY) + 1, 5):
+            got = summary(run(T.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:cut2], REPLY[cut2:]]))
+            assert got == want, (cut, cut2)
+    assert summary(run(T.OutputSplitter(tok, TOOLS), list(REPLY))) == want
+    assert summary(run(T.OutputSplitter(tok, TOOLS), token_pieces(tok, REPLY))) == want
+
+
+def test_random_replies_random_pieces(toks):
+    """Seeded random replies (reasoning, text with marker-like characters, calls) cut at random places: the
+    events add up to what the reply says, whitespace dropped only next to a marker."""
+    import random
+
+    tok = toks["json"]
+    rng = random.Random(31)
+    alphabet = "ab <>/\n{}\"."  # no letters of a marker: the text can look like a marker start, never be one
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+
+    for _ in range(150):
+        opened = rng.random() < 0.3  # the prompt opened the think block
+        parts, content, reasoning, calls = [], [], "", []
+        if opened or rng.random() < 0.5:
+            r = text()
+            parts.append(("" if opened else "<think>") + r + "</think>")
+            reasoning = r.strip()
+            after = True
+        else:
+            after = False
+        for k in range(rng.randint(0, 3)):
+            c = text()
+            content.append(c.lstrip() if after else c)
+            parts.append(c)
+            name, args = rng.choice(CALLS[:1] + [("get_time", {}), ("get_weather", {"city": text()})])
+            gap = rng.choice(["", "\n", " "])
+            parts.append(f"<tool_call>{gap}{json.dumps({'name': name, 'arguments': args})}{gap}</tool_call>")
+            content[-1] = content[-1].rstrip()
+            calls.append((name, args))
+            after = True
+        last = text()
+        content.append(last.lstrip() if after else last)
+        reply = "".join(parts) + last
+        want = ("".join(content), reasoning, calls, "tool_calls" if calls else "stop")
+        cuts = sorted(rng.randint(0, len(reply)) for _ in range(rng.randint(1, 5)))
+        pieces = [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]
+        initial = "reasoning" if opened else "normal"
+        assert summary(run(T.OutputSplitter(tok, TOOLS, initial_state=initial), pieces)) == want, (reply, cuts)
+        streamed = token_pieces(tok, reply)
+        if "".join(streamed) == reply:  # mlx-lm's BPE detokenizer drops a reply's leading space
+            got = summary(run(T.OutputSplitter(tok, TOOLS, initial_state=initial), streamed))
+            assert got == want, reply
+
+
+def test_stream_events(toks):
+    tok = toks["json"]
+    s = T.OutputSplitter(tok, TOOLS)
+    events = run(s, token_pieces(tok, REPLY))
+    kinds = [e.kind for e in events]
+    assert kinds[-3:] == ["tool_call", "tool_call", "finish"] and set(kinds) == {
+        "reasoning", "content", "tool_call", "finish"}
+    calls = [e.value for e in events if e.kind == "tool_call"]
+    assert [c["index"] for c in calls] == [0, 1]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert T.delta(events[-2]) == {"tool_calls": [calls[1]]}
+    assert T.delta(T.Event("reasoning", "x")) == {"reasoning_content": "x"}
+    assert T.delta(events[-1]) is None
+    msg = T.Reply().add(events).message()
+    assert msg["content"] == "Checking." and msg["reasoning_content"] == "The user wants weather."
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"]
+    assert "index" not in msg["tool_calls"][0]
+    assert s.feed("more") == [] and s.finish("stop") == []  # finished is finished
+
+
+def test_reasoning_opened_by_the_prompt(toks):
+    tok = toks["json"]
+    text = T.render(tok, T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]}))
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]})
+    out = "\nHmm, a greeting.\n</think>\n\nHello  there!"
+    for cut in range(len(out) + 1):
+        s = chat.splitter(tok, tok.encode(text, add_special_tokens=False))
+        assert summary(run(s, [out[:cut], out[cut:]])) == ("Hello  there!", "Hmm, a greeting.", [], "stop")
+    # cut by max_tokens while thinking: all of it is reasoning, the reason stays
+    s = T.OutputSplitter(tok, None, initial_state="reasoning")
+    assert summary(run(s, ["\nStill thinking </th"], "length")) == ("", "Still thinking </th", [], "length")
+
+
+def test_plain_text_passes_through(toks):
+    """Output without markers is the detokenized text, byte for byte, whatever the tokenizer."""
+    for name in ("json", "plain"):
+        tok = toks[name]
+        text = "  Leading and trailing space <b>bold</b> and a lone < at the end <"
+        for cut in range(0, len(text) + 1, 3):
+            s = T.OutputSplitter(tok, None)
+            assert summary(run(s, [text[:cut], text[cut:]])) == (text, "", [], "stop")
+
+
+def test_no_tools_or_tool_choice_none_keep_markup_as_text(toks):
+    tok = toks["json"]
+    call = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
+    assert summary(run(T.OutputSplitter(tok, None), [call])) == (call, "", [], "stop")
+    none = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "tool_choice": "none"})
+    s = none.splitter(tok, [])
+    assert summary(run(s, ["<think>ok</think>", call])) == (call, "ok", [], "stop")
+
+
+def test_truncated_and_malformed_calls_come_back_as_content(toks):
+    tok = toks["json"]
+    cut = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"argu"
+    s = T.OutputSplitter(tok, TOOLS, initial_state="normal")
+    assert summary(run(s, token_pieces(tok, cut), "length")) == (
+        "Let me look.<tool_call>\n{\"name\": \"get_weather\", \"argu", "", [], "length")
+    assert s.malformed == ["\n{\"name\": \"get_weather\", \"argu"]
+    # a good call then a cut one: the good one stands, the reason is still length
+    good = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
+    s = T.OutputSplitter(tok, TOOLS)
+    content, _, calls, reason = summary(run(s, [good, "\n<tool_call>\n{\"name"], "length"))
+    assert (calls, reason, content) == ([("get_time", {})], "length", "<tool_call>\n{\"name")
+    # closed but not JSON, or not a call: text, the reason stays stop
+    for body in ("{oops}", "[1, 2]", "{\"name\": \"f\", \"arguments\": [1]}", "{\"arguments\": {}}"):
+        bad = f"<tool_call>{body}</tool_call>"
+        s = T.OutputSplitter(tok, TOOLS)
+        assert summary(run(s, [bad])) == (bad, "", [], "stop")
+    # a call with no end marker before EOS still parses (mlx_lm.server does the same)
+    s = T.OutputSplitter(tok, TOOLS)
+    assert summary(run(s, ["<tool_call>{\"name\": \"get_time\", \"arguments\": {}}"]))[2:] == (
+        [("get_time", {})], "tool_calls")
+
+
+def test_arguments_given_as_json_text_are_not_encoded_twice(toks):
+    tok = toks["json"]
+    s = T.OutputSplitter(tok, TOOLS)
+    events = run(s, ["<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Oslo\\\"}\"}"
+                     "</tool_call>"])
+    assert summary(events)[2] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_parallel_tool_calls_false_stops_after_one(toks):
+    tok = toks["json"]
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "parallel_tool_calls": False})
+    s = chat.splitter(tok, [])
+    events = s.feed(REPLY)
+    assert s.should_stop and [e.value["function"]["name"] for e in events if e.kind == "tool_call"] == ["get_weather"]
+    assert s.feed("<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>") == []
+    # one block holding several calls (a JSON list; mistral's format writes them so): the first only
+    clock = {"name": "get_time", "arguments": {}}
+    two = f"<tool_call>{json.dumps([clock, clock])}</tool_call>"
+    one = chat.splitter(tok, [])
+    assert [e.value["index"] for e in one.feed(two) if e.kind == "tool_call"] == [0] and one.should_stop
+    both = T.OutputSplitter(tok, TOOLS)
+    assert [e.value["index"] for e in both.feed(two) if e.kind == "tool_call"] == [0, 1] and not both.should_stop
+    # the rank ends generation on should_stop: whatever reason it reports, the reply is a tool call
+    assert s.finish("cancelled")[-1] == T.Event("finish", "tool_calls")
+
+
+def test_another_call_format_through_the_same_splitter(toks):
+    """qwen3_coder's XML-like calls: the splitter knows no format; the tokenizer's parser types the values."""
+    tok = toks["xml"]
+    out = ("<think>x</think>Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+           "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    want = ("Sure.", "x", [("get_weather", {"city": "Paris", "days": 3})], "tool_calls")
+    for cut in range(len(out) + 1):
+        assert summary(run(T.OutputSplitter(tok, TOOLS), [out[:cut], out[cut:]])) == want, cut
+    assert summary(run(T.OutputSplitter(tok, TOOLS), token_pieces(tok, out))) == want
+
+
+def test_a_format_without_end_marker(toks):
+    """mistral: after [TOOL_CALLS] the rest of the reply is calls, parsed when it ends."""
+    tok = toks["mistral"]
+    history = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}' in history
+    out = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    want = ("Sure.", "", [("get_weather", {"city": "Paris"}), ("get_time", {})], "tool_calls")
+    for cut in range(len(out) + 1):
+        s = T.OutputSplitter(tok, TOOLS)
+        head = s.feed(out[:cut]) + s.feed(out[cut:])
+        assert all(e.kind == "content" for e in head)  # no call before the reply ends
+        assert summary(head + s.finish("stop")) == want, cut
+    cut = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci'
+    s = T.OutputSplitter(tok, TOOLS)
+    assert summary(run(s, token_pieces(tok, cut), "length")) == (cut, "", [], "length")
+    # the forced call is not this module's to shape for this format
+    with pytest.raises(T.ToolsError, match="mistral"):
+        T.call_constraint(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS,
+                                                      "tool_choice": "required"}))
+
+
+def test_stop_strings_upstream(toks):
+    """The rank's StopMatcher sees the text first; what it lets through is split, its stop ends the reply."""
+    tok = toks["json"]
+
+    def through(text, stops):
+        m, s, events = StopMatcher(stops), T.OutputSplitter(tok, TOOLS), []
+        for piece in token_pieces(tok, text):
+            kept, hit = m.feed(piece)
+            events += s.feed(kept)
+            if hit:
+                return summary(events + s.finish("stop"))
+        return summary(events + s.feed(m.flush()) + s.finish("stop"))
+
+    assert through(REPLY, ["Checking"]) == ("", "The user wants weather.", [], "stop")
+    assert through(REPLY, ["user wants"]) == ("", "The ", [], "stop")  # no marker after: kept
+    # a stop string inside the second call: the first stands, the cut one is text
+    content, _, calls, reason = through(REPLY, ["get_time"])
+    assert (calls, reason) == ([("get_weather", {"city": "Paris"})], "tool_calls")
+    assert content == "Checking.<tool_call>\n{\"name\": \""
+
+
+def test_tool_model_folder_serves(tmp_path):
+    """The whole folder loads in mlx-lm and generates from a prompt with tools (what ranks will serve)."""
+    from mlx_lm import load, stream_generate
+
+    folder = toolmodels.tool_model(tmp_path / "m")
+    model, tok = load(str(folder))
+    assert tok.has_tool_calling and tok.has_thinking
+    prompt = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
+    ids = tok.encode(prompt, add_special_tokens=False)
+    s = T.OutputSplitter(tok, TOOLS, initial_state=T.initial_state(tok, ids))
+    assert model.model.embed_tokens.weight.shape[0] == len(tok) and tok.think_start_id in ids
+    events, text = [], ""
+    for r in stream_generate(model, tok, ids, max_tokens=8):
+        events += s.feed(r.text)
+        text += r.text
+    reply = T.Reply().add(events + s.finish("length"))
+    assert reply.finish_reason == "length" and text.strip()
+    if not any(m in text for m in ("</think>", "<tool_call>")):  # random weights: the prompt's think block
+        assert (reply.reasoning_content, reply.content) == (text.lstrip(), "")
