@@ -19,7 +19,7 @@ from pathlib import Path
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.plannedmodel import plan_command
+from clusterctl.launch.plannedmodel import plan_and_record
 from clusterctl.launch.start import launch
 from clusterctl.launch.status import status
 from clusterctl.render import deployment_table, status_table
@@ -150,7 +150,7 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, m
     cluster = workdir / "cluster.toml"
     cluster.write_text(DEMO_CLUSTER.format(run=workdir / "run"))
     out.info("2/7 planning: 2 local nodes, proportional allocation")
-    dep, _ = plan_command(cluster, Path(model), out=workdir / "deployment.json", state=state,
+    dep, _ = plan_and_record(cluster, Path(model), out=workdir / "deployment.json", state=state,
                           allocation="proportional", backend="auto", parallel="pipeline", context=2048, batch=1,
                           headroom_gb=0.5)
     res.deployment_id = dep.deployment_id

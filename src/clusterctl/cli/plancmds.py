@@ -56,7 +56,7 @@ def plan(
 ) -> None:
     """Split the model's layers across the nodes, check the fit, and write a signed deployment file."""
     o = output(ctx, json, quiet)
-    from clusterctl.launch.plannedmodel import plan_command
+    from clusterctl.launch.plannedmodel import plan_and_record
 
     probe_remote = None
     if probe:
@@ -65,7 +65,7 @@ def plan(
         def probe_remote(nodes):
             return probe_memory(nodes, ssh_options(known_hosts, accept_new_host_keys))
 
-    dep, written = plan_command(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
+    dep, written = plan_and_record(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
                                 prompt_cache_gb=prompt_cache_gb,

@@ -12,7 +12,7 @@ import json
 import time
 
 from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
-from clusterctl.launch.manifest import ManifestStore, job_ref
+from clusterctl.launch.manifest import job_ref, manifest_store
 from clusterctl.launch.nodes import SshOptions, close_all, handles
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile,
                                             ack_path, cancel_path, new_cancel_nonce as new_nonce)
@@ -34,7 +34,7 @@ def resolve_jobs(state, target: str) -> list:
     """Launch manifests of a job id, a deployment id, or the deployment FILE that `launch` was given."""
 
     ref = job_ref(state, target)
-    store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
+    store = manifest_store(state)
     good, _ = store.all() if state.launches.is_dir() else ([], [])
     jobs = [m for _, m in good if ref in (m.job_id, m.deployment_id)]
     if not jobs:
@@ -44,7 +44,8 @@ def resolve_jobs(state, target: str) -> list:
 
 async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: float) -> dict:
     """Write the job's cancel file on each of its nodes, then (``wait``) read every rank's ack until each has
-    applied THIS cancel. Reads and writes go straight through the transport (no node operation to start).
+    applied THIS cancel. Reads and writes go through each node's handle: the transport on this machine, the
+    node's op session (read, write) on a remote one.
 
     The new epoch is above every epoch readable in the cancel files and in the ranks' acks: a file this command
     cannot read (rank 0 could not either) must not make it reuse an epoch rank 0 already consumed. And an ack

@@ -18,7 +18,7 @@ from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl import history
 from clusterctl.atomic import strict_loads
 from clusterctl.launch.frontstate import cluster_of_deployment
-from clusterctl.launch.manifest import ManifestStore, coordinator_alive
+from clusterctl.launch.manifest import coordinator_alive, manifest_store
 from clusterctl.launch.nodes import close_all, handles
 from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind
 from clusterctl.shared.rankspec import parse_rank_spec
@@ -135,7 +135,7 @@ class Follower:
             return [m for _, m in self._files.values() if m is not None]
         # a folder changed within the clock's tick (a few ms) may change again under the same mtime: look again
         self._stamp = stamp if stamp is not None and time.time_ns() - stamp > 100_000_000 else None
-        store = ManifestStore(self.state.launches, None, self.state.keyring.public_keys())
+        store = manifest_store(self.state)
         seen = {}
         try:
             entries = list(os.scandir(self.state.launches))

@@ -27,7 +27,7 @@ from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
 from clusterctl.launch.apikey import check_bind_host
-from clusterctl.launch.manifest import Coordinator, ManifestStore, coordinator_alive
+from clusterctl.launch.manifest import Coordinator, coordinator_alive, manifest_store
 from clusterctl.shared.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
 
@@ -297,7 +297,7 @@ def clusters_with_jobs(state) -> set[str]:
 
     if not state.launches.is_dir():
         return set()
-    good, _ = ManifestStore(state.launches, None, state.keyring.public_keys()).all()
+    good, _ = manifest_store(state).all()
     return {c for _, m in good if (c := cluster_of_deployment(state, m.deployment_id, m.deployment_file))}
 
 

@@ -151,6 +151,13 @@ class ManifestStore:
         return move_aside(path, "malformed")
 
 
+def manifest_store(state, key: SigningKey | None = None) -> ManifestStore:
+    """The state dir's launch manifests, checked against the keyring's public keys (``key``: the one that signs
+    new ones, for ``launch``). With no launch ever recorded there is nothing to check, so no key is read."""
+    trusted = state.keyring.public_keys() if key is not None or state.launches.is_dir() else []
+    return ManifestStore(state.launches, key, trusted)
+
+
 def job_ref(state, target: str) -> str:
     """What an operator names a running deployment by: a job id, a deployment id, or the deployment FILE that
     `launch` was given (its signature checked; its deployment id returned)."""

@@ -57,7 +57,7 @@ def record_manifest(state, dep, folder: str | Path):
     return dep
 
 
-def plan_command(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None, **options):
+def plan_and_record(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None, **options):
     """``clusterctl plan``: plan (plan/commands.py), record the model's manifest, sign and write the
     deployment. Returns (deployment, the files written)."""
 

@@ -18,7 +18,7 @@ from clusterctl.launch.nodes import SshOptions, close_all, handles
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
 
-async def job_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
+async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
     """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
     a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
     handles to reuse (left open); without, opened and closed here."""
@@ -73,7 +73,7 @@ def clean_marker(mk: dict) -> dict:
 
 
 def judge(m, markers: dict[int, dict], *, stale_after: float = STALE_AFTER) -> dict:
-    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``job_markers`` returns)."""
+    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``read_rank_markers`` returns)."""
     ranks = []
     for r in m.ranks:
         info = markers.get(r.rank)
@@ -110,7 +110,7 @@ def describe(q: dict) -> str:
 
 async def quiescence(m, ssh: SshOptions, hs=None) -> dict:
     """``hs``: node handles to reuse (their sessions stay open); without, opened and closed here."""
-    return judge(m, await job_markers(m, ssh, hs))
+    return judge(m, await read_rank_markers(m, ssh, hs))
 
 
 async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> dict:

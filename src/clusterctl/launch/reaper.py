@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.launch.manifest import ManifestStore, coordinator_alive
+from clusterctl.launch.manifest import coordinator_alive, manifest_store
 from clusterctl.launch.nodes import NodePool, SshOptions, close_all, handles
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
@@ -91,8 +91,7 @@ async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grac
                        held: frozenset[str]) -> None:
     import asyncio
 
-    trusted = state.keyring.public_keys()
-    store = ManifestStore(state.launches, None, trusted)
+    store = manifest_store(state)
     good, bad = store.all()
     for path, why in bad:
         report.malformed.append({"manifest": str(path), "error": why})

@@ -21,7 +21,7 @@ from clusterctl import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import ManifestStore, now_iso
+from clusterctl.launch.manifest import manifest_store, now_iso
 from clusterctl.launch.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem
@@ -57,7 +57,7 @@ class Proposal:
 def _manifests(state):
     if not state.launches.is_dir():
         return []
-    good, _ = ManifestStore(state.launches, None, state.keyring.public_keys()).all()
+    good, _ = manifest_store(state).all()
     return [m for _, m in good]
 
 
@@ -308,7 +308,7 @@ async def live_jobs_of(state, p: Proposal, ssh) -> list:
 
     if not p.jobs:
         return []
-    return await live_jobs(ManifestStore(state.launches, None, state.keyring.public_keys()), ssh,
+    return await live_jobs(manifest_store(state), ssh,
                            p.old.deployment_id)
 
 

@@ -27,7 +27,7 @@ from clusterctl.shared.contract import deployment_proof, encode_contract
 from clusterctl.launch.foreground import Running, lease_loop, renew_leases
 from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
     plan_job, port_requests
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, now_iso, this_coordinator
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore, manifest_store, now_iso, this_coordinator
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
 from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
@@ -66,7 +66,7 @@ async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: No
             await asyncio.to_thread(check_inputs_unchanged, dep)
             manifest = await asyncio.to_thread(planned_manifest, state, dep)
         key = state.keyring.signing_key()
-        store = ManifestStore(state.launches, key, state.keyring.public_keys())
+        store = manifest_store(state, key)
         lock = Lock(deployment_lock_path(state, dep.deployment_id)).acquire(what=f"deployment {dep.deployment_id}")
     except BaseException:
         warming.cancel()

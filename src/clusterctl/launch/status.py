@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.manifest import ManifestStore, coordinator_alive, job_ref
+from clusterctl.launch.manifest import coordinator_alive, job_ref, manifest_store
 from clusterctl.launch.nodes import SshOptions, close_all, handles
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, job_markers, judge
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
 from clusterctl.atomic import read_capped
 from clusterctl.launch.healstate import read_all
 from clusterctl.shared.deployment import decode
@@ -63,7 +63,7 @@ async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
     """A job's markers and its ranks' processes, over one session per node (``pool``'s, kept open after)."""
     hs = pool.handles(m.nodes) if pool is not None else handles(m.nodes, ssh)
     try:
-        return await asyncio.gather(job_markers(m, ssh, hs=hs), _processes(m, hs))
+        return await asyncio.gather(read_rank_markers(m, ssh, hs=hs), _processes(m, hs))
     finally:
         if pool is None:
             await close_all(hs)
@@ -91,7 +91,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                  pool=None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
     concurrently. ``pool`` (nodes.NodePool): node sessions kept between calls (``status --watch``)."""
-    store = ManifestStore(state.launches, None, state.keyring.public_keys() if state.launches.is_dir() else [])
+    store = manifest_store(state)
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is not None:
         ref = job_ref(state, ref)

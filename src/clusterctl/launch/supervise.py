@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch import healstate
 from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
-from clusterctl.launch.manifest import ManifestStore, now_iso, this_coordinator
+from clusterctl.launch.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.launch.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
 from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
@@ -393,7 +393,7 @@ class Supervisor:
     async def take_over(self) -> None:
         """``supervise``: the deployment's running job, or a new detached launch when none runs."""
 
-        store = ManifestStore(self.state.launches, None, self.state.keyring.public_keys())
+        store = manifest_store(self.state)
         jobs = await live_jobs(store, self.opts.ssh, self.current) if self.state.launches.is_dir() else []
         for m in jobs:
             if not m.coordinator.detached:

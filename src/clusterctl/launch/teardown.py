@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref
+from clusterctl.launch.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref, manifest_store
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
@@ -181,8 +181,7 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     teardown: stopping broken deployments is what teardown is for."""
 
     malformed = malformed if malformed is not None else []
-    trusted = state.keyring.public_keys()
-    store = ManifestStore(state.launches, None, trusted)
+    store = manifest_store(state)
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is not None:
         ref = job_ref(state, ref)

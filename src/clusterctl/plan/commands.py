@@ -48,7 +48,7 @@ def fill_memory(cluster, probe_remote=None):
 
 def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, **options) -> Deployment:
     """Read the inventory and the model, plan: the deployment, not yet signed or written (launch/plannedmodel.py's
-    ``plan_command`` records the model's manifest in it and writes it)."""
+    ``plan_and_record`` records the model's manifest in it and writes it)."""
     opts = plan_options(**options)
     cluster = fill_memory(load_cluster(cluster_file), probe_remote)
     facts = inspect_model(model)

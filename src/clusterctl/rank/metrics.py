@@ -20,7 +20,7 @@ LADDER_STAGES = ("suspect", "abort", "recovered", "lost")
 # first tokens: tens of ms on a small model, seconds for a long prompt or a queue; per output token: ms to 1 s
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-RECENT_S = 10.0  # the time constant of rank 0's own step time and idle share
+RECENT_S = 10.0  # the time constant of a rank's recent step time and idle share (steploop.py reports them)
 
 
 def metrics_open(environ=None) -> bool:
@@ -76,12 +76,11 @@ class Recent:
 
 
 class _RankStats:
-    """Per rank: step time, idle share, RSS (labelled ``rank``). Rank 0's own come from this process (RSS) and
-    from what its step loop reports (``Metrics.steps``/``Metrics.idle``); the other ranks' from
-    ``Metrics.set_rank_stats``."""
+    """Per rank: step time, idle share, RSS (labelled ``rank``), as every rank's meetings report them
+    (``Metrics.set_rank_stats``, rank 0's own included); rank 0's RSS read from this process when not reported."""
 
-    def __init__(self, rank: int, recent: Recent):
-        self.rank, self.recent = rank, recent
+    def __init__(self, rank: int):
+        self.rank = rank
         self.others: dict[int, tuple[float | None, float | None, int | None]] = {}
         self._lock = threading.Lock()
         self._proc = None
@@ -111,10 +110,8 @@ class _RankStats:
         step, idle, rss = self._families()
         with self._lock:
             stats = dict(self.others)
-        own_step, own_idle = self.recent.read()
         s0, i0, r0 = stats.get(self.rank, (None, None, None))
-        stats[self.rank] = (own_step if s0 is None else s0, own_idle if i0 is None else i0,
-                            self._rss() if r0 is None else r0)
+        stats[self.rank] = (s0, i0, self._rss() if r0 is None else r0)
         for r, (s, i, m) in sorted(stats.items()):
             for family, value in ((step, s), (idle, i), (rss, m)):
                 if value is not None:
@@ -128,7 +125,7 @@ class Metrics:
 
     def __init__(self, *, rank: int = 0, max_batch: int = 1, max_queue: int = 0,
                  queue_depth: Callable[[], int] | None = None, occupancy: Callable[[], int] | None = None,
-                 serving: Callable[[], bool] | None = None, clock: Callable[[], float] = time.monotonic):
+                 serving: Callable[[], bool] | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._requests = Counter("clusterctl_requests", "API requests by how they ended (every route but /health "
                                  "and /metrics)", ["outcome"], registry=r)
@@ -161,8 +158,7 @@ class Metrics:
             g = Gauge(name, doc, registry=r)
             if fn is not None:
                 g.set_function(lambda fn=fn: float(fn()))
-        self._recent = Recent(clock=clock)
-        self._ranks = _RankStats(rank, self._recent)
+        self._ranks = _RankStats(rank)
         r.register(self._ranks)
 
     # -- requests (the API's HTTP threads)
@@ -203,14 +199,6 @@ class Metrics:
         self._ladder.labels(stage, str(peer)).inc()
 
     # -- per rank
-    def steps(self, n: int, seconds: float) -> None:
-        """Rank 0's step loop ran ``n`` batched steps in ``seconds`` (wall time, the run's drain included)."""
-        self._recent.add(steps=n, busy=seconds)
-
-    def idle(self, seconds: float) -> None:
-        """Rank 0's step loop spent ``seconds`` with no batch to run (its idle wait, or waiting on the queue)."""
-        self._recent.add(idle=seconds)
-
     def set_rank_stats(self, rank: int, step_s: float | None, idle_share: float | None,
                        rss_bytes: int | None) -> None:
         """Another rank's numbers (as its meetings report them); None leaves a number unreported."""

@@ -67,13 +67,19 @@ def _to_mx(arr, storage: str):
     return a
 
 
+def refuse_tied_head(model) -> None:
+    """A tied lm_head multiplies by the whole table on every token: it cannot be served from SSD. A model that
+    does not say (no ``args.tie_word_embeddings``) counts as tied, the safe side."""
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", True):
+        raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
+
+
 def install(model, model_path: str | Path, config: dict) -> SsdEmbedding:
     """Replace ``model.model.embed_tokens`` (still lazy, never evaluated) with an SSD-backed one."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "embed_tokens"):
         raise ConfigError("this model has no model.embed_tokens to offload")
-    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
-        raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
+    refuse_tied_head(model)
     emb = SsdEmbedding(model_path, quantization=config.get("quantization"))
     # nn.Module is a dict of its children: drop the lazy embedding from it, then keep ours as a plain attribute,
     # so the module tree (and mx.eval of its parameters) never sees the table.

@@ -23,7 +23,7 @@ from typing import Optional
 from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, RankSpec
 from clusterctl.atomic import strict_loads
-from clusterctl.rank.offload import install
+from clusterctl.rank.offload import install, refuse_tied_head
 from clusterctl.shared.archs import KV_CACHES, cache_kinds, kept_tensors, text_model
 from clusterctl.shared.modelfiles import read_safetensors_header, weight_files
 
@@ -138,8 +138,7 @@ def load_shard(spec: RankSpec):
             raise ConfigError(f"model type {config.get('model_type')!r} cannot be split over ranks "
                               f"(caches: {', '.join(sorted(set(cache_kinds(model))))})")
     if spec.embedding_offload:
-        if getattr(getattr(model, "args", None), "tie_word_embeddings", True):
-            raise ConfigError("embedding_offload needs an untied lm_head (this model ties it to the embedding)")
+        refuse_tied_head(model)
         if spec.rank == spec.world_size - 1:  # the rank that embeds tokens reads rows from SSD
             install(model, path, config)
         else:  # the others only receive activations: they need the embedding's output shape, not its rows

@@ -124,6 +124,3 @@ class PromptCache:
     def _forget(self, eid: int) -> None:
         e = self.entries.pop(eid)
         self.held -= e.count
-
-    def nbytes(self) -> int:
-        return sum(c.nbytes for e in self.entries.values() for c in e.cache)
