@@ -133,11 +133,11 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, mode: int = 0o600) -
     atomic_write_bytes(path, dumps(obj), mode=mode)
 
 
-def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file",
-                follow_symlinks: bool = False) -> bytes:
-    """Read a regular file (never a FIFO, device or folder), refusing anything larger than ``limit``. A symlink
-    is refused unless ``follow_symlinks`` (model folders: caches link their files to blobs)."""
-    path = Path(path)
+def open_regular(path: str | os.PathLike, *, what: str = "file",
+                 follow_symlinks: bool = False) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading: (descriptor, its stat). Never blocks on a FIFO and never returns one, a
+    device or a folder (IntegrityError); a symlink is refused unless ``follow_symlinks``; a missing file is
+    MissingInput. The caller closes the descriptor."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -149,8 +149,21 @@ def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: 
         raise IntegrityError(f"cannot open {what} {path}: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(f"{what} {path} is not a regular file")
+    except OSError as e:
+        os.close(fd)
+        raise IntegrityError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{what} {path} is not a regular file")
+    return fd, st
+
+
+def read_capped(path: str | os.PathLike, *, limit: int = MAX_STATE_BYTES, what: str = "file",
+                follow_symlinks: bool = False) -> bytes:
+    """Read a regular file (never a FIFO, device or folder), refusing anything larger than ``limit``. A symlink
+    is refused unless ``follow_symlinks`` (model folders: caches link their files to blobs)."""
+    fd, st = open_regular(path, what=what, follow_symlinks=follow_symlinks)
+    try:
         if st.st_size > limit:
             raise IntegrityError(f"{what} {path} is too large ({st.st_size} bytes, limit {limit})")
         chunks = []

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterctl.errors import IntegrityError, MissingInput
+from clusterctl.atomic import open_regular
+from clusterctl.errors import IntegrityError
 
 MAGIC = b"GGUF"
 MAX_COUNT = 1 << 20  # tensors or metadata keys: real models have a few thousand
@@ -144,16 +144,8 @@ def _value(c: _Cursor, vtype: int, key: str):
 def read_header(path: str | os.PathLike) -> Header:
     """The metadata and tensor table of a GGUF file, checked against its size (IntegrityError otherwise)."""
     path = Path(path)
+    fd, st = open_regular(path, what="GGUF file", follow_symlinks=True)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingInput(f"GGUF file not found: {path}") from None
-    except OSError as e:
-        raise MissingInput(f"cannot open {path}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(f"{path} is not a regular file")
         if st.st_size < 24:
             raise IntegrityError(f"{path} is not a GGUF file ({st.st_size} bytes)")
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import threading
 
 import numpy as np
 
+from clusterctl.atomic import open_regular
+from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.ple.errors import CorruptTensorFile, TensorFileChanged, TensorNotFound, TruncatedTensorFile
 from clusterctl.ple.residency import PAGE, PAGE_SHIFT, mincore
 from clusterctl.ple.safetensors import TensorEntry, parse_header
@@ -22,16 +23,13 @@ from clusterctl.ple.safetensors import TensorEntry, parse_header
 class ShardFile:
     def __init__(self, path: str):
         self.path = path
+        try:  # follows a symlink on purpose: model caches link their files to blobs
+            fd, st = open_regular(path, what="shard file", follow_symlinks=True)
+        except MissingInput as e:
+            raise TensorNotFound(str(e)) from None
+        except IntegrityError as e:
+            raise CorruptTensorFile(str(e)) from None
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise TensorNotFound(f"shard file not found: {path}") from None
-        except OSError as e:
-            raise CorruptTensorFile(f"cannot open {path}: {e.strerror or e}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptTensorFile(f"{path} is not a regular file")
             self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
             self.entries, self.metadata = parse_header(fd, path, self.size)
             if hasattr(os, "posix_fadvise"):

@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterctl.atomic import atomic_write_bytes, fsync_dir, private_dirs, stage_bytes
-from clusterctl.errors import CannotWrite, ConfigError, IntegrityError
+from clusterctl.atomic import atomic_write_bytes, fsync_dir, open_regular, private_dirs, stage_bytes
+from clusterctl.errors import CannotWrite, ConfigError, IntegrityError, MissingInput
 
 DOMAIN = b"clusterctl-signed/1\0"
 _TAIL = re.compile(
@@ -200,11 +200,9 @@ class Keyring:
                               f"(mode {st.st_mode & 0o777:04o}); refusing to use it",
                               hint=f"chmod 600 {self.private_path} if it never left this account")
         try:
-            fd = os.open(self.private_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise IntegrityError(f"cannot read {self.private_path}: {e.strerror or e}") from None
+            fd, _ = open_regular(self.private_path, what="signing key")
+        except MissingInput:
+            raise FileNotFoundError(self.private_path) from None  # removed since the lstat: no key yet
         with os.fdopen(fd, "rb") as f:
             return f.read(64 * 1024)
 
