@@ -188,21 +188,21 @@ DEFAULT_COMPUTE_NICE = 10  # how far the compute threads yield to the control pl
 ENV_COMPUTE_NICE = "CLUSTERCTL_RANK_COMPUTE_NICE"
 
 
+def _bounded_from_env(environ, name: str, kind, lo, hi, default):
+    """``kind(environ[name])`` when set, parseable and within [lo, hi]; else ``default``."""
+    raw = (os.environ if environ is None else environ).get(name)
+    try:
+        v = kind(raw) if raw is not None else default
+    except ValueError:
+        return default
+    return v if lo <= v <= hi else default
+
+
 def abort_grace_from_env(environ=None) -> float:
     """``CLUSTERCTL_PEER_ABORT_GRACE`` (0 to 3600 s), else the default."""
-    raw = (os.environ if environ is None else environ).get(ENV_ABORT_GRACE)
-    try:
-        v = float(raw) if raw is not None else DEFAULT_ABORT_GRACE
-    except ValueError:
-        return DEFAULT_ABORT_GRACE
-    return v if 0 <= v <= 3600 else DEFAULT_ABORT_GRACE
+    return _bounded_from_env(environ, ENV_ABORT_GRACE, float, 0, 3600, DEFAULT_ABORT_GRACE)
 
 
 def compute_nice_from_env(environ=None) -> int:
     """``CLUSTERCTL_RANK_COMPUTE_NICE`` (0 to 19; 0 turns it off), else the default."""
-    raw = (os.environ if environ is None else environ).get(ENV_COMPUTE_NICE)
-    try:
-        v = int(raw) if raw is not None else DEFAULT_COMPUTE_NICE
-    except ValueError:
-        return DEFAULT_COMPUTE_NICE
-    return v if 0 <= v <= 19 else DEFAULT_COMPUTE_NICE
+    return _bounded_from_env(environ, ENV_COMPUTE_NICE, int, 0, 19, DEFAULT_COMPUTE_NICE)
