@@ -54,6 +54,13 @@ async def job_is_live(m, ssh: SshOptions, pool=None) -> bool:
     return True
 
 
+async def live_jobs(store, ssh: SshOptions, deployment_id: str | None = None) -> list:
+    """The launch manifests in ``store`` (of ``deployment_id``, when given) whose job is live."""
+    good, _ = store.all()
+    return [m for _, m in good
+            if (deployment_id is None or m.deployment_id == deployment_id) and await job_is_live(m, ssh)]
+
+
 @dataclass
 class ReapReport:
     reaped: list[dict] = field(default_factory=list)

@@ -26,7 +26,8 @@ from clusterctl.launch.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem
 from clusterctl.launch.quiescence import refuse_activity
-from clusterctl.launch.start import launch, live_jobs
+from clusterctl.launch.reaper import live_jobs
+from clusterctl.launch.start import launch
 from clusterctl.launch.teardown import teardown_command
 from clusterctl.locks import Lock
 from clusterctl.plan.commands import fill_memory

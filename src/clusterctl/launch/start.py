@@ -35,19 +35,13 @@ from clusterctl.locks import Lock, deployment_lock_path
 from clusterctl.shared.deployment import Deployment
 from clusterctl.launch import fdlimit
 from clusterctl.launch.plannedmodel import planned_manifest
-from clusterctl.launch.reaper import job_is_live, reap
+from clusterctl.launch.reaper import live_jobs, reap
 from clusterctl.launch.teardown import reports_dir
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
 
 PORT_ATTEMPTS = 5
 POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
 YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
-
-
-async def live_jobs(store: ManifestStore, ssh: SshOptions, deployment_id: str | None = None) -> list[LaunchManifest]:
-    good, _ = store.all()
-    return [m for _, m in good
-            if (deployment_id is None or m.deployment_id == deployment_id) and await job_is_live(m, ssh)]
 
 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:

@@ -31,7 +31,8 @@ from clusterctl.launch.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.launch.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
 from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
-from clusterctl.launch.start import launch, live_jobs
+from clusterctl.launch.reaper import live_jobs
+from clusterctl.launch.start import launch
 from clusterctl.launch.status import rank_state
 from clusterctl.launch.teardown import teardown_command
 
