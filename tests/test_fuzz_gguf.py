@@ -68,10 +68,12 @@ def importer_keys() -> list[str]:
     import clusterctl.gguf
     import clusterctl.ggufcheck
     import clusterctl.ggufimport
+    import clusterctl.ggufplan
     import clusterctl.gguftokenizer
 
     keys = set()
-    for mod in (clusterctl.gguf, clusterctl.ggufcheck, clusterctl.ggufimport, clusterctl.gguftokenizer):
+    for mod in (clusterctl.gguf, clusterctl.ggufcheck, clusterctl.ggufimport, clusterctl.ggufplan,
+                clusterctl.gguftokenizer):
         for node in ast.walk(ast.parse(inspect.getsource(mod))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
                     re.fullmatch(r"(llama|tokenizer|general)(\.[a-z0-9_]+)+", node.value) and \

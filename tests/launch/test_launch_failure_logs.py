@@ -153,7 +153,7 @@ def _run_of(tmp_path: Path, python: str, log_path: str):
     """A failed launch as keep_logs sees it: one detached rank 0 on node a (a real LocalTransport running
     ``python``), and rank 1 that never started."""
     from clusterctl.launch.nodes import NodeHandle
-    from clusterctl.launch.transport import LocalTransport
+    from clusterctl.launch.localnode import LocalTransport
     from clusterctl.plan.inventory import Node
 
     recs = [SimpleNamespace(rank=0, node="a", pid=4242, log_path=log_path),

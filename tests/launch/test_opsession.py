@@ -15,7 +15,8 @@ import pytest
 from clusterctl.errors import CannotWrite, MissingInput, RemoteCommandFailed
 from clusterctl.launch.nodes import NodeHandle
 from clusterctl.launch.nodes import make_transport
-from clusterctl.launch.transport import CommandTimedOut, LocalTransport
+from clusterctl.launch.localnode import LocalTransport
+from clusterctl.launch.transport import CommandTimedOut
 from clusterctl.plan.inventory import Node
 
 PY = sys.executable

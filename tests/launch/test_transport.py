@@ -22,7 +22,8 @@ from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit,
 from clusterctl.node import keeper
 from clusterctl.launch.ssh_policy import SshTarget
 from clusterctl.launch.nodes import make_transport
-from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Transport, shell_command_line
+from clusterctl.launch.localnode import LocalTransport
+from clusterctl.launch.transport import CommandTimedOut, Transport, shell_command_line
 
 from fixtures_ssh import free_port, keygen, public_key
 

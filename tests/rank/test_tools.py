@@ -1,5 +1,6 @@
-"""Tool calls and reasoning text (rank/tools.py) with real tokenizers: the tiny model's, with tool-call and
-think markers made tokens and Qwen-style templates (tests/toolmodels.py), loaded by mlx-lm as a rank loads them."""
+"""Tool calls and reasoning text (rank/tools.py, rank/splitter.py) with real tokenizers: the tiny model's, with
+tool-call and think markers made tokens and Qwen-style templates (tests/toolmodels.py), loaded by mlx-lm as a rank
+loads them."""
 
 import json
 
@@ -7,6 +8,7 @@ import jsonschema
 import pytest
 import toolmodels
 
+from clusterctl.rank import splitter as S
 from clusterctl.rank import tools as T
 from clusterctl.rank.pipeline import StopMatcher
 
@@ -56,7 +58,7 @@ def run(splitter, pieces, finish="stop"):
 
 
 def summary(events):
-    r = T.Reply().add(events)
+    r = S.Reply().add(events)
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in r.tool_calls]
     return r.content, r.reasoning_content, calls, r.finish_reason
 
@@ -253,7 +255,7 @@ def test_call_grammar_in_llguidance(toks):
     required = grammar("reasoning", tool_choice="required")
     ok = "Rain?\n</think>\n\n" + weather + "\n" + clock
     assert required(ok) and required("</think>" + clock)
-    s = T.OutputSplitter(tok, TOOLS, initial_state="reasoning")
+    s = S.OutputSplitter(tok, TOOLS, initial_state="reasoning")
     assert summary(run(s, token_pieces(tok, ok))) == ("", "Rain?", CALLS[:1] + [("get_time", {})], "tool_calls")
     for bad in (weather,  # the prompt opened the think block: it must be closed first
                 "Rain?</think>Sunny.", "Rain?</think>",  # no call
@@ -289,14 +291,14 @@ def test_split_anywhere_gives_the_same_reply(toks):
     tok = toks["json"]
     want = expected_reply()
     for cut in range(len(REPLY) + 1):
-        got = summary(run(T.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:]]))
+        got = summary(run(S.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:]]))
         assert got == want, cut
     for cut in range(0, len(REPLY) + 1, 7):  # three pieces
         for cut2 in range(cut, len(REPLY) + 1, 5):
-            got = summary(run(T.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:cut2], REPLY[cut2:]]))
+            got = summary(run(S.OutputSplitter(tok, TOOLS), [REPLY[:cut], REPLY[cut:cut2], REPLY[cut2:]]))
             assert got == want, (cut, cut2)
-    assert summary(run(T.OutputSplitter(tok, TOOLS), list(REPLY))) == want
-    assert summary(run(T.OutputSplitter(tok, TOOLS), token_pieces(tok, REPLY))) == want
+    assert summary(run(S.OutputSplitter(tok, TOOLS), list(REPLY))) == want
+    assert summary(run(S.OutputSplitter(tok, TOOLS), token_pieces(tok, REPLY))) == want
 
 
 def test_random_replies_random_pieces(toks):
@@ -338,16 +340,16 @@ def test_random_replies_random_pieces(toks):
         cuts = sorted(rng.randint(0, len(reply)) for _ in range(rng.randint(1, 5)))
         pieces = [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]
         initial = "reasoning" if opened else "normal"
-        assert summary(run(T.OutputSplitter(tok, TOOLS, initial_state=initial), pieces)) == want, (reply, cuts)
+        assert summary(run(S.OutputSplitter(tok, TOOLS, initial_state=initial), pieces)) == want, (reply, cuts)
         streamed = token_pieces(tok, reply)
         if "".join(streamed) == reply:  # mlx-lm's BPE detokenizer drops a reply's leading space
-            got = summary(run(T.OutputSplitter(tok, TOOLS, initial_state=initial), streamed))
+            got = summary(run(S.OutputSplitter(tok, TOOLS, initial_state=initial), streamed))
             assert got == want, reply
 
 
 def test_stream_events(toks):
     tok = toks["json"]
-    s = T.OutputSplitter(tok, TOOLS)
+    s = S.OutputSplitter(tok, TOOLS)
     events = run(s, token_pieces(tok, REPLY))
     kinds = [e.kind for e in events]
     assert kinds[-3:] == ["tool_call", "tool_call", "finish"] and set(kinds) == {
@@ -356,10 +358,10 @@ def test_stream_events(toks):
     assert [c["index"] for c in calls] == [0, 1]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert len({c["id"] for c in calls}) == 2
-    assert T.delta(events[-2]) == {"tool_calls": [calls[1]]}
-    assert T.delta(T.Event("reasoning", "x")) == {"reasoning_content": "x"}
-    assert T.delta(events[-1]) is None
-    msg = T.Reply().add(events).message()
+    assert S.delta(events[-2]) == {"tool_calls": [calls[1]]}
+    assert S.delta(S.Event("reasoning", "x")) == {"reasoning_content": "x"}
+    assert S.delta(events[-1]) is None
+    msg = S.Reply().add(events).message()
     assert msg["content"] == "Checking." and msg["reasoning_content"] == "The user wants weather."
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"]
     assert "index" not in msg["tool_calls"][0]
@@ -375,7 +377,7 @@ def test_reasoning_opened_by_the_prompt(toks):
         s = chat.splitter(tok, tok.encode(text, add_special_tokens=False))
         assert summary(run(s, [out[:cut], out[cut:]])) == ("Hello  there!", "Hmm, a greeting.", [], "stop")
     # cut by max_tokens while thinking: all of it is reasoning, the reason stays
-    s = T.OutputSplitter(tok, None, initial_state="reasoning")
+    s = S.OutputSplitter(tok, None, initial_state="reasoning")
     assert summary(run(s, ["\nStill thinking </th"], "length")) == ("", "Still thinking </th", [], "length")
 
 
@@ -385,14 +387,14 @@ def test_plain_text_passes_through(toks):
         tok = toks[name]
         text = "  Leading and trailing space <b>bold</b> and a lone < at the end <"
         for cut in range(0, len(text) + 1, 3):
-            s = T.OutputSplitter(tok, None)
+            s = S.OutputSplitter(tok, None)
             assert summary(run(s, [text[:cut], text[cut:]])) == (text, "", [], "stop")
 
 
 def test_no_tools_or_tool_choice_none_keep_markup_as_text(toks):
     tok = toks["json"]
     call = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
-    assert summary(run(T.OutputSplitter(tok, None), [call])) == (call, "", [], "stop")
+    assert summary(run(S.OutputSplitter(tok, None), [call])) == (call, "", [], "stop")
     none = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "none"})
     s = none.splitter(tok, [])
@@ -402,29 +404,29 @@ def test_no_tools_or_tool_choice_none_keep_markup_as_text(toks):
 def test_truncated_and_malformed_calls_come_back_as_content(toks):
     tok = toks["json"]
     cut = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"argu"
-    s = T.OutputSplitter(tok, TOOLS, initial_state="normal")
+    s = S.OutputSplitter(tok, TOOLS, initial_state="normal")
     assert summary(run(s, token_pieces(tok, cut), "length")) == (
         "Let me look.<tool_call>\n{\"name\": \"get_weather\", \"argu", "", [], "length")
     assert s.malformed == ["\n{\"name\": \"get_weather\", \"argu"]
     # a good call then a cut one: the good one stands, the reason is still length
     good = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
-    s = T.OutputSplitter(tok, TOOLS)
+    s = S.OutputSplitter(tok, TOOLS)
     content, _, calls, reason = summary(run(s, [good, "\n<tool_call>\n{\"name"], "length"))
     assert (calls, reason, content) == ([("get_time", {})], "length", "<tool_call>\n{\"name")
     # closed but not JSON, or not a call: text, the reason stays stop
     for body in ("{oops}", "[1, 2]", "{\"name\": \"f\", \"arguments\": [1]}", "{\"arguments\": {}}"):
         bad = f"<tool_call>{body}</tool_call>"
-        s = T.OutputSplitter(tok, TOOLS)
+        s = S.OutputSplitter(tok, TOOLS)
         assert summary(run(s, [bad])) == (bad, "", [], "stop")
     # a call with no end marker before EOS still parses (mlx_lm.server does the same)
-    s = T.OutputSplitter(tok, TOOLS)
+    s = S.OutputSplitter(tok, TOOLS)
     assert summary(run(s, ["<tool_call>{\"name\": \"get_time\", \"arguments\": {}}"]))[2:] == (
         [("get_time", {})], "tool_calls")
 
 
 def test_arguments_given_as_json_text_are_not_encoded_twice(toks):
     tok = toks["json"]
-    s = T.OutputSplitter(tok, TOOLS)
+    s = S.OutputSplitter(tok, TOOLS)
     events = run(s, ["<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Oslo\\\"}\"}"
                      "</tool_call>"])
     assert summary(events)[2] == [("get_weather", {"city": "Oslo"})]
@@ -443,10 +445,10 @@ def test_parallel_tool_calls_false_stops_after_one(toks):
     two = f"<tool_call>{json.dumps([clock, clock])}</tool_call>"
     one = chat.splitter(tok, [])
     assert [e.value["index"] for e in one.feed(two) if e.kind == "tool_call"] == [0] and one.should_stop
-    both = T.OutputSplitter(tok, TOOLS)
+    both = S.OutputSplitter(tok, TOOLS)
     assert [e.value["index"] for e in both.feed(two) if e.kind == "tool_call"] == [0, 1] and not both.should_stop
     # the rank ends generation on should_stop: whatever reason it reports, the reply is a tool call
-    assert s.finish("cancelled")[-1] == T.Event("finish", "tool_calls")
+    assert s.finish("cancelled")[-1] == S.Event("finish", "tool_calls")
 
 
 def test_another_call_format_through_the_same_splitter(toks):
@@ -456,8 +458,8 @@ def test_another_call_format_through_the_same_splitter(toks):
            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
     want = ("Sure.", "x", [("get_weather", {"city": "Paris", "days": 3})], "tool_calls")
     for cut in range(len(out) + 1):
-        assert summary(run(T.OutputSplitter(tok, TOOLS), [out[:cut], out[cut:]])) == want, cut
-    assert summary(run(T.OutputSplitter(tok, TOOLS), token_pieces(tok, out))) == want
+        assert summary(run(S.OutputSplitter(tok, TOOLS), [out[:cut], out[cut:]])) == want, cut
+    assert summary(run(S.OutputSplitter(tok, TOOLS), token_pieces(tok, out))) == want
 
 
 def test_a_format_without_end_marker(toks):
@@ -468,12 +470,12 @@ def test_a_format_without_end_marker(toks):
     out = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
     want = ("Sure.", "", [("get_weather", {"city": "Paris"}), ("get_time", {})], "tool_calls")
     for cut in range(len(out) + 1):
-        s = T.OutputSplitter(tok, TOOLS)
+        s = S.OutputSplitter(tok, TOOLS)
         head = s.feed(out[:cut]) + s.feed(out[cut:])
         assert all(e.kind == "content" for e in head)  # no call before the reply ends
         assert summary(head + s.finish("stop")) == want, cut
     cut = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci'
-    s = T.OutputSplitter(tok, TOOLS)
+    s = S.OutputSplitter(tok, TOOLS)
     assert summary(run(s, token_pieces(tok, cut), "length")) == (cut, "", [], "length")
     # the forced call is not this module's to shape for this format
     with pytest.raises(T.ToolsError, match="mistral"):
@@ -486,7 +488,7 @@ def test_stop_strings_upstream(toks):
     tok = toks["json"]
 
     def through(text, stops):
-        m, s, events = StopMatcher(stops), T.OutputSplitter(tok, TOOLS), []
+        m, s, events = StopMatcher(stops), S.OutputSplitter(tok, TOOLS), []
         for piece in token_pieces(tok, text):
             kept, hit = m.feed(piece)
             events += s.feed(kept)
@@ -511,13 +513,13 @@ def test_tool_model_folder_serves(tmp_path):
     assert tok.has_tool_calling and tok.has_thinking
     prompt = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
     ids = tok.encode(prompt, add_special_tokens=False)
-    s = T.OutputSplitter(tok, TOOLS, initial_state=T.initial_state(tok, ids))
+    s = S.OutputSplitter(tok, TOOLS, initial_state=T.initial_state(tok, ids))
     assert model.model.embed_tokens.weight.shape[0] == len(tok) and tok.think_start_id in ids
     events, text = [], ""
     for r in stream_generate(model, tok, ids, max_tokens=8):
         events += s.feed(r.text)
         text += r.text
-    reply = T.Reply().add(events + s.finish("length"))
+    reply = S.Reply().add(events + s.finish("length"))
     assert reply.finish_reason == "length" and text.strip()
     if not any(m in text for m in ("</think>", "<tool_call>")):  # random weights: the prompt's think block
         assert (reply.reasoning_content, reply.content) == (text.lstrip(), "")

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelfiles import make_model  # noqa: E402
 
 from clusterctl.errors import IntegrityError, MissingInput  # noqa: E402
-from clusterctl.node.nodeops import _model_check  # noqa: E402
+from clusterctl.node.modelops import model_check  # noqa: E402
 from clusterctl.ple.errors import CorruptTensorFile  # noqa: E402
 from clusterctl.ple.safetensors import read_index  # noqa: E402
 from clusterctl.shared.modelfiles import INDEX_NAME, weight_files  # noqa: E402
@@ -27,10 +27,10 @@ def _with_tokenizer(m: Path) -> Path:
 def test_the_index_names_the_files_and_without_it_every_safetensors_counts(tmp_path):
     m = _with_tokenizer(make_model(tmp_path / "m", layers=2, shards=2))
     named = [f.name for f in weight_files(m)]
-    assert len(named) == 2 and _model_check(str(m)) == {"ok": True, "files": named}
+    assert len(named) == 2 and model_check(str(m)) == {"ok": True, "files": named}
     (m / INDEX_NAME).unlink()  # a single-file or unindexed model: mlx-lm loads every *.safetensors
     assert [f.name for f in weight_files(m)] == sorted(named)
-    assert _model_check(str(m))["ok"]
+    assert model_check(str(m))["ok"]
 
 
 @pytest.mark.parametrize("target", ["../x.safetensors", "/etc/passwd", ".hidden", "", 7])
@@ -41,7 +41,7 @@ def test_an_index_that_points_outside_the_folder_is_refused_by_every_reader(tmp_
         weight_files(m)
     with pytest.raises(CorruptTensorFile):
         read_index(m / INDEX_NAME)
-    got = _model_check(str(m))
+    got = model_check(str(m))
     assert not got["ok"] and "not a file of the folder" in got["error"]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,6 +18,8 @@ from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, He
                                     RejoinDrainOpt, heal_policy)
 from clusterctl import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
+from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
+                                       replan_given, unchanged)
 from clusterctl.render import heal_line, history_line, serving_line, status_table, watch_view
 
 
@@ -141,21 +142,6 @@ async def _launched(o, state, deployment: str, opts, detach: bool, policy) -> in
     return await run_foreground(o, lambda: do_launch(deployment, state, opts, log=o.info), detach)
 
 
-def _path_map(text: str | None) -> dict[str, str] | None:
-    """--path-map "a=/models/x,b=/models/y"; an empty string is an explicit empty map."""
-    if text is None:
-        return None
-    out: dict[str, str] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        node, eq, path = part.partition("=")
-        if not eq or not node or not path.startswith("/"):
-            raise UsageError(f"--path-map: {part!r} is not NODE=/absolute/path")
-        if node in out:
-            raise UsageError(f"--path-map: node {node} given twice")
-        out[node] = path
-    return out
-
-
 @app.command()
 def replan(
     ctx: typer.Context,
@@ -170,13 +156,8 @@ def replan(
     schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None,
     context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
     batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
-    prompt_cache_gb: Annotated[Optional[float], typer.Option("--prompt-cache-gb", help="Per-rank memory (GiB) kept "
-                                                             "for the prompt cache (0: none; default: the current "
-                                                             "deployment's).", parser=number(0, 1e6),
-                                                             metavar="GIB")] = None,
-    headroom_gb: Annotated[Optional[float], typer.Option("--headroom-gb", help="Per-rank headroom (GiB) (default: "
-                                                         "the current deployment's).", parser=number(0, 1e6),
-                                                         metavar="GIB")] = None,
+    prompt_cache_gb: ReplanPromptCacheOpt = None,
+    headroom_gb: ReplanHeadroomOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -218,27 +199,21 @@ def replan(
         raise UsageError("--detach and --foreground contradict each other: give one")
     state = state_of(state_dir)
     ssh = ssh_options(known_hosts, accept_new_host_keys)
-    given = {k: v for k, v in (("allocation", allocation), ("backend", backend), ("parallel", parallel),
-                               ("schedule", schedule), ("context", context), ("batch", batch),
-                               ("prompt_cache_gb", prompt_cache_gb), ("headroom_gb", headroom_gb)) if v is not None}
     serving = serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template, chat_template_args)
-    if serving:
-        given["serving"] = serving  # merged over the current deployment's defaults
+    given = replan_given(serving, allocation=allocation, backend=backend, parallel=parallel, schedule=schedule,
+                         context=context, batch=batch, prompt_cache_gb=prompt_cache_gb, headroom_gb=headroom_gb)
     node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
-                   path_map=_path_map(path_map), to=to)
+                   path_map=parse_path_map(path_map), to=to)
 
     p.jobs = asyncio.run(rp.live_jobs_of(state, p, ssh))
     doc = p.to_json()
-    _preview(o, p)
-    if p.diff["unchanged"] and not p.diff["records_changed"]:
-        if o.json:
-            o.data({**doc, "action": "unchanged"})
-        o.info(f"unchanged: deployment {p.old.deployment_id} already has these options; nothing to do")
+    preview(o, p)
+    if unchanged(o, p, doc):
         raise typer.Exit(0)
     # a model folder the new deployment would be the first to use is checked on its node before anything stops
     doc["paths_checked"] = asyncio.run(rp.check_new_paths(state, p, ssh))
-    if not yes and not _confirmed(o, doc):
+    if not yes and not confirmed(o, doc):
         raise typer.Exit(int(Exit.NOT_APPLIED))
     # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
     opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
@@ -248,34 +223,6 @@ def replan(
                model_alias=model_alias)
     front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)
     raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
-
-
-def _preview(o, p) -> None:
-    """The replan preview: stderr, like plan's table (stdout is data)."""
-    from clusterctl.plan.replan import diff_lines
-
-    for k, v in p.inputs.get("given", {}).items():
-        o.info(f"given    {k}: {v}")
-    for k, v in p.inputs.get("derived", {}).items():
-        o.info(f"derived  {k}: {v}")
-    o.info(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
-           + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
-    for line in diff_lines(p.diff):
-        o.info(line)
-
-
-def _confirmed(o, doc: dict) -> bool:
-    """Asked on a terminal; anywhere else the preview is all (exit 3)."""
-    if not sys.stdin.isatty():
-        if o.json:
-            o.data({**doc, "action": "previewed"})
-        o.info("previewed only (not a terminal): run again with --yes to apply")
-        return False
-    if not typer.confirm("apply this replan?", default=False, err=True):
-        if o.json:
-            o.data({**doc, "action": "previewed"})
-        return False
-    return True
 
 
 @app.command()

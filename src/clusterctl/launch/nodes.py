@@ -19,7 +19,8 @@ from pathlib import Path
 
 from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, Exit, IntegrityError, MissingInput,
                                RemoteCommandFailed, UsageError, pydantic_line)
-from clusterctl.launch.transport import CommandTimedOut, LocalTransport, Pipe, Transport
+from clusterctl.launch.localnode import LocalTransport
+from clusterctl.launch.transport import CommandTimedOut, Pipe, Transport
 from clusterctl.shared.nodespec import Node
 from clusterctl.launch import fdlimit
 from clusterctl.launch.ssh_policy import SshTarget

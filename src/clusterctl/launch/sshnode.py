@@ -1,8 +1,11 @@
 """SshTransport: the Transport of a remote node over asyncssh (the only module importing asyncssh).
 
-One connection per node, opened on first use and reused by every command (SSH multiplexes channels). Commands
-are built by ``transport.shell_command_line`` only; files are read and written by small standard-library Python
-programs on the node, the path always passed as a quoted argv element and the data on stdin.
+One connection per node, opened on first use (in waves when the open-file limit cannot cover every node:
+fdlimit.py) and shared by its commands, started processes and pipes, each on its own SSH channel; at most
+SHORT_CHANNELS commands at once, so sshd's MaxSessions leaves room for the rest. Command lines are built by
+``transport.shell_command_line`` only. A remote node's files are read and written by its node-op session (a pipe,
+nodes.py), not here; the one program this module runs itself is the identity-checked kill of a keeper's group
+that outlived its grace. ``close()`` ends the connection and with it every process started over it.
 """
 
 from __future__ import annotations

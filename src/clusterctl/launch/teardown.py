@@ -1,9 +1,12 @@
-"""Verified teardown and the cron reaper.
+"""Verified teardown of a job: ``clusterctl teardown``, a foreground launch's end, a failed launch, the reaper.
 
-Teardown of a job: on every node, concurrently, TERM (with CONT) each rank's process group, wait the grace, KILL,
-verify, re-KILL with backoff, then sweep what the job's runtime markers recorded — every process checked by pid,
-start time AND the job's nonce before any signal. Only when every rank is confirmed gone are the node files and the
-launch manifest removed; otherwise the survivors are named (rank, host, pid) and the manifest stays for a retry.
+On every node, concurrently, one ``sweep`` node op stops that node's ranks (node/procs.py: TERM with CONT to each
+process group, the grace, KILL, verify, re-KILL with backoff) and whatever the job's runtime markers recorded,
+every process checked by pid, start time and the job's nonce before any signal. Only when every rank is confirmed
+gone are the node files removed (``clean``), the report saved under ``<state>/reports/`` and the launch manifest
+removed; otherwise the survivors are named (rank, host, pid) and the manifest stays for a retry. The command
+first asks a live foreground coordinator to stop, holds the deployment's lock, and leaves a busy deployment alone
+unless forced.
 """
 
 from __future__ import annotations

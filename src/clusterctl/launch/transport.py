@@ -1,37 +1,34 @@
-"""The transport seam: run a command, start a long-lived process, open a pipe, read/write a file on one node.
+"""The transport seam: what the coordinator does on one node, whatever the way there.
 
-Two implementations share this interface: ``LocalTransport`` (this machine, asyncio subprocesses) and
-``SshTransport`` (``sshnode.py``, asyncssh, one connection per node; it builds on this module, never the other
-way round: ``nodes.make_transport`` picks one). Everything above this layer (start, foreground,
-sync) talks to ``Transport`` only, so it never builds a shell command or touches asyncssh itself.
+``Transport`` is the protocol: ``run`` a command (argv, never a shell line), ``start`` a long-lived process,
+``open_pipe`` a command whose stdin and stdout the caller keeps line by line (the node-op session,
+``nodes.OpSession``), ``close``. Its implementations are ``LocalTransport`` (localnode.py, this machine),
+``SshTransport`` (sshnode.py, one asyncssh connection per node) and ``FakeTransport`` (faketransport.py, unit
+tests); ``nodes.make_transport`` picks one. Everything above them (start, foreground, sync) talks to
+``Transport`` only, so it never builds a shell command or touches asyncssh itself.
 
-Long-lived processes always go through the keeper (``python -m clusterctl.node.keeper``), locally and over
-SSH alike: the process lives exactly as long as the keeper's stdin stays open. A pipe (``open_pipe``) is a
-command whose stdin and stdout the caller keeps, line by line: the node-op session (``nodes.OpSession``).
+This module holds what they share: results and errors, the one builder of a remote command line
+(``shell_command_line``), and ``StartedProcess``. Long-lived processes always go through the keeper
+(``python -m clusterctl.node.keeper``), locally and over SSH alike: the process lives exactly as long as the
+keeper's stdin stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import shlex
-import signal
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from clusterctl.atomic import atomic_write_bytes, read_capped, strict_loads
-from clusterctl.errors import (ClusterctlError, HostUnreachable, IntegrityError, MissingInput, RemoteCommandFailed,
-                               UsageError)
-from clusterctl.node.keeper import kill_group_if_same
+from clusterctl.atomic import strict_loads
+from clusterctl.errors import ClusterctlError, HostUnreachable, IntegrityError, RemoteCommandFailed, UsageError
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
-PIPE_LINE_LIMIT = 256 << 20  # one answer line of a pipe (a node op's answer; REQUEST_LIMIT is 64 MiB)
 START_TIMEOUT = 30.0  # the keeper must report its child within this (python start + psutil import on a slow node)
 KILL_WAIT = 5.0
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -326,147 +323,5 @@ async def stop_all(started: list[StartedProcess]) -> None:
             w.exception()  # a lost connection was already reported to whoever waits; do not warn twice
 
 
-# ---------------------------------------------------------------------------------------------- local
-
-class _LocalChannel:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    async def read_stdout(self, n: int) -> bytes:
-        return await self.proc.stdout.read(n)
-
-    async def read_stderr(self, n: int) -> bytes:
-        return await self.proc.stderr.read(n)
-
-    async def write_stdin(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
-        await self.proc.stdin.drain()
-
-    async def close_stdin(self) -> None:
-        if not self.proc.stdin.is_closing():
-            self.proc.stdin.close()
-        with contextlib.suppress(Exception):
-            await self.proc.stdin.wait_closed()
-
-    async def wait_exit(self) -> int:
-        rc = await self.proc.wait()
-        return rc if rc >= 0 else 128 - rc
-
-    def abort(self) -> None:
-        if not self.proc.stdin.is_closing():
-            self.proc.stdin.close()
-
-    async def force_kill(self, info: ChildInfo) -> None:
-        kill_group_if_same(info.pid, info.pgid, info.start_time, info.boot_id)
-
-
-class _LocalPipe:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    def write(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
-
-    async def drain(self) -> None:
-        await self.proc.stdin.drain()
-
-    async def readline(self) -> bytes:
-        return await self.proc.stdout.readline()
-
-    async def read_stderr(self, n: int) -> bytes:
-        return await self.proc.stderr.read(n)
-
-    def close_stdin(self) -> None:
-        if not self.proc.stdin.is_closing():
-            self.proc.stdin.close()
-
-    async def wait(self) -> int | None:
-        return await self.proc.wait()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-
-
-@dataclass
-class LocalTransport:
-    """Runs on this machine. Same semantics as SshTransport, without a network in between."""
-
-    node: str = "local"
-    python: str = field(default_factory=lambda: sys.executable)
-    keeper_grace: float = 10.0
-    is_local: bool = field(default=True, init=False)
-    _started: list[StartedProcess] = field(default_factory=list, init=False, repr=False)
-
-    async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
-                  timeout: float | None = None, check: bool = False) -> CommandResult:
-        check_argv(argv, env)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env={**os.environ, **env} if env else None, start_new_session=True)
-        except OSError as e:
-            result = CommandResult(list(argv), 127, b"", f"{argv[0]}: {e.strerror or e}\n".encode())
-            return raise_for_status(self.node, result) if check else result
-        try:
-            async with asyncio.timeout(timeout):
-                out, err = await proc.communicate(input)
-        except TimeoutError:
-            # Its own session: kill everything the command started, not just the command.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            raise CommandTimedOut(f"{shlex.join(argv)[:200]} timed out after {timeout:g} s on {self.node}",
-                                  host=self.node, argv=list(argv)) from None
-        result = CommandResult(list(argv), proc.returncode, out, err)
-        return raise_for_status(self.node, result) if check else result
-
-    async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-                    grace: float | None = None) -> StartedProcess:
-        check_argv(argv, env)
-        grace = self.keeper_grace if grace is None else grace
-        kargv = keeper_argv(self.python, argv, grace)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *kargv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env={**os.environ, **keeper_env(env)})
-        except OSError as e:
-            raise RemoteCommandFailed(f"cannot run {self.python} on {self.node}: {e.strerror or e}",
-                                      host=self.node, argv=kargv) from None
-        sp = StartedProcess(self.node, list(argv), _LocalChannel(proc), grace)
-        await sp._begin()
-        self._started = [p for p in self._started if p.returncode is None] + [sp]
-        return sp
-
-    # A local node's small files are read and written here directly; a remote node's through its op session
-    # (NodeHandle.read_file / write_file).
-    async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
-        try:
-            return await asyncio.to_thread(read_capped, path, limit=limit, what="file")
-        except (MissingInput, IntegrityError) as e:
-            raise type(e)(f"{e.message} (on {self.node})") from None
-
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
-        await asyncio.to_thread(atomic_write_bytes, path, bytes(data), mode=mode)
-
-    async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _LocalPipe:
-        check_argv(argv, env)
-        try:
-            # its own session: a Ctrl-C in the operator's terminal reaches the coordinator, which may still need
-            # this pipe to tear down what it started
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env={**os.environ, **env} if env else None, start_new_session=True, limit=PIPE_LINE_LIMIT)
-        except OSError as e:
-            raise RemoteCommandFailed(f"cannot run {argv[0]} on {self.node}: {e.strerror or e}", host=self.node,
-                                      argv=list(argv)) from None
-        return _LocalPipe(proc)
-
-    async def close(self) -> None:
-        started, self._started = self._started, []
-        await stop_all(started)
-
-
-__all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "Pipe", "StartedProcess", "LocalTransport",
-           "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status"]
+__all__ = ["CommandResult", "CommandTimedOut", "ChildInfo", "Transport", "Pipe", "StartedProcess",
+           "shell_command_line", "keeper_argv", "keeper_env", "check_argv", "raise_for_status", "stop_all"]

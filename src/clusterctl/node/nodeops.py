@@ -11,7 +11,7 @@ OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processe
 markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
 files), markers (read a job's markers), warm (import what the next requests need), wait_markers (wait until markers reach a state), read / write (a small
 file; atomic write), model_status (is the model copy here the planned one), model_prepare (create the folder a
-sync writes into), fetch (download model files from an HTTP mirror).
+sync writes into), fetch (download model files from an HTTP mirror); the model ops live in modelops.py.
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.copycheck import check_copy, free_bytes, local_rsync
-from clusterctl.shared.download import fetch_files
-from clusterctl.shared.modelfiles import weight_files
-from clusterctl.shared.modelmanifest import HashCache, check_manifest
 from clusterctl.shared.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
+from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import Identity, boot_id, status_of, stop
 
 MARKER_LIMIT = 64 * 1024
@@ -70,37 +67,6 @@ def _port_free(host: str, port: int) -> bool:
         return False
 
 
-def _model_check(path: str) -> dict:
-    """Is ``path`` a model folder this node can serve from: config.json, the weight files (those the index names,
-    or every *.safetensors without one: shared/modelfiles.py) and a tokenizer."""
-    p = Path(path)
-    if not p.is_dir():
-        return {"ok": False, "error": f"model folder {path} does not exist"}
-    missing = [] if (p / "config.json").is_file() else ["config.json"]
-    try:
-        files = [f.name for f in weight_files(p)]
-    except ClusterctlError as e:
-        return {"ok": False, "error": f"model folder {path}: {e}"}
-    missing += [n for n in files if not (p / n).is_file()]
-    if not any(p.glob("tokenizer*")):
-        missing.append("tokenizer.json")
-    if missing:
-        return {"ok": False, "error": f"model folder {path} lacks {', '.join(missing[:5])}"}
-    return {"ok": True, "files": files}
-
-
-def _copy_state(manifest: dict, path: str, verify: bool) -> dict:
-    """The copy check of preflight: state and counts only (the file lists stay on the node)."""
-
-    try:
-        st = check_copy(check_manifest(manifest, "manifest sent by the coordinator"), path, verify=verify,
-                        cache=HashCache())
-    except ClusterctlError as e:
-        return {"state": "error", "detail": e.message}
-    keep = ("state", "detail", "n_missing", "n_stale", "checked_bytes")
-    return {k: st[k] for k in keep if k in st} | {"first": (st.get("stale") or st.get("missing") or [None])[0]}
-
-
 def op_probe(req: dict) -> dict:
     import psutil
 
@@ -117,9 +83,9 @@ def op_probe(req: dict) -> dict:
             out["backend_available"] = False
             out["mlx_error"] = f"{type(e).__name__}: {e}"[:300]
     if req.get("model_path"):
-        out["model"] = _model_check(req["model_path"])
+        out["model"] = model_check(req["model_path"])
         if req.get("manifest"):
-            out["model_copy"] = _copy_state(req["manifest"], req["model_path"], bool(req.get("verify")))
+            out["model_copy"] = copy_state(req["manifest"], req["model_path"], bool(req.get("verify")))
     if req.get("ports"):
         host = req.get("bind_host", "0.0.0.0")
         out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
@@ -294,46 +260,6 @@ def op_canary(req: dict) -> dict:
     tokens = (doc.get("usage") or {}).get("completion_tokens", 0)
     text = ((doc.get("choices") or [{}])[0]).get("text", "")
     return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
-
-
-def op_model_status(req: dict) -> dict:
-    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.shared.copycheck)."""
-
-    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
-    out = check_copy(expected, req["path"], verify=bool(req.get("verify")), cache=HashCache(),
-                     only=req.get("only"))
-    out["free_bytes"] = free_bytes(req["path"])
-    out["rsync"] = _rsync_facts()
-    return out
-
-
-def _rsync_facts() -> dict:
-    """Which rsync runs here as the remote side of a sync: missing, GNU rsync (version), or openrsync."""
-
-    path, line = local_rsync()
-    if not path:
-        return {"path": None}
-    return {"path": path, "version": line[:200] if line is not None else None}
-
-
-def op_model_prepare(req: dict) -> dict:
-    """Create the model folder (and parents) a sync will write into; report the free space there."""
-
-    path = req["path"]
-    if not os.path.isabs(path):
-        return {"error": f"model path {path!r} is not absolute"}
-    try:
-        os.makedirs(path, mode=0o755, exist_ok=True)
-    except OSError as e:
-        return {"error": f"cannot create {path}: {e.strerror or e}"}
-    return {"path": path, "free_bytes": free_bytes(path)}
-
-
-def op_fetch(req: dict) -> dict:
-    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.shared.download)."""
-
-    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
-    return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))
 
 
 def op_read(req: dict) -> dict:

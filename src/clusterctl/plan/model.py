@@ -354,6 +354,28 @@ def dropped_notes(raw: dict[str, tuple[str, list[int]]], kept: dict[str, tuple[s
     return notes
 
 
+def _bytes_by_layer(sizes: dict[str, int], num_layers: int, folder: Path) -> tuple[list[int], int, int]:
+    """(bytes of each layer, bytes outside the layers, of which the embedding's) from each tensor's size."""
+    layer_bytes = [0] * num_layers
+    shared = 0
+    embed = 0
+    for name, nbytes in sizes.items():
+        m = _LAYER_RE.search(name)
+        if m:
+            i = int(m.group(1))
+            if i >= num_layers:
+                raise IntegrityError(f"{folder}: tensor {name!r} is for layer {i}, but config.json says "
+                                     f"{num_layers} layers")
+            layer_bytes[i] += nbytes
+        else:
+            shared += nbytes
+            if _EMBED_RE.search(name):
+                embed += nbytes
+    if not any(layer_bytes):
+        raise IntegrityError(f"{folder}: no layer tensors found in the safetensors headers")
+    return layer_bytes, shared, embed
+
+
 def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
     """The facts of a model folder. ``classify``: also find how it splits over ranks and whether mlx-lm batches
     it (shared/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
@@ -399,23 +421,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
             if _KV_PATH_RE.search(name):
                 path_dtypes.add(dtype)
     notes = dropped_notes(raw_tensors, kept, num_layers) if kept is not None else []
-    layer_bytes = [0] * num_layers
-    shared = 0
-    embed = 0
-    for name, nbytes in sizes.items():
-        m = _LAYER_RE.search(name)
-        if m:
-            i = int(m.group(1))
-            if i >= num_layers:
-                raise IntegrityError(f"{folder}: tensor {name!r} is for layer {i}, but config.json says "
-                                     f"{num_layers} layers")
-            layer_bytes[i] += nbytes
-        else:
-            shared += nbytes
-            if _EMBED_RE.search(name):
-                embed += nbytes
-    if not any(layer_bytes):
-        raise IntegrityError(f"{folder}: no layer tensors found in the safetensors headers")
+    layer_bytes, shared, embed = _bytes_by_layer(sizes, num_layers, folder)
     kv_bytes = kv_dtype_bytes(dtype_counts, path_dtypes, config)
     kv = kv_layers(config, kv_bytes, folder=folder)
     layer_work, head_work = work(shapes, config, num_layers)

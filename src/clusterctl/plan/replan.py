@@ -46,6 +46,29 @@ def _show(v) -> str:
     return "auto" if v is None else str(v)
 
 
+def _chosen_nodes(old: Deployment, pool: Cluster, cluster: Cluster | None, nodes: list[str] | None,
+                  given: dict[str, str], derived: dict[str, str]) -> list:
+    """The new plan's nodes, in rank order: ``nodes`` picked from ``pool``, or all of it (noted in ``given`` or
+    ``derived``)."""
+    names = [n.name for n in pool.nodes]
+    if nodes is not None:
+        if not nodes:
+            raise UsageError("--nodes: give at least one node")
+        unknown = [n for n in nodes if n not in names]
+        if unknown:
+            where = "the cluster file" if cluster is not None else f"deployment {old.deployment_id} (pass --cluster " \
+                                                                    "to add a node it does not have)"
+            raise ConfigError(f"--nodes: {', '.join(unknown)} not in {where}; known: {', '.join(names)}")
+        if len(set(nodes)) != len(nodes):
+            raise UsageError("--nodes: a node is named twice")
+        chosen = [pool.node(n) for n in nodes]
+        given["nodes"] = _show(nodes)
+    else:
+        chosen = list(pool.nodes)
+        derived["nodes"] = _show(names)
+    return chosen
+
+
 def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] | None = None,
            options: dict | None = None, path_map: dict[str, str] | None = None,
            model_path: str | None = None, speeds_seen: dict[str, float] | None = None) -> Inputs:
@@ -63,22 +86,7 @@ def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] 
     else:
         pool = Cluster(name=old.cluster, nodes=old.nodes)
         derived["cluster"] = f"{old.cluster} (the nodes of {old.deployment_id})"
-    names = [n.name for n in pool.nodes]
-    if nodes is not None:
-        if not nodes:
-            raise UsageError("--nodes: give at least one node")
-        unknown = [n for n in nodes if n not in names]
-        if unknown:
-            where = "the cluster file" if cluster is not None else f"deployment {old.deployment_id} (pass --cluster " \
-                                                                    "to add a node it does not have)"
-            raise ConfigError(f"--nodes: {', '.join(unknown)} not in {where}; known: {', '.join(names)}")
-        if len(set(nodes)) != len(nodes):
-            raise UsageError("--nodes: a node is named twice")
-        chosen = [pool.node(n) for n in nodes]
-        given["nodes"] = _show(nodes)
-    else:
-        chosen = list(pool.nodes)
-        derived["nodes"] = _show(names)
+    chosen = _chosen_nodes(old, pool, cluster, nodes, given, derived)
     # measured speeds travel with the node names
     carried_speeds = []
     out_nodes = []

@@ -14,7 +14,7 @@ from clusterctl.rank.metrics import outcome_of
 from clusterctl.rank.pipeline import GenResult
 from clusterctl.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
 from clusterctl.rank.logprobs import chat_shape, completion_shape
-from clusterctl.rank.tools import Event, Reply, delta
+from clusterctl.rank.splitter import Event, Reply, delta
 
 CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
 KEEPALIVE_S = 1.0  # a stream's comment line while no token comes (queued, or its prompt being processed)

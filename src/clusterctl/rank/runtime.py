@@ -14,7 +14,6 @@ the marker and on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -30,10 +29,10 @@ from clusterctl.rank import pipeline
 from clusterctl.rank.admission import limits_for, use_template
 from clusterctl.rank.api import Api
 from clusterctl.rank.jobs import ActiveSet, JobQueue
-from clusterctl.rank.peerprobe import (Ladder, Prober, Responder, Waker, announce_joining, job_token, parse_addr,
-                                       watched_peers)
+from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
 from clusterctl.rank.pipeline import apply_environment, rank_environment
 from clusterctl.rank.priority import lower_compute
+from clusterctl.rank.ringjoin import join_ring, ring_addresses
 from clusterctl.rank.schedule import IdleWait
 from clusterctl.rank.steploop import StepLoop
 from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, peer_loss
@@ -45,8 +44,6 @@ from clusterctl.shared.contract import load_rank_contract  # provided by the lau
 UNSIGNED_ENV = "CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"
 STOP_GRACE_S = 10.0
 GATE_POLL_S = 0.05
-JOIN_ORDER_WAIT_S = 10.0  # the last rank waits this long for the others' join announcements, then joins anyway
-JOIN_SETTLE_S = 0.03
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -201,7 +198,7 @@ class Rank:
         _exit_now(int(Exit.SOFTWARE))
 
     def _join(self, pipeline):
-        return _join_ring(self, pipeline)
+        return join_ring(self.spec, pipeline, self.watchdog, self.responder, self.stopping, _say)
 
     def _serve(self) -> int:
         spec = self.spec
@@ -282,14 +279,7 @@ class Rank:
 
     # ---- the peer-loss ladder (rank/peerprobe.py)
     def _ring_addresses(self) -> list[tuple[str, int]] | None:
-        spec = self.spec
-        if not spec.probes_on:
-            return None
-        try:
-            entries = json.loads(Path(spec.hostfile).read_text())
-            return [parse_addr(e[0]) for e in entries]
-        except (OSError, ValueError, TypeError, IndexError, KeyError):
-            return None
+        return ring_addresses(self.spec)
 
     def _start_responder(self) -> None:
         addrs = self._ring_addresses()
@@ -386,52 +376,6 @@ class Rank:
         except (ClusterctlError, OSError) as e:
             _say(f"rank 0: cannot write the cancel file: {getattr(e, 'message', None) or e}")
             return False
-
-
-def _join_ring(rank: Rank, pipeline):
-    spec = rank.spec
-    if spec.world_size == 1:
-        return None
-    # mlx's init() blocks in connect/accept WITH the GIL held: no Python thread (watchdog, signals) runs until
-    # it returns, and accept never times out. So the kernel enforces the limit: SIGALRM's default action ends
-    # the process (exit by signal 14) if the ring is not joined in time.
-    _say(f"rank {spec.rank}: joining the ring (exit by SIGALRM if not joined within {spec.join_timeout_s:g} s)")
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, spec.join_timeout_s)
-    try:
-        _join_in_order(rank)
-        group = pipeline.join_group(spec)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    with rank.watchdog.guard(spec.control_timeout_s, "checking the ring's peers"):
-        pipeline.verify_group(group, spec)
-    return group
-
-
-def _join_in_order(rank: Rank) -> None:
-    """Keep MLX's ring join off its 1 s retry: the last rank (the one that connects before it listens) enters
-    init only when every other rank has announced it is entering init (peerprobe.announce_joining). Gates
-    open on the nodes at different moments, and 4 local ranks hit the retry in 3 of 5 joins (gate to serving
-    1.2 s instead of 0.25 s). Without peer probes (no responder) the ranks join as MLX orders them; a rank that
-    does not hear back within JOIN_ORDER_WAIT_S joins anyway, and MLX's retry takes over as before."""
-
-    spec, addrs = rank.spec, rank._ring_addresses()
-    if addrs is None or rank.responder is None:
-        return
-    last = spec.world_size - 1
-    if spec.rank != last:
-        if not announce_joining(addrs[last], job_token(spec.job_id, spec.nonce), spec.rank,
-                                min(JOIN_ORDER_WAIT_S, spec.join_timeout_s / 2), rank.stopping):
-            _say(f"rank {spec.rank}: rank {last} did not see this rank's join announcement within "
-                 f"{JOIN_ORDER_WAIT_S:g} s; joining anyway")
-        return
-    missing = rank.responder.wait_joining(set(range(last)), min(JOIN_ORDER_WAIT_S, spec.join_timeout_s / 2),
-                                          rank.stopping)
-    if missing:
-        _say(f"rank {spec.rank}: rank(s) {', '.join(map(str, sorted(missing)))} did not announce their join "
-             f"within {JOIN_ORDER_WAIT_S:g} s; joining anyway (MLX retries the connect)")
-    else:
-        time.sleep(JOIN_SETTLE_S)  # from their announcement to their listen(): a few Python lines and syscalls
 
 
 def _read_spec(ns: argparse.Namespace) -> RankSpec:

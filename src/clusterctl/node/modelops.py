@@ -1,0 +1,84 @@
+"""The node operations on a model copy (nodeops.py serves them): is a folder one this node can serve from, how
+its copy compares with the planned manifest, the folder a sync writes into, and a download from an HTTP mirror."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from clusterctl.errors import ClusterctlError
+from clusterctl.shared.copycheck import check_copy, free_bytes, local_rsync
+from clusterctl.shared.download import fetch_files
+from clusterctl.shared.modelfiles import weight_files
+from clusterctl.shared.modelmanifest import HashCache, check_manifest
+
+
+def model_check(path: str) -> dict:
+    """Is ``path`` a model folder this node can serve from: config.json, the weight files (those the index names,
+    or every *.safetensors without one: shared/modelfiles.py) and a tokenizer."""
+    p = Path(path)
+    if not p.is_dir():
+        return {"ok": False, "error": f"model folder {path} does not exist"}
+    missing = [] if (p / "config.json").is_file() else ["config.json"]
+    try:
+        files = [f.name for f in weight_files(p)]
+    except ClusterctlError as e:
+        return {"ok": False, "error": f"model folder {path}: {e}"}
+    missing += [n for n in files if not (p / n).is_file()]
+    if not any(p.glob("tokenizer*")):
+        missing.append("tokenizer.json")
+    if missing:
+        return {"ok": False, "error": f"model folder {path} lacks {', '.join(missing[:5])}"}
+    return {"ok": True, "files": files}
+
+
+def copy_state(manifest: dict, path: str, verify: bool) -> dict:
+    """The copy check of preflight: state and counts only (the file lists stay on the node)."""
+
+    try:
+        st = check_copy(check_manifest(manifest, "manifest sent by the coordinator"), path, verify=verify,
+                        cache=HashCache())
+    except ClusterctlError as e:
+        return {"state": "error", "detail": e.message}
+    keep = ("state", "detail", "n_missing", "n_stale", "checked_bytes")
+    return {k: st[k] for k in keep if k in st} | {"first": (st.get("stale") or st.get("missing") or [None])[0]}
+
+
+def op_model_status(req: dict) -> dict:
+    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.shared.copycheck)."""
+
+    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
+    out = check_copy(expected, req["path"], verify=bool(req.get("verify")), cache=HashCache(),
+                     only=req.get("only"))
+    out["free_bytes"] = free_bytes(req["path"])
+    out["rsync"] = rsync_facts()
+    return out
+
+
+def rsync_facts() -> dict:
+    """Which rsync runs here as the remote side of a sync: missing, GNU rsync (version), or openrsync."""
+
+    path, line = local_rsync()
+    if not path:
+        return {"path": None}
+    return {"path": path, "version": line[:200] if line is not None else None}
+
+
+def op_model_prepare(req: dict) -> dict:
+    """Create the model folder (and parents) a sync will write into; report the free space there."""
+
+    path = req["path"]
+    if not os.path.isabs(path):
+        return {"error": f"model path {path!r} is not absolute"}
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as e:
+        return {"error": f"cannot create {path}: {e.strerror or e}"}
+    return {"path": path, "free_bytes": free_bytes(path)}
+
+
+def op_fetch(req: dict) -> dict:
+    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.shared.download)."""
+
+    expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
+    return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))
