@@ -1,4 +1,4 @@
-"""A fake node for unit tests, beside the real transports (transport.py: local, sshnode.py: SSH).
+"""A fake node for unit tests, beside the real transports (localnode.py: this machine, sshnode.py: SSH).
 
 ``FakeTransport`` is an in-memory ``Transport`` of a remote node; its ``open_pipe`` answers the node-op session
 protocol (nodes.OpSession: JSON lines ``{"id", "op", "req"}`` in, ``{"id", "answer"|"error"}`` out) from a

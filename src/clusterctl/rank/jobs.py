@@ -25,7 +25,7 @@ class Job:
     req: GenRequest | None = None
     prepare_s: float = 0.0  # how long its template and tokenizer took
     cached_tokens: int = 0  # prompt tokens the prompt cache gave it (usage.prompt_tokens_details.cached_tokens)
-    splitter: Any = None  # chat: tools.OutputSplitter (content, reasoning, tool calls out of the text)
+    splitter: Any = None  # chat: splitter.OutputSplitter (content, reasoning, tool calls out of the text)
     created: int = field(default_factory=lambda: int(time.time()))
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
