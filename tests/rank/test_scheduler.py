@@ -299,3 +299,59 @@ def test_changes_over_the_payload_bound_are_refused_on_both_sides(monkeypatch):
         big.encode()
     with pytest.raises(IntegrityError, match="exceed"):
         BatchChanges.decode(b" " * 101)
+
+
+# ---- the step loop executes the decisions (a world of one, a fake batch: still no MLX)
+
+class FakeBatch:
+    overlapped = False
+
+    def __init__(self, max_batch: int):
+        self.max_batch, self.rows, self.produced = max_batch, {}, 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def ids(self) -> list[str]:
+        return list(self.rows)
+
+    def ended(self) -> list[str]:
+        return []
+
+    def add(self, req, emit=None, prefix=None, emit_lp=None) -> None:
+        self.rows[req.id] = emit
+
+    def drop(self, rid: str, finish: str, *, save: bool = False):
+        from clusterctl.rank.pipeline import GenResult
+
+        return GenResult([], "", finish, 1) if self.rows.pop(rid, None) is not None else None
+
+
+def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_path):
+    import threading
+
+    from clusterctl.rank.steploop import StepLoop
+    from clusterctl.shared.rankspec import RankSpec
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=1, layer_counts=[1], num_layers=1, http_port=8000,
+                    runtime_dir=str(tmp_path), marker_path=str(tmp_path / "m.json"), gate_path=str(tmp_path / "g"),
+                    max_batch=2)
+    cancels, acks = Cancels(), []
+    q, jobs = queue("a", "b", "c")
+    loop = StepLoop(spec, None, None, None, stop=threading.Event(), jobs=q, cancels=cancels,
+                    on_ack=lambda epoch, applied, **kw: acks.append((epoch, applied)))
+    loop.batch = FakeBatch(2)
+    assert loop._meet(1) == (False, 1)
+    assert loop.batch.ids() == ["a", "b"] and list(loop.inflight) == ["a", "b"] and loop.active.ids() == ["a", "b"]
+    cancels.send(1, ["a"])
+    loop._meet(1)  # "a" leaves cancelled, "c" takes its slot, the epoch is acked at once (a world of one)
+    assert loop.batch.ids() == ["b", "c"] and answered(jobs["a"])[-1][1].finish_reason == "cancelled"
+    assert acks == [(1, ["a"])] and loop.acked == 1
+    loop.stop.set()
+    assert loop._meet(1)[0] and not loop.batch.ids() and not loop.inflight
+    assert all(answered(jobs[r])[-1][1].status == 503 for r in "bc")

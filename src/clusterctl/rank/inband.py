@@ -35,10 +35,10 @@ class InBand:
     # -- every rank
 
     def apply(self, k: int, changes: bytes) -> None:
-        self.loop._apply(BatchChanges.decode(changes), into=k, soft=True)
+        self.loop.apply(BatchChanges.decode(changes), into=k, soft=True)
 
     def received(self, c: Control) -> None:
-        self.loop._ack(c.epoch)
+        self.loop.ack(c.epoch)
         if self.loop.leader:
             if c.flags & MEET:
                 self.plan.ending = True
@@ -66,4 +66,4 @@ class InBand:
             loop.load.recent.add(steps=self._slots / len(loop.batch.mbs), busy=now - self._since)
         self._slots, self._since = 0, now
         mine = loop.load.words()
-        loop._report_load([a + b for a, b in zip(mine, self._load)] if loop.leader else mine)
+        loop.report_load([a + b for a, b in zip(mine, self._load)] if loop.leader else mine)

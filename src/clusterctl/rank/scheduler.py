@@ -223,7 +223,8 @@ class OverlapRun:
         """Each micro-batch's rows not yet answered (``sizes``), and the requests decided to join it."""
         sizes = list(sizes)
         for k, _ in self.sched.joining.values():
-            sizes[k] += 1
+            if k is not None:  # (a meeting's joins are applied at the meeting, before any run)
+                sizes[k] += 1
         return sizes
 
     def decide(self, k: int, live: list[int], rows: list[tuple[str, bool]], *, fresh: bool, mb_sizes: list[int],

@@ -179,14 +179,14 @@ class StepLoop:
             changes = self.sched.meeting(self.batch.room, self.batch.ended(),
                                          wait=0.1 if self.world == 1 and not self.batch else 0.0)
             if self.world == 1:
-                self._ack(self.epoch)  # a world of one acks a new epoch at once
+                self.ack(self.epoch)  # a world of one acks a new epoch at once
         payload = changes.encode()
         if self.world == 1:
-            self._report_load(self.load.words())
+            self.report_load(self.load.words())
             if stop_vote:
                 self._end_all()
                 return True, gap
-            self._apply(changes)
+            self.apply(changes)
             return False, gap
         mine = [0] * HEADER_WORDS + self.load.words()
         mine[3], mine[5] = stop_vote, 1
@@ -201,8 +201,8 @@ class StepLoop:
                          f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                          f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
         self.seq += 1
-        self._report_load(head[HEADER_WORDS:])
-        self._ack(head[6])
+        self.report_load(head[HEADER_WORDS:])
+        self.ack(head[6])
         if head[3] > 0:
             self._end_all()
             return True, gap
@@ -211,10 +211,10 @@ class StepLoop:
                 data = share_payload(self.group, payload if self.leader else None, head[2])
             if not self.leader:
                 changes = BatchChanges.decode(data)
-        self._apply(changes)
+        self.apply(changes)
         return False, head[7]
 
-    def _report_load(self, words: list[int]) -> None:
+    def report_load(self, words: list[int]) -> None:
         stats = self.load.read(words)
         if self.metrics is not None:
             for r, (step_s, idle_share, rss) in enumerate(stats):
@@ -227,7 +227,7 @@ class StepLoop:
                              prompt_cache=[len(self.pcache), self.pcache.held, self.pcache.budget]
                              if self.pcache.on else None)
 
-    def _apply(self, changes: BatchChanges, *, into: int | None = None, soft: bool = False) -> None:
+    def apply(self, changes: BatchChanges, *, into: int | None = None, soft: bool = False) -> None:
         """The batch's changes, on every rank alike. ``into``: the micro-batch new requests join (overlapped);
         ``soft``: a prompt-cache entry rank 0 chose may have been evicted since (it decided during a run): the
         request then processes its whole prompt, on every rank alike."""
@@ -344,13 +344,13 @@ class StepLoop:
             return
         job.events.put(("done", res))
 
-    def _apply_cancels(self) -> None:
+    def apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
         travels with the next meeting. A world of one acks at once."""
         if self.sched.poll_cancels() and self.world == 1:
-            self._ack(self.epoch)
+            self.ack(self.epoch)
 
-    def _ack(self, epoch: int) -> None:
+    def ack(self, epoch: int) -> None:
         self.sched.epochs.ack(epoch)
 
     def _guard(self, what: str):
