@@ -7,10 +7,10 @@ meetings, and files going bad in between — checked against one invariant:
 The pieces are the product's own, without SSH: the coordinator is ``clusterctl.launch.cancel.cancel_job`` on a
 real (unsigned, not saved) launch manifest whose nodes are local (``LocalTransport``: real files in temp runtime
 dirs); rank 0 is a real ``StepLoop`` (rank/steploop.py) with a real ``CancelWatch`` and the ack writer the rank
-runtime gives it (``write_ack``), driven one step at a time: ``_apply_cancels`` is what rank 0 does at a meeting
-before anything else, ``_ack(epoch)`` is what every rank does with the epoch a meeting hands round. The seam this
-needs and the product does not export: "one meeting of rank 0's cancel handling" without a model, a ring or a
-thread (``StepLoop._apply_cancels`` / ``StepLoop._ack`` are private; if they move, this file says so).
+runtime gives it (``write_ack``), driven one step at a time: ``apply_cancels`` is what rank 0 does at a meeting
+before anything else (its scheduler, rank/scheduler.py, polls the cancel watch first), ``ack(epoch)`` is what every
+rank does with the epoch a meeting hands round: "one meeting of rank 0's cancel handling" without a model, a ring
+or a thread.
 
 Determinism: no timing decides anything. The coordinator's wait runs on a fake clock (its ``time`` is replaced, and
 its poll interval is 0), and a responsive rank 0 takes exactly one step and one meeting before each read of an
@@ -196,10 +196,10 @@ class CancelMachine(RuleBasedStateMachine):
         self.step += 1
         self.wclock[0] += 1.0
         loop0 = self.loops[0]
-        loop0._apply_cancels()
+        loop0.apply_cancels()
         if meeting and self.world > 1:
             for loop in self.loops.values():
-                loop._ack(loop0.epoch)
+                loop.ack(loop0.epoch)
         count("rank steps")
         from clusterctl.shared.runtimefiles import ack_path
 

@@ -67,6 +67,8 @@ class Seq:
 class Batch:
     """The requests in flight on this rank, decoded together; identical on every rank."""
 
+    overlapped = False  # the lockstep schedule (overlap.py: the overlapped one)
+
     def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = 2048, pcache=None):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -93,6 +95,10 @@ class Batch:
 
     def ids(self) -> list[str]:
         return list(self.by_id)
+
+    def ended(self) -> list[str]:
+        """Requests answered whose rows are still in the batch: none (a lockstep row leaves when it finishes)."""
+        return []
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
             emit_lp: Callable[[dict], None] | None = None) -> None:

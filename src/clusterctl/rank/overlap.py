@@ -87,7 +87,7 @@ class Control:
     """What happens before one slot of one micro-batch (rank 0 decides it; every rank applies it)."""
 
     flags: int = 0
-    changes: bytes = b""  # JSON, the meeting's shape: {"add": [...], "drop": [...], "fin": [...]}
+    changes: bytes = b""  # scheduler.BatchChanges, encoded (empty: none)
     epoch: int = 0  # the newest cancel epoch whose drops every rank has applied by now
     load: list[int] = field(default_factory=list)  # every rank's load words, summed on the way down
 
@@ -145,6 +145,8 @@ def prompt_groups(lengths: list[int]) -> list[list[int]]:
 
 class OverlapBatch:
     """The requests in flight on this rank, in micro-batches; the same rows on every rank."""
+
+    overlapped = True
 
     def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int,
                  prefill_step: int = 2048, pcache=None):

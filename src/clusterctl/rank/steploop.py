@@ -5,26 +5,22 @@ shared per token (docs/rank.md, "Step loop and sharing")."""
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import threading
 import time
-from collections import deque
 from typing import Callable
 
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.cancelfile import RECENT_ACKS
 from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
 from clusterctl.rank.wire import ApiError
-from clusterctl.rank.pipeline import (HEADER_WORDS, MAGIC, GenRequest, GenResult, agree_on_tokens,
-                                        share_payload, share_words)
+from clusterctl.rank.pipeline import HEADER_WORDS, MAGIC, GenResult, agree_on_tokens, share_payload, share_words
 from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
-from clusterctl.atomic import strict_loads
 from clusterctl.rank.batch import Batch
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.promptcache import PromptCache, reusable
+from clusterctl.rank.scheduler import BatchChanges, Scheduler, cancelled
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 
@@ -76,7 +72,7 @@ class StepLoop:
     come before the next meeting, and the newest cancel epoch; anyone can vote to stop. Then every rank applies
     the same changes and runs the same steps of the same batch. A request that finishes ends the run of steps
     early (its tokens are compared across ranks, its client gets the answer, and a waiting request can take
-    its slot at once)."""
+    its slot at once). What changes is decided by the scheduler (scheduler.py); this loop executes it."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  jobs: JobQueue | None = None, marker=None, watchdog=None,
@@ -87,15 +83,7 @@ class StepLoop:
         if active is None:
             active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
         self.active = active
-        self.cancels, self.on_ack = cancels, on_ack  # rank 0 reads the cancel file; every rank acks
-        self.epoch = 0  # rank 0: the newest cancel epoch applied, sent to all ranks with each meeting
-        self.acked = 0
-        self.applied: dict[int, list[str]] = {}
-        # rank 0: the nonce of each epoch applied and not yet acked, and the (epoch, nonce) pairs acked lately:
-        # its ack shows them, so a coordinator can tell its own cancel from an older one of the same epoch
-        self.nonces: dict[int, str | None] = {}
-        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_ACKS)
-        self.inflight: dict[str, Job] = {}  # rank 0: the jobs in the batch, by request id
+        self.cancels = cancels  # rank 0 reads the cancel file; every rank acks
         self.watchdog = watchdog
         self.leader = spec.rank == 0
         self.world = spec.world_size
@@ -111,8 +99,25 @@ class StepLoop:
         self.load = LoadWords(spec.rank, self.world)
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
+        self.sched = Scheduler(jobs, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
         if jobs is not None:
             jobs.on_put = self.idle.local
+
+    # the scheduler's state, as the rank runtime (and the cancel fuzzing) reads it
+    @property
+    def epoch(self) -> int:
+        return self.sched.epochs.epoch
+
+    @property
+    def acked(self) -> int:
+        return self.sched.epochs.acked
+
+    @property
+    def inflight(self) -> dict[str, Job]:
+        return self.sched.inflight
+
+    def _lookup(self, req) -> tuple[int, int] | None:
+        return self.pcache.lookup(req.tokens, req.partition)
 
     def wake(self) -> None:
         """Hold the next meeting now (a stop was asked), calling the other ranks to it."""
@@ -131,7 +136,7 @@ class StepLoop:
 
     @property
     def overlapped(self) -> bool:
-        return self.batch is not None and hasattr(self.batch, "mbs")
+        return self.batch is not None and self.batch.overlapped
 
     def run(self) -> None:
         self.batch = self._new_batch()
@@ -169,23 +174,19 @@ class StepLoop:
     def _meet(self, gap: int) -> tuple[bool, int]:
         """Agree on the batch's next changes; returns (stop, steps until the next meeting)."""
         stop_vote = 1 if self.stop.is_set() else 0
-        adds: list[tuple[GenRequest, Job]] = []
-        drops: list[str] = []  # cancelled, or their client left
-        fins: list[str] = []  # overlapped: answered early (EOS, a stop string); their KV goes to the prompt cache
+        changes = BatchChanges()
         if self.leader and not stop_vote:
-            self._apply_cancels()
-            drops = [rid for rid, j in self.inflight.items() if j.cancelled.is_set()]
-            if self.overlapped:
-                fins = [rid for rid in self.batch.ended() if rid not in drops]
-            adds = self._take(self.batch.room + len(drops) + len(fins))
-        changes = {"add": [r.__dict__ for r, _ in adds], "drop": drops, **({"fin": fins} if fins else {})}
-        payload = json.dumps(changes, separators=(",", ":")).encode() if adds or drops or fins else b""
+            changes = self.sched.meeting(self.batch.room, self.batch.ended(),
+                                         wait=0.1 if self.world == 1 and not self.batch else 0.0)
+            if self.world == 1:
+                self.ack(self.epoch)  # a world of one acks a new epoch at once
+        payload = changes.encode()
         if self.world == 1:
-            self._report_load(self.load.words())
+            self.report_load(self.load.words())
             if stop_vote:
-                self._end_all(adds)
+                self._end_all()
                 return True, gap
-            self._apply(adds, drops, fins)
+            self.apply(changes)
             return False, gap
         mine = [0] * HEADER_WORDS + self.load.words()
         mine[3], mine[5] = stop_vote, 1
@@ -200,20 +201,20 @@ class StepLoop:
                          f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                          f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
         self.seq += 1
-        self._report_load(head[HEADER_WORDS:])
-        self._ack(head[6])
+        self.report_load(head[HEADER_WORDS:])
+        self.ack(head[6])
         if head[3] > 0:
-            self._end_all(adds)
+            self._end_all()
             return True, gap
         if head[2] > 0:
             with self._guard("batch changes"):
                 data = share_payload(self.group, payload if self.leader else None, head[2])
             if not self.leader:
-                adds, drops, fins = self._decode_changes(data)
-        self._apply(adds, drops, fins)
+                changes = BatchChanges.decode(data)
+        self.apply(changes)
         return False, head[7]
 
-    def _report_load(self, words: list[int]) -> None:
+    def report_load(self, words: list[int]) -> None:
         stats = self.load.read(words)
         if self.metrics is not None:
             for r, (step_s, idle_share, rss) in enumerate(stats):
@@ -226,77 +227,44 @@ class StepLoop:
                              prompt_cache=[len(self.pcache), self.pcache.held, self.pcache.budget]
                              if self.pcache.on else None)
 
-    def _take(self, room: int) -> list[tuple[GenRequest, Job | None]]:
-        """Rank 0: queued jobs for the free slots (prepared on their HTTP threads), with their prompt-cache hits."""
-        out: list[tuple[GenRequest, Job | None]] = []
-        while len(out) < room:
-            wait = 0.1 if self.world == 1 and not self.batch and not out else 0.0
-            job = self.jobs.pop(timeout=wait) if self.jobs is not None else None
-            if job is None:
-                break
-            if job.cancelled.is_set():  # cancelled while queued: never started
-                job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
-                continue
-            req = job.req
-            hit = self.pcache.lookup(req.tokens, req.partition) if self.pcache.on else None
-            if hit is not None:
-                req.cache_from, req.cache_len = hit
-            out.append((req, job))
-        return out
-
-    @staticmethod
-    def _decode_changes(data: bytes) -> tuple[list, list[str], list[str]]:
-        doc = strict_loads(data, source="shared batch changes")
-        if not isinstance(doc, dict) or not {"add", "drop"} <= set(doc) <= {"add", "drop", "fin"} \
-                or not isinstance(doc["add"], list) \
-                or not all(isinstance(d, list) and all(isinstance(x, str) for x in d)
-                           for d in (doc["drop"], doc.get("fin", []))):
-            raise IntegrityError("shared batch changes have an unexpected shape")
-        return ([(GenRequest.decode(json.dumps(a).encode()), None) for a in doc["add"]], doc["drop"],
-                doc.get("fin", []))
-
-    def _apply(self, adds: list, drops: list[str], fins: list[str] = (), *, into: int | None = None,
-               soft: bool = False) -> None:
+    def apply(self, changes: BatchChanges, *, into: int | None = None, soft: bool = False) -> None:
         """The batch's changes, on every rank alike. ``into``: the micro-batch new requests join (overlapped);
         ``soft``: a prompt-cache entry rank 0 chose may have been evicted since (it decided during a run): the
         request then processes its whole prompt, on every rank alike."""
         # the prompt cache's prefixes first: the KV saved by the requests leaving now may evict an entry
-        prefixes = {req.id: p for req, _ in adds if req.cache_from is not None
+        prefixes = {req.id: p for req in changes.adds if req.cache_from is not None
                     and (p := self.pcache.take(req.cache_from, req.cache_len, missing_ok=soft)) is not None}
         if self.metrics is not None:
-            for req, _ in adds:
+            for req in changes.adds:
                 if req.id in prefixes:
                     self.metrics.cache_hit(req.cache_len)
-        for rid in fins:
+        for rid in changes.finishes:
             self.batch.drop(rid, "stop", save=True)
             if not self.leader:  # rank 0 let it go when it answered it (_done)
                 self.active.remove(rid)
-        for rid in drops:
+        for rid in changes.drops:
             res = self.batch.drop(rid, "cancelled")
-            job = self.inflight.pop(rid, None)
+            job = self.sched.left(rid)
             if res is not None:
                 self.active.remove(rid)
             if job is not None:
-                self._finish(job, res or GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0))
-        for req, job in adds:
+                self._finish(job, res or cancelled())
+        for req in changes.adds:
+            job = self.sched.joined(req.id)
             emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
             emit_lp = (lambda e, j=job: j.events.put(("logprob", e))) if job is not None else None
             self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
                            **({"into": into} if into is not None else {}))
             self.active.add(req.id)
             if job is not None:
-                job.started_at = time.monotonic()
                 job.cached_tokens = req.cache_len if req.id in prefixes else 0
-                self.inflight[req.id] = job
 
-    def _end_all(self, adds: list) -> None:
+    def _end_all(self) -> None:
         """The ranks stop: every request in the batch (and any just taken from the queue) gets a 503."""
         for rid in self.batch.ids():
             self.batch.drop(rid, "shutdown")
             self.active.remove(rid)
-        jobs = list(self.inflight.values()) + [j for _, j in adds if j is not None]
-        self.inflight.clear()
-        for job in jobs:
+        for job in self.sched.release_all():
             job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
 
     # -- steps
@@ -330,11 +298,7 @@ class StepLoop:
             self.batch = self._new_batch()
             return n
         for rid, res in done:
-            self.active.remove(rid)
-            self.served += 1
-            job = self.inflight.pop(rid, None)
-            if job is not None:
-                self._finish(job, res)
+            self._done(rid, res)
         return n
 
     def _run(self) -> None:
@@ -353,7 +317,7 @@ class StepLoop:
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
         self.served += 1
-        job = self.inflight.pop(rid, None)
+        job = self.sched.left(rid)
         if job is not None:
             self._finish(job, res)
 
@@ -367,7 +331,7 @@ class StepLoop:
             err = ApiError(500, f"generation failed: {why}", type="server_error")
         for rid in [*self.batch.ids(), *finished]:
             self.active.remove(rid)
-            job = self.inflight.pop(rid, None)
+            job = self.sched.left(rid)
             if job is not None:
                 job.events.put(("error", err))
 
@@ -380,35 +344,14 @@ class StepLoop:
             return
         job.events.put(("done", res))
 
-    def _apply_cancels(self) -> None:
+    def apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
         travels with the next meeting. A world of one acks at once."""
-        if self.cancels is None:
-            return
-        doc = self.cancels.poll()
-        if doc is None:
-            return
-        applied = []
-        for rid, job in list(self.inflight.items()):
-            if doc.requests is None or rid in doc.requests:
-                job.cancelled.set()
-                applied.append(rid)
-        if self.jobs is not None:
-            applied += self.jobs.cancel(doc.requests)
-        self.epoch = doc.epoch
-        self.applied[doc.epoch] = applied
-        self.nonces[doc.epoch] = doc.nonce
-        if self.world == 1:
-            self._ack(doc.epoch)
+        if self.sched.poll_cancels() and self.world == 1:
+            self.ack(self.epoch)
 
-    def _ack(self, epoch: int) -> None:
-        if epoch > self.acked:
-            self.acked = epoch
-            nonce = self.nonces.pop(epoch, None)
-            if nonce is not None:
-                self.recent.append((epoch, nonce))
-            if self.on_ack is not None:
-                self.on_ack(epoch, self.applied.pop(epoch, []), nonce=nonce, recent=list(self.recent))
+    def ack(self, epoch: int) -> None:
+        self.sched.epochs.ack(epoch)
 
     def _guard(self, what: str):
         if self.watchdog is None:

@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.runtimefiles import CancelFile, cancel_path, read_cancel
+from clusterctl.shared.runtimefiles import CancelFile, cancel_path, epoch_is_new, read_cancel
 # the file formats live in runtimefiles.py; re-exported here for the rank (rank/) that imports them so
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, NONCE_PATTERN,  # noqa: F401
                                            RECENT_ACKS, REQUEST_ID_PATTERN, CancelAck, ack_path, cancel_here,
@@ -92,7 +92,7 @@ class CancelWatch:
         doc = self._load()
         if doc is None:
             return None
-        if doc.epoch <= self.consumed:
+        if not epoch_is_new(doc.epoch, self.consumed):
             # the cancel just applied, written again (nodes that share this runtime dir each get a copy): not news
             if (doc.epoch, doc.nonce) != (self.consumed, self.consumed_nonce) or doc.nonce is None:
                 # said once per cancel: the rank log then explains a cancel that was never applied

@@ -230,6 +230,28 @@ MAX_REQUEST_IDS = 256
 NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
 RECENT_ACKS = 32  # (epoch, nonce) pairs rank 0's ack keeps: a cancel overtaken by newer ones still shows
 
+
+
+class EpochsUsedUp(ClusterctlError):
+    """A job's cancel epochs reached EPOCH_MAX: a new job starts again at 1."""
+
+    exit_code = Exit.FAILED
+
+
+def epoch_is_new(epoch: int, last: int) -> bool:
+    """The one epoch rule, on both sides: a cancel counts only with an epoch above the last one taken (rank 0's
+    cancel watch, every rank's ack). Epochs never wrap: an epoch wrapped to 1 would be ignored as consumed."""
+    return last < epoch <= EPOCH_MAX
+
+
+def next_epoch(top: int) -> int:
+    """The epoch of a new cancel, above ``top`` (every epoch seen): the writers' side of ``epoch_is_new``."""
+    if top >= EPOCH_MAX:
+        raise EpochsUsedUp(f"cancel epochs are used up (epoch {top})",
+                           hint="relaunch the deployment: a new job starts at epoch 1")
+    return max(top, 0) + 1
+
+
 RequestId = Annotated[str, StringConstraints(pattern=REQUEST_ID_PATTERN)]
 Nonce = Annotated[str, StringConstraints(pattern=NONCE_PATTERN)]
 
@@ -304,8 +326,7 @@ def cancel_here(runtime_dir: str, deployment_id: str, job_id: str, requests: lis
         prev = read_cancel(path).epoch
     except (ClusterctlError, OSError):
         prev = 0
-    prev = max(prev, consumed)
-    epoch = prev + 1 if prev < EPOCH_MAX else 1
+    epoch = next_epoch(max(prev, consumed))  # used up: raises (a wrapped epoch would never be applied)
     # more ids than a cancel file holds (a queue launched beyond MAX_REQUEST_IDS): all, rather than none
     named = list(requests) if len(requests) <= MAX_REQUEST_IDS else None
     doc = CancelFile(deployment_id=deployment_id, job_id=job_id, epoch=epoch, requests=named,

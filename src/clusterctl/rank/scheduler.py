@@ -1,0 +1,266 @@
+"""What the step loop decides, pure of MLX: which queued requests join the batch and when (and, overlapped, which
+micro-batch each joins), which leave it (cancelled, or answered early), the cancel epochs, and the in-flight map
+of rank 0's jobs. The step loop (steploop.py, inband.py) executes these decisions on both decode schedules; the
+batch's changes travel between the ranks as one ``BatchChanges`` with one encoder and one decoder.
+
+Fairness: requests join in the order they were queued (the queue is first in, first out); a request cancelled
+while queued never takes a slot. A burst of joins in the overlapped schedule is spread over the micro-batches
+(``join_count``) so their prompts are processed side by side on the stages."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from clusterctl.atomic import strict_loads
+from clusterctl.errors import IntegrityError
+from clusterctl.rank.jobs import Job, JobQueue
+from clusterctl.rank.pipeline import MAX_PAYLOAD, GenRequest, GenResult
+from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
+
+_KEYS = {"add", "drop", "fin"}
+
+
+@dataclass(frozen=True)
+class BatchChanges:
+    """A meeting's (or an overlapped slot's) changes to the batch, the same on every rank."""
+
+    adds: tuple[GenRequest, ...] = ()  # join now (with rank 0's prompt-cache decision in each request)
+    drops: tuple[str, ...] = ()  # cancelled, or their client left
+    finishes: tuple[str, ...] = ()  # overlapped: answered early (EOS, a stop string); their KV goes to the cache
+
+    def __bool__(self) -> bool:
+        return bool(self.adds or self.drops or self.finishes)
+
+    def encode(self) -> bytes:
+        """The bytes rank 0 shares (empty: no changes)."""
+        if not self:
+            return b""
+        doc = {"add": [r.__dict__ for r in self.adds], "drop": list(self.drops),
+               **({"fin": list(self.finishes)} if self.finishes else {})}
+        data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
+        if len(data) > MAX_PAYLOAD:
+            raise IntegrityError(f"batch changes of {len(data)} bytes exceed {MAX_PAYLOAD}")
+        return data
+
+    @classmethod
+    def decode(cls, data: bytes) -> "BatchChanges":
+        """The changes rank 0 shared; a payload of any other shape is refused (the ranks would diverge)."""
+        if not data:
+            return cls()
+        if len(data) > MAX_PAYLOAD:
+            raise IntegrityError(f"batch changes of {len(data)} bytes exceed {MAX_PAYLOAD}")
+        doc = strict_loads(data, source="shared batch changes")
+        if not isinstance(doc, dict) or not {"add", "drop"} <= set(doc) <= _KEYS or not isinstance(doc["add"], list) \
+                or not all(isinstance(d, list) and all(isinstance(x, str) for x in d)
+                           for d in (doc["drop"], doc.get("fin", []))):
+            raise IntegrityError("shared batch changes have an unexpected shape")
+        adds = tuple(_request(a) for a in doc["add"])
+        ids = [r.id for r in adds] + doc["drop"] + doc.get("fin", [])
+        if len(set(ids)) != len(ids):
+            raise IntegrityError("shared batch changes name a request twice")
+        return cls(adds, tuple(doc["drop"]), tuple(doc.get("fin", ())))
+
+
+def _request(obj) -> GenRequest:
+    fields = GenRequest.__dataclass_fields__
+    if not isinstance(obj, dict) or set(obj) - set(fields) or not isinstance(obj.get("id"), str) \
+            or not isinstance(obj.get("tokens"), list) or not all(type(t) is int for t in obj["tokens"]) \
+            or type(obj.get("max_tokens")) is not int:
+        raise IntegrityError("a shared request has an unexpected shape")
+    try:
+        return GenRequest(**obj)
+    except TypeError as e:
+        raise IntegrityError(f"a shared request has an unexpected shape: {e}") from None
+
+
+def join_count(sizes: list[int], k: int, room: int, waiting: int) -> int:
+    """How many of the ``waiting`` requests join micro-batch ``k`` now: up to its share of the rows once the queue is
+    in (the batch split evenly, the remainder to the lowest indices, so that a burst is spread over the micro-batches
+    in one round and their prompts are processed side by side on the stages), within the batch's ``room``."""
+    if room <= 0 or waiting <= 0:
+        return 0
+    total, n = sum(sizes) + min(room, waiting), len(sizes)
+    share = total // n + (1 if k < total % n else 0)
+    return max(0, min(room, waiting, share - sizes[k]))
+
+
+def cancelled() -> GenResult:
+    """The answer of a request cancelled before it made a token (a new one each time: its receiver may fill it)."""
+    return GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)
+
+
+class Epochs:
+    """The cancel epochs a rank has seen: rank 0 applies a new one from its cancel file (``poll``); every rank acks
+    the epoch a meeting or a control brings (``ack``). Only an epoch above the last acked counts
+    (runtimefiles.epoch_is_new: the one rule the cancel file's writers and readers follow)."""
+
+    def __init__(self, cancels=None, on_ack: Callable[..., None] | None = None):
+        self.cancels, self.on_ack = cancels, on_ack
+        self.epoch = 0  # rank 0: the newest epoch applied, sent to all ranks
+        self.acked = 0
+        self.applied: dict[int, list[str]] = {}
+        # rank 0: the nonce of each epoch applied and not yet acked, and the (epoch, nonce) pairs acked lately:
+        # its ack shows them, so a coordinator can tell its own cancel from an older one of the same epoch
+        self.nonces: dict[int, str | None] = {}
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_ACKS)
+
+    def poll(self, held: dict[str, Job], jobs: JobQueue | None) -> bool:
+        """Rank 0: a new cancel epoch marks the matching requests cancelled (``held``: those rank 0 holds, and the
+        queued ones). True if one came."""
+        doc = self.cancels.poll() if self.cancels is not None else None
+        if doc is None or not epoch_is_new(doc.epoch, self.epoch):
+            return False
+        applied = []
+        for rid, job in held.items():
+            if doc.requests is None or rid in doc.requests:
+                job.cancelled.set()
+                applied.append(rid)
+        if jobs is not None:
+            applied += jobs.cancel(doc.requests)
+        self.epoch = doc.epoch
+        self.applied[doc.epoch] = applied
+        self.nonces[doc.epoch] = doc.nonce
+        return True
+
+    def ack(self, epoch: int) -> None:
+        if epoch_is_new(epoch, self.acked):
+            self.acked = epoch
+            nonce = self.nonces.pop(epoch, None)
+            if nonce is not None:
+                self.recent.append((epoch, nonce))
+            if self.on_ack is not None:
+                self.on_ack(epoch, self.applied.pop(epoch, []), nonce=nonce, recent=list(self.recent))
+
+
+class Scheduler:
+    """Rank 0's decisions (every rank holds one: the others only ack epochs through it)."""
+
+    def __init__(self, jobs: JobQueue | None, *, lookup: Callable[[GenRequest], tuple[int, int] | None] | None = None,
+                 cancels=None, on_ack: Callable[..., None] | None = None):
+        self.jobs = jobs
+        self.lookup = lookup  # the prompt cache's hit for a request: (entry, tokens) or None
+        self.epochs = Epochs(cancels, on_ack)
+        self.inflight: dict[str, Job] = {}  # the jobs in the batch, by request id
+        self.joining: dict[str, tuple[int | None, Job]] = {}  # decided to join (micro-batch), not yet applied
+
+    def waiting(self) -> int:
+        return len(self.jobs) if self.jobs is not None else 0
+
+    def poll_cancels(self) -> bool:
+        """A new cancel epoch marks the matching requests cancelled: in the batch, decided to join it (they leave
+        at the next decision after they joined), and queued. True if one came."""
+        held = {**self.inflight, **{rid: job for rid, (_, job) in self.joining.items()}}
+        return self.epochs.poll(held, self.jobs)
+
+    # -- joins
+
+    def take(self, room: int, *, into: int | None = None, wait: float = 0.0) -> list[GenRequest]:
+        """Queued requests for ``room`` free slots, first come first served (``wait``: how long to wait for the
+        first); a request cancelled while queued is answered and takes no slot."""
+        out: list[GenRequest] = []
+        while len(out) < room and self.jobs is not None:
+            job = self.jobs.pop(timeout=wait if not out else 0.0)
+            if job is None:
+                break
+            if job.cancelled.is_set():  # cancelled while queued: never started
+                job.events.put(("done", cancelled()))
+                continue
+            req = job.req
+            hit = self.lookup(req) if self.lookup is not None else None
+            if hit is not None:
+                req.cache_from, req.cache_len = hit
+            self.joining[req.id] = (into, job)
+            out.append(req)
+        return out
+
+    def meeting(self, room: int, ended: list[str] = (), *, wait: float = 0.0) -> BatchChanges:
+        """A meeting's changes: a new cancel epoch first, then the cancelled requests leave, the answered ones
+        (overlapped: ``ended``) leave, and queued ones take the freed slots."""
+        self.poll_cancels()
+        drops = tuple(rid for rid, j in self.inflight.items() if j.cancelled.is_set())
+        fins = tuple(rid for rid in ended if rid not in drops)
+        return BatchChanges(tuple(self.take(room + len(drops) + len(fins), wait=wait)), drops, fins)
+
+    # -- the in-flight map (rank 0; on the other ranks every call finds nothing)
+
+    def joined(self, rid: str) -> Job | None:
+        """A request decided to join is in the batch now: its job."""
+        _, job = self.joining.pop(rid, (None, None))
+        if job is not None:
+            job.started_at = time.monotonic()
+            self.inflight[rid] = job
+        return job
+
+    def left(self, rid: str) -> Job | None:
+        """A request left the batch (finished, dropped, failed): its job, whose client is answered next."""
+        return self.inflight.pop(rid, None)
+
+    def release_all(self) -> list[Job]:
+        """The ranks stop: every job in the batch or about to join it."""
+        jobs = [*self.inflight.values(), *(j for _, j in self.joining.values())]
+        self.inflight.clear()
+        self.joining.clear()
+        return jobs
+
+
+class OverlapRun:
+    """Rank 0's decisions during one overlapped run (between two meetings): each micro-batch's next control."""
+
+    CANCEL_POLL_S = 0.05  # rank 0 looks at the cancel file this often during a run
+
+    def __init__(self, sched: Scheduler, n_mbs: int, max_batch: int, clock: Callable[[], float] = time.monotonic):
+        self.sched, self.n, self.max_batch, self.clock = sched, n_mbs, max_batch, clock
+        self.ending = False  # every micro-batch's next control ends its run
+        self.epoch_out = sched.epochs.epoch  # the cancel epoch the controls carry
+        self._epoch_wait: set[int] = set()  # micro-batches still to be decided since the newest epoch
+        self._polled = -1e9
+
+    def sizes(self, sizes: list[int]) -> list[int]:
+        """Each micro-batch's rows not yet answered (``sizes``), and the requests decided to join it."""
+        sizes = list(sizes)
+        for k, _ in self.sched.joining.values():
+            if k is not None:  # (a meeting's joins are applied at the meeting, before any run)
+                sizes[k] += 1
+        return sizes
+
+    def decide(self, k: int, live: list[int], rows: list[tuple[str, bool]], *, fresh: bool, mb_sizes: list[int],
+               held: int, stop: bool) -> tuple[BatchChanges, bool]:
+        """The changes before micro-batch ``k``'s next slot and whether its run ends there. ``rows``: its rows
+        (id, answered); ``fresh``: it has requests whose prompt is not processed yet; ``mb_sizes``: every micro-batch's
+        rows not yet answered; ``held``: the rows the batch holds (answered ones too); ``stop``: a meeting is
+        wanted."""
+        sched = self.sched
+        self._poll_cancels(live)
+        fins = tuple(rid for rid, done in rows if done)
+        drops = tuple(rid for rid, done in rows if not done and (job := sched.inflight.get(rid)) is not None
+                      and job.cancelled.is_set())
+        # a stop; or requests wait while a micro-batch sits the run out: meet, and place them evenly
+        self.ending = self.ending or stop or (len(live) < self.n and sched.waiting() > 0)
+        adds: tuple[GenRequest, ...] = ()
+        if not self.ending:
+            sizes = self.sizes(mb_sizes)
+            sizes[k] -= len(drops)
+            room = self.max_batch - (held + len(sched.joining) - len(fins) - len(drops))
+            want = join_count(sizes, k, room, sched.waiting())
+            adds = tuple(sched.take(want, into=k)) if want > 0 else ()
+        if not adds and sum(self.sizes(mb_sizes)) - len(drops) <= 0:
+            self.ending = True  # nothing left to decode: meet (and idle) until work comes
+        self._epoch_wait.discard(k)
+        if not self._epoch_wait:
+            self.epoch_out = sched.epochs.epoch
+        # an empty micro-batch sits the rest of the run out: its slots would only carry headers around the ring,
+        # in the way of the others' (one request alone: every round would pay for two)
+        park = not adds and not fresh and len(rows) == len(fins) + len(drops)
+        return BatchChanges(adds, drops, fins), self.ending or park
+
+    def _poll_cancels(self, live: list[int]) -> None:
+        now = self.clock()
+        if now - self._polled < self.CANCEL_POLL_S:
+            return
+        self._polled = now
+        if self.sched.poll_cancels():
+            self._epoch_wait = set(live)  # its drops are decided for each micro-batch in turn: then it travels

@@ -1,0 +1,357 @@
+"""The step loop's decisions (rank/scheduler.py), without MLX: joins and their fairness, a burst spread over the
+micro-batches, cancels at every point of a request's life, the cancel epochs' one rule, and the batch changes'
+encoder and decoder. Every test runs in milliseconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from clusterctl.errors import ClusterctlError, IntegrityError
+from clusterctl.rank import scheduler as sch
+from clusterctl.rank.jobs import Job, JobQueue
+from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count
+from clusterctl.shared.cancelfile import CancelWatch
+from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
+                                           epoch_is_new, next_epoch)
+
+
+def job(rid: str, n: int = 3) -> Job:
+    return Job(id=rid, kind="completion", prepare=lambda _: None, stream=False,
+               req=GenRequest(id=rid, tokens=list(range(1, n + 1)), max_tokens=4))
+
+
+def queue(*ids: str) -> tuple[JobQueue, dict[str, Job]]:
+    q, jobs = JobQueue(), {}
+    for rid in ids:
+        jobs[rid] = job(rid)
+        q.put(jobs[rid])
+    return q, jobs
+
+
+def answered(j: Job) -> list:
+    out = []
+    while not j.events.empty():
+        out.append(j.events.get_nowait())
+    return out
+
+
+class Cancels:
+    """A cancel watch that hands out the cancels it is given, one per poll."""
+
+    def __init__(self):
+        self.docs: list[CancelFile] = []
+
+    def send(self, epoch: int, requests: list[str] | None, nonce: str = "ab" * 8) -> None:
+        self.docs.append(CancelFile(deployment_id="d", job_id="j", epoch=epoch, requests=requests, created_at=0.0,
+                                    nonce=nonce))
+
+    def poll(self):
+        return self.docs.pop(0) if self.docs else None
+
+
+def test_the_scheduler_loads_no_mlx_nor_numpy():
+    import subprocess  # a fresh interpreter: this one may have loaded MLX for other tests
+
+    code = ("import sys, clusterctl.rank.scheduler; "
+            "print(sorted(m for m in ('mlx', 'numpy', 'mlx_lm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- joins
+
+def test_joins_come_in_queue_order_and_a_full_batch_leaves_the_rest_queued():
+    q, jobs = queue("a", "b", "c", "d", "e")
+    s = Scheduler(q)
+    ch = s.meeting(room=3)
+    assert [r.id for r in ch.adds] == ["a", "b", "c"] and not ch.drops and not ch.finishes
+    assert len(q) == 2 and set(s.joining) == {"a", "b", "c"} and not s.inflight
+    for r in ch.adds:
+        assert s.joined(r.id) is jobs[r.id] and jobs[r.id].started_at is not None
+    assert list(s.inflight) == ["a", "b", "c"] and not s.joining
+    # a slot freed: the next in line, not a later one
+    assert s.left("b") is jobs["b"]
+    assert [r.id for r in s.meeting(room=1).adds] == ["d"]
+
+
+def test_a_request_cancelled_while_queued_takes_no_slot_and_is_answered():
+    q, jobs = queue("a", "b", "c")
+    jobs["a"].cancelled.set()
+    s = Scheduler(q)
+    assert [r.id for r in s.meeting(room=2).adds] == ["b", "c"]
+    assert answered(jobs["a"])[0][1].finish_reason == "cancelled"
+    assert "a" not in s.joining and "a" not in s.inflight
+
+
+def test_a_join_carries_the_prompt_cache_decision():
+    q, _ = queue("a", "b")
+    s = Scheduler(q, lookup=lambda req: (7, 2) if req.id == "b" else None)
+    a, b = s.meeting(room=2).adds
+    assert (a.cache_from, a.cache_len) == (None, 0) and (b.cache_from, b.cache_len) == (7, 2)
+
+
+def test_no_queue_no_room_no_joins():
+    assert not Scheduler(None).meeting(room=4)
+    q, _ = queue("a")
+    assert not Scheduler(q).meeting(room=0) and len(q) == 1
+
+
+@pytest.mark.parametrize("sizes, waiting, room, want", [
+    ([0, 0], 8, 8, [4, 4]),  # a burst into an empty batch: half each
+    ([0, 0], 5, 8, [3, 2]),
+    ([0, 0, 0], 7, 16, [3, 2, 2]),
+    ([3, 0], 3, 8, [0, 3]),  # the emptier micro-batch takes the burst
+    ([2, 2], 9, 4, [2, 2]),  # the batch's room bounds it
+    ([1, 1], 0, 8, [0, 0]),  # nothing waits
+])
+def test_a_burst_of_joins_is_spread_over_the_micro_batches(sizes, waiting, room, want):
+    got = []
+    sizes = list(sizes)
+    for k in range(len(sizes)):  # each micro-batch decided in turn, as an overlapped run does
+        n = join_count(sizes, k, room, waiting)
+        got.append(n)
+        sizes[k] += n
+        room -= n
+        waiting -= n
+    assert got == want
+
+
+def run_for(q: JobQueue, *, n: int = 2, max_batch: int = 8, cancels=None) -> tuple[Scheduler, OverlapRun]:
+    s = Scheduler(q, cancels=cancels)
+    return s, OverlapRun(s, n, max_batch, clock=iter(range(10**6)).__next__)
+
+
+def test_an_overlapped_run_spreads_a_burst_and_ends_when_work_waits_for_a_parked_micro_batch():
+    q, _ = queue(*"abcdef")
+    s, run = run_for(q)
+    ch0, end0 = run.decide(0, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
+    ch1, end1 = run.decide(1, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
+    assert [r.id for r in ch0.adds] == ["a", "b", "c"] and [r.id for r in ch1.adds] == ["d", "e", "f"]
+    assert not end0 and not end1 and {k for k, _ in s.joining.values()} == {0, 1}
+    # a micro-batch sat the run out and a request arrives: the run ends, the next meeting places it evenly
+    q.put(job("g"))
+    ch, end = run.decide(0, [0], [("a", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=False)
+    assert end and not ch.adds and len(q) == 1
+
+
+def test_an_overlapped_micro_batch_with_nothing_left_parks_and_an_empty_batch_ends_the_run():
+    _, run = run_for(None)
+    ch, end = run.decide(0, [0, 1], [("a", True)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
+    assert ch.finishes == ("a",) and end and not run.ending  # parked: the other micro-batch goes on
+    ch, end = run.decide(1, [1], [("b", True)], fresh=False, mb_sizes=[0, 0], held=1, stop=False)
+    assert ch.finishes == ("b",) and end and run.ending  # nothing left anywhere: meet
+
+
+def test_a_stop_ends_every_micro_batch_and_takes_no_joins():
+    q, _ = queue("a")
+    _, run = run_for(q)
+    ch, end = run.decide(0, [0, 1], [("x", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=True)
+    assert end and not ch and len(q) == 1
+
+
+# ---- cancels at every point of a request's life
+
+def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
+    cancels, acks = Cancels(), []
+    q, jobs = queue("queued")
+    s = Scheduler(q, cancels=cancels, on_ack=lambda e, applied, **kw: acks.append((e, sorted(applied), kw)))
+    # in the batch, decided to join (overlapped, not applied yet), finishing (answered, its row not yet gone)
+    for rid in ("mid", "joining"):
+        q.put(jobs.setdefault(rid, job(rid)))
+    q.remove(jobs["queued"])
+    q.put(jobs["queued"])  # the queue: mid, joining, queued
+    assert [r.id for r in s.take(1)] == ["mid"]
+    s.joined("mid")
+    assert [r.id for r in s.take(1, into=1)] == ["joining"]
+    fin = job("fin")
+    s.joining["fin"] = (0, fin)
+    s.joined("fin")
+    assert s.left("fin") is fin  # answered: rank 0 let it go when it finished
+    cancels.send(1, ["queued", "joining", "mid", "fin"])
+    run = OverlapRun(s, 2, 8, clock=iter(range(10**6)).__next__)
+    ch, _ = run.decide(0, [0, 1], [("mid", False), ("fin", True)], fresh=False, mb_sizes=[1, 0], held=2,
+                       stop=False)
+    assert ch.drops == ("mid",) and ch.finishes == ("fin",) and not ch.adds  # "queued" was answered instead
+    assert answered(jobs["queued"])[0][1].finish_reason == "cancelled"
+    assert jobs["joining"].cancelled.is_set() and not fin.cancelled.is_set()
+    # the epoch travels only once every live micro-batch's drops are decided
+    assert run.epoch_out == 0
+    s.joined("joining")  # applied at micro-batch 1's next slot: then dropped at its next decision
+    ch, _ = run.decide(1, [0, 1], [("joining", False)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
+    assert ch.drops == ("joining",) and run.epoch_out == 1
+    s.epochs.ack(run.epoch_out)
+    assert acks == [(1, ["joining", "mid", "queued"], {"nonce": "ab" * 8, "recent": [(1, "ab" * 8)]})]
+
+
+def test_a_meeting_drops_the_cancelled_and_refills_their_slots():
+    cancels = Cancels()
+    q, jobs = queue("a", "b", "c")
+    s = Scheduler(q, cancels=cancels)
+    for r in s.meeting(room=2).adds:
+        s.joined(r.id)
+    cancels.send(1, None)  # all: those in the batch and those queued
+    ch = s.meeting(room=0)
+    assert ch.drops == ("a", "b") and not ch.adds
+    assert answered(jobs["c"])[0][1].finish_reason == "cancelled"
+    assert s.epochs.epoch == 1 and s.epochs.applied[1] == ["a", "b", "c"]
+
+
+def test_a_meeting_lets_the_answered_go_and_a_cancelled_row_leaves_once():
+    cancels = Cancels()
+    q, _ = queue("a", "b")
+    s = Scheduler(q, cancels=cancels)
+    for r in s.meeting(room=2).adds:
+        s.joined(r.id)
+    cancels.send(3, ["a"])
+    ch = s.meeting(room=0, ended=["a", "b"])  # both answered rows still in micro-batches; "a" is also cancelled
+    assert ch.drops == ("a",) and ch.finishes == ("b",)
+
+
+def test_ending_every_job_reaches_the_joining_ones_too():
+    q, _ = queue("a", "b")
+    s = Scheduler(q)
+    s.meeting(room=2)
+    s.joined("a")
+    assert sorted(j.id for j in s.release_all()) == ["a", "b"] and not s.inflight and not s.joining
+
+
+# ---- epochs: one rule on both sides
+
+def test_epochs_never_wrap_and_writers_and_readers_agree():
+    assert next_epoch(0) == 1 and next_epoch(EPOCH_MAX - 1) == EPOCH_MAX
+    with pytest.raises(EpochsUsedUp):
+        next_epoch(EPOCH_MAX)
+    assert epoch_is_new(EPOCH_MAX, EPOCH_MAX - 1) and not epoch_is_new(1, EPOCH_MAX)
+    assert not epoch_is_new(EPOCH_MAX + 1, 0) and not epoch_is_new(5, 5)
+    # every epoch a writer makes is one the readers take, up to the last
+    for top in (0, 1, 41, EPOCH_MAX - 2, EPOCH_MAX - 1):
+        assert epoch_is_new(next_epoch(top), top)
+
+
+def test_rank_0s_own_cancel_at_the_last_epoch_is_refused_not_wrapped(tmp_path):
+    w = CancelWatch(str(tmp_path), "dep", "job-1", log=lambda m: None)
+    w.consumed = EPOCH_MAX - 1
+    assert cancel_here(str(tmp_path), "dep", "job-1", ["cmpl-a"], consumed=EPOCH_MAX - 1) == EPOCH_MAX
+    assert w.poll().epoch == EPOCH_MAX
+    before = cancel_path(tmp_path, "dep").read_bytes()
+    with pytest.raises(ClusterctlError, match="used up"):  # the rank's abort stage logs it (runtime.py)
+        cancel_here(str(tmp_path), "dep", "job-1", ["cmpl-a"], consumed=EPOCH_MAX)
+    assert cancel_path(tmp_path, "dep").read_bytes() == before
+
+
+def test_every_rank_acks_each_new_epoch_once_in_order():
+    acks = []
+    e = Epochs(on_ack=lambda epoch, applied, **kw: acks.append(epoch))
+    for epoch in (0, 1, 1, 3, 2, EPOCH_MAX, EPOCH_MAX, 1):
+        e.ack(epoch)
+    assert acks == [1, 3, EPOCH_MAX] and e.acked == EPOCH_MAX
+
+
+def test_rank_0_applies_an_epoch_once_and_its_ack_names_the_nonce():
+    cancels, acks = Cancels(), []
+    e = Epochs(cancels, on_ack=lambda epoch, applied, **kw: acks.append((epoch, applied, kw["nonce"])))
+    cancels.send(2, None, nonce="cd" * 8)
+    cancels.send(2, None)  # the same epoch again (a second node's copy): not news
+    assert e.poll({}, None) and not e.poll({}, None)
+    e.ack(2)
+    assert acks == [(2, [], "cd" * 8)] and list(e.recent) == [(2, "cd" * 8)]
+
+
+# ---- the batch changes on the wire
+
+def test_changes_round_trip_and_no_changes_are_no_bytes():
+    req = GenRequest(id="a", tokens=[5, 6], max_tokens=3, temperature=0.5, stop=["x"], logit_bias={"5": -1.0},
+                     grammar={"lark": "start: /a/"}, cache_from=2, cache_len=1, partition="p")
+    ch = BatchChanges(adds=(req, GenRequest(id="b", tokens=[1], max_tokens=1)), drops=("c",), finishes=("d",))
+    assert BatchChanges.decode(ch.encode()) == ch
+    assert BatchChanges.decode(BatchChanges(drops=("c",)).encode()) == BatchChanges(drops=("c",))
+    assert BatchChanges().encode() == b"" and BatchChanges.decode(b"") == BatchChanges() and not BatchChanges()
+
+
+def _doc(**kw) -> bytes:
+    doc = {"add": [{"id": "a", "tokens": [1], "max_tokens": 2}], "drop": []}
+    doc.update(kw)
+    return json.dumps({k: v for k, v in doc.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("data", [
+    b"{", b"[]", b"null", b'"add"', b"\xff\xfe",
+    _doc(drop=...), _doc(add=...), _doc(extra=[]), _doc(add={}), _doc(drop="a"), _doc(drop=[1]), _doc(fin=[None]),
+    _doc(add=[1]), _doc(add=[{"id": "a", "tokens": [1]}]), _doc(add=[{"id": "a", "tokens": [1], "max_tokens": 2,
+                                                                       "evil": 1}]),
+    _doc(add=[{"id": 7, "tokens": [1], "max_tokens": 2}]), _doc(add=[{"id": "a", "tokens": ["1"], "max_tokens": 2}]),
+    _doc(add=[{"id": "a", "tokens": [1], "max_tokens": "2"}]), _doc(drop=["a"]), _doc(drop=["b"], fin=["b"]),
+    b'{"add": [], "drop": [], "drop": ["x"]}',
+])
+def test_malformed_changes_are_refused(data):
+    with pytest.raises(IntegrityError):
+        BatchChanges.decode(data)
+
+
+def test_changes_over_the_payload_bound_are_refused_on_both_sides(monkeypatch):
+    monkeypatch.setattr(sch, "MAX_PAYLOAD", 100)
+    big = BatchChanges(drops=tuple(f"r{i}" for i in range(40)))
+    with pytest.raises(IntegrityError, match="exceed"):
+        big.encode()
+    with pytest.raises(IntegrityError, match="exceed"):
+        BatchChanges.decode(b" " * 101)
+
+
+# ---- the step loop executes the decisions (a world of one, a fake batch: still no MLX)
+
+class FakeBatch:
+    overlapped = False
+
+    def __init__(self, max_batch: int):
+        self.max_batch, self.rows, self.produced = max_batch, {}, 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def ids(self) -> list[str]:
+        return list(self.rows)
+
+    def ended(self) -> list[str]:
+        return []
+
+    def add(self, req, emit=None, prefix=None, emit_lp=None) -> None:
+        self.rows[req.id] = emit
+
+    def drop(self, rid: str, finish: str, *, save: bool = False):
+        from clusterctl.rank.pipeline import GenResult
+
+        return GenResult([], "", finish, 1) if self.rows.pop(rid, None) is not None else None
+
+
+def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_path):
+    import threading
+
+    from clusterctl.rank.steploop import StepLoop
+    from clusterctl.shared.rankspec import RankSpec
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=1, layer_counts=[1], num_layers=1, http_port=8000,
+                    runtime_dir=str(tmp_path), marker_path=str(tmp_path / "m.json"), gate_path=str(tmp_path / "g"),
+                    max_batch=2)
+    cancels, acks = Cancels(), []
+    q, jobs = queue("a", "b", "c")
+    loop = StepLoop(spec, None, None, None, stop=threading.Event(), jobs=q, cancels=cancels,
+                    on_ack=lambda epoch, applied, **kw: acks.append((epoch, applied)))
+    loop.batch = FakeBatch(2)
+    assert loop._meet(1) == (False, 1)
+    assert loop.batch.ids() == ["a", "b"] and list(loop.inflight) == ["a", "b"] and loop.active.ids() == ["a", "b"]
+    cancels.send(1, ["a"])
+    loop._meet(1)  # "a" leaves cancelled, "c" takes its slot, the epoch is acked at once (a world of one)
+    assert loop.batch.ids() == ["b", "c"] and answered(jobs["a"])[-1][1].finish_reason == "cancelled"
+    assert acks == [(1, ["a"])] and loop.acked == 1
+    loop.stop.set()
+    assert loop._meet(1)[0] and not loop.batch.ids() and not loop.inflight
+    assert all(answered(jobs[r])[-1][1].status == 503 for r in "bc")
