@@ -14,19 +14,13 @@ import time
 from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
 from clusterctl.launch.manifest import job_ref, manifest_store
 from clusterctl.launch.nodes import SshOptions, close_all, handles
-from clusterctl.shared.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile,
-                                            ack_path, cancel_path, new_cancel_nonce as new_nonce)
+from clusterctl.shared.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
+                                            ack_path, cancel_path, new_cancel_nonce as new_nonce, next_epoch)
 
 ACK_POLL = 0.02
 
 
 class CancelNotAcked(ClusterctlError):
-    exit_code = Exit.FAILED
-
-
-class CancelEpochsUsedUp(ClusterctlError):
-    """The job's cancel epochs reached EPOCH_MAX (an int32 in the ranks' meetings): a new job starts again at 1."""
-
     exit_code = Exit.FAILED
 
 
@@ -71,10 +65,10 @@ async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: fl
         # only files rank 0 could have taken count (a garbled epoch of 2**40 is no reason to stop cancelling)
         epochs = [doc.epoch for doc in map(valid_cancel, found) if doc] + [a.epoch for a in old_acks if a]
         top = max(epochs or [0])
-        if top >= EPOCH_MAX:
-            raise CancelEpochsUsedUp(f"cancel epochs of job {m.job_id} are used up (epoch {top})",
-                                     hint="relaunch the deployment: a new job starts at epoch 1")
-        epoch, nonce = top + 1, new_nonce()
+        try:
+            epoch, nonce = next_epoch(top), new_nonce()  # the one epoch rule (shared/runtimefiles.py)
+        except EpochsUsedUp as e:
+            raise EpochsUsedUp(f"cancel epochs of job {m.job_id} are used up (epoch {top})", hint=e.hint) from None
         doc = CancelFile(deployment_id=m.deployment_id, job_id=m.job_id, epoch=epoch, requests=requests,
                          created_at=time.time(), nonce=nonce)
         data = json.dumps(doc.model_dump(mode="json"), indent=2).encode() + b"\n"
