@@ -15,26 +15,16 @@ from dataclasses import dataclass, field
 
 from clusterctl.atomic import atomic_write_bytes, read_capped
 from clusterctl.errors import IntegrityError, MissingInput, RemoteCommandFailed
-from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
-                                         keeper_argv, keeper_env, raise_for_status, stop_all)
+from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
+                                         check_argv, keeper_argv, keeper_env, raise_for_status, stop_all)
 from clusterctl.node.keeper import kill_group_if_same
 
 PIPE_LINE_LIMIT = 256 << 20  # one answer line of a pipe (a node op's answer; REQUEST_LIMIT is 64 MiB)
 
 
-class _LocalChannel:
+class _LocalChannel(ProcStreams):
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
-
-    async def read_stdout(self, n: int) -> bytes:
-        return await self.proc.stdout.read(n)
-
-    async def read_stderr(self, n: int) -> bytes:
-        return await self.proc.stderr.read(n)
-
-    async def write_stdin(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
-        await self.proc.stdin.drain()
 
     async def close_stdin(self) -> None:
         if not self.proc.stdin.is_closing():

@@ -21,8 +21,9 @@ import asyncssh
 from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
 from clusterctl.launch import fdlimit, ssh_policy
 from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, StartedProcess, check_argv,
-                                         keeper_argv, keeper_env, raise_for_status, shell_command_line, stop_all)
+from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
+                                         check_argv, keeper_argv, keeper_env, raise_for_status, shell_command_line,
+                                         stop_all)
 
 # sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
 SHORT_CHANNELS = 4
@@ -109,20 +110,10 @@ async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
         raise ssh_policy.unreachable_error(target, e.strerror or str(e)) from None
 
 
-class _SshChannel:
+class _SshChannel(ProcStreams):
     def __init__(self, transport: "SshTransport", proc: asyncssh.SSHClientProcess):
         self.t = transport
         self.proc = proc
-
-    async def read_stdout(self, n: int) -> bytes:
-        return await self.proc.stdout.read(n)
-
-    async def read_stderr(self, n: int) -> bytes:
-        return await self.proc.stderr.read(n)
-
-    async def write_stdin(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
-        await self.proc.stdin.drain()
 
     async def close_stdin(self) -> None:
         self.proc.stdin.write_eof()

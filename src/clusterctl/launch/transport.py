@@ -156,6 +156,23 @@ class _Channel(Protocol):
     async def force_kill(self, info: ChildInfo) -> None: ...  # SIGKILL the group now, identity-checked
 
 
+class ProcStreams:
+    """The stream calls a local subprocess and an asyncssh process answer alike (``proc``'s stdin, stdout and
+    stderr): the part of ``_Channel`` both transports share."""
+
+    proc: object
+
+    async def read_stdout(self, n: int) -> bytes:
+        return await self.proc.stdout.read(n)
+
+    async def read_stderr(self, n: int) -> bytes:
+        return await self.proc.stderr.read(n)
+
+    async def write_stdin(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+
 class _Tail:
     def __init__(self, size: int = TAIL_BYTES):
         self.size = size
