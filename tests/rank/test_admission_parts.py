@@ -22,7 +22,7 @@ def loaded():
 
 
 def _req(rid: str, tokens: list[int], **kw):
-    from clusterctl.rank.pipeline import GenRequest
+    from clusterctl.rank.generation import GenRequest
 
     return GenRequest(id=rid, tokens=tokens, max_tokens=kw.pop("max_tokens", 6), **kw)
 

@@ -13,7 +13,8 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.shared.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
                                        write_lease, write_marker)
-from clusterctl.rank.pipeline import GenRequest, StopMatcher, rank_environment
+from clusterctl.rank.generation import GenRequest, StopMatcher
+from clusterctl.rank.loading import rank_environment
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.shared.rankspec import layer_range, parse_rank_spec
 from clusterctl.rank.jobs import Job, JobQueue

@@ -12,7 +12,7 @@ import pytest
 from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.rank import scheduler as sch
 from clusterctl.rank.jobs import Job, JobQueue
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.generation import GenRequest
 from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count
 from clusterctl.shared.cancelfile import CancelWatch
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
@@ -326,7 +326,7 @@ class FakeBatch:
         self.rows[req.id] = emit
 
     def drop(self, rid: str, finish: str, *, save: bool = False):
-        from clusterctl.rank.pipeline import GenResult
+        from clusterctl.rank.generation import GenResult
 
         return GenResult([], "", finish, 1) if self.rows.pop(rid, None) is not None else None
 

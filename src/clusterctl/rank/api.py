@@ -16,7 +16,7 @@ from clusterctl.rank.handler import make_handler
 from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.openai import ApiError, RequestBuilder
-from clusterctl.rank.pipeline import GenResult
+from clusterctl.rank.generation import GenResult
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.admission import Preparer
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from clusterctl.rank.pipeline import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, StopMatcher
 from clusterctl.rank.logprobs import Entries
 
 

@@ -10,7 +10,7 @@ import secrets
 import threading
 
 from clusterctl.rank.jobs import Job
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.generation import GenRequest
 from clusterctl.rank.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank import tools as tl

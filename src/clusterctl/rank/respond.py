@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from clusterctl.rank.jobs import Job
 from clusterctl.rank.metrics import outcome_of
-from clusterctl.rank.pipeline import GenResult
+from clusterctl.rank.generation import GenResult
 from clusterctl.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
 from clusterctl.rank.logprobs import chat_shape, completion_shape
 from clusterctl.rank.splitter import Event, Reply, delta

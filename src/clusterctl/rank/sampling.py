@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.generation import GenRequest
 
 
 class GrammarMask:

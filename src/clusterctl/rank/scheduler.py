@@ -18,7 +18,8 @@ from typing import Callable
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
 from clusterctl.rank.jobs import Job, JobQueue
-from clusterctl.rank.pipeline import MAX_PAYLOAD, GenRequest, GenResult
+from clusterctl.rank.generation import GenRequest, GenResult
+from clusterctl.rank.group import MAX_PAYLOAD
 from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
 
 _KEYS = {"add", "drop", "fin"}

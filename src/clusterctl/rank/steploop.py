@@ -13,7 +13,8 @@ from typing import Callable
 from clusterctl.errors import IntegrityError
 from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
 from clusterctl.rank.wire import ApiError
-from clusterctl.rank.pipeline import HEADER_WORDS, MAGIC, GenResult, agree_on_tokens, share_payload, share_words
+from clusterctl.rank.generation import GenResult
+from clusterctl.rank.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
 from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss

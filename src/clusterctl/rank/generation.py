@@ -1,0 +1,93 @@
+"""What one request is to the ranks: the ``GenRequest`` rank 0 shares once and every rank derives the identical
+generation from, the ``GenResult`` it ends with, and the ``StopMatcher`` that finds its stop strings in the text."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from clusterctl.atomic import strict_loads
+from clusterctl.errors import IntegrityError
+
+
+@dataclass
+class GenRequest:
+    """What rank 0 shares once per request; every rank derives the identical generation from it."""
+
+    id: str
+    tokens: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a JSON key) -> additive bias
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
+    # structured output (grammar.py): {"response_format": {...}} or {"lark": "..."} (a forced tool call)
+    grammar: Optional[dict] = None
+    # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
+    cache_from: Optional[int] = None
+    cache_len: int = 0
+    # rank 0's prompt-cache partition: a hash of the caller's tenant and cache_salt (only the same one reuses)
+    partition: Optional[str] = None
+
+    @property
+    def took(self) -> tuple[int, int] | None:
+        return (self.cache_from, self.cache_len) if self.cache_from is not None else None
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__, separators=(",", ":"), ensure_ascii=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "GenRequest":
+        obj = strict_loads(data, source="shared request")
+        if not isinstance(obj, dict) or set(obj) - set(cls.__dataclass_fields__):
+            raise IntegrityError("shared request has an unexpected shape")
+        return cls(**obj)
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled" | "shutdown" | "error"
+    prompt_tokens: int
+    error: Optional[str] = None  # "error": why this request failed (its own values, not the rank's state)
+    cached_tokens: int = 0  # prompt tokens whose KV the prompt cache gave (not computed again)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back any tail that could still start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        text = self.pending + piece
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if hits:
+            at = min(i for i, _ in hits)
+            self.pending = ""
+            return text[:at], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        self.pending = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
