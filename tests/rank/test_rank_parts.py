@@ -17,7 +17,7 @@ from clusterctl.rank.generation import GenRequest, StopMatcher
 from clusterctl.rank.loading import rank_environment
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.shared.rankspec import layer_range, parse_rank_spec
-from clusterctl.rank.jobs import Job, JobQueue
+from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
@@ -249,9 +249,9 @@ def test_without_wake_up_calls_an_idle_wait_keeps_its_schedule():
 
 def test_a_queued_request_wakes_the_step_loops_idle_wait():
     woken = []
-    q = JobQueue(4)
+    q = RequestQueue(4)
     q.on_put = lambda: woken.append(True)
-    assert q.put(Job(id="x", kind="completion", prepare=lambda tok: None, stream=False))
+    assert q.put(ApiRequest(id="x", kind="completion", prepare=lambda tok: None, stream=False))
     assert woken == [True]
 
 

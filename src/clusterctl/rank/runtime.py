@@ -28,7 +28,7 @@ from clusterctl.hardexit import exit_now
 from clusterctl.rank.admission import limits_for, use_template
 from clusterctl.rank.api import Api
 from clusterctl.rank.group import attach_group
-from clusterctl.rank.jobs import ActiveSet, JobQueue
+from clusterctl.rank.requestqueue import ActiveSet, RequestQueue
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
 from clusterctl.rank.loading import apply_environment, load_shard, rank_environment
 from clusterctl.rank.priority import lower_compute
@@ -202,11 +202,11 @@ class Rank:
 
     def _serve(self) -> int:
         spec = self.spec
-        jobs = JobQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
+        queue = RequestQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
         marker = self.marker
         active = ActiveSet(lambda ids: marker.update(active_requests=ids))  # one set: HTTP and step loop
         if spec.rank == 0:
-            self.api = Api(spec, jobs, model_name=Path(spec.model_path).name, active=active)
+            self.api = Api(spec, queue, model_name=Path(spec.model_path).name, active=active)
             self.api.start()
             if self.stopping.is_set():
                 self.api.state = "stopping"
@@ -262,7 +262,7 @@ class Rank:
             marker.update(cancel_epoch=epoch)
             _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
 
-        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
+        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, queue=queue, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
                         idle=self._idle_wait(cancels), metrics=self.metrics)
         if self.api is not None and self.stopping.is_set():
