@@ -16,52 +16,10 @@ random stream, so their tokens depend on who else was in the batch (greedy ones 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
-from clusterctl.rank.generation import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.logprobs import Entries
-
-
-@dataclass
-class Seq:
-    """One request in the batch: its tokens and text so far."""
-
-    req: GenRequest
-    uid: int
-    detok: object
-    emit: Callable[[str], None] | None = None
-    tokens: list[int] = field(default_factory=list)
-    parts: list[str] = field(default_factory=list)
-    stops: StopMatcher = None  # type: ignore[assignment]
-    stopped_by_text: bool = False
-    guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
-    lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
-    emit_lp: Callable[[dict], None] | None = None
-    procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
-
-    def out(self, s: str) -> None:
-        if s:
-            self.parts.append(s)
-            if self.emit is not None:
-                self.emit(s)
-
-    def result(self, finish: str) -> GenResult:
-        if finish in ("stop", "length") and not self.stopped_by_text:
-            self.detok.finalize()
-            text, hit = self.stops.feed(self.detok.last_segment)
-            self.out(text)
-            if hit:
-                finish = "stop"
-            else:
-                self.out(self.stops.flush())
-        if finish == "stop" and self.procs and not self.stopped_by_text:
-            from clusterctl.rank.sampling import closed_by_budget
-
-            if closed_by_budget(self.procs):
-                finish = "length"
-        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
-                         prompt_tokens=len(self.req.tokens))
 
 
 class Batch:

@@ -1,11 +1,12 @@
 """What one request is to the ranks: the ``GenRequest`` rank 0 shares once and every rank derives the identical
-generation from, the ``GenResult`` it ends with, and the ``StopMatcher`` that finds its stop strings in the text."""
+generation from, the ``GenResult`` it ends with, the ``StopMatcher`` that finds its stop strings in the text, and
+``Seq``, its output as it is made, on both decode schedules (batch.py, overlap.py)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
@@ -91,3 +92,45 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+@dataclass
+class Seq:
+    """One request's output as it is made: its tokens and text so far (lockstep: one row of the batch; overlapped:
+    rank 0's side of a row)."""
+
+    req: GenRequest
+    uid: int
+    detok: object
+    emit: Callable[[str], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    stops: StopMatcher = None  # type: ignore[assignment]
+    stopped_by_text: bool = False
+    guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
+    lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
+    emit_lp: Callable[[dict], None] | None = None
+    procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
+
+    def out(self, s: str) -> None:
+        if s:
+            self.parts.append(s)
+            if self.emit is not None:
+                self.emit(s)
+
+    def result(self, finish: str) -> GenResult:
+        if finish in ("stop", "length") and not self.stopped_by_text:
+            self.detok.finalize()
+            text, hit = self.stops.feed(self.detok.last_segment)
+            self.out(text)
+            if hit:
+                finish = "stop"
+            else:
+                self.out(self.stops.flush())
+        if finish == "stop" and self.procs and not self.stopped_by_text:
+            from clusterctl.rank.sampling import closed_by_budget
+
+            if closed_by_budget(self.procs):
+                finish = "length"
+        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
+                         prompt_tokens=len(self.req.tokens))

@@ -51,8 +51,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from clusterctl.rank.batch import Seq
-from clusterctl.rank.generation import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.sampling import RowSampler, sample_rows
 from clusterctl.rank.watchdog import PeerLost
 from clusterctl.rank.logprobs import Entries
