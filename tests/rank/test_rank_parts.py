@@ -13,7 +13,7 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.shared.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
                                        write_lease, write_marker)
-from clusterctl.rank.generation import GenRequest, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.loading import rank_environment
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.shared.rankspec import layer_range, parse_rank_spec
@@ -194,6 +194,38 @@ def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
     assert m.feed("xa") == ("x", False)
     assert m.flush() == "a"
 
+
+
+class _CharDetok:
+    """A detokenizer whose token t is the one character chr(t)."""
+
+    last_segment = ""
+
+    def add_token(self, t: int) -> None:
+        self.last_segment = chr(t)
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+def _seq(stops: list[str]) -> Seq:
+    return Seq(req=GenRequest(id="x", tokens=[1, 2], max_tokens=9), uid=0, detok=_CharDetok(),
+               stops=StopMatcher(stops))
+
+
+def test_a_sampled_token_ends_a_request_by_eos_a_stop_string_or_the_schedules_word():
+    """Seq.feed, the one token rule of both schedules (batch.py, overlap.py)."""
+    s = _seq(["cd"])
+    assert s.feed(ord("a"), eos=False, otherwise=None) is None
+    assert s.feed(ord("c"), eos=False, otherwise=None) is None and s.parts == ["a"]  # "c" may start "cd": held
+    assert s.feed(ord("d"), eos=False, otherwise="length") == "stop" and s.stopped_by_text
+    r = s.result("stop")
+    assert (r.text, r.tokens, r.finish_reason, r.prompt_tokens) == ("a", [97, 99, 100], "stop", 2)
+    s = _seq([])
+    assert s.feed(ord("a"), eos=False, otherwise="length") == "length"  # max_tokens: the schedule says so
+    assert s.feed(0, eos=True, otherwise=None) == "stop" and s.tokens == [97]  # EOS is not part of the text
+    assert s.so_far("error", "bad values") == GenResult(tokens=[97], text="a", finish_reason="error", prompt_tokens=2,
+                                                         error="bad values")
 
 def test_idle_schedule_slows_down_but_stays_responsive():
     assert idle_interval(0) == 0.02

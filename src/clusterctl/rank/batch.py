@@ -91,8 +91,7 @@ class Batch:
         if s is None:
             return None
         self._forget(s)
-        return GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason=finish,
-                         prompt_tokens=len(s.req.tokens))
+        return s.so_far(finish)
 
     def _forget(self, s: Seq) -> None:
         self.gen.remove([s.uid])
@@ -114,21 +113,12 @@ class Batch:
             finish = r.finish_reason
             if s.guard is not None and s.guard.failed:  # its own values broke its sampling: it alone ends
                 self._forget(s)
-                done.append((s.req.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
-                                                 prompt_tokens=len(s.req.tokens), error=s.guard.failed)))
+                done.append((s.req.id, s.so_far("error", s.guard.failed)))
                 continue
-            if finish == "stop" and r.token in self.eos:
-                pass  # the EOS token ends the text, it is not part of it
-            else:
-                s.tokens.append(int(r.token))
-                if s.lp is not None:
-                    s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
-                s.detok.add_token(int(r.token))
-                text, hit = s.stops.feed(s.detok.last_segment)
-                s.out(text)
-                if hit:
-                    s.stopped_by_text = True
-                    finish = "stop"
+            eos = finish == "stop" and r.token in self.eos  # the generator stopped on an EOS token
+            if s.lp is not None and not eos:
+                s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
+            finish = s.feed(int(r.token), eos=eos, otherwise=finish)
             if finish is None:
                 continue
             if r.finish_reason is None:  # a stop string: the generator does not know, take it out here

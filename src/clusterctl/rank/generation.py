@@ -1,6 +1,7 @@
 """What one request is to the ranks: the ``GenRequest`` rank 0 shares once and every rank derives the identical
 generation from, the ``GenResult`` it ends with, the ``StopMatcher`` that finds its stop strings in the text, and
-``Seq``, its output as it is made, on both decode schedules (batch.py, overlap.py)."""
+``Seq``, its output as it is made, on both decode schedules (batch.py, overlap.py): each sampled token through EOS,
+the detokenizer and the stop strings (``Seq.feed``), and the result."""
 
 from __future__ import annotations
 
@@ -118,6 +119,28 @@ class Seq:
             if self.emit is not None:
                 self.emit(s)
 
+    def feed(self, token: int, *, eos: bool, otherwise: str | None) -> str | None:
+        """One sampled token; returns how the request finishes with it. An EOS token ends it ("stop") and is not
+        part of the text; any other joins the tokens and goes through the detokenizer and the stop strings into
+        the text: "stop" when a stop string ends it, else ``otherwise`` (the schedule's own word: "length" at
+        max_tokens, None to go on)."""
+        if eos:
+            return "stop"
+        self.tokens.append(token)
+        self.detok.add_token(token)
+        text, hit = self.stops.feed(self.detok.last_segment)
+        self.out(text)
+        if hit:
+            self.stopped_by_text = True
+            return "stop"
+        return otherwise
+
+    def so_far(self, finish: str, error: str | None = None) -> GenResult:
+        """The result of what it made so far (taken out early: cancelled, shutdown; ``error``: its sampling
+        failed)."""
+        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
+                         prompt_tokens=len(self.req.tokens), error=error)
+
     def result(self, finish: str) -> GenResult:
         if finish in ("stop", "length") and not self.stopped_by_text:
             self.detok.finalize()
@@ -132,5 +155,4 @@ class Seq:
 
             if closed_by_budget(self.procs):
                 finish = "length"
-        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
-                         prompt_tokens=len(self.req.tokens))
+        return self.so_far(finish)
