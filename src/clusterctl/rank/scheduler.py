@@ -1,6 +1,6 @@
 """What the step loop decides, pure of MLX: which queued requests join the batch and when (and, overlapped, which
 micro-batch each joins), which leave it (cancelled, or answered early), the cancel epochs, and the in-flight map
-of rank 0's requests. The step loop (steploop.py, inband.py) executes these decisions on both decode schedules; the
+of rank 0's requests. The step loop (steploop.py, runhooks.py) executes these decisions on both decode schedules; the
 batch's changes travel between the ranks as one ``BatchChanges`` with one encoder and one decoder.
 
 Fairness: requests join in the order they were queued (the queue is first in, first out); a request cancelled

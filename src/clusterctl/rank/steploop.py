@@ -304,16 +304,16 @@ class StepLoop:
 
     def _run(self) -> None:
         """Overlapped: slots of every micro-batch until rank 0 wants a meeting; requests join and leave in
-        between (inband.py); rank 0 answers each request as it finishes."""
-        from clusterctl.rank.inband import InBand
+        between (runhooks.py); rank 0 answers each request as it finishes."""
+        from clusterctl.rank.runhooks import RunHooks
 
-        control = InBand(self)
+        hooks = RunHooks(self)
         try:
-            self.batch.run(control, self.seq, on_done=self._done)
+            self.batch.run(hooks, self.seq, on_done=self._done)
         except Exception as e:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
-        control.flush()
+        hooks.flush()
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
