@@ -83,6 +83,18 @@ def test_a_world_of_one_gets_no_hostfile_even_if_the_environment_has_one():
     assert "MLX_HOSTFILE" not in env and "MLX_RANK" not in env
 
 
+def test_the_rank_loads_no_mlx_before_its_environment_is_final():
+    """runtime.py fixes the environment (loading.py) before mlx is first imported: what it imports at its top,
+    loading.py and group.py among them, loads no mlx."""
+    import subprocess
+    import sys
+
+    code = ("import sys, clusterctl.rank.runtime, clusterctl.rank.loading, clusterctl.rank.group; "
+            "print(sorted(m for m in ('mlx', 'mlx_lm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 # ---- markers
 
 def _marker(**kw) -> Marker:
