@@ -313,7 +313,7 @@ def tokenizer():
 
 
 def test_request_bodies(tokenizer):
-    """Any JSON body: a Job whose prepare() yields a request within the context, or a 4xx ApiError."""
+    """Any JSON body: an ApiRequest whose prepare() yields a request within the context, or a 4xx ApiError."""
     from clusterctl.rank.openai import ApiError, RequestBuilder
     from clusterctl.shared.rankspec import RankSpec
 

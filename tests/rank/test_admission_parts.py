@@ -22,7 +22,7 @@ def loaded():
 
 
 def _req(rid: str, tokens: list[int], **kw):
-    from clusterctl.rank.pipeline import GenRequest
+    from clusterctl.rank.generation import GenRequest
 
     return GenRequest(id=rid, tokens=tokens, max_tokens=kw.pop("max_tokens", 6), **kw)
 
@@ -135,7 +135,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     b = _builder(tok, context=64)
     cap = b.limits.prompt_bytes
     assert b.limits.context == 64 and cap == 64 * b.limits.token_bytes
-    with pytest.raises(ApiError) as e:  # refused by the builder itself: no Job, no tokenizer
+    with pytest.raises(ApiError) as e:  # refused by the builder itself: no ApiRequest, no tokenizer
         b.completion({"prompt": "x" * (cap + 1), "max_tokens": 4})
     assert e.value.code == "context_length_exceeded" and "planned context of 64 tokens" in e.value.message
     with pytest.raises(ApiError):

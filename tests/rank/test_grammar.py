@@ -231,8 +231,7 @@ def test_a_tight_budget_still_closes_the_answer(tiny):
     _check([("a", None, schema)] * 2, answers)
     assert all(r.closed_by_budget for r in rows)
     # what the client hears: finish "length" (max_tokens ended the answer; it still parses), as the ranks report
-    from clusterctl.rank.batch import Seq
-    from clusterctl.rank.pipeline import GenRequest, StopMatcher
+    from clusterctl.rank.generation import GenRequest, Seq, StopMatcher
     from clusterctl.rank.sampling import GrammarMask
 
     req = GenRequest(id="r", tokens=prompt, max_tokens=24)

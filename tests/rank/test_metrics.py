@@ -192,7 +192,7 @@ def test_a_cancel_file_is_acked_and_counted(rank):
 
 def _api(tmp_path, monkeypatch, open_env: str | None):
     from clusterctl.rank.api import Api
-    from clusterctl.rank.jobs import JobQueue
+    from clusterctl.rank.requestqueue import RequestQueue
     from clusterctl.shared.rankspec import parse_rank_spec
 
     if open_env is None:
@@ -203,7 +203,7 @@ def _api(tmp_path, monkeypatch, open_env: str | None):
         deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m", start_layer=0,
         end_layer=8, layer_counts=[8], num_layers=8, hostfile=None, http_port=0, api_key=KEY,
         runtime_dir=str(tmp_path), marker_path=str(tmp_path / "m.json"), gate_path=str(tmp_path / "gate")))
-    api = Api(spec, JobQueue(), model_name="m")
+    api = Api(spec, RequestQueue(), model_name="m")
     api.start()
     return api
 

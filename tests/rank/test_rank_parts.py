@@ -13,10 +13,11 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.shared.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
                                        write_lease, write_marker)
-from clusterctl.rank.pipeline import GenRequest, StopMatcher, rank_environment
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
+from clusterctl.rank.loading import rank_environment
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.shared.rankspec import layer_range, parse_rank_spec
-from clusterctl.rank.jobs import Job, JobQueue
+from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
@@ -80,6 +81,18 @@ def test_a_world_of_one_gets_no_hostfile_even_if_the_environment_has_one():
     spec = parse_rank_spec(spec_dict(world_size=1, layer_counts=[8], start_layer=0, hostfile=None))
     env = rank_environment(spec, {"MLX_HOSTFILE": "/stale.json", "MLX_RANK": "3"})
     assert "MLX_HOSTFILE" not in env and "MLX_RANK" not in env
+
+
+def test_the_rank_loads_no_mlx_before_its_environment_is_final():
+    """runtime.py fixes the environment (loading.py) before mlx is first imported: what it imports at its top,
+    loading.py and group.py among them, loads no mlx."""
+    import subprocess
+    import sys
+
+    code = ("import sys, clusterctl.rank.runtime, clusterctl.rank.loading, clusterctl.rank.group; "
+            "print(sorted(m for m in ('mlx', 'mlx_lm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ---- markers
@@ -194,6 +207,38 @@ def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
     assert m.flush() == "a"
 
 
+
+class _CharDetok:
+    """A detokenizer whose token t is the one character chr(t)."""
+
+    last_segment = ""
+
+    def add_token(self, t: int) -> None:
+        self.last_segment = chr(t)
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+def _seq(stops: list[str]) -> Seq:
+    return Seq(req=GenRequest(id="x", tokens=[1, 2], max_tokens=9), uid=0, detok=_CharDetok(),
+               stops=StopMatcher(stops))
+
+
+def test_a_sampled_token_ends_a_request_by_eos_a_stop_string_or_the_schedules_word():
+    """Seq.feed, the one token rule of both schedules (batch.py, overlap.py)."""
+    s = _seq(["cd"])
+    assert s.feed(ord("a"), eos=False, otherwise=None) is None
+    assert s.feed(ord("c"), eos=False, otherwise=None) is None and s.parts == ["a"]  # "c" may start "cd": held
+    assert s.feed(ord("d"), eos=False, otherwise="length") == "stop" and s.stopped_by_text
+    r = s.result("stop")
+    assert (r.text, r.tokens, r.finish_reason, r.prompt_tokens) == ("a", [97, 99, 100], "stop", 2)
+    s = _seq([])
+    assert s.feed(ord("a"), eos=False, otherwise="length") == "length"  # max_tokens: the schedule says so
+    assert s.feed(0, eos=True, otherwise=None) == "stop" and s.tokens == [97]  # EOS is not part of the text
+    assert s.so_far("error", "bad values") == GenResult(tokens=[97], text="a", finish_reason="error", prompt_tokens=2,
+                                                         error="bad values")
+
 def test_idle_schedule_slows_down_but_stays_responsive():
     assert idle_interval(0) == 0.02
     assert idle_interval(10_000) == 0.1
@@ -248,9 +293,9 @@ def test_without_wake_up_calls_an_idle_wait_keeps_its_schedule():
 
 def test_a_queued_request_wakes_the_step_loops_idle_wait():
     woken = []
-    q = JobQueue(4)
+    q = RequestQueue(4)
     q.on_put = lambda: woken.append(True)
-    assert q.put(Job(id="x", kind="completion", prepare=lambda tok: None, stream=False))
+    assert q.put(ApiRequest(id="x", kind="completion", prepare=lambda tok: None, stream=False))
     assert woken == [True]
 
 

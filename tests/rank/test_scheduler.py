@@ -11,28 +11,28 @@ import pytest
 
 from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.rank import scheduler as sch
-from clusterctl.rank.jobs import Job, JobQueue
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.generation import GenRequest
 from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count
 from clusterctl.shared.cancelfile import CancelWatch
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
                                            epoch_is_new, next_epoch)
 
 
-def job(rid: str, n: int = 3) -> Job:
-    return Job(id=rid, kind="completion", prepare=lambda _: None, stream=False,
+def api_request(rid: str, n: int = 3) -> ApiRequest:
+    return ApiRequest(id=rid, kind="completion", prepare=lambda _: None, stream=False,
                req=GenRequest(id=rid, tokens=list(range(1, n + 1)), max_tokens=4))
 
 
-def queue(*ids: str) -> tuple[JobQueue, dict[str, Job]]:
-    q, jobs = JobQueue(), {}
+def queue(*ids: str) -> tuple[RequestQueue, dict[str, ApiRequest]]:
+    q, reqs = RequestQueue(), {}
     for rid in ids:
-        jobs[rid] = job(rid)
-        q.put(jobs[rid])
-    return q, jobs
+        reqs[rid] = api_request(rid)
+        q.put(reqs[rid])
+    return q, reqs
 
 
-def answered(j: Job) -> list:
+def answered(j: ApiRequest) -> list:
     out = []
     while not j.events.empty():
         out.append(j.events.get_nowait())
@@ -65,25 +65,25 @@ def test_the_scheduler_loads_no_mlx_nor_numpy():
 # ---- joins
 
 def test_joins_come_in_queue_order_and_a_full_batch_leaves_the_rest_queued():
-    q, jobs = queue("a", "b", "c", "d", "e")
+    q, reqs = queue("a", "b", "c", "d", "e")
     s = Scheduler(q)
     ch = s.meeting(room=3)
     assert [r.id for r in ch.adds] == ["a", "b", "c"] and not ch.drops and not ch.finishes
     assert len(q) == 2 and set(s.joining) == {"a", "b", "c"} and not s.inflight
     for r in ch.adds:
-        assert s.joined(r.id) is jobs[r.id] and jobs[r.id].started_at is not None
+        assert s.joined(r.id) is reqs[r.id] and reqs[r.id].started_at is not None
     assert list(s.inflight) == ["a", "b", "c"] and not s.joining
     # a slot freed: the next in line, not a later one
-    assert s.left("b") is jobs["b"]
+    assert s.left("b") is reqs["b"]
     assert [r.id for r in s.meeting(room=1).adds] == ["d"]
 
 
 def test_a_request_cancelled_while_queued_takes_no_slot_and_is_answered():
-    q, jobs = queue("a", "b", "c")
-    jobs["a"].cancelled.set()
+    q, reqs = queue("a", "b", "c")
+    reqs["a"].cancelled.set()
     s = Scheduler(q)
     assert [r.id for r in s.meeting(room=2).adds] == ["b", "c"]
-    assert answered(jobs["a"])[0][1].finish_reason == "cancelled"
+    assert answered(reqs["a"])[0][1].finish_reason == "cancelled"
     assert "a" not in s.joining and "a" not in s.inflight
 
 
@@ -120,7 +120,7 @@ def test_a_burst_of_joins_is_spread_over_the_micro_batches(sizes, waiting, room,
     assert got == want
 
 
-def run_for(q: JobQueue, *, n: int = 2, max_batch: int = 8, cancels=None) -> tuple[Scheduler, OverlapRun]:
+def run_for(q: RequestQueue, *, n: int = 2, max_batch: int = 8, cancels=None) -> tuple[Scheduler, OverlapRun]:
     s = Scheduler(q, cancels=cancels)
     return s, OverlapRun(s, n, max_batch, clock=iter(range(10**6)).__next__)
 
@@ -133,7 +133,7 @@ def test_an_overlapped_run_spreads_a_burst_and_ends_when_work_waits_for_a_parked
     assert [r.id for r in ch0.adds] == ["a", "b", "c"] and [r.id for r in ch1.adds] == ["d", "e", "f"]
     assert not end0 and not end1 and {k for k, _ in s.joining.values()} == {0, 1}
     # a micro-batch sat the run out and a request arrives: the run ends, the next meeting places it evenly
-    q.put(job("g"))
+    q.put(api_request("g"))
     ch, end = run.decide(0, [0], [("a", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=False)
     assert end and not ch.adds and len(q) == 1
 
@@ -157,17 +157,17 @@ def test_a_stop_ends_every_micro_batch_and_takes_no_joins():
 
 def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
     cancels, acks = Cancels(), []
-    q, jobs = queue("queued")
+    q, reqs = queue("queued")
     s = Scheduler(q, cancels=cancels, on_ack=lambda e, applied, **kw: acks.append((e, sorted(applied), kw)))
     # in the batch, decided to join (overlapped, not applied yet), finishing (answered, its row not yet gone)
     for rid in ("mid", "joining"):
-        q.put(jobs.setdefault(rid, job(rid)))
-    q.remove(jobs["queued"])
-    q.put(jobs["queued"])  # the queue: mid, joining, queued
+        q.put(reqs.setdefault(rid, api_request(rid)))
+    q.remove(reqs["queued"])
+    q.put(reqs["queued"])  # the queue: mid, joining, queued
     assert [r.id for r in s.take(1)] == ["mid"]
     s.joined("mid")
     assert [r.id for r in s.take(1, into=1)] == ["joining"]
-    fin = job("fin")
+    fin = api_request("fin")
     s.joining["fin"] = (0, fin)
     s.joined("fin")
     assert s.left("fin") is fin  # answered: rank 0 let it go when it finished
@@ -176,8 +176,8 @@ def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
     ch, _ = run.decide(0, [0, 1], [("mid", False), ("fin", True)], fresh=False, mb_sizes=[1, 0], held=2,
                        stop=False)
     assert ch.drops == ("mid",) and ch.finishes == ("fin",) and not ch.adds  # "queued" was answered instead
-    assert answered(jobs["queued"])[0][1].finish_reason == "cancelled"
-    assert jobs["joining"].cancelled.is_set() and not fin.cancelled.is_set()
+    assert answered(reqs["queued"])[0][1].finish_reason == "cancelled"
+    assert reqs["joining"].cancelled.is_set() and not fin.cancelled.is_set()
     # the epoch travels only once every live micro-batch's drops are decided
     assert run.epoch_out == 0
     s.joined("joining")  # applied at micro-batch 1's next slot: then dropped at its next decision
@@ -189,14 +189,14 @@ def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
 
 def test_a_meeting_drops_the_cancelled_and_refills_their_slots():
     cancels = Cancels()
-    q, jobs = queue("a", "b", "c")
+    q, reqs = queue("a", "b", "c")
     s = Scheduler(q, cancels=cancels)
     for r in s.meeting(room=2).adds:
         s.joined(r.id)
     cancels.send(1, None)  # all: those in the batch and those queued
     ch = s.meeting(room=0)
     assert ch.drops == ("a", "b") and not ch.adds
-    assert answered(jobs["c"])[0][1].finish_reason == "cancelled"
+    assert answered(reqs["c"])[0][1].finish_reason == "cancelled"
     assert s.epochs.epoch == 1 and s.epochs.applied[1] == ["a", "b", "c"]
 
 
@@ -211,7 +211,7 @@ def test_a_meeting_lets_the_answered_go_and_a_cancelled_row_leaves_once():
     assert ch.drops == ("a",) and ch.finishes == ("b",)
 
 
-def test_ending_every_job_reaches_the_joining_ones_too():
+def test_ending_every_request_reaches_the_joining_ones_too():
     q, _ = queue("a", "b")
     s = Scheduler(q)
     s.meeting(room=2)
@@ -326,7 +326,7 @@ class FakeBatch:
         self.rows[req.id] = emit
 
     def drop(self, rid: str, finish: str, *, save: bool = False):
-        from clusterctl.rank.pipeline import GenResult
+        from clusterctl.rank.generation import GenResult
 
         return GenResult([], "", finish, 1) if self.rows.pop(rid, None) is not None else None
 
@@ -342,16 +342,16 @@ def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_pa
                     runtime_dir=str(tmp_path), marker_path=str(tmp_path / "m.json"), gate_path=str(tmp_path / "g"),
                     max_batch=2)
     cancels, acks = Cancels(), []
-    q, jobs = queue("a", "b", "c")
-    loop = StepLoop(spec, None, None, None, stop=threading.Event(), jobs=q, cancels=cancels,
+    q, reqs = queue("a", "b", "c")
+    loop = StepLoop(spec, None, None, None, stop=threading.Event(), queue=q, cancels=cancels,
                     on_ack=lambda epoch, applied, **kw: acks.append((epoch, applied)))
     loop.batch = FakeBatch(2)
     assert loop._meet(1) == (False, 1)
     assert loop.batch.ids() == ["a", "b"] and list(loop.inflight) == ["a", "b"] and loop.active.ids() == ["a", "b"]
     cancels.send(1, ["a"])
     loop._meet(1)  # "a" leaves cancelled, "c" takes its slot, the epoch is acked at once (a world of one)
-    assert loop.batch.ids() == ["b", "c"] and answered(jobs["a"])[-1][1].finish_reason == "cancelled"
+    assert loop.batch.ids() == ["b", "c"] and answered(reqs["a"])[-1][1].finish_reason == "cancelled"
     assert acks == [(1, ["a"])] and loop.acked == 1
     loop.stop.set()
     assert loop._meet(1)[0] and not loop.batch.ids() and not loop.inflight
-    assert all(answered(jobs[r])[-1][1].status == 503 for r in "bc")
+    assert all(answered(reqs[r])[-1][1].status == 503 for r in "bc")

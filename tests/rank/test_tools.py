@@ -10,7 +10,7 @@ import toolmodels
 
 from clusterctl.rank import splitter as S
 from clusterctl.rank import tools as T
-from clusterctl.rank.pipeline import StopMatcher
+from clusterctl.rank.generation import StopMatcher
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -104,7 +104,7 @@ def template_budget(seconds: float):
 
 
 class Preparer:
-    """Prepares requests (``Job.prepare``: the template and the tokenizer) on their HTTP threads, one at a time:
+    """Prepares requests (``ApiRequest.prepare``: the template and the tokenizer) on their HTTP threads, one at a time:
     a second thread in the tokenizer would only take cores and the GIL from the ranks' compute."""
 
     def __init__(self, tokenizer, *, budget_s: float = PREPARE_BUDGET_S, wait_s: float = 30.0):
@@ -112,8 +112,8 @@ class Preparer:
         self.budget_s, self.wait_s = budget_s, wait_s
         self._one = threading.Lock()
 
-    def prepare(self, job):
-        """The job's GenRequest, or an ApiError: 503 when others held the tokenizer past ``wait_s``, 400 when
+    def prepare(self, api_req):
+        """The request's GenRequest, or an ApiError: 503 when others held the tokenizer past ``wait_s``, 400 when
         its own preparation ran past the budget."""
         if not self._one.acquire(timeout=self.wait_s):
             raise ApiError(503, f"busy preparing other prompts for {self.wait_s:g} s", type="server_error",
@@ -122,7 +122,7 @@ class Preparer:
             t0 = time.monotonic()
             try:
                 with template_budget(self.budget_s):
-                    return job.prepare(self.tokenizer)
+                    return api_req.prepare(self.tokenizer)
             except BudgetExceeded:
                 raise ApiError(400, f"rendering the chat template took over {self.budget_s:g} s",
                                code="prompt_budget_exceeded") from None
@@ -134,6 +134,6 @@ class Preparer:
                 text = str(e).splitlines()[0] if str(e) else ""
                 raise ApiError(400, f"cannot tokenize the request: {type(e).__name__}: {text}"[:300]) from None
             finally:
-                job.prepare_s = time.monotonic() - t0
+                api_req.prepare_s = time.monotonic() - t0
         finally:
             self._one.release()

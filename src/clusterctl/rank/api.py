@@ -13,10 +13,10 @@ from http.server import ThreadingHTTPServer
 
 from clusterctl.errors import ConfigError
 from clusterctl.rank.handler import make_handler
-from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
+from clusterctl.rank.requestqueue import ActiveSet, ApiRequest, RequestQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.openai import ApiError, RequestBuilder
-from clusterctl.rank.pipeline import GenResult
+from clusterctl.rank.generation import GenResult
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.admission import Preparer
 
@@ -32,9 +32,9 @@ class Api:
     """The HTTP side of rank 0. Listens from start-up (so /health can say 503) and serves once ``state`` is
     "serving"."""
 
-    def __init__(self, spec: RankSpec, jobs: JobQueue, *, model_name: str, active: ActiveSet | None = None):
+    def __init__(self, spec: RankSpec, queue: RequestQueue, *, model_name: str, active: ActiveSet | None = None):
         self.spec = spec
-        self.jobs = jobs
+        self.queue = queue
         self.active = active or ActiveSet()
         self.model_name = model_name
         self.model_names = {model_name, *SERVED_MODEL_ALIASES, *spec.model_aliases}
@@ -47,11 +47,11 @@ class Api:
         self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
         self._keys = [(name, key.encode()) for name, key in spec.tenant_keys().items()]
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
-        self._jobs: dict[str, Job] = {}  # those requests, for the batch occupancy a scrape reads
+        self._requests: dict[str, ApiRequest] = {}  # those requests, for the batch occupancy a scrape reads
         self.capacity = spec.max_batch + spec.max_queue
         self._lock = threading.Lock()
         self.metrics = Metrics(rank=spec.rank, max_batch=spec.max_batch, max_queue=spec.max_queue,
-                               queue_depth=jobs.__len__, occupancy=self.occupancy,
+                               queue_depth=queue.__len__, occupancy=self.occupancy,
                                serving=lambda: self.state == "serving")
         self.metrics_open = metrics_open()  # read once, on rank 0: /metrics without the API key
         # The listen backlog holds connections not yet accepted. socketserver's default of 5 drops the SYNs of a
@@ -85,8 +85,8 @@ class Api:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop taking requests; fail queued ones; give streams in flight a moment to see their last event."""
         self.state = "stopping"
-        for job in self.jobs.drain():
-            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+        for api_req in self.queue.drain():
+            api_req.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -100,14 +100,14 @@ class Api:
         rank 0 can still speak."""
         self.state = "failed"
         with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            job.events.put(("error", err))
+            accepted = list(self._requests.values())
+        for api_req in accepted:
+            api_req.events.put(("error", err))
         deadline = time.monotonic() + wait_s
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def admit(self, job: Job) -> None:
+    def admit(self, api_req: ApiRequest) -> None:
         """Take a request if the batch and the queue behind it have room (else 429, raised as ApiError), prepare
         it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it. On an error
         the request holds nothing."""
@@ -116,36 +116,36 @@ class Api:
                 raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
                                     "waiting", type="rate_limit_error", retry_after=RETRY_AFTER_S)
             self._inflight += 1
-            self._jobs[job.id] = job
-        self.active.add(job.id)
+            self._requests[api_req.id] = api_req
+        self.active.add(api_req.id)
         try:
-            job.req = self.preparer.prepare(job)
-            if not self.jobs.put(job):
+            api_req.req = self.preparer.prepare(api_req)
+            if not self.queue.put(api_req):
                 raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
         except BaseException:
-            self.active.remove(job.id)
-            self.release(job)
+            self.active.remove(api_req.id)
+            self.release(api_req)
             raise
 
-    def leave_queue(self, job: Job) -> bool:
+    def leave_queue(self, api_req: ApiRequest) -> bool:
         """Its client left before it joined the batch: out of the queue at once (its admission slot frees now,
         not when the batch has room). False if the step loop took it already."""
-        if not self.jobs.remove(job):
+        if not self.queue.remove(api_req):
             return False
-        job.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
+        api_req.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
         return True
 
-    def release(self, job: Job) -> None:
+    def release(self, api_req: ApiRequest) -> None:
         """The request's HTTP side is over (answered, refused, or its client left)."""
         with self._lock:
             self._inflight -= 1
-            self._jobs.pop(job.id, None)
+            self._requests.pop(api_req.id, None)
 
     def occupancy(self) -> int:
         """Requests in the batch now: joined it, not yet finished (read by a scrape, not per token)."""
         with self._lock:
-            jobs = list(self._jobs.values())
-        return sum(1 for j in jobs if j.started_at is not None and j.finished_at is None)
+            accepted = list(self._requests.values())
+        return sum(1 for r in accepted if r.started_at is not None and r.finished_at is None)
 
     def tenant(self, header: str | None) -> str | None:
         """The caller's tenant by its key (every key compared, in constant time each); "" for an open API; None

@@ -16,52 +16,10 @@ random stream, so their tokens depend on who else was in the batch (greedy ones 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
-from clusterctl.rank.pipeline import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.logprobs import Entries
-
-
-@dataclass
-class Seq:
-    """One request in the batch: its tokens and text so far."""
-
-    req: GenRequest
-    uid: int
-    detok: object
-    emit: Callable[[str], None] | None = None
-    tokens: list[int] = field(default_factory=list)
-    parts: list[str] = field(default_factory=list)
-    stops: StopMatcher = None  # type: ignore[assignment]
-    stopped_by_text: bool = False
-    guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
-    lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
-    emit_lp: Callable[[dict], None] | None = None
-    procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
-
-    def out(self, s: str) -> None:
-        if s:
-            self.parts.append(s)
-            if self.emit is not None:
-                self.emit(s)
-
-    def result(self, finish: str) -> GenResult:
-        if finish in ("stop", "length") and not self.stopped_by_text:
-            self.detok.finalize()
-            text, hit = self.stops.feed(self.detok.last_segment)
-            self.out(text)
-            if hit:
-                finish = "stop"
-            else:
-                self.out(self.stops.flush())
-        if finish == "stop" and self.procs and not self.stopped_by_text:
-            from clusterctl.rank.sampling import closed_by_budget
-
-            if closed_by_budget(self.procs):
-                finish = "length"
-        return GenResult(tokens=self.tokens, text="".join(self.parts), finish_reason=finish,
-                         prompt_tokens=len(self.req.tokens))
 
 
 class Batch:
@@ -133,8 +91,7 @@ class Batch:
         if s is None:
             return None
         self._forget(s)
-        return GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason=finish,
-                         prompt_tokens=len(s.req.tokens))
+        return s.so_far(finish)
 
     def _forget(self, s: Seq) -> None:
         self.gen.remove([s.uid])
@@ -156,21 +113,12 @@ class Batch:
             finish = r.finish_reason
             if s.guard is not None and s.guard.failed:  # its own values broke its sampling: it alone ends
                 self._forget(s)
-                done.append((s.req.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
-                                                 prompt_tokens=len(s.req.tokens), error=s.guard.failed)))
+                done.append((s.req.id, s.so_far("error", s.guard.failed)))
                 continue
-            if finish == "stop" and r.token in self.eos:
-                pass  # the EOS token ends the text, it is not part of it
-            else:
-                s.tokens.append(int(r.token))
-                if s.lp is not None:
-                    s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
-                s.detok.add_token(int(r.token))
-                text, hit = s.stops.feed(s.detok.last_segment)
-                s.out(text)
-                if hit:
-                    s.stopped_by_text = True
-                    finish = "stop"
+            eos = finish == "stop" and r.token in self.eos  # the generator stopped on an EOS token
+            if s.lp is not None and not eos:
+                s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
+            finish = s.feed(int(r.token), eos=eos, otherwise=finish)
             if finish is None:
                 continue
             if r.finish_reason is None:  # a stop string: the generator does not know, take it out here

@@ -1,7 +1,7 @@
 """Embedding offload: the token embedding served from SSD by ``clusterctl.ple`` instead of living in memory.
 
 Only the rank that embeds tokens (rank N-1 in mlx-lm's pipeline order, the only rank in a world of one) reads
-rows; every other rank gets a shape-only stand-in from ``pipeline.py``. The table is never materialised: the
+rows; every other rank gets a shape-only stand-in from ``loading.py``. The table is never materialised: the
 module holds a reader, not an ``mx.array``, so ``mx.eval(model.parameters())`` leaves it on disk. Rows come back
 in their storage dtype (BF16 as raw uint16, viewed back; quantized tables dequantized with the model's own
 group size and bits), so the output is bit-identical to the in-memory embedding.

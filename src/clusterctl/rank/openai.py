@@ -1,6 +1,6 @@
-"""OpenAI request bodies (/v1/completions, /v1/chat/completions) checked and turned into Jobs whose tokenization
-runs next, on the request's HTTP thread (admission.py ``Preparer``), and OpenAI's error shape (``ApiError``): what a client may ask, refused with a 4xx
-before it reaches the ranks."""
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) checked and turned into ApiRequests
+(requestqueue.py) whose tokenization runs next, on the request's HTTP thread (admission.py ``Preparer``), and
+OpenAI's error shape (``ApiError``): what a client may ask, refused with a 4xx before it reaches the ranks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import secrets
 import threading
 
-from clusterctl.rank.jobs import Job
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.requestqueue import ApiRequest
+from clusterctl.rank.generation import GenRequest
 from clusterctl.rank.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank import tools as tl
@@ -65,7 +65,7 @@ GREEDY_BELOW = 1e-6
 
 
 class RequestBuilder:
-    """Turns an OpenAI request body into a Job whose ``prepare`` builds the GenRequest."""
+    """Turns an OpenAI request body into an ApiRequest whose ``prepare`` builds the GenRequest."""
 
     def __init__(self, spec: RankSpec, limits):
         self.spec = spec
@@ -153,12 +153,12 @@ class RequestBuilder:
             out[str(int(k))] = float(v)
         return out or None
 
-    def _request(self, job_id: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
+    def _request(self, rid: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
         """The request to generate: max_tokens resolved (none given: until the context is full) and checked,
         its grammar compiled once."""
         max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
         self._check_len(tokens, max_tokens)
-        req = GenRequest(id=job_id, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
+        req = GenRequest(id=rid, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
         if tokenizer is not None:
             check_grammar(tokenizer, req)
         return req
@@ -177,7 +177,7 @@ class RequestBuilder:
                                 f"model stands for more than {self.limits.token_bytes} bytes)",
                            code="context_length_exceeded")
 
-    def completion(self, body: dict, tenant: str | None = None) -> Job:
+    def completion(self, body: dict, tenant: str | None = None) -> ApiRequest:
         b = parse(CompletionBody, body)
         prompt = b.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -197,7 +197,7 @@ class RequestBuilder:
             self._check_len(prompt, params["max_tokens"] or 1)
         elif any(t < 0 or t >= self.limits.vocab for t in prompt):
             raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
-        job_id = "cmpl-" + secrets.token_hex(12)
+        rid = "cmpl-" + secrets.token_hex(12)
 
         def prepare(tokenizer) -> GenRequest:
             if isinstance(prompt, str):
@@ -205,11 +205,11 @@ class RequestBuilder:
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
-            return self._request(job_id, tokens, params, tokenizer)
+            return self._request(rid, tokens, params, tokenizer)
 
-        return Job(id=job_id, kind="completion", prepare=prepare, stream=bool(b.stream))
+        return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream))
 
-    def chat(self, body: dict, tenant: str | None = None) -> Job:
+    def chat(self, body: dict, tenant: str | None = None) -> ApiRequest:
         """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
         here (tools.py); rendered and tokenized by ``prepare`` on the request's HTTP thread."""
 
@@ -225,8 +225,8 @@ class RequestBuilder:
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass"))
                               for m in chat.messages))
         defaults = self.spec.serving.chat_template_args
-        job_id = "chatcmpl-" + secrets.token_hex(12)
-        job = None
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        api_req = None
 
         def prepare(tokenizer) -> GenRequest:
             if not getattr(tokenizer, "has_chat_template", True):
@@ -245,13 +245,13 @@ class RequestBuilder:
                 raise ApiError(400, str(e), param=e.param) from None
             if forced is not None:
                 params["grammar"] = {"lark": forced.lark()}
-            req = self._request(job_id, tokens, params, tokenizer)
+            req = self._request(rid, tokens, params, tokenizer)
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:
                 req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}
-            job.splitter = chat.splitter(tokenizer, req.tokens)
+            api_req.splitter = chat.splitter(tokenizer, req.tokens)
             return req
 
-        job = Job(id=job_id, kind="chat", prepare=prepare, stream=bool(b.stream))
-        return job
+        api_req = ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(b.stream))
+        return api_req
 

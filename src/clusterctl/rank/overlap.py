@@ -51,8 +51,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from clusterctl.rank.batch import Seq
-from clusterctl.rank.pipeline import GenRequest, GenResult, StopMatcher
+from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.sampling import RowSampler, sample_rows
 from clusterctl.rank.watchdog import PeerLost
 from clusterctl.rank.logprobs import Entries
@@ -232,8 +231,7 @@ class OverlapBatch:
             return None
         if s is None:
             return GenResult(tokens=[], text="", finish_reason=finish, prompt_tokens=len(r.req.tokens))
-        return GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason=finish,
-                         prompt_tokens=len(r.req.tokens))
+        return s.so_far(finish)
 
     def _keep(self, mb: MicroBatch, keep: list[int]) -> None:
         mb.rows = [mb.rows[i] for i in keep]
@@ -397,25 +395,12 @@ class OverlapBatch:
     def _feed(self, r: Row, token: int, on_done) -> None:
         self.produced += 1
         s = r.seq
-        finish = None
         if r.sampler.failed:  # its own values broke its sampling: it alone ends (its row leaves as answered)
             r.done = True
             if on_done is not None:
-                on_done(r.id, GenResult(tokens=s.tokens, text="".join(s.parts), finish_reason="error",
-                                        prompt_tokens=len(r.req.tokens), error=r.sampler.failed))
+                on_done(r.id, s.so_far("error", r.sampler.failed))
             return
-        if token in self.eos:
-            finish = "stop"  # the EOS token ends the text, it is not part of it
-        else:
-            s.tokens.append(token)
-            s.detok.add_token(token)
-            text, hit = s.stops.feed(s.detok.last_segment)
-            s.out(text)
-            if hit:
-                s.stopped_by_text = True
-                finish = "stop"
-            elif r.left <= 0:
-                finish = "length"
+        finish = s.feed(token, eos=token in self.eos, otherwise="length" if r.left <= 0 else None)
         if finish is not None:
             r.done = True
             if on_done is not None:

@@ -9,9 +9,9 @@ import queue
 import time
 from dataclasses import dataclass
 
-from clusterctl.rank.jobs import Job
+from clusterctl.rank.requestqueue import ApiRequest
 from clusterctl.rank.metrics import outcome_of
-from clusterctl.rank.pipeline import GenResult
+from clusterctl.rank.generation import GenResult
 from clusterctl.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
 from clusterctl.rank.logprobs import chat_shape, completion_shape
 from clusterctl.rank.splitter import Event, Reply, delta
@@ -42,22 +42,22 @@ def serve(api, h, kind: str) -> None:
             raise ApiError(503, f"not serving ({api.state})", type="server_error")
         api.check_model(body.get("model"))
         build = api.builder.chat if kind == "chat" else api.builder.completion
-        job = build(body, h.tenant())
+        api_req = build(body, h.tenant())
         shape = Shape.of(body)
-        api.admit(job)
+        api.admit(api_req)
     except ApiError as e:
         h.error(e)
         return
     try:
-        Answer(api, h, job, shape).write()
+        Answer(api, h, api_req, shape).write()
     except (BrokenPipeError, ConnectionResetError, TimeoutError):
-        job.gone.set()
-        job.cancelled.set()
+        api_req.gone.set()
+        api_req.cancelled.set()
         h.close_connection = True
         h.outcome = "cancelled"
     finally:
-        api.release(job)
-        api.active.remove(job.id)
+        api.release(api_req)
+        api.active.remove(api_req.id)
 
 
 def usage(r: GenResult) -> Usage:
@@ -67,17 +67,17 @@ def usage(r: GenResult) -> Usage:
 class Answer:
     """One request's answer, written by its HTTP thread."""
 
-    def __init__(self, api, h, job: Job, shape: Shape):
-        self.api, self.h, self.job, self.shape = api, h, job, shape
-        self.chat = job.kind == "chat"
+    def __init__(self, api, h, api_req: ApiRequest, shape: Shape):
+        self.api, self.h, self.api_req, self.shape = api, h, api_req, shape
+        self.chat = api_req.kind == "chat"
         self._poll_at = 0.0
         self._quiet_since = time.monotonic()
-        self.wants_lp = job.req is not None and job.req.logprobs >= 0
+        self.wants_lp = api_req.req is not None and api_req.req.logprobs >= 0
         self.lps: list[dict] = []  # entries not yet written (a stream) or all of them (one document)
         self.text_at = 0  # characters of text written so far (the legacy shape's text_offset)
 
     def write(self) -> None:
-        if self.job.stream:
+        if self.api_req.stream:
             self.h.start_stream()
             self._stream()
         else:
@@ -86,33 +86,33 @@ class Answer:
     # -- events
 
     def _next(self):
-        """The job's next event. A client that went away meanwhile cancels it (at the next step boundary, on
+        """The request's next event. A client that went away meanwhile cancels it (at the next step boundary, on
         every rank; out of the queue at once if it still waits) and the wait goes on until the step loop lets
-        go of the job. A stream gets a keepalive comment while nothing comes."""
-        job, h = self.job, self.h
+        go of the request. A stream gets a keepalive comment while nothing comes."""
+        api_req, h = self.api_req, self.h
         while True:
             now = time.monotonic()
             if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
                 self._poll_at = now + CLIENT_POLL_S
-                if not job.gone.is_set() and h.client_gone():
-                    job.gone.set()
-                    job.cancelled.set()
+                if not api_req.gone.is_set() and h.client_gone():
+                    api_req.gone.set()
+                    api_req.cancelled.set()
                     h.close_connection = True
-                    self.api.leave_queue(job)
-            if job.stream and not job.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
+                    self.api.leave_queue(api_req)
+            if api_req.stream and not api_req.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
                 h.keepalive()
                 self._quiet_since = now
             try:
-                event = job.events.get(timeout=CLIENT_POLL_S)
+                event = api_req.events.get(timeout=CLIENT_POLL_S)
             except queue.Empty:
                 continue
             self._quiet_since = time.monotonic()
             if event[0] == "logprob":
                 self.lps.append(event[1])
                 continue
-            if event[0] == "text" and job.first_token_at is None:
-                job.first_token_at = time.monotonic()
-                self.api.metrics.first_token(job.first_token_at - job.arrived_at)
+            if event[0] == "text" and api_req.first_token_at is None:
+                api_req.first_token_at = time.monotonic()
+                self.api.metrics.first_token(api_req.first_token_at - api_req.arrived_at)
             elif event[0] == "done":
                 self._finished(event[1])
             return event
@@ -120,14 +120,14 @@ class Answer:
     def _finished(self, result: GenResult) -> None:
         """A generation is over: its tokens, its time per output token, and a first token that came only with
         the end (all its text was held back, e.g. by a possible stop string)."""
-        job, metrics = self.job, self.api.metrics
+        api_req, metrics = self.api_req, self.api.metrics
         now, n = time.monotonic(), len(result.tokens)
         metrics.tokens(result.prompt_tokens, n)
-        if n and job.first_token_at is None:
-            job.first_token_at = now
-            metrics.first_token(now - job.arrived_at)
+        if n and api_req.first_token_at is None:
+            api_req.first_token_at = now
+            metrics.first_token(now - api_req.arrived_at)
         elif n >= 2 and result.finish_reason != "cancelled":
-            metrics.per_output_token((now - job.first_token_at) / (n - 1))
+            metrics.per_output_token((now - api_req.first_token_at) / (n - 1))
 
     # -- the text: through the splitter on chat (content, reasoning, tool calls), as it is on completions
 
@@ -135,18 +135,18 @@ class Answer:
         """Events of a piece of text. A splitter that wants no more (a call is complete and parallel calls are
         off) cancels the generation on every rank; its answer still ends as "tool_calls"."""
 
-        sp = self.job.splitter
+        sp = self.api_req.splitter
         if sp is None:
             return [Event("content", text)] if text else []
         events = sp.feed(text)
-        if sp.should_stop and not self.job.cancelled.is_set():
-            self.job.cancelled.set()
+        if sp.should_stop and not self.api_req.cancelled.is_set():
+            self.api_req.cancelled.set()
         return events
 
     def _end(self, result: GenResult) -> tuple[list, str]:
         """The events of the end and the answer's finish_reason."""
 
-        sp = self.job.splitter
+        sp = self.api_req.splitter
         if sp is None:
             return [], result.finish_reason
         if result.finish_reason == "cancelled" and sp.should_stop:
@@ -164,7 +164,7 @@ class Answer:
         while kind == "text":
             reply.add(self._split(value))
             kind, value = self._next()
-        if self.job.gone.is_set():
+        if self.api_req.gone.is_set():
             self.h.outcome = "cancelled"
             return  # the client is gone: nobody to answer
         if kind == "error":
@@ -191,8 +191,8 @@ class Answer:
 
     def _answer(self, choices: list, stream: bool = False, **usage) -> dict:
         """The document (or a stream's chunk) around ``choices``; ``usage`` when given (None included)."""
-        job = self.job
-        head = dict(id=job.id, created=job.created, model=self.api.model_name,
+        api_req = self.api_req
+        head = dict(id=api_req.id, created=api_req.created, model=self.api.model_name,
                     system_fingerprint=self.api.fingerprint, **usage)
         if self.chat:
             return ChatCompletion(object="chat.completion.chunk" if stream else "chat.completion", choices=choices,
@@ -219,7 +219,7 @@ class Answer:
                 self._chunk(d, None)
 
     def _stream(self) -> None:
-        h, job = self.h, self.job
+        h, api_req = self.h, self.api_req
         if self.chat:
             self._chunk({"role": "assistant", "content": ""}, None)
         kind, value = self._next()
@@ -227,7 +227,7 @@ class Answer:
             self._deltas(self._split(value))
             kind, value = self._next()
         if kind == "error":
-            if job.gone.is_set():
+            if api_req.gone.is_set():
                 h.outcome = "cancelled"
                 return  # an aborted request is never reported as a server error: nobody is there
             h.outcome = outcome_of(value.status)  # the status line said 200; the request failed
@@ -237,7 +237,7 @@ class Answer:
         result: GenResult = value
         events, finish = self._end(result)
         self._deltas(events)
-        if finish == "cancelled" or job.gone.is_set():
+        if finish == "cancelled" or api_req.gone.is_set():
             h.outcome = "cancelled"
         self._chunk({} if self.chat else None, finish,
                     extra={"token_ids": result.tokens} if self.shape.token_ids else None)

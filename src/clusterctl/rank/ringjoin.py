@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from clusterctl.rank.group import join_group, verify_group
 from clusterctl.rank.peerprobe import Responder, announce_joining, job_token, parse_addr
 from clusterctl.shared.rankspec import RankSpec
 
@@ -28,7 +29,7 @@ def ring_addresses(spec: RankSpec) -> list[tuple[str, int]] | None:
         return None
 
 
-def join_ring(spec: RankSpec, pipeline, watchdog, responder: Responder | None, stopping: threading.Event,
+def join_ring(spec: RankSpec, watchdog, responder: Responder | None, stopping: threading.Event,
               say: Callable[[str], None]):
     """The ring group (None for a world of one), its peers checked."""
     if spec.world_size == 1:
@@ -41,11 +42,11 @@ def join_ring(spec: RankSpec, pipeline, watchdog, responder: Responder | None, s
     signal.setitimer(signal.ITIMER_REAL, spec.join_timeout_s)
     try:
         join_in_order(spec, responder, stopping, say)
-        group = pipeline.join_group(spec)
+        group = join_group(spec)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     with watchdog.guard(spec.control_timeout_s, "checking the ring's peers"):
-        pipeline.verify_group(group, spec)
+        verify_group(group, spec)
     return group
 
 

@@ -25,12 +25,12 @@ from pathlib import Path
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
 from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
-from clusterctl.rank import pipeline
 from clusterctl.rank.admission import limits_for, use_template
 from clusterctl.rank.api import Api
-from clusterctl.rank.jobs import ActiveSet, JobQueue
+from clusterctl.rank.group import attach_group
+from clusterctl.rank.requestqueue import ActiveSet, RequestQueue
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
-from clusterctl.rank.pipeline import apply_environment, rank_environment
+from clusterctl.rank.loading import apply_environment, load_shard, rank_environment
 from clusterctl.rank.priority import lower_compute
 from clusterctl.rank.ringjoin import join_ring, ring_addresses
 from clusterctl.rank.schedule import IdleWait
@@ -197,21 +197,21 @@ class Rank:
         self._tell_clients(ClusterctlError(f"rank {self.spec.rank}: internal error"))
         _exit_now(int(Exit.SOFTWARE))
 
-    def _join(self, pipeline):
-        return join_ring(self.spec, pipeline, self.watchdog, self.responder, self.stopping, _say)
+    def _join(self):
+        return join_ring(self.spec, self.watchdog, self.responder, self.stopping, _say)
 
     def _serve(self) -> int:
         spec = self.spec
-        jobs = JobQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
+        queue = RequestQueue(spec.max_batch + spec.max_queue) if spec.rank == 0 else None
         marker = self.marker
         active = ActiveSet(lambda ids: marker.update(active_requests=ids))  # one set: HTTP and step loop
         if spec.rank == 0:
-            self.api = Api(spec, jobs, model_name=Path(spec.model_path).name, active=active)
+            self.api = Api(spec, queue, model_name=Path(spec.model_path).name, active=active)
             self.api.start()
             if self.stopping.is_set():
                 self.api.state = "stopping"
         t0 = time.monotonic()
-        model, tokenizer, config = pipeline.load_shard(spec)
+        model, tokenizer, config = load_shard(spec)
         if self.api is not None and not self.stopping.is_set():
             self.api.state = "ready"  # before the marker says so: whoever reads "ready" there finds it here too
         self.marker.update(state="ready")
@@ -224,11 +224,11 @@ class Rank:
         if self.stopping.is_set():
             return self._graceful()
         self._start_responder()
-        group = self._join(pipeline)
+        group = self._join()
         if self.stopping.is_set():
             return self._graceful()
         if spec.parallel == "tensor":
-            pipeline.attach_group(model, group)
+            attach_group(model, group)
         # The model, tokenizer and libraries live for good: move them out of the collector's sight, so an
         # old-generation collection while serving walks only what requests made. A full walk of the ~82k objects
         # a loaded rank holds takes 55 ms idle (2.5 ms after the freeze), held the GIL, and under load made rank
@@ -262,7 +262,7 @@ class Rank:
             marker.update(cancel_epoch=epoch)
             _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
 
-        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, jobs=jobs, marker=self.marker,
+        loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, queue=queue, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
                         idle=self._idle_wait(cancels), metrics=self.metrics)
         if self.api is not None and self.stopping.is_set():

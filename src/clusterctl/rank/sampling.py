@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.generation import GenRequest
 
 
 class GrammarMask:
@@ -65,8 +65,6 @@ def grammar_factory(tokenizer, *, deterministic: bool, user: str = "steps"):
 def processors(req: GenRequest, tokenizer=None, *, deterministic: bool = True) -> list:
     """mlx-lm's logits processors for a request's logit_bias and penalties, and its grammar last (none when it
     asks for none)."""
-    from mlx_lm.sample_utils import make_logits_processors
-
     procs = _bias_and_penalties(req)
     if req.grammar is not None and tokenizer is not None:
         try:

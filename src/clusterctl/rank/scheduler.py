@@ -1,6 +1,6 @@
 """What the step loop decides, pure of MLX: which queued requests join the batch and when (and, overlapped, which
 micro-batch each joins), which leave it (cancelled, or answered early), the cancel epochs, and the in-flight map
-of rank 0's jobs. The step loop (steploop.py, inband.py) executes these decisions on both decode schedules; the
+of rank 0's requests. The step loop (steploop.py, runhooks.py) executes these decisions on both decode schedules; the
 batch's changes travel between the ranks as one ``BatchChanges`` with one encoder and one decoder.
 
 Fairness: requests join in the order they were queued (the queue is first in, first out); a request cancelled
@@ -17,8 +17,9 @@ from typing import Callable
 
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.jobs import Job, JobQueue
-from clusterctl.rank.pipeline import MAX_PAYLOAD, GenRequest, GenResult
+from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.generation import GenRequest, GenResult
+from clusterctl.rank.group import MAX_PAYLOAD
 from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
 
 _KEYS = {"add", "drop", "fin"}
@@ -108,19 +109,19 @@ class Epochs:
         self.nonces: dict[int, str | None] = {}
         self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_ACKS)
 
-    def poll(self, held: dict[str, Job], jobs: JobQueue | None) -> bool:
+    def poll(self, held: dict[str, ApiRequest], queue: RequestQueue | None) -> bool:
         """Rank 0: a new cancel epoch marks the matching requests cancelled (``held``: those rank 0 holds, and the
         queued ones). True if one came."""
         doc = self.cancels.poll() if self.cancels is not None else None
         if doc is None or not epoch_is_new(doc.epoch, self.epoch):
             return False
         applied = []
-        for rid, job in held.items():
+        for rid, api_req in held.items():
             if doc.requests is None or rid in doc.requests:
-                job.cancelled.set()
+                api_req.cancelled.set()
                 applied.append(rid)
-        if jobs is not None:
-            applied += jobs.cancel(doc.requests)
+        if queue is not None:
+            applied += queue.cancel(doc.requests)
         self.epoch = doc.epoch
         self.applied[doc.epoch] = applied
         self.nonces[doc.epoch] = doc.nonce
@@ -139,22 +140,23 @@ class Epochs:
 class Scheduler:
     """Rank 0's decisions (every rank holds one: the others only ack epochs through it)."""
 
-    def __init__(self, jobs: JobQueue | None, *, lookup: Callable[[GenRequest], tuple[int, int] | None] | None = None,
+    def __init__(self, queue: RequestQueue | None, *,
+                 lookup: Callable[[GenRequest], tuple[int, int] | None] | None = None,
                  cancels=None, on_ack: Callable[..., None] | None = None):
-        self.jobs = jobs
+        self.queue = queue
         self.lookup = lookup  # the prompt cache's hit for a request: (entry, tokens) or None
         self.epochs = Epochs(cancels, on_ack)
-        self.inflight: dict[str, Job] = {}  # the jobs in the batch, by request id
-        self.joining: dict[str, tuple[int | None, Job]] = {}  # decided to join (micro-batch), not yet applied
+        self.inflight: dict[str, ApiRequest] = {}  # the requests in the batch, by id
+        self.joining: dict[str, tuple[int | None, ApiRequest]] = {}  # decided to join (micro-batch), not yet applied
 
     def waiting(self) -> int:
-        return len(self.jobs) if self.jobs is not None else 0
+        return len(self.queue) if self.queue is not None else 0
 
     def poll_cancels(self) -> bool:
         """A new cancel epoch marks the matching requests cancelled: in the batch, decided to join it (they leave
         at the next decision after they joined), and queued. True if one came."""
-        held = {**self.inflight, **{rid: job for rid, (_, job) in self.joining.items()}}
-        return self.epochs.poll(held, self.jobs)
+        held = {**self.inflight, **{rid: api_req for rid, (_, api_req) in self.joining.items()}}
+        return self.epochs.poll(held, self.queue)
 
     # -- joins
 
@@ -162,18 +164,18 @@ class Scheduler:
         """Queued requests for ``room`` free slots, first come first served (``wait``: how long to wait for the
         first); a request cancelled while queued is answered and takes no slot."""
         out: list[GenRequest] = []
-        while len(out) < room and self.jobs is not None:
-            job = self.jobs.pop(timeout=wait if not out else 0.0)
-            if job is None:
+        while len(out) < room and self.queue is not None:
+            api_req = self.queue.pop(timeout=wait if not out else 0.0)
+            if api_req is None:
                 break
-            if job.cancelled.is_set():  # cancelled while queued: never started
-                job.events.put(("done", cancelled()))
+            if api_req.cancelled.is_set():  # cancelled while queued: never started
+                api_req.events.put(("done", cancelled()))
                 continue
-            req = job.req
+            req = api_req.req
             hit = self.lookup(req) if self.lookup is not None else None
             if hit is not None:
                 req.cache_from, req.cache_len = hit
-            self.joining[req.id] = (into, job)
+            self.joining[req.id] = (into, api_req)
             out.append(req)
         return out
 
@@ -187,24 +189,24 @@ class Scheduler:
 
     # -- the in-flight map (rank 0; on the other ranks every call finds nothing)
 
-    def joined(self, rid: str) -> Job | None:
-        """A request decided to join is in the batch now: its job."""
-        _, job = self.joining.pop(rid, (None, None))
-        if job is not None:
-            job.started_at = time.monotonic()
-            self.inflight[rid] = job
-        return job
+    def joined(self, rid: str) -> ApiRequest | None:
+        """A request decided to join is in the batch now: its ApiRequest."""
+        _, api_req = self.joining.pop(rid, (None, None))
+        if api_req is not None:
+            api_req.started_at = time.monotonic()
+            self.inflight[rid] = api_req
+        return api_req
 
-    def left(self, rid: str) -> Job | None:
-        """A request left the batch (finished, dropped, failed): its job, whose client is answered next."""
+    def left(self, rid: str) -> ApiRequest | None:
+        """A request left the batch (finished, dropped, failed): its ApiRequest, whose client is answered next."""
         return self.inflight.pop(rid, None)
 
-    def release_all(self) -> list[Job]:
-        """The ranks stop: every job in the batch or about to join it."""
-        jobs = [*self.inflight.values(), *(j for _, j in self.joining.values())]
+    def release_all(self) -> list[ApiRequest]:
+        """The ranks stop: every request in the batch or about to join it."""
+        out = [*self.inflight.values(), *(r for _, r in self.joining.values())]
         self.inflight.clear()
         self.joining.clear()
-        return jobs
+        return out
 
 
 class OverlapRun:
@@ -236,8 +238,8 @@ class OverlapRun:
         sched = self.sched
         self._poll_cancels(live)
         fins = tuple(rid for rid, done in rows if done)
-        drops = tuple(rid for rid, done in rows if not done and (job := sched.inflight.get(rid)) is not None
-                      and job.cancelled.is_set())
+        drops = tuple(rid for rid, done in rows if not done and (api_req := sched.inflight.get(rid)) is not None
+                      and api_req.cancelled.is_set())
         # a stop; or requests wait while a micro-batch sits the run out: meet, and place them evenly
         self.ending = self.ending or stop or (len(live) < self.n and sched.waiting() > 0)
         adds: tuple[GenRequest, ...] = ()

@@ -11,9 +11,10 @@ import time
 from typing import Callable
 
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.jobs import ActiveSet, Job, JobQueue
+from clusterctl.rank.requestqueue import ActiveSet, ApiRequest, RequestQueue
 from clusterctl.rank.wire import ApiError
-from clusterctl.rank.pipeline import HEADER_WORDS, MAGIC, GenResult, agree_on_tokens, share_payload, share_words
+from clusterctl.rank.generation import GenResult
+from clusterctl.rank.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
 from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
@@ -75,11 +76,11 @@ class StepLoop:
     its slot at once). What changes is decided by the scheduler (scheduler.py); this loop executes it."""
 
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
-                 jobs: JobQueue | None = None, marker=None, watchdog=None,
+                 queue: RequestQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
                  on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
-        self.stop, self.jobs, self.marker = stop, jobs, marker
+        self.stop, self.queue, self.marker = stop, queue, marker
         if active is None:
             active = ActiveSet((lambda ids: marker.update(active_requests=ids)) if marker is not None else None)
         self.active = active
@@ -99,9 +100,9 @@ class StepLoop:
         self.load = LoadWords(spec.rank, self.world)
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
-        self.sched = Scheduler(jobs, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
-        if jobs is not None:
-            jobs.on_put = self.idle.local
+        self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
+        if queue is not None:
+            queue.on_put = self.idle.local
 
     # the scheduler's state, as the rank runtime (and the cancel fuzzing) reads it
     @property
@@ -113,7 +114,7 @@ class StepLoop:
         return self.sched.epochs.acked
 
     @property
-    def inflight(self) -> dict[str, Job]:
+    def inflight(self) -> dict[str, ApiRequest]:
         return self.sched.inflight
 
     def _lookup(self, req) -> tuple[int, int] | None:
@@ -222,7 +223,7 @@ class StepLoop:
         if self.marker is not None and self.batch is not None:
             step_s, idle_share, rss = stats[self.spec.rank] if self.spec.rank < len(stats) else (None, None, None)
             self.marker.note(batch=len(self.batch), step_s=step_s, idle_share=idle_share, rss_bytes=rss,
-                             queued=len(self.jobs) if self.leader and self.jobs is not None else None,
+                             queued=len(self.queue) if self.leader and self.queue is not None else None,
                              tokens_out=self._produced + self.batch.produced if self.leader else None,
                              prompt_cache=[len(self.pcache), self.pcache.held, self.pcache.budget]
                              if self.pcache.on else None)
@@ -244,28 +245,28 @@ class StepLoop:
                 self.active.remove(rid)
         for rid in changes.drops:
             res = self.batch.drop(rid, "cancelled")
-            job = self.sched.left(rid)
+            api_req = self.sched.left(rid)
             if res is not None:
                 self.active.remove(rid)
-            if job is not None:
-                self._finish(job, res or cancelled())
+            if api_req is not None:
+                self._finish(api_req, res or cancelled())
         for req in changes.adds:
-            job = self.sched.joined(req.id)
-            emit = (lambda s, j=job: j.events.put(("text", s))) if job is not None else None
-            emit_lp = (lambda e, j=job: j.events.put(("logprob", e))) if job is not None else None
+            api_req = self.sched.joined(req.id)
+            emit = (lambda s, a=api_req: a.events.put(("text", s))) if api_req is not None else None
+            emit_lp = (lambda e, a=api_req: a.events.put(("logprob", e))) if api_req is not None else None
             self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
                            **({"into": into} if into is not None else {}))
             self.active.add(req.id)
-            if job is not None:
-                job.cached_tokens = req.cache_len if req.id in prefixes else 0
+            if api_req is not None:
+                api_req.cached_tokens = req.cache_len if req.id in prefixes else 0
 
     def _end_all(self) -> None:
         """The ranks stop: every request in the batch (and any just taken from the queue) gets a 503."""
         for rid in self.batch.ids():
             self.batch.drop(rid, "shutdown")
             self.active.remove(rid)
-        for job in self.sched.release_all():
-            job.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+        for api_req in self.sched.release_all():
+            api_req.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
 
     # -- steps
 
@@ -303,23 +304,23 @@ class StepLoop:
 
     def _run(self) -> None:
         """Overlapped: slots of every micro-batch until rank 0 wants a meeting; requests join and leave in
-        between (inband.py); rank 0 answers each request as it finishes."""
-        from clusterctl.rank.inband import InBand
+        between (runhooks.py); rank 0 answers each request as it finishes."""
+        from clusterctl.rank.runhooks import RunHooks
 
-        control = InBand(self)
+        hooks = RunHooks(self)
         try:
-            self.batch.run(control, self.seq, on_done=self._done)
+            self.batch.run(hooks, self.seq, on_done=self._done)
         except Exception as e:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
-        control.flush()
+        hooks.flush()
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
         self.served += 1
-        job = self.sched.left(rid)
-        if job is not None:
-            self._finish(job, res)
+        api_req = self.sched.left(rid)
+        if api_req is not None:
+            self._finish(api_req, res)
 
     def _fail_all(self, e: Exception, finished: list[str]) -> None:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -331,18 +332,18 @@ class StepLoop:
             err = ApiError(500, f"generation failed: {why}", type="server_error")
         for rid in [*self.batch.ids(), *finished]:
             self.active.remove(rid)
-            job = self.sched.left(rid)
-            if job is not None:
-                job.events.put(("error", err))
+            api_req = self.sched.left(rid)
+            if api_req is not None:
+                api_req.events.put(("error", err))
 
     @staticmethod
-    def _finish(job: Job, res: GenResult) -> None:
-        job.finished_at = time.monotonic()
-        res.cached_tokens = job.cached_tokens
+    def _finish(api_req: ApiRequest, res: GenResult) -> None:
+        api_req.finished_at = time.monotonic()
+        res.cached_tokens = api_req.cached_tokens
         if res.error is not None:  # the request's own values failed it (sampling.py): its client alone hears it
-            job.events.put(("error", ApiError(400, res.error)))
+            api_req.events.put(("error", ApiError(400, res.error)))
             return
-        job.events.put(("done", res))
+        api_req.events.put(("done", res))
 
     def apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then

@@ -1,8 +1,8 @@
-"""What an overlapped run asks of the step loop between meetings (overlap.py ``Hooks``): rank 0's scheduler decides
-each micro-batch's next control (scheduler.py ``OverlapRun``: finished rows leave, cancelled ones are dropped,
-queued requests join, the run ends when a meeting is wanted or the batch is empty), and every rank applies the
-controls the way it applies a meeting's changes, acks cancel epochs and reports its load as the headers bring
-them."""
+"""The step loop's hooks into an overlapped run: what a run asks of the step loop between meetings (overlap.py
+``Hooks``). Rank 0's scheduler decides each micro-batch's next control (scheduler.py ``OverlapRun``: finished rows
+leave, cancelled ones are dropped, queued requests join, the run ends when a meeting is wanted or the batch is
+empty), and every rank applies the controls the way it applies a meeting's changes, acks cancel epochs and reports
+its load as the headers bring them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from clusterctl.rank.overlap import END, MEET, Control
 from clusterctl.rank.scheduler import BatchChanges, OverlapRun
 
 
-class InBand:
-    """The step loop's side of one overlapped run (steploop.py ``StepLoop._run``)."""
+class RunHooks:
+    """The step loop's side of one overlapped run (steploop.py ``StepLoop._run``): overlap.py's ``Hooks``. The
+    batch's changes travel in-band, in the slots' controls, not at a meeting."""
 
     REPORT_S = 0.5  # load accounting and the marker's note, this often
 

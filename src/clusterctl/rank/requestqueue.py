@@ -1,6 +1,6 @@
-"""What a request is while it waits for, or is in, generation (``Job``), rank 0's bounded queue of them
-(``JobQueue``) and the ids each rank publishes as its active requests (``ActiveSet``): the hand-over between the
-HTTP threads and the step loop."""
+"""What an HTTP request is while it waits for, or is in, generation (``ApiRequest``), rank 0's bounded queue of
+them (``RequestQueue``) and the ids each rank publishes as its active requests (``ActiveSet``): the hand-over
+between the HTTP threads and the step loop. (A "job", everywhere in clusterctl, is a launch: job_id, job token.)"""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clusterctl.rank.pipeline import GenRequest
+from clusterctl.rank.generation import GenRequest
 
 @dataclass
-class Job:
+class ApiRequest:
     """One HTTP request waiting for, or in, generation. ``prepare`` (template and tokenizer) runs on its HTTP
     thread before it is queued (admission.py), and leaves ``req`` for the step loop."""
 
@@ -73,18 +73,18 @@ class ActiveSet:
             self._publish(ids)
 
 
-class JobQueue:
+class RequestQueue:
     def __init__(self, limit: int = 64):
-        self._q: deque[Job] = deque()
+        self._q: deque[ApiRequest] = deque()
         self._cv = threading.Condition()
         self.limit = limit
         self.on_put: Callable[[], None] | None = None  # the step loop's wake-up
 
-    def put(self, job: Job) -> bool:
+    def put(self, api_req: ApiRequest) -> bool:
         with self._cv:
             if len(self._q) >= self.limit:
                 return False
-            self._q.append(job)
+            self._q.append(api_req)
             self._cv.notify()
         if self.on_put is not None:
             self.on_put()
@@ -93,30 +93,30 @@ class JobQueue:
     def __len__(self) -> int:
         return len(self._q)
 
-    def pop(self, timeout: float = 0.0) -> Job | None:
+    def pop(self, timeout: float = 0.0) -> ApiRequest | None:
         with self._cv:
             if not self._q and timeout > 0:
                 self._cv.wait(timeout)
             return self._q.popleft() if self._q else None
 
-    def remove(self, job: Job) -> bool:
-        """Take a job out before the step loop pops it (its client left while it waited)."""
+    def remove(self, api_req: ApiRequest) -> bool:
+        """Take a request out before the step loop pops it (its client left while it waited)."""
         with self._cv:
             for i, queued in enumerate(self._q):
-                if queued is job:
+                if queued is api_req:
                     del self._q[i]
                     return True
             return False
 
     def cancel(self, ids: list[str] | None) -> list[str]:
-        """Mark queued jobs cancelled (all when ``ids`` is None); the step loop ends them when it pops them."""
+        """Mark queued requests cancelled (all when ``ids`` is None); the step loop ends them when it pops them."""
         with self._cv:
-            hit = [j for j in self._q if ids is None or j.id in ids]
-        for j in hit:
-            j.cancelled.set()
-        return [j.id for j in hit]
+            hit = [r for r in self._q if ids is None or r.id in ids]
+        for r in hit:
+            r.cancelled.set()
+        return [r.id for r in hit]
 
-    def drain(self) -> list[Job]:
+    def drain(self) -> list[ApiRequest]:
         with self._cv:
             out = list(self._q)
             self._q.clear()
