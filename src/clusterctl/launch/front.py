@@ -7,7 +7,8 @@ its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under 
 ``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
 origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
 ``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
-any byte was sent). aiohttp on both sides (docs/dependencies.md). docs/front.md.
+any byte was sent). aiohttp's low-level server; rank 0 is reached through launch/upstream.py
+(docs/dependencies.md). docs/front.md.
 """
 
 from __future__ import annotations
