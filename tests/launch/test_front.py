@@ -170,6 +170,47 @@ def test_what_the_front_says_of_itself_and_the_requests_it_refuses(d):
     assert (st, body) == want
 
 
+def test_a_client_that_leaves_mid_stream_ends_its_request_on_rank_0(d):
+    """The front closes its connection to rank 0 when its client has gone: rank 0 cancels the request (counted
+    as cancelled, not as a finished answer of 1,000 tokens) and lists it in flight no more."""
+    import re
+
+    job = d.following()
+    [m] = [m for m in manifests(d.tmp / "state") if m["job_id"] == job]
+    marker = Path(m["ranks"][0]["marker_path"])
+
+    def active() -> list:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(marker.read_text()).get("active_requests") or []
+        return []
+
+    def ended(outcome: str) -> float:
+        body = d.request("GET", "/upstream/metrics")[2]
+        return float(re.search(rb'^clusterctl_requests_total\{outcome="%s"\} (\S+)$' % outcome.encode(), body,
+                               re.M)[1])
+
+    before = ended("cancelled"), ended("ok")
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "once upon", "max_tokens": 1000,
+                                                             "stream": True, "logit_bias": NO_EOS}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline()
+    deadline = time.monotonic() + 20
+    while not active() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active(), "the request never showed on rank 0"
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while active() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not active()
+    assert (ended("cancelled"), ended("ok")) == (before[0] + 1, before[1])
+    st, _, body = d.request("GET", "/metrics")
+    assert b'clusterctl_front_requests_total{outcome="client_gone"}' in body
+
+
 def test_the_heal_supervisors_word_is_the_fronts_health(d):
     heal = d.tmp / "state" / "heal" / "t.json"
     heal.parent.mkdir(exist_ok=True)
