@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,86 @@ def test_the_key_is_enforced_at_the_front_and_cors_preflight_answers(d):
     assert st == 401 and "Access-Control-Allow-Origin" not in h
     st, _, body = d.request("GET", "/metrics")
     assert st == 200 and b'clusterctl_front_state{state="serving"} 1.0' in body
+
+
+def test_what_the_front_says_of_itself_and_the_requests_it_refuses(d):
+    """The Server header is clusterctl's on every answer (rank 0's, the front's own, aiohttp's refusal of a
+    malformed request); a body over 4 MiB is 413 with or without a Content-Length; a percent-encoded path reaches
+    rank 0 as sent."""
+    st, h, _ = d.request("GET", "/v1/models")
+    assert st == 200 and h["Server"] == "clusterctl"
+    st, h, _ = d.request("GET", "/health", key=None)
+    assert h["Server"] == "clusterctl"
+    with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        head = s.recv(4096)
+    assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request") and b"Server: clusterctl\r\n" in head, head
+    big = {"prompt": "x" * (4 << 20), "max_tokens": 1}
+    assert d.request("POST", "/v1/completions", big)[0] == 413
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    chunk = b"x" * (1 << 20)
+    try:
+        for _ in range(5):
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        conn.send(b"0\r\n\r\n")
+        assert conn.getresponse().status == 413
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused while the body was still being sent: also a refusal
+    finally:
+        conn.close()
+    direct = urllib.parse.urlsplit(d.jobs[0]["endpoint"])
+    conn = http.client.HTTPConnection(direct.hostname, direct.port, timeout=60)
+    conn.request("GET", "/v1/models/default%5Fmodel", headers={"Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    want = (r.status, r.read())
+    conn.close()
+    st, _, body = d.request("GET", "/v1/models/default%5Fmodel")
+    assert (st, body) == want
+
+
+def test_a_client_that_leaves_mid_stream_ends_its_request_on_rank_0(d):
+    """The front closes its connection to rank 0 when its client has gone: rank 0 cancels the request (counted
+    as cancelled, not as a finished answer of 1,000 tokens) and lists it in flight no more."""
+    import re
+
+    job = d.following()
+    [m] = [m for m in manifests(d.tmp / "state") if m["job_id"] == job]
+    marker = Path(m["ranks"][0]["marker_path"])
+
+    def active() -> list:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(marker.read_text()).get("active_requests") or []
+        return []
+
+    def ended(outcome: str) -> float:
+        body = d.request("GET", "/upstream/metrics")[2]
+        return float(re.search(rb'^clusterctl_requests_total\{outcome="%s"\} (\S+)$' % outcome.encode(), body,
+                               re.M)[1])
+
+    before = ended("cancelled"), ended("ok")
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "once upon", "max_tokens": 1000,
+                                                             "stream": True, "logit_bias": NO_EOS}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline()
+    deadline = time.monotonic() + 20
+    while not active() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active(), "the request never showed on rank 0"
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while active() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not active()
+    assert (ended("cancelled"), ended("ok")) == (before[0] + 1, before[1])
+    st, _, body = d.request("GET", "/metrics")
+    assert b'clusterctl_front_requests_total{outcome="client_gone"}' in body
 
 
 def test_the_heal_supervisors_word_is_the_fronts_health(d):

@@ -7,7 +7,8 @@ its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under 
 ``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
 origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
 ``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
-any byte was sent). aiohttp on both sides (docs/dependencies.md). docs/front.md.
+any byte was sent). aiohttp's low-level server; rank 0 is reached through launch/upstream.py
+(docs/dependencies.md). docs/front.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from clusterctl.launch.frontfollow import Follower, Rules, Target
 from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
 from clusterctl.launch.manifest import now_iso, this_coordinator
 from clusterctl.launch.nodes import SshOptions
+from clusterctl.launch.upstream import Lost, NotSent, Pool, Response
 from clusterctl.state import StateDir
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
@@ -33,6 +35,7 @@ RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "server", "date"}
 DONE = b"data: [DONE]\n\n"
+SERVER = "clusterctl"  # the Server header, as rank 0 says it: not the library and its version
 
 
 def _error(status: int, message: str, *, type_: str = "server_error", code: str | None = None) -> dict:
@@ -48,7 +51,7 @@ class Front:
         self.follower = follower
         self.linger = linger
         self.metrics_open = metrics_open
-        self.session = None  # aiohttp.ClientSession, made in start()
+        self.pool = Pool()  # connections to rank 0
         self.healthy = False  # rank 0 of the target answered /health 200 last time
         self.state, self.reason, self.since = "unavailable", None, time.time()
         self.nothing_since = time.monotonic()
@@ -71,6 +74,14 @@ class Front:
                                  ["job"], registry=r)
         for s in ("serving", "healing", "degraded", "unavailable"):
             self.m_state.labels(s).set(1 if s == self.state else 0)
+        self._outcomes: dict = {}
+
+    def count(self, outcome: str) -> None:
+        """One answered request (the labelled child looked up once per outcome: this is on every request)."""
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = self.m_requests.labels(outcome)
+        child.inc()
 
     # ---- the view: what serves, and the state said on /health ---------------------------------------------------
 
@@ -134,23 +145,27 @@ class Front:
         self.healthy, self._last_health = False, 0.0
 
     async def _probe(self, t: Target) -> bool:
-        import aiohttp
-
         self._last_health = time.monotonic()
+        up = None
         try:
-            async with self.session.get(t.endpoint + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                await r.read()
-                if r.status == 200:
-                    self.follower.down.discard(t.job_id)
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with asyncio.timeout(2):
+                up = await self.pool.request(t.endpoint, "GET", "/health", [])
+                await up.read()
+        except (ConnectionError, asyncio.TimeoutError, OSError, ValueError):
             return False
+        finally:
+            if up is not None:
+                up.release()
+        if up.status == 200:
+            self.follower.down.discard(t.job_id)
+        return up.status == 200
 
     async def watch(self) -> None:
         """Refresh until stopped; a front with a linger exits once its cluster has had nothing for that long."""
         while not self.stop.is_set():
             with contextlib.suppress(Exception):
                 await self.refresh()
+            self.pool.sweep()
             if self.linger and time.monotonic() - self.nothing_since > self.linger:
                 self.follower.log(f"front: nothing of cluster {self.follower.cluster} for {self.linger:g} s; exiting")
                 self.stop.set()
@@ -173,10 +188,20 @@ class Front:
 
 # ---- the server ---------------------------------------------------------------------------------------------------
 
-def make_app(front: Front):
+def make_server(front: Front):
+    """aiohttp's low-level server: every request goes to one handler (no router, no middleware: the front
+    routes by itself), a per-request cost the front does not need avoided."""
     from aiohttp import web
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    class Request(web.BaseRequest):
+        async def _prepare_hook(self, response) -> None:  # every answer, aiohttp's own refusals too
+            response.headers["Server"] = SERVER
+
+    def request_factory(message, payload, protocol, writer, task):
+        return Request(message, payload, protocol, writer, task, asyncio.get_running_loop(),
+                       client_max_size=MAX_BODY + 1)
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
         try:
             resp = await _route(front, request)
         except web.HTTPException as e:  # aiohttp's own refusals (a body too large...) in OpenAI's shape
@@ -185,16 +210,10 @@ def make_app(front: Front):
                                                           else "server_error"))
         outcome = getattr(resp, "outcome", None) or _outcome(resp.status)
         if outcome != "-":
-            front.m_requests.labels(outcome).inc()
+            front.count(outcome)
         return resp
 
-    async def server_header(request, resp) -> None:
-        resp.headers["Server"] = "clusterctl"  # as rank 0 says; not the library and its version
-
-    app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 16384})
-    app.router.add_route("*", "/{tail:.*}", handle)
-    app.on_response_prepare.append(server_header)
-    return app
+    return web.Server(handle, request_factory=request_factory, max_field_size=16384)
 
 
 def _outcome(status: int) -> str:
@@ -260,26 +279,25 @@ async def _route(front: Front, request):
 
 
 async def _forward(front: Front, request, path: str, body: bytes):
-    import aiohttp
-
     t = front.target if front.healthy else await front.refresh_now()
     if t is None:
         return _unavailable(front, request)
-    qs = f"?{request.query_string}" if request.query_string else ""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    if path == request.path:
+        target = request.raw_path  # the request target as sent (still percent-encoded), query included
+    else:  # /upstream/... on the front is /... on rank 0
+        target = path + (f"?{request.query_string}" if request.query_string else "")
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
     for attempt in (0, 1):
         try:
-            up = await front.session.request(request.method, t.endpoint + path + qs, data=body or None,
-                                             headers=headers, allow_redirects=False)
+            up = await front.pool.request(t.endpoint, request.method, target, headers, body)
             break
-        except aiohttp.ClientConnectorError:  # never reached rank 0: safe to send again
+        except NotSent:  # never reached rank 0: safe to send again
             t2 = await front.refresh_now()
             if attempt == 1 or t2 is None:
                 return _unavailable(front, request)
             t = t2  # rank 0 moved (a replan, a heal): the same request once more, to the new one
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):  # sent, then lost: never sent twice
-            front.healthy = False
-            front._wake.set()
+        except (Lost, ValueError):  # sent, then lost: never sent twice
+            await front.refresh_now()  # what /health says next is already true
             return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
                                                 "retry shortly")
     try:
@@ -287,8 +305,8 @@ async def _forward(front: Front, request, path: str, body: bytes):
             return await _stream(front, request, up, t)
         try:
             data = await up.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            front.healthy = False
+        except Lost:
+            await front.refresh_now()
             return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
                                                 "retry shortly")
         from aiohttp import web
@@ -298,8 +316,10 @@ async def _forward(front: Front, request, path: str, body: bytes):
         up.release()
 
 
-def _copy_headers(up) -> dict:
-    return {k: v for k, v in up.headers.items() if k.lower() not in HOP}
+def _copy_headers(up: Response):
+    from multidict import CIMultiDict
+
+    return CIMultiDict((k, v) for k, v in up.headers if k.lower() not in HOP)
 
 
 async def _stream(front: Front, request, up, t: Target):
@@ -315,7 +335,7 @@ async def _stream(front: Front, request, up, t: Target):
         writer.send_headers()  # the status line at once, as rank 0 sends it (first-byte timeouts)
     pending, done = b"", False
     try:
-        async for chunk in up.content.iter_any():
+        async for chunk in up.chunks():
             pending += chunk
             cut = pending.rfind(b"\n\n")
             if cut < 0:
@@ -328,7 +348,7 @@ async def _stream(front: Front, request, up, t: Target):
                 up.close()
                 return resp
             done = out.endswith(DONE)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (Lost, OSError):
         pass  # rank 0's side broke: said below
     finally:
         up.close()
@@ -353,7 +373,6 @@ async def _stream(front: Front, request, up, t: Target):
 async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: float = 0.0, auto: bool = False,
                 ready=None) -> int:
     """Listen on host:port and serve until SIGTERM/SIGINT/SIGHUP (or the linger); returns the exit code."""
-    import aiohttp
     from aiohttp import web
 
     def log(msg: str) -> None:
@@ -361,7 +380,7 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
 
     front = Front(Follower(state, cluster, ssh or SshOptions(), log=log), linger=linger,
                   metrics_open=os.environ.get("CLUSTERCTL_METRICS_OPEN") == "1")
-    runner = web.AppRunner(make_app(front), access_log=None, shutdown_timeout=5.0)
+    runner = web.ServerRunner(make_server(front), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_address=True).start()
@@ -369,11 +388,6 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
         await runner.cleanup()
         print(f"error: cannot listen on {url_of(host, port)}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 69
-    front.session = aiohttp.ClientSession(
-        # idle connections to rank 0 are dropped well before rank 0 drops them (its http_timeout_s, 30 s): a POST
-        # is then never written into a connection the other side is closing (it would look like a lost rank 0)
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=5),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -395,7 +409,7 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
         watcher.cancel()
         remove_record(record_path(state, host, port), rec)
         await runner.cleanup()
-        await front.session.close()
+        front.pool.close()
     log("front: stopped")
     return 0
 
