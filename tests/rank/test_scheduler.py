@@ -13,7 +13,7 @@ from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.rank import scheduler as sch
 from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.generation import GenRequest
-from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count
+from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count, place
 from clusterctl.shared.cancelfile import CancelWatch
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
                                            epoch_is_new, next_epoch)
@@ -118,6 +118,21 @@ def test_a_burst_of_joins_is_spread_over_the_micro_batches(sizes, waiting, room,
         room -= n
         waiting -= n
     assert got == want
+
+
+@pytest.mark.parametrize("lengths, n, want", [
+    ([0, 0], 4, [0, 1, 0, 1]),  # joins at a meeting alternate over empty micro-batches
+    ([3, 0, 1], 4, [1, 1, 2, 1]),  # the emptiest first, counting the ones just placed; the lowest index on a tie
+    ([2, 2], 0, []),
+    ([5], 3, [0, 0, 0]),  # one stage: one micro-batch
+])
+def test_joins_at_a_meeting_go_to_the_micro_batches_with_the_fewest_rows(lengths, n, want):
+    got = place(lengths, n)
+    assert got == want
+    after = list(lengths)
+    for k in got:
+        after[k] += 1
+    assert max(after) - min(after) <= max(max(lengths) - min(lengths), 1)  # never less even than before
 
 
 def run_for(q: RequestQueue, *, n: int = 2, max_batch: int = 8, cancels=None) -> tuple[Scheduler, OverlapRun]:

@@ -183,9 +183,14 @@ class OverlapBatch:
         """Rank 0: each micro-batch's rows not yet answered."""
         return [sum(not r.done for r in (*mb.rows, *mb.fresh)) for mb in self.mbs]
 
+    def lengths(self) -> list[int]:
+        """Each micro-batch's rows, answered or not (what ``scheduler.place`` places joins by)."""
+        return [len(mb) for mb in self.mbs]
+
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
-            into: int | None = None, emit_lp: Callable[[dict], None] | None = None) -> None:
-        """A request joins micro-batch ``into`` (None: the emptiest, the lowest index on a tie) at its next slot."""
+            *, into: int, emit_lp: Callable[[dict], None] | None = None) -> None:
+        """A request joins micro-batch ``into`` (the scheduler's choice: ``join_count`` during a run, ``place`` at
+        a meeting) at its next slot."""
         if any(r.id == req.id for mb in self.mbs for r in (*mb.rows, *mb.fresh)):
             raise ValueError(f"request {req.id} is already in the batch")
         if not req.tokens or req.max_tokens < 1:
@@ -198,7 +203,7 @@ class OverlapBatch:
             row.seq.procs = row.sampler.procs
             if emit_lp is not None and req.logprobs >= 0:
                 row.seq.lp = Entries(self.tokenizer, req.logprobs)
-        (min(self.mbs, key=len) if into is None else self.mbs[into]).fresh.append(row)
+        self.mbs[into].fresh.append(row)
 
     def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
         """Take a request out (``save``: it ended normally, keep its KV in the prompt cache); None if it is not

@@ -5,7 +5,8 @@ batch's changes travel between the ranks as one ``BatchChanges`` with one encode
 
 Fairness: requests join in the order they were queued (the queue is first in, first out); a request cancelled
 while queued never takes a slot. A burst of joins in the overlapped schedule is spread over the micro-batches
-(``join_count``) so their prompts are processed side by side on the stages."""
+(``join_count``) so their prompts are processed side by side on the stages; requests that join at a meeting go to
+the micro-batches with the fewest rows (``place``)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ def join_count(sizes: list[int], k: int, room: int, waiting: int) -> int:
     total, n = sum(sizes) + min(room, waiting), len(sizes)
     share = total // n + (1 if k < total % n else 0)
     return max(0, min(room, waiting, share - sizes[k]))
+
+
+def place(lengths: list[int], n: int) -> list[int]:
+    """The micro-batch each of ``n`` requests joining at a meeting goes to, in order: the one with the fewest rows
+    (``lengths``), counting those placed before it, the lowest index on a tie. Every rank computes it from the same
+    lengths, so all place alike."""
+    lengths, out = list(lengths), []
+    for _ in range(n):
+        k = min(range(len(lengths)), key=lengths.__getitem__)
+        lengths[k] += 1
+        out.append(k)
+    return out
 
 
 def cancelled() -> GenResult:

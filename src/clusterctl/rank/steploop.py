@@ -21,7 +21,7 @@ from clusterctl.rank.watchdog import PeerLost, peer_loss
 from clusterctl.rank.batch import Batch
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.promptcache import PromptCache, reusable
-from clusterctl.rank.scheduler import BatchChanges, Scheduler, cancelled
+from clusterctl.rank.scheduler import BatchChanges, Scheduler, cancelled, place
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 
@@ -250,12 +250,15 @@ class StepLoop:
                 self.active.remove(rid)
             if api_req is not None:
                 self._finish(api_req, res or cancelled())
-        for req in changes.adds:
+        if self.overlapped:  # the micro-batch each joins: the run's slot, else the scheduler's placement
+            places = [into] * len(changes.adds) if into is not None else place(self.batch.lengths(),
+                                                                                len(changes.adds))
+        for i, req in enumerate(changes.adds):
             api_req = self.sched.joined(req.id)
             emit = (lambda s, a=api_req: a.events.put(("text", s))) if api_req is not None else None
             emit_lp = (lambda e, a=api_req: a.events.put(("logprob", e))) if api_req is not None else None
             self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
-                           **({"into": into} if into is not None else {}))
+                           **({"into": places[i]} if self.overlapped else {}))
             self.active.add(req.id)
             if api_req is not None:
                 api_req.cached_tokens = req.cache_len if req.id in prefixes else 0
