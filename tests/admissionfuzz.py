@@ -91,6 +91,20 @@ def send(t: Target, path: str, body: dict, timeout: float = 120) -> tuple[int, s
     return r.status, data
 
 
+def events(data: str) -> list[dict]:
+    """The JSON objects of a stream's ``data:`` lines (``[DONE]`` and anything not an object left out)."""
+    out = []
+    for line in data.splitlines():
+        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+            try:
+                doc = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                out.append(doc)
+    return out
+
+
 def check(t: Target, path: str, body: dict, status: int, data: str) -> str | None:
     """None when the answer is one rank 0 may give; else what is wrong with it."""
     what = f"{path} {json.dumps(body)[:300]} -> {status} {data[:300]}"
@@ -105,7 +119,7 @@ def check(t: Target, path: str, body: dict, status: int, data: str) -> str | Non
     if body.get("stream"):
         if not data.rstrip().endswith("data: [DONE]"):
             return f"a stream that did not end with [DONE]: {what}"
-        if '"error"' in data:
+        if any("error" in event for event in events(data)):  # an error event (not a token whose text is "error")
             return f"a stream that failed: {what}"
         return None
     try:
