@@ -94,7 +94,8 @@ def test_a_killed_peer_mid_request_ends_rank_0_with_one_line(model, tmp_path):
             time.sleep(0.02)
         c.procs[1].send_signal(signal.SIGKILL)
         assert c.wait_exit(0, 20) == 69
-        assert "lost a ring peer" in stream.told_why()["message"]
+        told = stream.told_why()["message"]  # the ring's error, or the ladder's when MLX hangs (as below)
+        assert "lost a ring peer" in told or "peer rank 1 lost" in told, told
         asker.join(10)
         assert whole and whole[0][0] == 503 and whole[0][1] == "5", whole
         assert whole[0][2]["error"]["code"] == "deployment_unavailable"
