@@ -70,10 +70,10 @@ class Running:
         code = 0
         try:
             done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t in waits:
-                    self._rank_exited(waits[t], t)
-                    code = int(Exit.FAILED)
+            exited = [(waits[t], t) for t in done if t in waits]
+            if exited:  # several at one look: the one a signal ended is the cause (the others lost it), else rank order
+                self._rank_exited(*min(exited, key=lambda e: (not _by_signal(e[1]), e[0])))
+                code = int(Exit.FAILED)
         finally:
             stopper.cancel()
         report = await self.teardown(before_clean=self._keep_logs if self.failed_rank else None)
@@ -224,3 +224,9 @@ def _say_stopped(o, running: Running, doc: dict, code: int) -> None:
         o.error("teardown could not confirm: " + "; ".join(report.survivors()))
     else:
         o.info(f"job {doc['job_id']}: stopped, every rank confirmed gone")
+
+
+def _by_signal(t: asyncio.Task) -> bool:
+    """A rank's wait ended with the exit status of a signal (negative, or 128 + the signal as a shell reports it)."""
+    rc = t.result() if not t.cancelled() and t.exception() is None else None
+    return rc is not None and (rc < 0 or rc > 128)

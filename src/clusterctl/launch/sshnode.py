@@ -17,11 +17,11 @@ import shlex
 import socket
 import warnings
 
-with warnings.catch_warnings():
-    # cryptography 51 deprecates DSA, and asyncssh names its DSA types as it is imported: five warnings on the
-    # terminal of every command that reaches a node, at import, whatever keys are in use (the quiet contract)
-    warnings.filterwarnings("ignore", message="DSA is deprecated", category=Warning)
-    import asyncssh
+# cryptography 51 deprecates DSA, and asyncssh names its DSA types as it is imported: five warnings on the terminal
+# of every command that reaches a node, at import, whatever keys are in use (the quiet contract). Only that message.
+warnings.filterwarnings("ignore", message="DSA is deprecated", category=Warning)
+
+import asyncssh  # noqa: E402
 
 from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
 from clusterctl.launch import fdlimit, ssh_policy
