@@ -90,6 +90,11 @@ class Deployment:
 def d(tmp_path_factory, tiny):
     d = Deployment(tmp_path_factory.mktemp("front"), tiny)
     d.jobs = d.launch_both()
+    # the front follows the newest job once its watcher has seen it (it may follow the first one ready until then)
+    newest = max(manifests(d.tmp / "state"), key=lambda m: (m["created_at"], m["job_id"]))["job_id"]
+    deadline = time.monotonic() + 10
+    while d.following() != newest and time.monotonic() < deadline:
+        time.sleep(0.1)
     yield d
     cli("teardown", "--force", env=d.env)
     cli("front", "--stop", env=d.env)

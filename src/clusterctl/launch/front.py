@@ -7,8 +7,8 @@ its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under 
 ``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
 origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
 ``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
-any byte was sent). aiohttp's low-level server; rank 0 is reached through launch/upstream.py
-(docs/dependencies.md). docs/front.md.
+any byte was sent). The server is launch/httpserver.py, rank 0 is reached through launch/upstream.py (both on
+httptools, docs/dependencies.md). docs/front.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 from clusterctl.launch.frontfollow import Follower, Rules, Target
 from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
+from clusterctl.launch.httpserver import Gone, Request, Server, error_doc
 from clusterctl.launch.manifest import now_iso, this_coordinator
 from clusterctl.launch.nodes import SshOptions
 from clusterctl.launch.upstream import Lost, NotSent, Pool, Response
@@ -33,13 +34,9 @@ HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
 MAX_BODY = 4 << 20  # rank 0's own bound (rank/handler.py): a larger body is refused here the same way
 RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "server", "date"}
+       "transfer-encoding", "upgrade", "host", "content-length", "server", "expect"}  # rank 0's Date is kept
 DONE = b"data: [DONE]\n\n"
 SERVER = "clusterctl"  # the Server header, as rank 0 says it: not the library and its version
-
-
-def _error(status: int, message: str, *, type_: str = "server_error", code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
 class Front:
@@ -52,6 +49,7 @@ class Front:
         self.linger = linger
         self.metrics_open = metrics_open
         self.pool = Pool()  # connections to rank 0
+        self.server: Server | None = None  # the clients' side (serve() sets it; the watcher sweeps it)
         self.healthy = False  # rank 0 of the target answered /health 200 last time
         self.state, self.reason, self.since = "unavailable", None, time.time()
         self.nothing_since = time.monotonic()
@@ -166,6 +164,8 @@ class Front:
             with contextlib.suppress(Exception):
                 await self.refresh()
             self.pool.sweep()
+            if self.server is not None:
+                self.server.sweep()
             if self.linger and time.monotonic() - self.nothing_since > self.linger:
                 self.follower.log(f"front: nothing of cluster {self.follower.cluster} for {self.linger:g} s; exiting")
                 self.stop.set()
@@ -188,151 +188,123 @@ class Front:
 
 # ---- the server ---------------------------------------------------------------------------------------------------
 
-def make_server(front: Front):
-    """aiohttp's low-level server: every request goes to one handler (no router, no middleware: the front
-    routes by itself), a per-request cost the front does not need avoided."""
-    from aiohttp import web
+def make_server(front: Front) -> Server:
+    """One handler for every request (the front routes by itself); the server's own refusals (a malformed
+    request, a body too large) counted like the front's and given its CORS headers."""
 
-    class Request(web.BaseRequest):
-        async def _prepare_hook(self, response) -> None:  # every answer, aiohttp's own refusals too
-            response.headers["Server"] = SERVER
-
-    def request_factory(message, payload, protocol, writer, task):
-        return Request(message, payload, protocol, writer, task, asyncio.get_running_loop(),
-                       client_max_size=MAX_BODY + 1)
-
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(req: Request) -> None:
         try:
-            resp = await _route(front, request)
-        except web.HTTPException as e:  # aiohttp's own refusals (a body too large...) in OpenAI's shape
-            resp = _json(front, request, e.status, _error(e.status, e.reason or "error",
-                                                          type_="invalid_request_error" if e.status < 500
-                                                          else "server_error"))
-        outcome = getattr(resp, "outcome", None) or _outcome(resp.status)
+            outcome = await _route(front, req)
+        except asyncio.CancelledError:
+            if not req.gone:
+                raise
+            outcome = "client_gone"  # our client left: what was asked of rank 0 is closed, so it cancels
         if outcome != "-":
             front.count(outcome)
-        return resp
 
-    return web.Server(handle, request_factory=request_factory, max_field_size=16384)
+    def refusal_headers(lookup: dict) -> list:
+        rules = front.rules
+        return list(rules.cors_headers(lookup.get("origin")).items()) if rules else []
+
+    return Server(handle, name=SERVER, max_body=MAX_BODY, refused=lambda status: front.count(_outcome(status)),
+                  refusal_headers=refusal_headers)
 
 
 def _outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
 
 
-def _json(front: Front, request, status: int, doc: dict, extra: dict | None = None, outcome: str | None = None):
-    from aiohttp import web
-
+def _json(front: Front, req: Request, status: int, doc: dict, extra: dict | None = None,
+          outcome: str | None = None) -> str:
     rules = front.rules
-    headers = {**(rules.cors_headers(request.headers.get("Origin")) if rules else {}), **(extra or {})}
-    resp = web.json_response(doc, status=status, headers=headers)
-    resp.outcome = outcome
-    return resp
+    cors = rules.cors_headers(req.header("origin")).items() if rules else ()
+    req.json(status, doc, [*cors, *(extra or {}).items()])
+    return outcome or _outcome(status)
 
 
-def _unavailable(front: Front, request, message: str | None = None):
+def _unavailable(front: Front, req: Request, message: str | None = None) -> str:
     msg = message or {"healing": "the deployment is healing; retry shortly",
                       "degraded": f"the deployment is degraded: {front.reason or 'no plan fits'}"}.get(
         front.state, "no rank 0 serves this deployment right now; retry shortly")
-    return _json(front, request, 503, _error(503, msg, code="service_unavailable"),
+    return _json(front, req, 503, error_doc(503, msg, code="service_unavailable"),
                  {"Retry-After": front.retry_after()}, outcome="unavailable")
 
 
-async def _route(front: Front, request):
-    from aiohttp import web
-
-    method, path = request.method, request.path
+async def _route(front: Front, req: Request) -> str:
+    """Answer one request; its outcome for the metrics ("-": not counted)."""
+    method, path = req.method, req.path
     rules = front.rules
     if path == "/health" and method in ("GET", "HEAD"):
         ok = front.state == "serving"
         extra = {} if ok else {"Retry-After": front.retry_after()}
-        return _json(front, request, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra, outcome="-")
+        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra, outcome="-")
     if method == "OPTIONS" and rules is not None and rules.cors_origins:
-        resp = web.Response(status=204, headers={**rules.cors_headers(request.headers.get("Origin")),
-                                                 **rules.preflight_headers(request.headers.get("Origin"))})
-        resp.outcome = "-"
-        return resp
+        origin = req.header("origin")
+        req.respond(204, [*rules.cors_headers(origin).items(), *rules.preflight_headers(origin).items()])
+        return "-"
     open_metrics = path in ("/metrics", "/upstream/metrics") and front.metrics_open
     upstream_health = path == "/upstream/health" and method in ("GET", "HEAD")
     if rules is None and not (open_metrics or upstream_health):
         await front.refresh_now()  # a job may have become ready since the watcher last looked
         rules = front.rules
         if rules is None:
-            return _unavailable(front, request)  # no job seen yet: nobody can be told apart
-    if not (open_metrics or upstream_health) and not rules.authorized(request.headers.get("Authorization")):
-        return _json(front, request, 401, _error(401, "invalid or missing API key", type_="invalid_request_error",
-                                                 code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+            return _unavailable(front, req)  # no job seen yet: nobody can be told apart
+    if not (open_metrics or upstream_health) and not rules.authorized(req.header("authorization")):
+        return _json(front, req, 401, error_doc(401, "invalid or missing API key", code="invalid_api_key"),
+                     {"WWW-Authenticate": "Bearer"})
     if path == "/metrics":
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        resp = web.Response(body=generate_latest(front.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-        resp.outcome = "-"
-        return resp
-    if path in ("/upstream/health", "/upstream/metrics"):
-        path = path[len("/upstream"):]
-    length = request.content_length
-    if length is not None and length > MAX_BODY:
-        return _json(front, request, 413, _error(413, f"request body over {MAX_BODY} bytes",
-                                                 type_="invalid_request_error"), {"Connection": "close"})
-    body = await request.read()
-    return await _forward(front, request, path, body)
+        req.respond(200, [("Content-Type", CONTENT_TYPE_LATEST)], generate_latest(front.registry))
+        return "-"
+    target = req.target  # as sent (still percent-encoded), query included
+    if path in ("/upstream/health", "/upstream/metrics"):  # /upstream/... on the front is /... on rank 0
+        target = path[len("/upstream"):] + (f"?{req.query}" if req.query else "")
+    return await _forward(front, req, target)
 
 
-async def _forward(front: Front, request, path: str, body: bytes):
+async def _forward(front: Front, req: Request, target: str) -> str:
     t = front.target if front.healthy else await front.refresh_now()
     if t is None:
-        return _unavailable(front, request)
-    if path == request.path:
-        target = request.raw_path  # the request target as sent (still percent-encoded), query included
-    else:  # /upstream/... on the front is /... on rank 0
-        target = path + (f"?{request.query_string}" if request.query_string else "")
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+        return _unavailable(front, req)
+    headers = [(k, v) for k, v in req.headers if k.lower() not in HOP]
     for attempt in (0, 1):
         try:
-            up = await front.pool.request(t.endpoint, request.method, target, headers, body)
+            up = await front.pool.request(t.endpoint, req.method, target, headers, req.body)
             break
         except NotSent:  # never reached rank 0: safe to send again
             t2 = await front.refresh_now()
             if attempt == 1 or t2 is None:
-                return _unavailable(front, request)
+                return _unavailable(front, req)
             t = t2  # rank 0 moved (a replan, a heal): the same request once more, to the new one
         except (Lost, ValueError):  # sent, then lost: never sent twice
             await front.refresh_now()  # what /health says next is already true
-            return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
-                                                "retry shortly")
+            return _unavailable(front, req, f"rank 0 (job {t.job_id}) was lost before it answered; retry shortly")
     try:
         if up.content_type == "text/event-stream":
-            return await _stream(front, request, up, t)
+            return await _stream(front, req, up, t)
         try:
             data = await up.read()
         except Lost:
             await front.refresh_now()
-            return _unavailable(front, request, f"rank 0 (job {t.job_id}) was lost before it answered; "
-                                                "retry shortly")
-        from aiohttp import web
-
-        return web.Response(status=up.status, body=data, headers=_copy_headers(up))
+            return _unavailable(front, req, f"rank 0 (job {t.job_id}) was lost before it answered; retry shortly")
+        length = None
+        if req.method == "HEAD":  # rank 0 declared the length of the body it did not send
+            length = next((int(v) for k, v in up.headers if k.lower() == "content-length" and v.isdigit()), 0)
+        req.respond(up.status, _copy_headers(up), data, length=length)
+        return _outcome(up.status)
     finally:
         up.release()
 
 
-def _copy_headers(up: Response):
-    from multidict import CIMultiDict
-
-    return CIMultiDict((k, v) for k, v in up.headers if k.lower() not in HOP)
+def _copy_headers(up: Response) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in up.headers if k.lower() not in HOP]
 
 
-async def _stream(front: Front, request, up, t: Target):
+async def _stream(front: Front, req: Request, up: Response, t: Target) -> str:
     """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
     ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
-    import aiohttp
-    from aiohttp import web
-
-    resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
-    await resp.prepare(request)
-    writer = getattr(resp, "_payload_writer", None)
-    if writer is not None and hasattr(writer, "send_headers"):
-        writer.send_headers()  # the status line at once, as rank 0 sends it (first-byte timeouts)
+    req.start(up.status, _copy_headers(up))  # the head at once, as rank 0 sends it (first-byte timeouts)
     pending, done = b"", False
     try:
         async for chunk in up.chunks():
@@ -342,30 +314,29 @@ async def _stream(front: Front, request, up, t: Target):
                 continue
             out, pending = pending[:cut + 2], pending[cut + 2:]
             try:
-                await resp.write(out)
-            except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError):
-                resp.outcome = "client_gone"  # our client left: closing upstream cancels it on rank 0
-                up.close()
-                return resp
+                await req.send(out)
+            except Gone:
+                return "client_gone"  # our client left: closing upstream (below) cancels it on rank 0
             done = out.endswith(DONE)
-    except (Lost, OSError):
+    except Lost:
         pass  # rank 0's side broke: said below
     finally:
         up.close()
     if not done:
-        if request.transport is None or request.transport.is_closing():
-            resp.outcome = "client_gone"
-            return resp
+        if req.gone:
+            return "client_gone"
         front.healthy = False
         front._wake.set()
-        err = _error(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
-                     code="upstream_lost")
-        with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-            await resp.write(f"data: {json.dumps(err)}\n\n".encode() + DONE)
-        resp.outcome = "upstream_lost"
-    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-        await resp.write_eof()
-    return resp
+        err = error_doc(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
+                        code="upstream_lost")
+        try:
+            await req.send(f"data: {json.dumps(err)}\n\n".encode() + DONE)
+        except Gone:
+            return "client_gone"
+        req.end()
+        return "upstream_lost"
+    req.end()
+    return _outcome(up.status)
 
 
 # ---- the process --------------------------------------------------------------------------------------------------
@@ -373,19 +344,15 @@ async def _stream(front: Front, request, up, t: Target):
 async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: float = 0.0, auto: bool = False,
                 ready=None) -> int:
     """Listen on host:port and serve until SIGTERM/SIGINT/SIGHUP (or the linger); returns the exit code."""
-    from aiohttp import web
-
     def log(msg: str) -> None:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
     front = Front(Follower(state, cluster, ssh or SshOptions(), log=log), linger=linger,
                   metrics_open=os.environ.get("CLUSTERCTL_METRICS_OPEN") == "1")
-    runner = web.ServerRunner(make_server(front), access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
+    server = front.server = make_server(front)
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await server.listen(host, port)
     except OSError as e:
-        await runner.cleanup()
         print(f"error: cannot listen on {url_of(host, port)}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 69
     loop = asyncio.get_running_loop()
@@ -408,7 +375,7 @@ async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: 
     finally:
         watcher.cancel()
         remove_record(record_path(state, host, port), rec)
-        await runner.cleanup()
+        await server.close()
         front.pool.close()
     log("front: stopped")
     return 0
