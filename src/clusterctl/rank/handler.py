@@ -27,6 +27,9 @@ class Handler(BaseHTTPRequestHandler):
     # TCP_NODELAY: a response is several small writes (headers, body; a stream's chunks). With Nagle, a write
     # waits for the ACK of the one before, which the client delays (up to 40 ms, more under load).
     disable_nagle_algorithm = True
+    # a buffered writer: an answer's head and body leave in one write (http.server flushes it after each request;
+    # a stream flushes each event itself), so whoever reads it (the front, a client) wakes once, not twice
+    wbufsize = -1
     api = None  # the server's Api (set by make_handler)
 
     def log_message(self, fmt, *args):  # quiet: no request logs on stderr (prompts are private)
@@ -40,9 +43,17 @@ class Handler(BaseHTTPRequestHandler):
         self.outcome = None
         try:
             super().handle_one_request()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client left before the buffered answer went out
         finally:
             if self.outcome is not None:
                 self.api.metrics.request_done(self.outcome)
+
+    def finish(self):
+        try:
+            super().finish()
+        except OSError:  # the client left: what was buffered for it cannot be sent (not an error of ours)
+            self.rfile.close()
 
     def send_response(self, code, message=None):
         self.outcome = outcome_of(code)
