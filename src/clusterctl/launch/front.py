@@ -269,6 +269,7 @@ async def _forward(front: Front, req: Request, target: str) -> str:
         return _unavailable(front, req)
     headers = [(k, v) for k, v in req.headers if k.lower() not in HOP]
     for attempt in (0, 1):
+        t0 = time.perf_counter()
         try:
             up = await front.pool.request(t.endpoint, req.method, target, headers, req.body)
             break
@@ -282,7 +283,7 @@ async def _forward(front: Front, req: Request, target: str) -> str:
             return _unavailable(front, req, f"rank 0 (job {t.job_id}) was lost before it answered; retry shortly")
     try:
         if up.content_type == "text/event-stream":
-            return await _stream(front, req, up, t)
+            return await _stream(front, req, up, t, _timing(t0))
         try:
             data = await up.read()
         except Lost:
@@ -291,7 +292,7 @@ async def _forward(front: Front, req: Request, target: str) -> str:
         length = None
         if req.method == "HEAD":  # rank 0 declared the length of the body it did not send
             length = next((int(v) for k, v in up.headers if k.lower() == "content-length" and v.isdigit()), 0)
-        req.respond(up.status, _copy_headers(up), data, length=length)
+        req.respond(up.status, [*_copy_headers(up), _timing(t0)], data, length=length)
         return _outcome(up.status)
     finally:
         up.release()
@@ -301,10 +302,16 @@ def _copy_headers(up: Response) -> list[tuple[str, str]]:
     return [(k, v) for k, v in up.headers if k.lower() not in HOP]
 
 
-async def _stream(front: Front, req: Request, up: Response, t: Target) -> str:
+def _timing(t0: float) -> tuple[str, str]:
+    """How long rank 0 took as the front saw it (its whole answer; a stream's head): what a client's own clock
+    says beyond it is the front's cost (bench/front.py, docs/front.md)."""
+    return "Server-Timing", f"upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}"
+
+
+async def _stream(front: Front, req: Request, up: Response, t: Target, timing: tuple[str, str]) -> str:
     """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
     ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
-    req.start(up.status, _copy_headers(up))  # the head at once, as rank 0 sends it (first-byte timeouts)
+    req.start(up.status, [*_copy_headers(up), timing])  # the head at once, as rank 0 sent it (first-byte timeouts)
     pending, done = b"", False
     try:
         async for chunk in up.chunks():
