@@ -6,7 +6,13 @@ One real 2-rank local deployment of the tiny model (`launch --detach --front 127
 measures both arms back to back (the order alternates), and the medians over rounds are compared:
   latency    each of C clients holds a kept-alive connection to each arm and sends --requests requests to
              each, alternating request by request: GET /v1/models (rank 0's HTTP path, no model work) and a
-             1-token chat completion; added = median over rounds of (median front - median direct) of a round
+             1-token chat completion. Added latency, two ways:
+             - side by side: the mean over all pairs (one client's two requests, one per arm, back to back)
+               of front - direct, with its 95% confidence interval; rank 0's own jitter (a 1-token chat
+               takes 20-50 ms there) makes this interval wide unless --requests is large;
+             - without that jitter: each front request's time on the client's clock minus the time rank 0
+               took as the front saw it (the front's Server-Timing header, upstream;dur=), i.e. the hops to
+               the front and back plus the front's own work; the median over rounds of each round's median
   streamed   C clients each stream one greedy chat completion of --tokens tokens: aggregate tokens/s
              (all completion tokens / first request sent -> last stream ended), the arms back to back (the order
              alternates by round); the ratio is the median over rounds of front / direct of a round
@@ -22,6 +28,7 @@ import argparse
 import http.client
 import json
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -44,11 +51,11 @@ def free_port() -> int:
 def latencies(direct: str, front: str, clients: int, requests: int, what: str) -> dict[str, list[float]]:
     """Per-request seconds by arm: each of ``clients`` threads holds a kept-alive connection to each arm and
     alternates between them request by request (the order flips every time), so both arms see the same load."""
-    out: dict[str, list[float]] = {"direct": [], "front": []}
+    out: dict[str, list[float]] = {"direct": [], "front": [], "own": [], "pair": []}
     lock = threading.Lock()
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0})
 
-    def one(conn) -> float:
+    def one(conn, name: str, mine: dict) -> None:
         t0 = time.perf_counter()
         if what == "models":
             conn.request("GET", "/v1/models")
@@ -56,17 +63,21 @@ def latencies(direct: str, front: str, clients: int, requests: int, what: str) -
             conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         r.read()
+        took = time.perf_counter() - t0
         if r.status != 200:
             raise RuntimeError(f"{what}: {r.status}")
-        return time.perf_counter() - t0
+        mine[name].append(took)
+        if name == "front":  # what the client's clock says beyond rank 0's time as the front saw it
+            mine["own"].append(took - upstream_ms(r.getheader("Server-Timing")) / 1e3)
 
     def client() -> None:
         conns = {name: http.client.HTTPConnection(*base.removeprefix("http://").rsplit(":", 1), timeout=60)
                  for name, base in (("direct", direct), ("front", front))}
-        mine: dict[str, list[float]] = {"direct": [], "front": []}
+        mine: dict[str, list[float]] = {"direct": [], "front": [], "own": [], "pair": []}
         for i in range(requests):
             for name in (("direct", "front") if i % 2 == 0 else ("front", "direct")):
-                mine[name].append(one(conns[name]))
+                one(conns[name], name, mine)
+            mine["pair"].append(mine["front"][-1] - mine["direct"][-1])  # two requests back to back
         for c in conns.values():
             c.close()
         with lock:
@@ -79,6 +90,15 @@ def latencies(direct: str, front: str, clients: int, requests: int, what: str) -
     for t in ts:
         t.join()
     return out
+
+
+def upstream_ms(server_timing: str | None) -> float:
+    """The ``upstream;dur=`` of the front's Server-Timing header."""
+    for part in (server_timing or "").split(","):
+        name, _, params = part.strip().partition(";")
+        if name == "upstream" and params.startswith("dur="):
+            return float(params[4:])
+    raise RuntimeError(f"no upstream timing in {server_timing!r}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -161,6 +181,7 @@ def main() -> int:
                     res.setdefault((c, what, "cpu"), []).append(spent / (c * ns.requests))
                     for name, xs in got.items():
                         res.setdefault((c, what, name), []).append(med(xs))
+                    res.setdefault((c, what, "pairs"), []).extend(got["pair"])
                 arms = [("direct", direct), ("front", via)]
                 for name, base in (arms if rnd % 2 == 0 else arms[::-1]):
                     cpu0, t0 = cpu_seconds(fpid), time.monotonic()
@@ -175,18 +196,20 @@ def main() -> int:
     rows = []
     for c in clients:
         for what in ("models", "chat"):
-            d, f = res[(c, what, "direct")], res[(c, what, "front")]
-            added = med([b - a for a, b in zip(d, f)])  # paired: the same round, requests interleaved
+            d, f, pairs = res[(c, what, "direct")], res[(c, what, "front")], res[(c, what, "pairs")]
+            mean = statistics.fmean(pairs)  # every pair: the same client's two requests, back to back
+            half = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5
             rows.append([str(c), f"latency {what}", fmt(med(d) * 1e3, " ms", 3), fmt(med(f) * 1e3, " ms", 3),
-                         fmt(added * 1e3, " ms", 3), "<= 1 ms", fmt(med(res[(c, what, "cpu")]) * 1e3, " ms/req", 3)])
+                         f"{mean * 1e3:+.3f} ± {half * 1e3:.3f} ms", fmt(med(res[(c, what, "own")]) * 1e3, " ms", 3),
+                         "<= 1 ms", fmt(med(res[(c, what, "cpu")]) * 1e3, " ms/req", 3)])
         d, f = res[(c, "tok/s", "direct")], res[(c, "tok/s", "front")]
         ratio = med([b / a for a, b in zip(d, f)])  # paired: the two arms of one round, back to back
-        rows.append([str(c), "streamed tok/s", fmt(med(d), "", 1), fmt(med(f), "", 1), f"{ratio:.3f}x", ">= 0.98x",
+        rows.append([str(c), "streamed tok/s", fmt(med(d), "", 1), fmt(med(f), "", 1), f"{ratio:.3f}x", "", ">= 0.98x",
                      fmt(med(res[(c, "tok/s", "cpu")]) * 1e3, " ms/token", 3)])
     say(f"front vs direct, medians of {ns.rounds} rounds ({machine_note()}); front CPU: its own time per request "
         f"or streamed token, its idle watcher ({idle * 1e3:.2f} ms/s) subtracted")
-    say(table(rows, ["clients", "what", "direct", "front", "front - direct (or front / direct)", "target",
-                     "front CPU"]))
+    say(table(rows, ["clients", "what", "direct", "front", "front - direct, 95% CI (or front / direct)",
+                     "front - its upstream", "target", "front CPU"]))
     return 0
 
 

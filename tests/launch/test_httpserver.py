@@ -22,6 +22,8 @@ class Running:
 
     def __init__(self, max_body: int = 1000):
         self.loop = asyncio.new_event_loop()
+        self.loop_errors: list[dict] = []  # "never retrieved" exceptions and the like: none expected
+        self.loop.set_exception_handler(lambda loop, ctx: self.loop_errors.append(ctx))
         self.cancelled = threading.Event()
         self.refusals: list[int] = []
         self.seen: list[tuple[str, str, str, bytes]] = []
@@ -50,6 +52,9 @@ class Running:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        elif req.path == "/slow":
+            await asyncio.sleep(0.2)
+            req.json(200, {"p": req.path})
         elif req.path == "/boom":
             raise RuntimeError("bug")
         else:
@@ -62,6 +67,8 @@ class Running:
         self.call(self.server.close(grace=0.5))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
+        assert self.loop_errors == []
 
 
 @pytest.fixture
@@ -223,3 +230,50 @@ def test_sweep_closes_idle_connections_and_refuses_slow_requests(srv, monkeypatc
         srv.call(sweep())
         assert read_all(idle) == b""
         assert read_all(slow).startswith(b"HTTP/1.1 408 ")
+
+
+def test_one_endless_header_is_refused_before_it_ends(srv, monkeypatch):
+    monkeypatch.setattr(httpserver, "MAX_HEAD", 2000)
+    with srv.connect() as s:
+        s.sendall(b"GET / HTTP/1.1\r\nX-Long: ")
+        for _ in range(50):  # no line end ever: httptools would hold it all
+            try:
+                s.sendall(b"v" * 1000)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        data = read_all(s)
+    assert data.startswith(b"HTTP/1.1 431 ") and srv.seen == []
+
+
+def test_a_refusal_behind_an_answer_is_sent_after_it(srv):
+    with srv.connect() as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nBad Header\r\n\r\n")
+        data = read_all(s)
+    assert data.startswith(b"HTTP/1.1 200 OK") and b'"/slow"' in data
+    assert data.index(b'"/slow"') < data.index(b"HTTP/1.1 400 Bad Request")
+    assert srv.refusals == [400]
+
+
+def test_absolute_form_targets_and_connect(srv):
+    with srv.connect() as s:
+        s.sendall(b"GET http://front.example/a%5Fb?x=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        data = read_all(s)
+    assert srv.seen == [("GET", "/a%5Fb?x=1", "/a_b", b"")]
+    assert b"HTTP/1.1 405 " in data and srv.refusals == [405]
+
+
+def test_an_upgrade_is_answered_as_http11_and_the_connection_closes(srv):
+    with srv.connect() as s:
+        s.sendall(b"GET /u HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n\x00\x01junk")
+        data = read_all(s)
+    assert data.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in data and b'"/u"' in data
+
+
+def test_a_pipelining_client_that_leaves_cancels_its_handler(srv):
+    with srv.connect() as s:
+        s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\nGET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 5
+        while not srv.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert srv.cancelled.wait(5) and [p for _, _, p, _ in srv.seen] == ["/forever"]

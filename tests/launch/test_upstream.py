@@ -214,3 +214,22 @@ def test_address():
     assert address("http://[::1]:9") == ("::1", 9)
     with pytest.raises(ValueError):
         address("https://h:1")
+
+
+def test_header_values_keep_their_bytes():
+    """A header value rank 0 sends in UTF-8 (or not UTF-8 at all) is the same bytes again when the front's server
+    encodes it for its client (utf-8 with surrogateescape on both sides)."""
+    raw = [b"caf\xc3\xa9", b"\xff\xfe"]
+
+    async def go():
+        answer = (b"HTTP/1.1 200 OK\r\nX-A: " + raw[0] + b"\r\nX-B: " + raw[1] + b"\r\nContent-Length: 0\r\n\r\n")
+        async with Scripted(lambda head, _: [answer]) as srv:
+            pool = Pool()
+            up = await pool.request(srv.endpoint, "GET", "/", [])
+            await up.read()
+            up.release()
+            pool.close()
+            return dict(up.headers)
+
+    got = run(go())
+    assert [got["X-A"].encode("utf-8", "surrogateescape"), got["X-B"].encode("utf-8", "surrogateescape")] == raw

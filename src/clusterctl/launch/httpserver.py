@@ -20,6 +20,7 @@ chunked bodies, keep-alive) is the library's; what is here is the connection's b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import deque
@@ -34,6 +35,8 @@ MAX_HEAD = 64 << 10  # request line and headers, bytes
 KEEPALIVE_S = 75.0  # an idle kept-alive connection is closed after this long (aiohttp's and nginx's default)
 REQUEST_S = 300.0  # a request (head and body) must arrive whole in this long
 LINGER_S = 2.0  # after a refusal, what the client still sends is dropped this long before the connection closes
+STALL_S = 60.0  # a client that reads nothing of its answer for this long is cut off (its request ends)
+PIPELINE = 4  # requests read ahead of their answers on one connection before reading pauses
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -75,6 +78,10 @@ class Request:
 
     def __init__(self, conn: "Connection", method: str, target: str, headers: list[tuple[str, str]],
                  lookup: dict[str, str], http11: bool, keep_alive: bool):
+        if not target.startswith("/") and "://" in target:  # absolute-form: its path and query are the target
+            u = httptools.parse_url(target.encode("utf-8", "surrogateescape"))
+            target = (u.path or b"/").decode("utf-8", "surrogateescape") + (
+                "?" + u.query.decode("utf-8", "surrogateescape") if u.query else "")
         self.conn, self.method, self.target, self.headers, self._h = conn, method, target, headers, lookup
         path, _, self.query = target.partition("?")
         self.path = unquote(path) if "%" in path else path
@@ -97,6 +104,8 @@ class Request:
     def _head(self, status: int, headers, extra: str) -> bytes:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nServer: {self.conn.server.name}\r\n"]
         lines += [f"{k}: {v}\r\n" for k, v in headers]
+        if self.conn.server.closing:
+            self.keep_alive = False  # the server is stopping: no request after this one
         if not self.keep_alive:
             lines.append("Connection: close\r\n")
         elif not self.http11:
@@ -115,7 +124,8 @@ class Request:
         if close:
             self.keep_alive = False
         n = len(body) if length is None else length
-        head = self._head(status, _dated(headers), "\r\n" if status == 204 else f"Content-Length: {n}\r\n\r\n")
+        bodiless = status < 200 or status in (204, 304)  # answers that carry no body and say no length
+        head = self._head(status, _dated(headers), "\r\n" if bodiless else f"Content-Length: {n}\r\n\r\n")
         self.conn.write(head if self.method == "HEAD" else head + body)
 
     def json(self, status: int, doc: dict, headers=(), **kw) -> None:
@@ -164,8 +174,11 @@ class Connection(asyncio.Protocol):
         self.began: float | None = None  # when the request being read began (None between requests)
         self.queue: deque[Request] = deque()
         self.task: asyncio.Task | None = None
-        self.refused = False  # a refusal was sent: nothing more is read, the connection closes
+        self.refused = False  # the server refused: nothing more is read, the connection closes
+        self._refusal: bytes | None = None  # a refusal waiting for the answers before it to be written
         self._writable: asyncio.Future | None = None
+        self.stalled_at: float | None = None  # since when the client has not read what was written to it
+        self.closing_at: float | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -173,6 +186,8 @@ class Connection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._lookup: dict[str, str] = {}
         self._size = 0
+        self._head_bytes = 0
+        self._in_head = False
         self._body: list[bytes] = []
         self._req: Request | None = None
 
@@ -185,16 +200,17 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.server.conns.discard(self)
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_exception(Gone("the client closed the connection"))
+        self.resume_writing()  # a writer waiting to drain wakes, and finds the connection closed
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client left: its handler stops (and closes what it asked of rank 0)
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
             self._writable = asyncio.get_running_loop().create_future()
+            self.stalled_at = time.monotonic()
 
     def resume_writing(self) -> None:
+        self.stalled_at = None
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -209,6 +225,11 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if not (self.refused or self.stopped):  # else: bytes after a request that closes the connection
                 self.refuse(400, f"the request does not parse as HTTP/1.1: {e}")
+            return
+        if self._in_head:  # httptools holds a header line until its end: bound what it holds
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self.refuse(431, f"request headers over {MAX_HEAD} bytes")
 
     def write(self, data: bytes) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
@@ -216,13 +237,14 @@ class Connection(asyncio.Protocol):
         self.transport.write(data)
 
     async def drain(self) -> None:
-        if self.closed:
-            raise Gone("the client closed the connection")
         if self._writable is not None and not self._writable.done():
             await self._writable
+        if self.closed:
+            raise Gone("the client closed the connection")
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self.closing_at = time.monotonic()
             self.transport.close()
 
     def _stop_reading(self) -> None:
@@ -233,27 +255,37 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def refuse(self, status: int, message: str) -> None:
-        """An answer from the server itself, then the connection closes (what remains of the request unread)."""
+        """An answer from the server itself (after the answers before it), then the connection closes."""
+        if self.refused:
+            return
         self.refused = True
         self.server.refused(status)
-        if self.task is None and not self.closed:
-            head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nServer: {self.server.name}\r\n"
-                    f"Date: {http_date()}\r\nContent-Type: application/json\r\nConnection: close\r\n")
-            body = json.dumps(error_doc(status, message)).encode()
-            head += "".join(f"{k}: {v}\r\n" for k, v in self.server.refusal_headers(self._lookup))
-            self.transport.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            # a lingering close: what the client still sends is read and dropped for a while, so that it reads
-            # this answer rather than a reset (closing on unread bytes resets the connection)
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            asyncio.get_running_loop().call_later(LINGER_S, self.close)
-        # else an answer is being written: the connection closes once it is (the refusal would cut into it)
+        head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nServer: {self.server.name}\r\n"
+                f"Date: {http_date()}\r\nContent-Type: application/json\r\nConnection: close\r\n")
+        body = json.dumps(error_doc(status, message)).encode()
+        head += "".join(f"{k}: {v}\r\n" for k, v in self.server.refusal_headers(self._lookup))
+        self._refusal = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        if self.task is None:
+            self._send_refusal()
+
+    def _send_refusal(self) -> None:
+        data, self._refusal = self._refusal, None
+        if data is None or self.closed or self.transport is None or self.transport.is_closing():
+            self.close()
+            return
+        self.transport.write(data)
+        # a lingering close: what the client still sends is read and dropped for a while, so that it reads
+        # this answer rather than a reset (closing on unread bytes resets the connection)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     # ---- httptools' callbacks ----------------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self.began = time.monotonic()
         self._reset()
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._size += len(url)
@@ -273,9 +305,14 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         p = self.parser
-        self._req = Request(self, p.get_method().decode("latin-1"),
-                            b"".join(self._url).decode("utf-8", "surrogateescape"), self._headers, self._lookup,
-                            p.get_http_version() == "1.1", p.should_keep_alive())
+        self._in_head, self._size = False, 0
+        method = p.get_method().decode("latin-1")
+        if method == "CONNECT":
+            self.refuse(405, "CONNECT is not served here")
+            raise httptools.HttpParserCallbackError("refused")
+        target = b"".join(self._url).decode("utf-8", "surrogateescape")
+        self._req = Request(self, method, target, self._headers, self._lookup, p.get_http_version() == "1.1",
+                            p.should_keep_alive() and not p.should_upgrade())
         declared = self._lookup.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
             self.refuse(413, f"request body over {self.server.max_body} bytes")
@@ -286,7 +323,7 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.server.max_body + MAX_HEAD:
+        if self._size > self.server.max_body:
             self.refuse(413, f"request body over {self.server.max_body} bytes")
             raise httptools.HttpParserCallbackError("refused")
         self._body.append(body)
@@ -296,16 +333,13 @@ class Connection(asyncio.Protocol):
         if req is None:
             return
         req.body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
-        if len(req.body) > self.server.max_body:
-            self.refuse(413, f"request body over {self.server.max_body} bytes")
-            raise httptools.HttpParserCallbackError("refused")
         self._reset()
         self.queue.append(req)
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._answer())
-            if not req.keep_alive:
-                self._stop_reading()  # nothing more is read from a connection this answer closes
-        elif self.reading:  # pipelined: the next waits for the one being answered, and so does reading
+        if not req.keep_alive:
+            self._stop_reading()  # nothing after it is read: the connection closes once it is answered
+        elif len(self.queue) >= PIPELINE and self.reading:  # pipelined this deep: reading waits for answers
             self.transport.pause_reading()
             self.reading = False
 
@@ -320,11 +354,17 @@ class Connection(asyncio.Protocol):
                 if not req.keep_alive or not req.answered:
                     self.close()
                     return
-            if self.refused or self.stopped:
+                try:
+                    await self.drain()  # the next answer waits for the client to read this one
+                except Gone:
+                    return
+                if not self.reading and not self.stopped and not self.refused and not self.closed:
+                    self.reading = True
+                    self.transport.resume_reading()
+            if self.refused:
+                self._send_refusal()
+            elif self.stopped:
                 self.close()
-            elif not self.closed and not self.reading and not self.stopped:
-                self.reading = True
-                self.transport.resume_reading()
         finally:
             self.task = None
 
@@ -339,20 +379,21 @@ class Server:
         self.handler, self.name, self.max_body = handler, name, max_body
         self.refused, self.refusal_headers = refused, refusal_headers
         self.conns: set[Connection] = set()
+        self.closing = False
         self._server: asyncio.base_events.Server | None = None
 
     async def answer(self, req: Request) -> None:
         """The handler's answer; one it failed to give is a 500 (or, once begun, a cut connection)."""
         try:
             await self.handler(req)
+            if req._started and not req._ended:
+                req.end()
         except Gone:
             return
         except Exception as e:  # noqa: BLE001 - a bug in a handler answers 500, it does not end the server
-            if not req._started and not req.gone:
-                req.json(500, error_doc(500, f"the front failed: {type(e).__name__}: {e}"), close=True)
-            return
-        if req._started and not req._ended:
-            req.end()
+            if not req._started:
+                with contextlib.suppress(Gone):
+                    req.json(500, error_doc(500, f"the front failed: {type(e).__name__}: {e}"), close=True)
 
     async def listen(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -362,6 +403,10 @@ class Server:
         """Close the connections idle past the keep-alive bound, and those whose request is too slow to arrive."""
         now = time.monotonic()
         for c in list(self.conns):
+            if (c.stalled_at is not None and now - c.stalled_at > STALL_S) or (
+                    c.closing_at is not None and now - c.closing_at > LINGER_S + STALL_S):
+                c.transport.abort()  # a client that reads nothing: cut off (its handler is cancelled)
+                continue
             if c.task is not None:
                 continue
             if c.began is not None and now - c.began > REQUEST_S:
@@ -371,6 +416,7 @@ class Server:
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop listening; the answers being given get ``grace`` seconds to end, then every connection closes."""
+        self.closing = True
         if self._server is not None:
             self._server.close()
         for c in list(self.conns):

@@ -194,7 +194,8 @@ class _Conn(asyncio.Protocol):
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.response is not None:
-            self.response.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            # values as the front's server decodes a client's (utf-8, undecodable bytes kept): the same bytes out
+            self.response.headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         if self.response is not None:
