@@ -308,30 +308,51 @@ def _timing(t0: float) -> tuple[str, str]:
     return "Server-Timing", f"upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}"
 
 
+class _Relay:
+    """A stream's events, written to the client from the upstream connection's own callback as they arrive: no
+    task switch per token. Only whole events are sent (a partial one waits for its end); a client that reads
+    slower than rank 0 writes holds back reading from rank 0."""
+
+    def __init__(self, req: Request, up: Response):
+        self.req, self.up = req, up
+        self.pending, self.done, self.gone = b"", False, False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.gone:
+            return
+        pending = self.pending + chunk if self.pending else chunk
+        cut = pending.rfind(b"\n\n")
+        if cut < 0:
+            self.pending = pending
+            return
+        out, self.pending = pending[:cut + 2], pending[cut + 2:]
+        try:
+            self.req.write(out)
+        except Gone:
+            self.gone = True  # our client left: closing upstream cancels it on rank 0
+            self.up.close()
+            return
+        self.done = out.endswith(DONE)
+        if self.req.conn.paused:
+            self.up.pause()  # resumed by the client's connection once it drains (on_writable)
+
+
 async def _stream(front: Front, req: Request, up: Response, t: Target, timing: tuple[str, str]) -> str:
     """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
     ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
     req.start(up.status, [*_copy_headers(up), timing])  # the head at once, as rank 0 sent it (first-byte timeouts)
-    pending, done = b"", False
+    relay = _Relay(req, up)
+    req.conn.on_writable = up.resume
     try:
-        async for chunk in up.chunks():
-            pending += chunk
-            cut = pending.rfind(b"\n\n")
-            if cut < 0:
-                continue
-            out, pending = pending[:cut + 2], pending[cut + 2:]
-            try:
-                await req.send(out)
-            except Gone:
-                return "client_gone"  # our client left: closing upstream (below) cancels it on rank 0
-            done = out.endswith(DONE)
+        await up.pipe(relay.feed)
     except Lost:
-        pass  # rank 0's side broke: said below
+        pass  # rank 0's side broke (or we closed it: the client left): said below
     finally:
+        req.conn.on_writable = None
         up.close()
-    if not done:
-        if req.gone:
-            return "client_gone"
+    if relay.gone or req.gone:
+        return "client_gone"
+    if not relay.done:
         front.healthy = False
         front._wake.set()
         err = error_doc(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",

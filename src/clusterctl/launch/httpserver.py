@@ -142,11 +142,15 @@ class Request:
         self.conn.write(self._head(status, _dated(headers), "Transfer-Encoding: chunked\r\n\r\n" if self._chunked
                                    else "\r\n"))
 
+    def write(self, data: bytes) -> None:
+        """Part of a stream, written now (``conn.paused`` says when the client reads slower than it is written).
+        ``Gone`` if it left."""
+        if data and self.method != "HEAD":
+            self.conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+
     async def send(self, data: bytes) -> None:
         """Part of a stream; waits while the client reads slower than it is written. ``Gone`` if it left."""
-        if not data or self.method == "HEAD":
-            return
-        self.conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        self.write(data)
         await self.conn.drain()
 
     def end(self) -> None:
@@ -177,6 +181,7 @@ class Connection(asyncio.Protocol):
         self.refused = False  # the server refused: nothing more is read, the connection closes
         self._refusal: bytes | None = None  # a refusal waiting for the answers before it to be written
         self._writable: asyncio.Future | None = None
+        self.on_writable: Callable[[], None] | None = None  # told when a paused writer may write again
         self.stalled_at: float | None = None  # since when the client has not read what was written to it
         self.closing_at: float | None = None
         self._reset()
@@ -213,6 +218,13 @@ class Connection(asyncio.Protocol):
         self.stalled_at = None
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+        if self.on_writable is not None:
+            self.on_writable()
+
+    @property
+    def paused(self) -> bool:
+        """The client reads slower than it is written (the transport's buffer is past its high-water mark)."""
+        return self._writable is not None and not self._writable.done()
 
     def data_received(self, data: bytes) -> None:
         if self.refused or self.stopped:

@@ -22,7 +22,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -75,6 +75,7 @@ class Response:
         self._complete = False  # the whole answer arrived
         self._reusable = False
         self._error: Lost | None = None
+        self._sink: Callable[[bytes], None] | None = None
 
     @property
     def content_type(self) -> str:
@@ -97,6 +98,9 @@ class Response:
 
     def _on_body(self, data: bytes) -> None:
         if self._complete:
+            return
+        if self._sink is not None:
+            self._sink(data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -143,6 +147,28 @@ class Response:
             self._more = asyncio.get_running_loop().create_future()
             await self._more
 
+    async def pipe(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the body to ``sink`` as it arrives, from the connection's own callback (no task switch per
+        piece), and return once it has all arrived; ``Lost`` if the connection breaks first. ``pause`` and
+        ``resume`` hold back what rank 0 sends while the sink cannot take more."""
+        while self._chunks:
+            data = self._chunks.popleft()
+            self._buffered -= len(data)
+            sink(data)
+        self._sink = sink
+        self.resume()
+        while not self._complete:
+            if self._error is not None:
+                raise self._error
+            self._more = asyncio.get_running_loop().create_future()
+            await self._more
+
+    def pause(self) -> None:
+        self._conn.pause()
+
+    def resume(self) -> None:
+        self._conn.resume()
+
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
 
@@ -156,6 +182,9 @@ class Response:
     def close(self) -> None:
         self._conn.response = None
         self._conn.close()
+        if not self._complete and self._error is None:
+            self._error = Lost("closed before its end")  # a pipe waiting on it returns
+            self._wake()
 
 
 class _Conn(asyncio.Protocol):
