@@ -1,12 +1,15 @@
 """Benchmark (issue 34): the front door's cost, side by side with talking to rank 0 directly.
 
-Run: .venv/bin/python bench/front.py [--rounds N] [--clients 1,8] [--requests N] [--tokens N]
+Run: .venv/bin/python bench/front.py [--rounds N] [--clients 1,8] [--requests N] [--tokens N] [--streams N]
+                                     [--think MS] [--phase-check N]
 
 One real 2-rank local deployment of the tiny model (`launch --detach --front 127.0.0.1:PORT`); every round
 measures both arms back to back (the order alternates), and the medians over rounds are compared:
   latency    each of C clients holds a kept-alive connection to each arm and sends --requests requests to
              each, alternating request by request: GET /v1/models (rank 0's HTTP path, no model work) and a
-             1-token chat completion. Added latency, two ways:
+             1-token chat completion, each chat after a random pause of 0..--think ms (20; untimed) so that
+             neither arm's requests reach rank 0 at a fixed moment after its answers (--phase-check). Added
+             latency, two ways:
              - side by side: the mean over all pairs (one client's two requests, one per arm, back to back)
                of front - direct, with its 95% confidence interval; rank 0's own jitter (a 1-token chat
                takes 20-50 ms there) makes this interval wide unless --requests is large;
@@ -19,6 +22,11 @@ measures both arms back to back (the order alternates), and the medians over rou
              stream ended); the ratio is the geometric mean over every pair (the two arms' streams back to
              back) of front / direct, with its 95% confidence interval; each arm's tokens/s is the median over
              rounds
+  phase check (--phase-check N) C = the most clients, N 1-token chats each with no pause, every client on one
+             arm at a time: direct, the front, and direct with each request held back by the front's own added
+             time. Closed-loop clients with no pause send their next request just as rank 0 answers, and rank 0's
+             time then depends on how soon after its answers that request arrives (whether it joins the batch
+             being formed or waits for the next); the third arm tells that apart from the front's own cost
 Targets: added latency <= 1 ms per request; streamed tokens/s >= 0.98x direct; at 1 and 8 clients.
 Also printed: the front process's own CPU time per request and per streamed token (psutil), which a loaded
 machine does not inflate the way it inflates wall-clock latency (every hop through one more process waits for a
@@ -29,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import math
+import os
+import random
 import socket
 import statistics
 import sys
@@ -52,11 +63,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def latencies(direct: str, front: str, clients: int, requests: int, what: str) -> dict[str, list[float]]:
+def latencies(direct: str, front: str, clients: int, requests: int, what: str, *, think: float = 0.0,
+              only: str | None = None, delay: float = 0.0, seed: int = 0) -> dict[str, list[float]]:
     """Per-request seconds by arm: each of ``clients`` threads holds a kept-alive connection to each arm and
-    alternates between them request by request (the order flips every time), so both arms see the same load."""
+    alternates between them request by request (the order flips every time), so both arms see the same load.
+    ``think``: each request first waits a random 0..think seconds (untimed), so that arrivals at rank 0 are not
+    phase-locked to its answers (see ``phase_check``). ``only``: every request to that one arm instead (``requests``
+    of them per client, ``delay`` seconds of untimed pause before each)."""
     out: dict[str, list[float]] = {"direct": [], "front": [], "own": [], "pair": []}
     lock = threading.Lock()
+    ids = itertools.count()
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0})
 
     def one(conn, name: str, mine: dict) -> None:
@@ -78,8 +94,15 @@ def latencies(direct: str, front: str, clients: int, requests: int, what: str) -
         conns = {name: http.client.HTTPConnection(*base.removeprefix("http://").rsplit(":", 1), timeout=60)
                  for name, base in (("direct", direct), ("front", front))}
         mine: dict[str, list[float]] = {"direct": [], "front": [], "own": [], "pair": []}
+        rng = random.Random(seed * 1000 + next(ids))
         for i in range(requests):
+            if only is not None:
+                time.sleep(delay)
+                one(conns[only], only, mine)
+                continue
             for name in (("direct", "front") if i % 2 == 0 else ("front", "direct")):
+                if think:
+                    time.sleep(rng.uniform(0.0, think))
                 one(conns[name], name, mine)
             mine["pair"].append(mine["front"][-1] - mine["direct"][-1])  # two requests back to back
         for c in conns.values():
@@ -94,6 +117,65 @@ def latencies(direct: str, front: str, clients: int, requests: int, what: str) -
     for t in ts:
         t.join()
     return out
+
+
+def phase_check(direct: str, front: str, clients: int, requests: int, delay: float, reps: int = 2
+                ) -> dict[str, list[float]]:
+    """Closed-loop 1-token chats with no think time, every client on one arm at a time: rank 0 directly, the
+    front, and rank 0 directly with each request sent ``delay`` seconds after the previous answer (untimed; the
+    front's own added time). With no think time each client's next request reaches rank 0 just after rank 0's
+    answers, so how long rank 0 takes depends on how soon after them it arrives: if the delayed direct arm is as
+    slow as the front, what the front costs there is its own time as rank 0's schedule amplifies it, which any hop
+    (a LAN, a plain byte relay) would cause too. Returns each arm's per-request seconds (the arms in turn)."""
+    out: dict[str, list[float]] = {"direct": [], "front": [], "direct+delay": []}
+    arms = [("direct", "direct", 0.0), ("front", "front", 0.0), ("direct+delay", "direct", delay)]
+    for k in range(reps * len(arms)):
+        label, only, wait = arms[k % len(arms)] if (k // len(arms)) % 2 == 0 else arms[::-1][k % len(arms)]
+        got = latencies(direct, front, clients, requests, "chat", only=only, delay=wait, seed=k)
+        out[label].extend(got[only])
+    return out
+
+
+def half_ci(xs: list[float]) -> float:
+    """Half the width of the mean's 95% confidence interval (normal approximation); nan under two points."""
+    return 1.96 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else math.nan
+
+
+def pin(state: Path, front_pid: int) -> str:
+    """--pin: every thread of the ranks' process groups on every core but the last; the front's and this
+    benchmark's (its clients') on the last one. A front on a real coordinator does not wait for a core the ranks
+    hold; on a machine this small, unpinned, it does (each wake-up of the front queues behind a rank)."""
+    import psutil
+
+    n = os.cpu_count() or 1
+    if n < 2:
+        raise SystemExit("--pin needs 2 cores or more")
+    ranks, ours = set(range(n - 1)), {n - 1}
+    pgids = {r["pgid"] for man in (state / "launches").glob("*.json")
+             for r in json.loads(man.read_text()).get("ranks", []) if r.get("pgid")}
+    pinned = 0
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) in pgids:
+                pinned += _pin_threads(proc.pid, ranks)
+        except (OSError, psutil.Error):
+            continue
+    if not pinned:
+        raise SystemExit("--pin: found no rank process to pin")
+    _pin_threads(front_pid, ours)
+    _pin_threads(os.getpid(), ours)
+    return f"ranks ({pinned} threads) on cores {sorted(ranks)}, the front and the clients on core {n - 1}"
+
+
+def _pin_threads(pid: int, cpus: set[int]) -> int:
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            n += 1
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return n
 
 
 def upstream_ms(server_timing: str | None) -> float:
@@ -153,6 +235,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40, help="latency requests per client and round")
     ap.add_argument("--tokens", type=int, default=64, help="completion tokens per streamed request")
     ap.add_argument("--streams", type=int, default=4, help="streamed requests per client, arm and round")
+    ap.add_argument("--think", type=float, default=20.0,
+                    help="ms: a 1-token chat waits a random 0..THINK ms before it (untimed); 0: none")
+    ap.add_argument("--pin", action="store_true",
+                    help="the ranks on every core but the last, the front and the clients on the last (pin)")
+    ap.add_argument("--phase-check", type=int, default=0, metavar="N",
+                    help="then N closed-loop 1-token chats per client on each arm alone (phase_check)")
     ns = ap.parse_args()
     clients = [int(x) for x in ns.clients.split(",")]
     tiny = model("7m")
@@ -171,6 +259,8 @@ def main() -> int:
     [rec] = (work / "state" / "fronts").glob("*.json")
     fpid = json.loads(rec.read_text())["pid"]
     log(f"rank 0 at {direct}, front at {via}; {machine_note()}")
+    if ns.pin:
+        log(f"pinned: {pin(work / 'state', fpid)}")
     res: dict = {}
     try:
         streamed(direct, 1, 8, 0)  # warm-up: connections, the prompt path
@@ -182,7 +272,8 @@ def main() -> int:
             for c in clients:
                 for what in ("models", "chat"):
                     cpu0, t0 = cpu_seconds(fpid), time.monotonic()
-                    got = latencies(direct, via, c, ns.requests, what)
+                    got = latencies(direct, via, c, ns.requests, what, seed=rnd,
+                                    think=ns.think / 1e3 if what == "chat" else 0.0)
                     spent = cpu_seconds(fpid) - cpu0 - idle * (time.monotonic() - t0)
                     res.setdefault((c, what, "cpu"), []).append(spent / (c * ns.requests))
                     for name, xs in got.items():
@@ -205,6 +296,11 @@ def main() -> int:
                 for name, (toks, secs) in tot.items():
                     res.setdefault((c, "tok/s", name), []).append(toks / secs if name != "cpu" else secs / toks)
             log(f"round {rnd + 1}/{ns.rounds} done ({machine_note()})")
+        if ns.phase_check:
+            c = max(clients)
+            delay = med(res[(c, "chat", "own")])
+            log(f"phase check: {c} clients, {ns.phase_check} chats each per arm and turn, delay {delay * 1e3:.3f} ms")
+            res["phase"] = (c, delay, phase_check(direct, via, c, ns.phase_check, delay))
     finally:
         clusterctl("teardown", env=env, timeout=120)
         clusterctl("front", "--stop", env=env, timeout=60)
@@ -213,18 +309,26 @@ def main() -> int:
         for what in ("models", "chat"):
             d, f, pairs = res[(c, what, "direct")], res[(c, what, "front")], res[(c, what, "pairs")]
             mean = statistics.fmean(pairs)  # every pair: the same client's two requests, back to back
-            half = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5
+            half = half_ci(pairs)
             rows.append([str(c), f"latency {what}", fmt(med(d) * 1e3, " ms", 3), fmt(med(f) * 1e3, " ms", 3),
                          f"{mean * 1e3:+.3f} ± {half * 1e3:.3f} ms", fmt(med(res[(c, what, "own")]) * 1e3, " ms", 3),
                          "<= 1 ms", fmt(med(res[(c, what, "cpu")]) * 1e3, " ms/req", 3)])
         d, f, logs = res[(c, "tok/s", "direct")], res[(c, "tok/s", "front")], res[(c, "tok/s", "logs")]
-        mean, half = statistics.fmean(logs), 1.96 * statistics.stdev(logs) / len(logs) ** 0.5
+        mean, half = statistics.fmean(logs), half_ci(logs)
         rows.append([str(c), "streamed tok/s", fmt(med(d), "", 1), fmt(med(f), "", 1), f"{math.exp(mean):.3f}x ({math.exp(mean - half):.3f}-{math.exp(mean + half):.3f})", "", ">= 0.98x",
                      fmt(med(res[(c, "tok/s", "cpu")]) * 1e3, " ms/token", 3)])
     say(f"front vs direct, medians of {ns.rounds} rounds ({machine_note()}); front CPU: its own time per request "
         f"or streamed token, its idle watcher ({idle * 1e3:.2f} ms/s) subtracted")
     say(table(rows, ["clients", "what", "direct", "front", "front - direct, 95% CI (or front / direct)",
                      "front - its upstream", "target", "front CPU"]))
+    if "phase" in res:
+        c, delay, got = res["phase"]
+        base = statistics.fmean(got["direct"])
+        say(f"phase check: {c} clients, closed loop with no think time, every client on one arm at a time "
+            f"(mean per request; direct+delay waits the front's own {delay * 1e3:.3f} ms before each request)")
+        say(table([[label, str(len(xs)), fmt(statistics.fmean(xs) * 1e3, " ms", 2), fmt(med(xs) * 1e3, " ms", 2),
+                    f"{(statistics.fmean(xs) - base) * 1e3:+.2f} ms"] for label, xs in got.items()],
+                  ["arm", "requests", "mean", "median", "mean - direct"]))
     return 0
 
 
