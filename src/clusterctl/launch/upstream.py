@@ -142,10 +142,7 @@ class Response:
                 continue
             if self._complete:
                 return
-            if self._error is not None:
-                raise self._error
-            self._more = asyncio.get_running_loop().create_future()
-            await self._more
+            await self._arrival()
 
     async def pipe(self, sink: Callable[[bytes], None]) -> None:
         """Hand the body to ``sink`` as it arrives, from the connection's own callback (no task switch per
@@ -158,10 +155,14 @@ class Response:
         self._sink = sink
         self.resume()
         while not self._complete:
-            if self._error is not None:
-                raise self._error
-            self._more = asyncio.get_running_loop().create_future()
-            await self._more
+            await self._arrival()
+
+    async def _arrival(self) -> None:
+        """Wait for more of the answer (or its end); ``Lost`` if the connection broke."""
+        if self._error is not None:
+            raise self._error
+        self._more = asyncio.get_running_loop().create_future()
+        await self._more
 
     def pause(self) -> None:
         self._conn.pause()
