@@ -129,10 +129,10 @@ def phase_check(direct: str, front: str, clients: int, requests: int, delay: flo
     (a LAN, a plain byte relay) would cause too. Returns each arm's per-request seconds (the arms in turn)."""
     out: dict[str, list[float]] = {"direct": [], "front": [], "direct+delay": []}
     arms = [("direct", "direct", 0.0), ("front", "front", 0.0), ("direct+delay", "direct", delay)]
-    for k in range(reps * len(arms)):
-        label, only, wait = arms[k % len(arms)] if (k // len(arms)) % 2 == 0 else arms[::-1][k % len(arms)]
-        got = latencies(direct, front, clients, requests, "chat", only=only, delay=wait, seed=k)
-        out[label].extend(got[only])
+    for rep in range(reps):
+        for label, only, wait in arms if rep % 2 == 0 else arms[::-1]:  # the order flips every repeat
+            got = latencies(direct, front, clients, requests, "chat", only=only, delay=wait, seed=rep)
+            out[label].extend(got[only])
     return out
 
 
