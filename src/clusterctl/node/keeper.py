@@ -30,6 +30,7 @@ DEFAULT_GRACE = 10.0
 GRACE_ENV = "CLUSTERCTL_KEEPER_GRACE"
 KILL_DEADLINE = 5.0  # after SIGKILL, how long to re-send it before reporting a survivor
 POLL = 0.2
+DRAIN_S = 10.0  # after the child exits, how long its output may take to reach EOF before we exit anyway
 EXIT_CANNOT_START = 127
 
 
@@ -191,8 +192,12 @@ class _Keeper:
             self.wake.clear()
 
         status = child.wait()
+        # the child's last output is forwarded before we exit (our daemon threads die with us): its pipes end at
+        # once unless a process that left its group still holds them, hence a deadline, not a short timeout
+        # (1 s lost a child's whole output on a loaded machine)
+        deadline = time.monotonic() + DRAIN_S
         for t in forwarders:
-            t.join(timeout=1.0)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         return status if status >= 0 else 128 - status
 
 
