@@ -1,4 +1,4 @@
-"""The KV-cache estimate per layer (plan/model.py kv_layers) against mlx-lm's own caches, and what it changes in a
+"""The KV-cache estimate per layer (plan/kvcache.py kv_layers) against mlx-lm's own caches, and what it changes in a
 plan (plan/fit.py).
 
 Measured: the ``nbytes`` of the caches ``mlx_lm.models.cache.make_prompt_cache(model)`` makes, after a prompt of
@@ -21,7 +21,8 @@ from clusterctl.errors import DoesNotFit
 from clusterctl.shared.deployment import PlanOptions, decode, encode
 from clusterctl.plan.fit import kv_bytes
 from clusterctl.plan.inventory import parse_cluster
-from clusterctl.plan.model import KV_REMAP, KvLayer, inspect_model, kv_layers
+from clusterctl.plan.kvcache import KV_REMAP, kv_layers
+from clusterctl.plan.model import KvLayer, inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
 from clusterctl.shared.signing import Keyring
 from modelfiles import make_model
