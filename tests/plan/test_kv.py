@@ -21,7 +21,7 @@ from clusterctl.errors import DoesNotFit
 from clusterctl.shared.deployment import PlanOptions, decode, encode
 from clusterctl.plan.fit import kv_bytes
 from clusterctl.plan.inventory import parse_cluster
-from clusterctl.plan.kvcache import KV_REMAP, kv_layers
+from clusterctl.plan.kvcache import KV_ARCH_REMAP, KV_REMAP, kv_layers
 from clusterctl.plan.model import KvLayer, inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
 from clusterctl.shared.signing import Keyring
@@ -68,6 +68,7 @@ EXTRA: dict[str, dict] = {
     "qwen3_5_moe (text_config)": {"model_type": "qwen3_5_moe", "text_config": {
         "model_type": "qwen3_5_moe_text", **BASE, **_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}},
+    "bailing_hybrid_gla": config_of("bailing_hybrid_gla"),  # gated linear attention: a recurrent state only
 }
 MATRIX = {f: config_of(f) for f in [*FAMILIES, *UNBATCHABLE, *WRAPPERS]}
 
@@ -105,6 +106,7 @@ def test_estimate_per_attention_type():
     assert by_kind["deepseek_v3"] == by_kind["kimi_k2 (deepseek_v3)"] == by_kind["mistral4"] == {"mla"}
     assert by_kind["deepseek_v2"] == {"mla-heads"}
     assert by_kind["qwen3_next"] == by_kind["qwen3_5 (text_config)"] == {"full", "linear"}
+    assert by_kind["bailing_hybrid"] == by_kind["bailing_hybrid_gla"] == {"mla", "linear"}
     # a sliding_window mlx-lm's class does not use (qwen2, phi3, mistral without layer_types) counts in full
     for model_type in ("qwen2", "phi3", "mistral", "starcoder2"):
         assert {k.window for k in kv_layers({"model_type": model_type, **BASE, "sliding_window": 6}, 2)} == {None}
@@ -145,9 +147,10 @@ def test_tensor_parallel_divides_per_head_caches_but_not_an_mla_latent():
 
 
 def test_remapped_model_types_agree_with_mlx_lm():
-    from mlx_lm.utils import MODEL_REMAPPING
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
     assert all(MODEL_REMAPPING.get(k) == v for k, v in KV_REMAP.items())
+    assert KV_ARCH_REMAP == MODEL_ARCHITECTURE_REMAPPING
 
 
 # ---- the dtype of what is cached --------------------------------------------------------------------------------

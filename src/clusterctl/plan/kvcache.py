@@ -39,15 +39,24 @@ _MLA_HEADS = {"deepseek_v2", "minicpm3", "youtu_llm"}
 _MLA_INDEXER = {"deepseek_v32", "glm_moe_dsa"}  # also the sparse-attention indexer's keys (stored as keys and values)
 # linear attention (gated delta net) on every layer but each full_attention_interval-th: a fixed state
 _LINEAR = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
+# Bailing's hybrids: MLA on each layer_group_size-th layer and on the layers after the last whole group, linear
+# attention on the others (bailing_moe_v3: KDA, bailing_hybrid: gated linear attention)
+_BAILING = {"bailing_moe_v3", "bailing_hybrid"}
+# mlx-lm's MODEL_ARCHITECTURE_REMAPPING: (model_type, an ``architectures`` entry) -> its class (tests/plan/test_kv.py)
+KV_ARCH_REMAP = {("bailing_hybrid", "BailingMoeV3ForCausalLM"): "bailing_moe_v3"}
 
 
 def kv_arch(config: dict) -> str:
     """The mlx-lm class (module name) whose caches the estimate follows: the top-level model_type as mlx-lm's
     loader remaps it, or the text model's (``text_config``) when only that one is known here."""
-    known = set(_PATTERN) | set(_LAYER_TYPES) | _MLA_HEADS | _MLA_INDEXER | _LINEAR | {"deepseek_v3"}
+    known = set(_PATTERN) | set(_LAYER_TYPES) | _MLA_HEADS | _MLA_INDEXER | _LINEAR | _BAILING | {"deepseek_v3"}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     names = [str(config.get("model_type") or ""), str(text.get("model_type") or "")]
-    names = [KV_REMAP.get(n, n) for n in names]
+    archs = config.get("architectures")
+    archs = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else []
+    by_arch = next((KV_ARCH_REMAP[(names[0], a)] for a in archs
+                    if isinstance(a, str) and (names[0], a) in KV_ARCH_REMAP), None)
+    names = [by_arch or KV_REMAP.get(names[0], names[0]), KV_REMAP.get(names[1], names[1])]
     return next((n for n in names if n in known), names[0])
 
 
@@ -79,6 +88,8 @@ def kv_layers(config: dict, dtype_bytes: int, *, folder: str | os.PathLike = "<m
         return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIZE else None
 
     rank = _int_cfg(text, folder, "kv_lora_rank", minimum=1)
+    if arch in _BAILING:
+        return _bailing_layers(text, folder, arch, n, heads, hidden, dtype_bytes)
     if rank is not None:
         rope = _int_cfg(text, folder, "qk_rope_head_dim", default=64, minimum=0)
         if arch in _MLA_HEADS:
@@ -115,6 +126,25 @@ def kv_layers(config: dict, dtype_bytes: int, *, folder: str | os.PathLike = "<m
         linear = KvLayer(kind="linear", state_bytes=state)
         return [full if (i + 1) % interval == 0 else linear for i in range(n)]
     return [full] * n
+
+
+def _bailing_layers(text: dict, folder: Path, arch: str, n: int, heads: int, hidden: int,
+                   dtype_bytes: int) -> list[KvLayer]:
+    """mlx-lm's bailing_moe_v3 / bailing_hybrid: an MLA layer caches the latent and the RoPE key; a KDA layer
+    (v3) keeps three short-conv states of (kernel - 1) x heads x head size in the activations' dtype and a float32
+    recurrent state of heads x head size x head size; a gated-linear-attention layer only the recurrent state."""
+    group = _int_cfg(text, folder, "layer_group_size", default=4, minimum=1)
+    rank = _int_cfg(text, folder, "kv_lora_rank", default=512, minimum=1)
+    rope = _int_cfg(text, folder, "qk_rope_head_dim", default=64, minimum=0)
+    head_dim = _int_cfg(text, folder, "head_dim", minimum=1) or (128 if arch == "bailing_moe_v3" else
+                                                                  max(1, hidden // heads))  # the classes' defaults
+    state = heads * head_dim * head_dim * 4
+    if arch == "bailing_moe_v3":
+        kernel = _int_cfg(text, folder, "short_conv_kernel_size", default=4, minimum=1)
+        state += 3 * (kernel - 1) * heads * head_dim * dtype_bytes
+    mla = KvLayer(kind="mla", bytes_per_token=(rank + rope) * dtype_bytes, sharded=False)
+    linear = KvLayer(kind="linear", state_bytes=state)
+    return [mla if (i + 1) % group == 0 or i >= n // group * group else linear for i in range(n)]
 
 
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
