@@ -66,17 +66,24 @@ UNBATCHABLE: dict[str, dict] = {
 # wrapper models: the text model sits inside (``language_model``), its sizes in ``text_config``
 WRAPPERS: dict[str, str] = {"mistral3": "llama"}
 
-# another class for a model_type of FAMILIES: model_type bailing_hybrid without Bailing V3's ``architectures`` is
-# mlx-lm's bailing_hybrid class (gated linear attention; it has its own pipeline(), which clusterctl uses)
-VARIANTS: dict[str, dict] = {
+# hybrids with state caches whose class has mlx-lm's own pipeline(), which clusterctl splits them with (by name
+# here, each with its model_type): linear attention on every other layer
+MLX_PIPELINED: dict[str, dict] = {
+    "qwen3_next": {"model_type": "qwen3_next", "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                   "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                   "decoder_sparse_step": 1, "shared_expert_intermediate_size": 32, "mlp_only_layers": [],
+                   "moe_intermediate_size": 32, "partial_rotary_factor": 0.5},
+    # model_type bailing_hybrid without Bailing V3's ``architectures``: mlx-lm's bailing_hybrid class (gated
+    # linear attention beside MLA)
     "bailing_hybrid_gla": {**{k: v for k, v in FAMILIES["bailing_hybrid"].items() if k != "architectures"},
                            "model_type": "bailing_hybrid", "group_norm_size": 1},
 }
 
 
 def config_of(family: str, layers: int = 4) -> dict:
-    if family in VARIANTS:
-        return {**BASE, **VARIANTS[family], "num_hidden_layers": layers}
+    if family in MLX_PIPELINED:
+        return {**BASE, **MLX_PIPELINED[family], "num_hidden_layers": layers}
     if family in WRAPPERS:
         return {"model_type": family, "text_config": {**config_of(WRAPPERS[family], layers)}}
     extra = FAMILIES[family] if family in FAMILIES else UNBATCHABLE[family]

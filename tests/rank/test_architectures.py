@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, RELEASED, UNBATCHABLE, WRAPPERS, build, build_hf_layout, build_released, config_of
+from archmodels import (FAMILIES, MLX_PIPELINED, RELEASED, UNBATCHABLE, WRAPPERS, build, build_hf_layout, build_released,
+                        config_of)
 from rankharness import REPO, RankCluster, complete, reference_tokens, tiny_model_path
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks
@@ -62,18 +63,25 @@ def test_a_hybrid_whose_first_state_layer_another_rank_runs_serves_like_one_proc
         _check(c, path)
 
 
-def test_a_hybrid_split_by_mlx_lms_own_pipeline_serves_like_one_process(tmp_path):
-    """model_type bailing_hybrid without Bailing V3's architecture: mlx-lm's bailing_hybrid class (gated linear
-    attention beside MLA), which has its own pipeline(): clusterctl splits it with that, in lockstep. A split that
-    class refuses (a rank with no MLA layer: rank 1 running layer 0 alone) ends the rank with one line, exit 78."""
+@pytest.mark.parametrize("name", sorted(MLX_PIPELINED))
+def test_a_hybrid_split_by_mlx_lms_own_pipeline_serves_like_one_process(name, tmp_path):
+    """qwen3_next, and model_type bailing_hybrid without Bailing V3's architecture (mlx-lm's bailing_hybrid class:
+    gated linear attention beside MLA): their classes have mlx-lm's own pipeline(), which splits them, in
+    lockstep."""
     from clusterctl.plan.model import inspect_model
 
-    path = build("bailing_hybrid_gla", REPO / ".cache" / "arch-models" / "bailing_hybrid_gla", tiny_model_path())
+    path = build(name, REPO / ".cache" / "arch-models" / name, tiny_model_path())
     facts = inspect_model(path)
-    assert (facts.model_class, facts.pipeline) == ("mlx_lm.models.bailing_hybrid.Model", "mlx-lm")
-    with RankCluster(tmp_path, path, [2, 2], tag="bailgl", overrides={"schedule": "lockstep"}).up() as c:
+    assert facts.pipeline == "mlx-lm" and facts.model_class.endswith(f".{name.removesuffix('_gla')}.Model")
+    with RankCluster(tmp_path, path, [2, 2], tag=name[:6], overrides={"schedule": "lockstep"}).up() as c:
         _check(c, path)
-    with RankCluster(tmp_path / "refused", path, [3, 1], tag="bailgr", overrides={"schedule": "lockstep"}) as c:
+
+
+def test_a_split_mlx_lms_own_pipeline_refuses_ends_the_rank_in_one_line(tmp_path):
+    """mlx-lm's bailing_hybrid class refuses a split that leaves a rank without an MLA layer (it reads the
+    positions from one): rank 1 running layer 0 alone exits 78 with one line, no traceback."""
+    path = build("bailing_hybrid_gla", REPO / ".cache" / "arch-models" / "bailing_hybrid_gla", tiny_model_path())
+    with RankCluster(tmp_path, path, [3, 1], tag="bailgr", overrides={"schedule": "lockstep"}) as c:
         c.start()
         assert c.wait_exit(1, 60) == 78, c.logs(1)
         assert "mlx-lm cannot split the model as planned ([3, 1])" in c.marker(1).error
