@@ -260,8 +260,10 @@ def test_a_hybrid_with_state_caches_and_no_pipeline_of_its_own_plans_on_the_stag
     dep = make_deployment(_two(cluster()), f, "/m", PlanOptions(parallel="pipeline"))
     assert dep.schedule == "overlap" and [r.layers > 0 for r in dep.ranks] == [True, True]
     with pytest.raises(ConfigError, match="cannot shard model type 'bailing_hybrid' over 2 ranks: mlx-lm's "
-                                          r"mlx_lm.models.bailing_moe_v3.Model cannot shard itself \(no shard\(\)\)"):
+                                          r"mlx_lm.models.bailing_moe_v3.Model cannot shard itself \(no shard\(\)\)"
+                       ) as refused:
         make_deployment(_two(cluster()), f, "/m", PlanOptions(parallel="tensor"))
+    assert refused.value.hint == "use --parallel pipeline"  # no number of nodes would do
     fast = {n: {"links": [{"peer": p, "type": "thunderbolt"} for p in "ab" if p != n]} for n in "ab"}
     dep = make_deployment(_two(cluster(**fast)), f, "/m", PlanOptions())
     assert dep.parallel == "pipeline" and "no shard()" in dep.parallel_reason
