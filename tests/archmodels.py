@@ -66,8 +66,8 @@ UNBATCHABLE: dict[str, dict] = {
 # wrapper models: the text model sits inside (``language_model``), its sizes in ``text_config``
 WRAPPERS: dict[str, str] = {"mistral3": "llama"}
 
-# hybrids with state caches whose class has mlx-lm's own pipeline(), which clusterctl splits them with (by name
-# here, each with its model_type): linear attention on every other layer
+# hybrids with state caches whose class has mlx-lm's own pipeline(), which clusterctl splits them with; keyed by a
+# test name, each config carries its model_type. Linear attention on every other layer
 MLX_PIPELINED: dict[str, dict] = {
     "qwen3_next": {"model_type": "qwen3_next", "linear_num_value_heads": 4, "linear_num_key_heads": 2,
                    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
