@@ -46,6 +46,14 @@ FAMILIES: dict[str, dict] = {
     "deepseek_v3": {"moe_intermediate_size": 32, "n_shared_experts": 1, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
                     "v_head_dim": 16, "qk_nope_head_dim": 16, "first_k_dense_replace": 1},
+    # Bailing V3's hybrid (mlx-lm's bailing_moe_v3 class, picked by ``architectures``): linear attention (KDA,
+    # a state cache) on layers 0 and 2, MLA on 1 and 3, experts after a dense first layer
+    "bailing_hybrid": {"architectures": ["BailingMoeV3ForCausalLM"], "layer_group_size": 2,
+                       "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "num_experts": 4,
+                       "num_experts_per_tok": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                       "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.0, "q_lora_rank": 24,
+                       "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                       "short_conv_kernel_size": 4},
 }
 
 
@@ -58,15 +66,31 @@ UNBATCHABLE: dict[str, dict] = {
 # wrapper models: the text model sits inside (``language_model``), its sizes in ``text_config``
 WRAPPERS: dict[str, str] = {"mistral3": "llama"}
 
+# hybrids with state caches whose class has mlx-lm's own pipeline(), which clusterctl splits them with; keyed by a
+# test name, each config carries its model_type. Linear attention on every other layer
+MLX_PIPELINED: dict[str, dict] = {
+    "qwen3_next": {"model_type": "qwen3_next", "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                   "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                   "decoder_sparse_step": 1, "shared_expert_intermediate_size": 32, "mlp_only_layers": [],
+                   "moe_intermediate_size": 32, "partial_rotary_factor": 0.5},
+    # model_type bailing_hybrid without Bailing V3's ``architectures``: mlx-lm's bailing_hybrid class (gated
+    # linear attention beside MLA)
+    "bailing_hybrid_gla": {**{k: v for k, v in FAMILIES["bailing_hybrid"].items() if k != "architectures"},
+                           "model_type": "bailing_hybrid", "group_norm_size": 1},
+}
+
 
 def config_of(family: str, layers: int = 4) -> dict:
+    if family in MLX_PIPELINED:
+        return {**BASE, **MLX_PIPELINED[family], "num_hidden_layers": layers}
     if family in WRAPPERS:
         return {"model_type": family, "text_config": {**config_of(WRAPPERS[family], layers)}}
     extra = FAMILIES[family] if family in FAMILIES else UNBATCHABLE[family]
     return {"model_type": family, **BASE, **extra, "num_hidden_layers": layers}
 
 
-def build(family: str, folder: Path, tokenizer_from: Path, *, layers: int = 4, seed: int = 0) -> Path:
+def build(family: str, folder: Path, tokenizer_from: Path | None, *, layers: int = 4, seed: int = 0) -> Path:
     """Write the model once (reused when its config matches)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
@@ -87,7 +111,7 @@ def build(family: str, folder: Path, tokenizer_from: Path, *, layers: int = 4, s
     mx.eval(model.parameters())
     assert tree_flatten(model.parameters())
     save_model(folder, model, donate_model=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer_from is not None else ():  # None: plan only
         shutil.copy(Path(tokenizer_from) / name, folder / name)
     save_config({**config, "_test_config": config}, folder / "config.json")
     return folder

@@ -1,10 +1,10 @@
 """Fuzzing of configuration values at their limits, through `clusterctl plan` (the CLI entry, in a worker process).
 
 The fields come from the code and the samples, not from a hand list: every key the model reader asks
-config.json for (the string arguments of ``_int_cfg`` / ``_cfg`` calls in ``clusterctl.plan.model``, each alias
-with the keys before it removed so that the alias is the one read; the random test nests them under
-``text_config`` too), every numeric leaf of a sample config.json (a quantized one too), and every numeric field
-of a node in a sample cluster.toml. Each gets the values at the limits: 0, -1, 2**31, 2**63, 10**12, 10**100,
+config.json for (the string arguments of ``_int_cfg`` / ``_cfg`` calls in ``clusterctl.plan.model`` and
+``clusterctl.plan.kvcache``, each alias with the keys before it removed so that the alias is the one read; the
+random test nests them under ``text_config`` too), every numeric leaf of a sample config.json (a quantized one
+too), and every numeric field of a node in a sample cluster.toml. Each gets the values at the limits: 0, -1, 2**31, 2**63, 10**12, 10**100,
 1e308, NaN, Infinity, a string, a bool, null, a list, an object, and the reader's own MAX_* bounds and one past.
 
 The promise: a plan (exit 0) or a clean refusal (65, 66, 78) with the CLI's usual one-line error — never an
@@ -61,11 +61,12 @@ FAST_ROOT = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None  # plan
 
 def config_keys() -> list[tuple[str, ...]]:
     """The key groups the model reader asks config.json for: the string arguments of each ``_int_cfg(...)`` and
-    ``_cfg(...)`` call in clusterctl.plan.model, in the order it tries them."""
+    ``_cfg(...)`` call in clusterctl.plan.model and clusterctl.plan.kvcache, in the order it tries them."""
+    import clusterctl.plan.kvcache as kvcache
     import clusterctl.plan.model as model
 
     groups = []
-    for node in ast.walk(ast.parse(inspect.getsource(model))):
+    for node in ast.walk(ast.parse(inspect.getsource(model) + "\n" + inspect.getsource(kvcache))):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("_int_cfg", "_cfg"):
             keys = tuple(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
             if keys and keys not in groups:

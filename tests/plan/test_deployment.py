@@ -247,6 +247,28 @@ def test_pipeline_support_comes_from_the_class_mlx_lm_builds(tmp_path):
     assert make_deployment(one, f, "/m", PlanOptions()).ranks[0].layers == 8  # one node needs no split
 
 
+def test_a_hybrid_with_state_caches_and_no_pipeline_of_its_own_plans_on_the_stage_code(tmp_path):
+    """Bailing V3 (model_type bailing_hybrid, mlx-lm's bailing_moe_v3 class): linear-attention layers keep an
+    ArraysCache and the class has no pipeline(), so mlx-lm cannot split it; the stage code can (its skipped state
+    layers keep their caches' bookkeeping). mlx-lm has no shard() for it: tensor parallel is refused, naming why,
+    and --parallel auto takes pipeline even over fast links."""
+    from archmodels import build
+
+    f = inspect_model(build("bailing_hybrid", tmp_path / "bailing", None))
+    assert (f.model_class, f.pipeline, f.shardable) == ("mlx_lm.models.bailing_moe_v3.Model", "stages", False)
+    assert [k.kind for k in f.kv_layers] == ["linear", "mla", "linear", "mla"]
+    dep = make_deployment(_two(cluster()), f, "/m", PlanOptions(parallel="pipeline"))
+    assert dep.schedule == "overlap" and [r.layers > 0 for r in dep.ranks] == [True, True]
+    with pytest.raises(ConfigError, match="cannot shard model type 'bailing_hybrid' over 2 ranks: mlx-lm's "
+                                          r"mlx_lm.models.bailing_moe_v3.Model cannot shard itself \(no shard\(\)\)"
+                       ) as refused:
+        make_deployment(_two(cluster()), f, "/m", PlanOptions(parallel="tensor"))
+    assert refused.value.hint == "use --parallel pipeline"  # no number of nodes would do
+    fast = {n: {"links": [{"peer": p, "type": "thunderbolt"} for p in "ab" if p != n]} for n in "ab"}
+    dep = make_deployment(_two(cluster(**fast)), f, "/m", PlanOptions())
+    assert dep.parallel == "pipeline" and "no shard()" in dep.parallel_reason
+
+
 # ---- signing -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture

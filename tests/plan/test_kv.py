@@ -1,4 +1,4 @@
-"""The KV-cache estimate per layer (plan/model.py kv_layers) against mlx-lm's own caches, and what it changes in a
+"""The KV-cache estimate per layer (plan/kvcache.py kv_layers) against mlx-lm's own caches, and what it changes in a
 plan (plan/fit.py).
 
 Measured: the ``nbytes`` of the caches ``mlx_lm.models.cache.make_prompt_cache(model)`` makes, after a prompt of
@@ -16,12 +16,13 @@ import json
 
 import pytest
 
-from archmodels import BASE, FAMILIES, UNBATCHABLE, WRAPPERS, config_of
+from archmodels import BASE, FAMILIES, MLX_PIPELINED, UNBATCHABLE, WRAPPERS, config_of
 from clusterctl.errors import DoesNotFit
 from clusterctl.shared.deployment import PlanOptions, decode, encode
 from clusterctl.plan.fit import kv_bytes
 from clusterctl.plan.inventory import parse_cluster
-from clusterctl.plan.model import KV_REMAP, KvLayer, inspect_model, kv_layers
+from clusterctl.plan.kvcache import KV_ARCH_REMAP, KV_REMAP, kv_layers
+from clusterctl.plan.model import KvLayer, inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
 from clusterctl.shared.signing import Keyring
 from modelfiles import make_model
@@ -59,16 +60,13 @@ EXTRA: dict[str, dict] = {
     # minicpm3's values are hidden/heads wide whatever v_head_dim says
     "minicpm3": {"model_type": "minicpm3", **BASE, **_MLA, "v_head_dim": 8, "scale_emb": 1.0, "scale_depth": 1.0,
                  "dim_model_base": 64, "rope_scaling": {"original_max_position_embeddings": 4096}},
-    "qwen3_next": {"model_type": "qwen3_next", **BASE, **_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
-                   "decoder_sparse_step": 1, "shared_expert_intermediate_size": 32, "mlp_only_layers": [],
-                   "moe_intermediate_size": 32, "partial_rotary_factor": 0.5},
     "qwen3_5 (text_config)": {"model_type": "qwen3_5",
                               "text_config": {"model_type": "qwen3_5_text", **BASE, **_LINEAR}},
     "qwen3_5_moe (text_config)": {"model_type": "qwen3_5_moe", "text_config": {
         "model_type": "qwen3_5_moe_text", **BASE, **_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}},
 }
-MATRIX = {f: config_of(f) for f in [*FAMILIES, *UNBATCHABLE, *WRAPPERS]}
+MATRIX = {f: config_of(f) for f in [*FAMILIES, *UNBATCHABLE, *WRAPPERS, *MLX_PIPELINED]}
 
 
 def measured_bytes(config: dict, n: int = N, decoded: int = 2) -> int:
@@ -104,6 +102,7 @@ def test_estimate_per_attention_type():
     assert by_kind["deepseek_v3"] == by_kind["kimi_k2 (deepseek_v3)"] == by_kind["mistral4"] == {"mla"}
     assert by_kind["deepseek_v2"] == {"mla-heads"}
     assert by_kind["qwen3_next"] == by_kind["qwen3_5 (text_config)"] == {"full", "linear"}
+    assert by_kind["bailing_hybrid"] == by_kind["bailing_hybrid_gla"] == {"mla", "linear"}
     # a sliding_window mlx-lm's class does not use (qwen2, phi3, mistral without layer_types) counts in full
     for model_type in ("qwen2", "phi3", "mistral", "starcoder2"):
         assert {k.window for k in kv_layers({"model_type": model_type, **BASE, "sliding_window": 6}, 2)} == {None}
@@ -144,9 +143,10 @@ def test_tensor_parallel_divides_per_head_caches_but_not_an_mla_latent():
 
 
 def test_remapped_model_types_agree_with_mlx_lm():
-    from mlx_lm.utils import MODEL_REMAPPING
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
     assert all(MODEL_REMAPPING.get(k) == v for k, v in KV_REMAP.items())
+    assert KV_ARCH_REMAP == MODEL_ARCHITECTURE_REMAPPING
 
 
 # ---- the dtype of what is cached --------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ import threading
 
 import pytest
 
-from archmodels import FAMILIES, RELEASED, UNBATCHABLE, WRAPPERS, build, build_hf_layout, build_released, config_of
+from archmodels import (FAMILIES, MLX_PIPELINED, RELEASED, UNBATCHABLE, WRAPPERS, build, build_hf_layout, build_released,
+                        config_of)
 from rankharness import REPO, RankCluster, complete, reference_tokens, tiny_model_path
+
+pytestmark = pytest.mark.slow  # every test here starts real ranks
 
 PROMPTS = ["def main(argv):", "import sys\nclass Foo", "x = [", "for i in range(10):\n    print(i)\n" * 2]
 
@@ -48,6 +51,41 @@ def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
     assert facts.pipeline == "stages", facts.pipeline_reason
     with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 1 runs blocks 0-2, rank 0 the last one
         _check(c, path)
+
+
+def test_a_hybrid_whose_first_state_layer_another_rank_runs_serves_like_one_process(models, tmp_path):
+    """Bailing V3 (linear attention on layers 0 and 2, MLA on 1 and 3; mlx-lm has no pipeline() for its class):
+    split [2, 2], rank 0 runs layer 2, whose padding mask the model builds from layer 0's cache, which rank 0
+    skips and keeps only the bookkeeping of (tests/rank/test_stage.py checks the masks themselves). Lockstep: the
+    family test above runs [1, 3] overlapped."""
+    path = models["bailing_hybrid"]
+    with RankCluster(tmp_path, path, [2, 2], tag="bailin", overrides={"schedule": "lockstep"}).up() as c:
+        _check(c, path)
+
+
+@pytest.mark.parametrize("name", sorted(MLX_PIPELINED))
+def test_a_hybrid_split_by_mlx_lms_own_pipeline_serves_like_one_process(name, tmp_path):
+    """qwen3_next, and model_type bailing_hybrid without Bailing V3's architecture (mlx-lm's bailing_hybrid class:
+    gated linear attention beside MLA): their classes have mlx-lm's own pipeline(), which splits them, in
+    lockstep."""
+    from clusterctl.plan.model import inspect_model
+
+    path = build(name, REPO / ".cache" / "arch-models" / name, tiny_model_path())
+    facts = inspect_model(path)
+    assert facts.pipeline == "mlx-lm" and facts.model_class.endswith(f".{name.removesuffix('_gla')}.Model")
+    with RankCluster(tmp_path, path, [2, 2], tag=name[:6], overrides={"schedule": "lockstep"}).up() as c:
+        _check(c, path)
+
+
+def test_a_split_mlx_lms_own_pipeline_refuses_ends_the_rank_in_one_line(tmp_path):
+    """mlx-lm's bailing_hybrid class refuses a split that leaves a rank without an MLA layer (it reads the
+    positions from one): rank 1 running layer 0 alone exits 78 with one line, no traceback."""
+    path = build("bailing_hybrid_gla", REPO / ".cache" / "arch-models" / "bailing_hybrid_gla", tiny_model_path())
+    with RankCluster(tmp_path, path, [3, 1], tag="bailgr", overrides={"schedule": "lockstep"}) as c:
+        c.start()
+        assert c.wait_exit(1, 60) == 78, c.logs(1)
+        assert "mlx-lm cannot split the model as planned ([3, 1])" in c.marker(1).error
+        assert "Traceback" not in c.logs(1)
 
 
 def _shardable(family: str) -> bool:

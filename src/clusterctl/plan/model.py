@@ -20,13 +20,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput
+from clusterctl.plan.configfields import MAX_LAYERS, MAX_SIZE  # noqa: F401  (ggufcheck's bounds are plan's)
+from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg, positive as _positive
+from clusterctl.plan.kvcache import FLOAT_BYTES, kv_dtype_bytes, kv_layers
 from clusterctl.shared.deployment import KvLayer
 from clusterctl.shared.modelfiles import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
 from clusterctl.shared.archs import batching, capability, kept_tensors
-
-TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-MAX_LAYERS = 1024  # the largest published models have a few hundred; plan builds the class (lazily) with them
-MAX_SIZE = 1 << 24  # hidden size, heads, vocabulary: far above any real model, small enough to plan with
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
@@ -120,127 +119,6 @@ class ModelFacts(BaseModel):
         return out
 
 
-# ---- the KV cache, per layer, from config.json (no MLX: the launch re-check runs it too) ---------------------------
-#
-# What each layer's cache keeps follows mlx-lm's class for the model (mlx_lm/models/<arch>.py: make_cache() and what
-# the attention passes to cache.update_and_fetch), checked against the caches' nbytes in tests/plan/test_kv.py.
-# A class not named below is counted as full attention on every layer (2 x KV heads x head size per token, the
-# whole context): a sliding window or a state layer it may have is over-counted, never under-counted, except MLA,
-# which any config with kv_lora_rank is taken to be.
-
-# mlx-lm's MODEL_REMAPPING entries that matter here (mlx_lm/utils.py; tests/plan/test_kv.py checks they agree)
-KV_REMAP = {"mistral": "llama", "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3", "iquestcoder": "llama",
-            "xverse": "llama"}
-# sliding layers by pattern: layer i is global when i % pattern == pattern - 1; (default window, default pattern)
-_PATTERN = {"gemma3_text": (512, 6), "gemma3": (512, 6), "cohere2": (4096, 4)}
-# sliding layers by ``layer_types``: (default window, is the type sliding?, the class's layer types when not given)
-_SLIDING = lambda t: t == "sliding_attention"  # noqa: E731
-_NOT_FULL = lambda t: t != "full_attention"  # noqa: E731
-_LAYER_TYPES = {
-    "llama": (None, _SLIDING, lambda n: ["full_attention"] * n),
-    "ministral3": (None, _SLIDING, lambda n: ["full_attention"] * n),
-    "gpt_oss": (128, _NOT_FULL, lambda n: ["sliding_attention", "full_attention"] * (n // 2)),
-    "olmo3": (None, _NOT_FULL,
-              lambda n: ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]),
-}
-# multi-head latent attention (MLA). mlx-lm's deepseek_v2, minicpm3 and youtu_llm expand the latent and cache full
-# keys (nope + rope dims) and values per head; the others cache the latent and the RoPE key, shared by all heads.
-_MLA_HEADS = {"deepseek_v2", "minicpm3", "youtu_llm"}
-_MLA_INDEXER = {"deepseek_v32", "glm_moe_dsa"}  # also the sparse-attention indexer's keys (stored as keys and values)
-# linear attention (gated delta net) on every layer but each full_attention_interval-th: a fixed state
-_LINEAR = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
-
-
-def kv_arch(config: dict) -> str:
-    """The mlx-lm class (module name) whose caches the estimate follows: the top-level model_type as mlx-lm's
-    loader remaps it, or the text model's (``text_config``) when only that one is known here."""
-    known = set(_PATTERN) | set(_LAYER_TYPES) | _MLA_HEADS | _MLA_INDEXER | _LINEAR | {"deepseek_v3"}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    names = [str(config.get("model_type") or ""), str(text.get("model_type") or "")]
-    names = [KV_REMAP.get(n, n) for n in names]
-    return next((n for n in names if n in known), names[0])
-
-
-def kv_layers(config: dict, dtype_bytes: int, *, folder: str | os.PathLike = "<model>") -> list[KvLayer]:
-    """Every layer's KV cache for one sequence (one batch slot), from config.json alone (see the table above):
-    bytes per token, a sliding layer's window, a linear-attention layer's fixed state. ``dtype_bytes``: one cached
-    number (``kv_dtype_bytes``); ``folder`` names the model in errors."""
-    folder = Path(folder)
-    text = text_config(config)
-    arch = kv_arch(config)
-    n = _int_cfg(text, folder, "num_hidden_layers", "n_layers", "num_layers", minimum=1, maximum=MAX_LAYERS)
-    heads = _int_cfg(text, folder, "num_attention_heads", "n_heads", minimum=1)
-    hidden = _int_cfg(text, folder, "hidden_size", "d_model", "dim", minimum=1)
-    if n is None or heads is None or hidden is None:
-        raise ConfigError(f"{folder}/config.json: num_hidden_layers / hidden_size / num_attention_heads missing")
-    kv_heads = _int_cfg(text, folder, "num_key_value_heads", "n_kv_heads", default=heads, minimum=1)
-    head_dim = _int_cfg(text, folder, "head_dim", default=max(1, hidden // heads), minimum=1)
-    full = KvLayer(kind="full", bytes_per_token=2 * kv_heads * head_dim * dtype_bytes)
-
-    def sliding(window: int | None) -> KvLayer:
-        if window is None:  # no usable window: count the whole context
-            return full
-        return KvLayer(kind="sliding", bytes_per_token=full.bytes_per_token, window=window)
-
-    def window_of(default: int | None) -> int | None:
-        v = _cfg(text, "sliding_window")
-        if v is None:
-            return default
-        return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIZE else None
-
-    rank = _int_cfg(text, folder, "kv_lora_rank", minimum=1)
-    if rank is not None:
-        rope = _int_cfg(text, folder, "qk_rope_head_dim", default=64, minimum=0)
-        if arch in _MLA_HEADS:
-            nope = _int_cfg(text, folder, "qk_nope_head_dim", default=128, minimum=0)
-            v_dim = (max(1, hidden // heads) if arch == "minicpm3"
-                     else _int_cfg(text, folder, "v_head_dim", default=128, minimum=1))
-            return [KvLayer(kind="mla-heads", bytes_per_token=heads * (nope + rope + v_dim) * dtype_bytes)] * n
-        per_token = rank + rope
-        if arch in _MLA_INDEXER:
-            per_token += 2 * _int_cfg(text, folder, "index_head_dim", default=128, minimum=1)
-        return [KvLayer(kind="mla", bytes_per_token=per_token * dtype_bytes, sharded=False)] * n
-    if arch in _PATTERN:
-        window = window_of(_PATTERN[arch][0])
-        pattern = _int_cfg(text, folder, "sliding_window_pattern", default=_PATTERN[arch][1], minimum=1)
-        return [full if i % pattern == pattern - 1 else sliding(window) for i in range(n)]
-    if arch in _LAYER_TYPES:
-        default_window, is_sliding, default_types = _LAYER_TYPES[arch]
-        window = window_of(default_window)
-        types = _cfg(text, "layer_types")
-        if not isinstance(types, list):
-            types = default_types(n)
-        return [sliding(window) if i < len(types) and isinstance(types[i], str) and is_sliding(types[i]) else full
-                for i in range(n)]
-    if arch in _LINEAR:
-        # mlx-lm qwen3_next / qwen3_5 GatedDeltaNet: a conv state of (kernel - 1) x (2 key dims + value dims) in the
-        # activations' dtype, and a recurrent state of value heads x value dim x key dim in float32
-        interval = _int_cfg(text, folder, "full_attention_interval", default=4, minimum=1)
-        nv = _int_cfg(text, folder, "linear_num_value_heads", default=64, minimum=1)
-        nk = _int_cfg(text, folder, "linear_num_key_heads", default=16, minimum=1)
-        dk = _int_cfg(text, folder, "linear_key_head_dim", default=192, minimum=1)
-        dv = _int_cfg(text, folder, "linear_value_head_dim", default=128, minimum=1)
-        kernel = _int_cfg(text, folder, "linear_conv_kernel_dim", default=4, minimum=1)
-        state = (kernel - 1) * (2 * nk * dk + nv * dv) * dtype_bytes + nv * dv * dk * 4
-        linear = KvLayer(kind="linear", state_bytes=state)
-        return [full if (i + 1) % interval == 0 else linear for i in range(n)]
-    return [full] * n
-
-
-_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
-
-
-def kv_dtype_bytes(dtypes: dict[str, int], path_dtypes: set[str], config: dict) -> int:
-    """Bytes of one cached number. mlx-lm loads weights as stored (it does not cast to ``torch_dtype``), the hidden
-    state starts in the embedding's dtype (its scales' when quantized) and a float32 norm weight promotes it to
-    float32: the widest of those. Without them, the dtype most weight bytes have; then torch_dtype; else 2."""
-    if path_dtypes:
-        return max(_FLOAT_BYTES[d] for d in path_dtypes)
-    if dtypes:
-        return _FLOAT_BYTES[max(sorted(dtypes), key=dtypes.get)]
-    return TORCH_DTYPE_BYTES.get(str(_cfg(text_config(config), "torch_dtype", "dtype", default="")), 2)
-
-
 # ---- work: what one token costs in each layer and in the head --------------------------------------------------
 #
 # Measured on a CPU with SmolLM2-135M (4-bit layers, an 8-bit tied embedding used as the head): a stage's time is
@@ -288,31 +166,6 @@ def logical_elements(name: str, tensors: dict[str, tuple[str, list[int]]], quant
     own = q.get(module) if isinstance(q.get(module), dict) else {}
     bits = own.get("bits", q.get("bits"))
     return elements * 32 // (bits if _positive(bits) else 4)
-
-
-def _positive(v) -> bool:
-    """A count from config.json: an integer above zero (true/false are not numbers)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _int_cfg(config: dict, folder: Path, *keys: str, default=None, minimum: int = 0,
-             maximum: int = MAX_SIZE) -> int | None:
-    """An integer field of config.json (true/false, strings and lists are errors, not numbers), within bounds
-    that keep every later product (per-layer tables, KV bytes) finite and small."""
-    v = _cfg(config, *keys, default=default)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
-        raise ConfigError(f"{folder}/config.json: {keys[0]} must be an integer in [{minimum}, {maximum}], "
-                          f"not {str(v)[:40]!s}"[:300])
-    return v
-
-
-def _cfg(config: dict, *keys: str, default=None):
-    for k in keys:
-        if k in config and config[k] is not None:
-            return config[k]
-    return default
 
 
 def read_config(folder: Path) -> tuple[dict, bytes]:
@@ -416,7 +269,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     dtype_counts: dict[str, int] = {}
     path_dtypes: set[str] = set()  # dtypes on the way to the keys: the embedding (or its scales) and the norms
     for name, (dtype, _) in shapes.items():
-        if dtype in _FLOAT_BYTES:
+        if dtype in FLOAT_BYTES:
             dtype_counts[dtype] = dtype_counts.get(dtype, 0) + sizes[name]
             if _KV_PATH_RE.search(name):
                 path_dtypes.add(dtype)

@@ -133,8 +133,9 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         blockers = facts.tensor_blockers(len(nodes))
         if blockers:
             raise ConfigError(f"cannot shard model type {facts.model_type!r} over {len(nodes)} ranks: "
-                              + "; ".join(blockers), hint="use --parallel pipeline, or a number of nodes that "
-                                                          "divides the heads")
+                              + "; ".join(blockers),
+                              hint="use --parallel pipeline" + ("" if facts.shardable is False else
+                                                                ", or a number of nodes that divides the heads"))
     if options.parallel == "pipeline" and len(nodes) > 1 and not facts.pipeline_capable:
         raise ConfigError(f"cannot split model type {facts.model_type!r} over {len(nodes)} nodes: "
                           f"{facts.pipeline_reason or 'no pipeline support'}",

@@ -3,11 +3,12 @@
 Nothing here imports mlx at module level: the environment must be final before mlx is first imported.
 
 Loading: mlx-lm's ``load_model(lazy=True, strict=False)`` maps every tensor lazily; the stage code
-(stage.py) replaces the blocks other ranks run with weightless ``Skip`` blocks (mlx-lm's own ``pipeline()`` for
-the models whose caches are not key/value caches, shared/archs.py); ``mx.eval(model.parameters())`` then reads
-only what is left (our blocks plus embedding, final norm and head), so peak RSS follows this rank's share. The
-split needs no group yet (group.py ``GroupStandIn``), so we load BEFORE joining the ring (a slow node's load can't
-time out a fast node's connect, which gives up after ~31 s) and join after the launcher's gate.
+(stage.py) replaces the blocks other ranks run with weightless ``Skip`` blocks (mlx-lm's own ``pipeline()``
+for the models with state caches whose class has one: shared/archs.py ``split_method``);
+``mx.eval(model.parameters())`` then reads only what is left (our blocks plus embedding, final norm and head),
+so peak RSS follows this rank's share. The split needs no group yet (group.py ``GroupStandIn``), so we load
+BEFORE joining the ring (a slow node's load can't time out a fast node's connect, which gives up after ~31 s)
+and join after the launcher's gate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from clusterctl.errors import ConfigError
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, RankSpec
 from clusterctl.rank.group import GroupStandIn
 from clusterctl.rank.offload import install, refuse_tied_head
-from clusterctl.shared.archs import KV_CACHES, cache_kinds, kept_tensors, text_model
+from clusterctl.shared.archs import MLX_PIPELINE, STAGES, cache_kinds, kept_tensors, split_method, text_model
 from clusterctl.shared.modelfiles import read_safetensors_header, weight_files
 
 
@@ -102,13 +103,17 @@ def load_shard(spec: RankSpec):
         except (ValueError, AssertionError) as e:
             raise ConfigError(f"cannot shard the model over {spec.world_size} ranks: {e}") from None
     elif spec.world_size > 1:
-        if all(k in KV_CACHES for k in cache_kinds(model)):
+        method = split_method(model)  # the decision plan took (shared/archs.py)
+        if method == STAGES:
             from clusterctl.rank.stage import split_blocks
 
             split_blocks(model, spec.rank, spec.world_size, spec.start_layer, spec.end_layer,
                          gather=not spec.overlapped)
-        elif hasattr(inner, "pipeline"):  # state or linear-attention caches: mlx-lm's own split (shared/archs.py)
-            inner.pipeline(GroupStandIn(spec.rank, spec.world_size), split=spec.mlx_split)
+        elif method == MLX_PIPELINE:
+            try:  # a class may refuse a split (bailing_hybrid: a rank without an MLA layer has no positions)
+                inner.pipeline(GroupStandIn(spec.rank, spec.world_size), split=spec.mlx_split)
+            except ValueError as e:
+                raise ConfigError(f"mlx-lm cannot split the model as planned ({spec.mlx_split}): {e}") from None
             if (inner.start_idx, inner.end_idx) != (spec.start_layer, spec.end_layer):
                 raise ConfigError(f"mlx-lm placed rank {spec.rank} at [{inner.start_idx}, {inner.end_idx}), "
                                   f"the contract says [{spec.start_layer}, {spec.end_layer})")

@@ -1,4 +1,5 @@
-"""A rank's forward pass: one pipeline stage of any mlx-lm model whose caches are key/value caches.
+"""A rank's forward pass: one pipeline stage of any mlx-lm model whose caches are key/value caches or state
+caches (``ArraysCache``: linear attention, state-space layers).
 
 The model keeps its own ``__call__`` (embedding, masks, the loop over its blocks, final norm, head), so every
 architecture's details (sliding-window masks, per-layer block types, softcapping) stay mlx-lm's. Only the list of
@@ -7,6 +8,7 @@ blocks changes, keeping its length (so a block's index, and the mask the model p
 - a block another rank runs becomes ``Skip``: it passes the hidden state on untouched and holds no weights; it
   still updates its cache with zero-width keys and values, so the cache's bookkeeping (offsets, batch padding,
   a rotating window's position) is exactly what it would be, and masks built from any block's cache are right;
+  a skipped state layer moves its cache's padding and lengths on (``keep_state_bookkeeping``);
 - this stage's first block receives the hidden state from the previous stage (``Recv``), its last block sends it
   on (``Send``, tied into that block's cache: a prompt chunk's logits are never evaluated, its caches are);
 - lockstep (``gather``): the model's last block (on every rank: real or ``Skip``) ends in ``Gather``, an all_sum
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from clusterctl.shared.archs import text_model
 
@@ -69,7 +72,20 @@ class Skip(nn.Module):
         if cache is not None and hasattr(cache, "update_and_fetch"):
             empty = mx.zeros((x.shape[0], 1, x.shape[1], 0), dtype=x.dtype)
             cache.update_and_fetch(empty, empty)
+        elif isinstance(cache, ArraysCache):
+            keep_state_bookkeeping(cache, x)
         return x
+
+
+def keep_state_bookkeeping(cache: ArraysCache, x: mx.array) -> None:
+    """What a state layer (linear attention, SSM) another rank runs must still do to its cache: move its
+    padding and lengths on by the tokens passed (the model builds the state layers' mask from the first one's
+    cache, which may be this one), and hold zero-width stand-ins for the state (one row per sequence), so that
+    mlx-lm's batch operations on it (merge, extend, filter, extract a finished row) work as on a real one."""
+    for i, c in enumerate(cache.cache):
+        if c is None:
+            cache[i] = mx.zeros((x.shape[0], 0), dtype=x.dtype)
+    cache.advance(x.shape[1])
 
 
 class _Around(nn.Module):
@@ -119,6 +135,8 @@ class Send(_Around):
         cache = _cache_of(self._params, args, kwargs)
         if cache is not None and getattr(cache, "keys", None) is not None:
             cache.keys = mx.depends(cache.keys, h)
+        elif isinstance(cache, ArraysCache) and cache[-1] is not None:  # a state layer: its state is evaluated
+            cache[-1] = mx.depends(cache[-1], h)
         return h
 
 

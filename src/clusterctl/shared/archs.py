@@ -8,8 +8,10 @@ built lazily here (MLX arrays are unevaluated until used, so no weights are made
 - its caches (``make_cache()``, else one KVCache per block): clusterctl's own stage code serves any model whose
   caches are key/value caches, plain or rotating (sliding window), because a block another rank runs keeps its
   cache's bookkeeping with zero-width keys (rank/stage.py);
-- a model with other caches (linear attention, state-space layers) is split only where mlx-lm itself can
-  (``pipeline()``); anything else is refused here, at plan time, with the reason.
+- a model that also has state caches (``ArraysCache``: linear attention, state-space layers) is split by
+  mlx-lm's own ``pipeline()`` where its class has one (qwen3_next, qwen3_5, bailing_hybrid), else by the stage
+  code, whose skipped state layers keep their cache's padding and lengths (bailing_moe_v3); anything else (caches
+  that are not one per block, other cache kinds) is refused here, at plan time, with the reason.
 
 Both sides use this module: ``plan`` for the decision, the rank to find the blocks it splits.
 """
@@ -77,6 +79,25 @@ def cache_kinds(model) -> list[str]:
 
 
 KV_CACHES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
+STATE_CACHES = {"ArraysCache"}  # a fixed state per sequence; rank/stage.py keeps a skipped one's bookkeeping
+
+
+def split_method(model) -> str | None:
+    """How a model is split into pipeline stages (STAGES, MLX_PIPELINE), or None when it cannot be; ``plan``
+    and every rank decide with this one function. Key/value caches only: the stage code. With state caches too:
+    mlx-lm's own ``pipeline()`` where the class has one (what mlx-lm itself runs), else the stage code."""
+    inner = text_model(model)
+    if inner is None:
+        return None
+    kinds = cache_kinds(model)
+    one_per_block = len(kinds) == len(inner.layers)
+    if one_per_block and all(k in KV_CACHES for k in kinds):
+        return STAGES
+    if hasattr(inner, "pipeline"):
+        return MLX_PIPELINE
+    if one_per_block and all(k in KV_CACHES | STATE_CACHES for k in kinds):
+        return STAGES
+    return None
 
 
 def capability(config: dict, num_layers: int) -> Capability:
@@ -96,11 +117,11 @@ def capability(config: dict, num_layers: int) -> Capability:
     except Exception as e:
         return Capability(name, None, f"{name}: cannot make its caches ({type(e).__name__}: {e})"[:300])
     shard = callable(getattr(model, "shard", None))
-    if len(kinds) == len(inner.layers) and all(k in KV_CACHES for k in kinds):
-        return Capability(name, STAGES, shard=shard)
-    if hasattr(inner, "pipeline"):
-        return Capability(name, MLX_PIPELINE, shard=shard)
-    other = sorted(set(kinds) - KV_CACHES) or ["a cache list that does not match its blocks"]
+    method = split_method(model)
+    if method is not None:
+        return Capability(name, method, shard=shard)
+    other = (sorted(set(kinds) - KV_CACHES - STATE_CACHES) if len(kinds) == len(inner.layers)
+             else None) or ["a cache list that does not match its blocks"]
     return Capability(name, None, f"{name} keeps {', '.join(other)} (linear attention or state layers): "
                                   "no pipeline split for it yet", shard=shard)
 
