@@ -35,6 +35,7 @@ from clusterctl.launch.reaper import live_jobs
 from clusterctl.launch.start import launch
 from clusterctl.launch.status import rank_state
 from clusterctl.launch.teardown import teardown_command
+from clusterctl.shared.runtimefiles import followed_a_peer
 
 POLL_S = 1.0
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe; a cut link must not stall the loop
@@ -71,6 +72,7 @@ class Supervisor:
         self.idle = False
         self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
         self.last_probe = float("-inf")
+        self.held = False  # the reason already says the budget holds the heal back
         self._saved: tuple[dict, float] | None = None
         self.me = this_coordinator().model_dump(mode="json")  # who writes the state file (its pid, start time)
         self._resume()
@@ -119,6 +121,7 @@ class Supervisor:
 
     # ---- phase and state file -------------------------------------------------------------------------------
     def phase(self, name: str, reason: str | None = None) -> None:
+        self.held = False  # a new word: the budget's hold is said again when it still holds
         before = self.book.phase
         if self.book.set_phase(self.clock(), name, reason):
             if name != before:
@@ -172,7 +175,7 @@ class Supervisor:
         age = info.get("age")
         st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
         run = self.job.running
-        follower = mk.get("state") == "lost" or "lost a ring peer" in (mk.get("error") or "")
+        follower = followed_a_peer(mk.get("state"), mk.get("reason"))
         if run is not None and run.exited(r.rank):
             st = "exited"
             follower = follower or run.procs[r.rank].returncode == FOLLOWER_EXIT
@@ -304,26 +307,32 @@ class Supervisor:
                     self.leftovers.remove(job_id)
 
     async def heal(self, now: float) -> None:
-        """Replan on the nodes that answer (the lost ones left out) and relaunch, when the budget allows."""
+        """Replan on the nodes that answer (the blamed ones left out) and relaunch, when the budget allows. A
+        loss that blames every node of the job found no culprit: every one is asked, those that answer serve
+        again (the same plan when all do: a relaunch, no plan change, nothing spent from the budget)."""
 
-        wait = self.book.wait(now)
-        if wait > 0:
-            said = self.book.reason or "not serving"  # said once (a countdown would rewrite the state file)
-            if "; no heal for " not in said:  # what went wrong stays in front: a failed launch, the loss
-                self.phase("degraded", f"{said}; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
+        blame = self.pending or []
+        job_nodes = [n for n in self.node_order if n not in self.book.lost]
+        asked = [n for n in job_nodes if n not in blame]
+        no_culprit = not asked
+        if no_culprit:
+            asked = job_nodes
+        elif self._held(now):
             return
-        self.book.healed(now, self.pending)
-        asked = [n for n in self.node_order if n not in self.book.lost]
         # a node that answered the last look of the lost job just now needs no probe of its own (one SSH
         # connection and one Python start-up less before the relaunch); the others are asked
         fresh = {n for n in asked if self.unreachable.get(n) is False}
         self.unreachable = {}
         answers = await self.probe([n for n in asked if n not in fresh]) if set(asked) - fresh else {}
         nodes = [n for n in asked if n in fresh or answers.get(n)]
-        lost = ", ".join(self.book.lost)
+        leave_out = [n for n in asked if n not in nodes] if no_culprit else blame
+        if no_culprit and leave_out and self._held(self.clock()):
+            return
+        self.book.healed(now, leave_out, plan_change=bool(leave_out))
+        lost = ", ".join(self.book.lost) or "none"
         if not nodes:
             self.pending = []  # tried again after the backoff
-            self.phase("degraded", f"no node answers ({', '.join(asked) or 'none left'}; lost: {lost})")
+            self.phase("degraded", f"no node answers a probe ({', '.join(asked)}; lost: {lost})")
             return
         try:
             p = await asyncio.to_thread(propose, self.state, self.ref, nodes=nodes)
@@ -333,9 +342,24 @@ class Supervisor:
             return
         if await self.apply(p, "heal"):
             self.pending = None
-            self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin")
+            self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin" if self.book.lost
+                       else f"on {', '.join(nodes)}; relaunched (no node to blame)")
         else:
             self.pending = []
+            if not leave_out:  # a relaunch that failed: the next one waits for the backoff like any other
+                self.book.changes.append(now)
+
+    def _held(self, now: float) -> bool:
+        """The budget holds a plan change back: ``degraded``, said once (a countdown would rewrite the state
+        file), what went wrong staying in front (a failed launch, the loss)."""
+        wait = self.book.wait(now)
+        if wait <= 0:
+            return False
+        if not self.held:
+            said = self.book.reason or "not serving"
+            self.phase("degraded", f"{said}; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
+            self.held = True
+        return True
 
     async def rejoin(self) -> None:
         """Every lost node answered well for long enough: back to the original deployment."""
