@@ -158,3 +158,46 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
 
     with fake_nodes(nodes):
         asyncio.run(go())
+
+
+def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_port(tmp_path):
+    """The supervisor dies during the heal's teardown (rank 1 frozen: the sweep on its node never answers). A
+    successor started without a port reuses the cluster's recorded one and finishes the heal: what is left of
+    the lost job torn down verified, the job relaunched on the nodes left, ``serving``."""
+    state, first, clock = _supervised(tmp_path)
+    nodes = {A: SimulatedNode(), B: SimulatedNode()}
+
+    async def go():
+        await first.take_over()
+        original, job = first.current, first.job.manifest.job_id
+        nodes[A].running.pop(_rank(nodes[A], job)[0])
+        frozen = asyncio.Event()
+        nodes[B].answers["sweep"] = lambda req: frozen.wait()  # the teardown hangs there
+        dying = None
+        for _ in range(15):
+            dying = asyncio.ensure_future(first.step())
+            await asyncio.sleep(0.2)
+            if not dying.done():
+                break
+            clock.t += 1.0
+        assert first.book.phase == "healing" and first.pending == [A]
+        dying.cancel()  # the supervisor is killed mid-heal: its state file says healing
+        await asyncio.gather(dying, return_exceptions=True)
+        await first._close_looks()
+        del nodes[B].answers["sweep"]
+
+        opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="")
+        second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)
+        assert second.opts.http_port == 27570 and second.pending == [A]
+        await second.take_over()
+        assert not any(f"/{job}-rank" in p for n in nodes.values() for p in n.running.values())
+        for _ in range(5):
+            if second.job is not None:
+                break
+            await second.step()
+            clock.t += 1.0
+        _healed_onto_b(state, second, original)
+        assert second.job.manifest.endpoint.endswith(":27570")
+
+    with fake_nodes(nodes):
+        asyncio.run(go())

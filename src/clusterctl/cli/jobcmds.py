@@ -108,7 +108,8 @@ def teardown(
 
     malformed: list[dict] = []
     reports = asyncio.run(teardown_command(state_of(state_dir), target, ssh_options(known_hosts, accept_new_host_keys),
-                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed))
+                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed,
+                                           supervisors=True))
     ok = all(r.ok for r in reports) and not malformed
     if o.json:
         o.data({"ok": ok, "jobs": [r.to_json() for r in reports], "malformed": malformed})
