@@ -160,6 +160,59 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
         asyncio.run(go())
 
 
+async def _die_mid_heal(sup: Supervisor, clock: Clock, nodes: dict) -> str:
+    """Rank 0 SIGKILLed; the supervisor dies during the heal's teardown (the sweep on rank 1's frozen node
+    never answers, then the supervisor's task is cancelled): its state file says ``healing``. The lost job."""
+    job = sup.job.manifest.job_id
+    nodes[A].running.pop(_rank(nodes[A], job)[0])
+    frozen = asyncio.Event()
+    nodes[B].answers["sweep"] = lambda req: frozen.wait()
+    dying = None
+    for _ in range(15):
+        dying = asyncio.ensure_future(sup.step())
+        await asyncio.sleep(0.2)
+        if not dying.done():
+            break
+        clock.t += 1.0
+    assert sup.book.phase == "healing" and sup.pending == [A]
+    dying.cancel()
+    await asyncio.gather(dying, return_exceptions=True)
+    await sup._close_looks()
+    del nodes[B].answers["sweep"]
+    return job
+
+
+def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
+    import json
+    import subprocess
+    import sys as _sys
+
+    from clusterctl.launch import healstate
+    from clusterctl.launch.nodes import SshOptions
+    from clusterctl.launch.reaper import reap
+
+    state, first, clock = _supervised(tmp_path)
+    nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    gone = subprocess.run([_sys.executable, "-c", "import psutil; p = psutil.Process(); print(p.pid, p.create_time())"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+    async def go():
+        await first.take_over()
+        job = await _die_mid_heal(first, clock, nodes)
+        path = healstate.path_of(state, "sim")
+        doc = json.loads(path.read_text())
+        doc["supervisor"] = {**doc["supervisor"], "pid": int(gone[0]), "start_time": float(gone[1])}  # dead
+        path.write_text(json.dumps(doc))
+        report = await reap(state, SshOptions(), grace=1)
+        assert [r["job_id"] for r in report.reaped] == [job], report.to_json()
+        assert not any(n.running for n in nodes.values())  # rank 1 (alive, frozen) reaped too
+        after = healstate.read(path)
+        assert after["state"] == "degraded" and after["job"] is None and "died during a heal" in after["reason"]
+
+    with fake_nodes(nodes):
+        asyncio.run(go())
+
+
 def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_port(tmp_path):
     """The supervisor dies during the heal's teardown (rank 1 frozen: the sweep on its node never answers). A
     successor started without a port reuses the cluster's recorded one and finishes the heal: what is left of
@@ -169,22 +222,8 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
 
     async def go():
         await first.take_over()
-        original, job = first.current, first.job.manifest.job_id
-        nodes[A].running.pop(_rank(nodes[A], job)[0])
-        frozen = asyncio.Event()
-        nodes[B].answers["sweep"] = lambda req: frozen.wait()  # the teardown hangs there
-        dying = None
-        for _ in range(15):
-            dying = asyncio.ensure_future(first.step())
-            await asyncio.sleep(0.2)
-            if not dying.done():
-                break
-            clock.t += 1.0
-        assert first.book.phase == "healing" and first.pending == [A]
-        dying.cancel()  # the supervisor is killed mid-heal: its state file says healing
-        await asyncio.gather(dying, return_exceptions=True)
-        await first._close_looks()
-        del nodes[B].answers["sweep"]
+        original = first.current
+        job = await _die_mid_heal(first, clock, nodes)
 
         opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="")
         second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)

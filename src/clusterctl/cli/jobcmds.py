@@ -100,7 +100,8 @@ def teardown(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not."""
+    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not. A
+    supervised cluster's supervisor is stopped first (docs/heal.md)."""
     o = output(ctx, json, quiet)
     import asyncio
 

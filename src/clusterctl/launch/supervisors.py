@@ -138,10 +138,30 @@ def release(state, held: list[Held], *, stopped: bool = True) -> None:
     for h in held:
         try:
             if stopped:
-                doc = {**h.doc, "state": "degraded", "since": now_iso(), "job": None, "updated_at": now_iso(),
-                       "reason": "supervision stopped by teardown" + (f" (supervisor pid {h.pid})" if h.pid else "")}
-                doc.pop("supervisor_alive", None)
-                with contextlib.suppress(ClusterctlError, OSError):
-                    healstate.write(state, h.cluster, doc)
+                say_stopped(state, h.doc, "supervision stopped by teardown"
+                            + (f" (supervisor pid {h.pid})" if h.pid else ""))
         finally:
             h.lock.release()
+
+
+def say_stopped(state, doc: dict, reason: str) -> None:
+    """The state file of a supervision that ended with nothing serving: ``degraded``, no job, ``reason``."""
+    out = {**doc, "state": "degraded", "since": now_iso(), "job": None, "leaving_out": None,
+           "updated_at": now_iso(), "reason": reason}
+    out.pop("supervisor_alive", None)
+    out.pop("condition", None)
+    with contextlib.suppress(ClusterctlError, OSError):
+        healstate.write(state, doc["cluster"], out)
+
+
+def dead_heals(state) -> list[tuple[dict, Lock]]:
+    """The heals whose supervisor died in them (state ``healing``, its process gone here), each with its
+    cluster's supervision lock, held: no successor starts while the caller (``reap``) rolls it back."""
+    out = []
+    for doc in healstate.read_all(state):
+        if doc.get("state") != "healing" or doc.get("supervisor_alive") is not False \
+                or not isinstance(doc.get("cluster"), str):
+            continue
+        with contextlib.suppress(Busy):
+            out.append((doc, Lock(heal_lock_path(state, doc["cluster"])).acquire()))
+    return out
