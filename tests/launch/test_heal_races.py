@@ -240,3 +240,40 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
 
     with fake_nodes(nodes):
         asyncio.run(go())
+
+
+def test_with_every_node_lost_the_supervisor_probes_for_the_rejoin_instead_of_retrying_a_heal(tmp_path):
+    """Both nodes stop answering: no node answers a probe, both are lost; then the loop probes them for the
+    rejoin (it does not retry a heal onto nothing every second) and goes back once they answer."""
+    state, sup, clock = _supervised(tmp_path)
+    nodes = {A: SimulatedNode(), B: SimulatedNode()}
+
+    def silent(req):
+        from clusterctl.launch.faketransport import NodeOpError
+
+        raise NodeOpError("connection lost", "HostUnreachable")
+
+    async def go():
+        await sup.take_over()
+        original = sup.current
+        for n in (A, B):
+            for op in ("markers", "alive", "probe"):
+                nodes[n].answers[op] = silent
+        for _ in range(20):
+            await sup.step()
+            clock.t += 1.0
+        assert sup.book.lost == [A, B] and sup.pending is None, (sup.book.reason, sup.pending)
+        assert "every node is lost" in sup.book.reason
+        for n in (A, B):
+            nodes[n].answers.clear()
+            nodes[n].running.clear()
+        for _ in range(60):
+            await sup.step()
+            clock.t += 1.0
+            if sup.job is not None and sup.book.phase == "serving":
+                break
+        assert sup.current == original and sup.book.lost == []
+        assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
+
+    with fake_nodes(nodes):
+        asyncio.run(go())

@@ -113,14 +113,13 @@ class Supervisor:
             await self._close_looks()
 
     async def _step_unless(self, stop: asyncio.Event) -> bool:
-        """One step; detached, a stop cuts it short (a heal's launch tears down what it started; a teardown cut
-        short keeps the job's manifest): the successor or ``teardown`` finishes what is left, from the state
-        file. In the foreground the step ends first, so the stop's own teardown sees every rank. False: cut."""
+        """One step; detached, a stop cuts it short (a launch cut short tears down what it started, a teardown
+        keeps the job's manifest: the successor or ``teardown`` finishes it). In the foreground the step ends
+        first: the stop's own teardown must see every rank. False: cut short."""
         if not self.detach:
             await self.step()
             return True
-        step = asyncio.ensure_future(self.step())
-        stopper = asyncio.ensure_future(stop.wait())
+        step, stopper = asyncio.ensure_future(self.step()), asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait([step, stopper], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -294,6 +293,10 @@ class Supervisor:
 
         blame = self.pending or []
         job_nodes = [n for n in self.node_order if n not in self.book.lost]
+        if not job_nodes:  # every node is lost: nothing to heal onto; the rejoin probes bring them back
+            self.pending = None
+            self.phase("degraded", f"every node is lost ({', '.join(self.book.lost)}), probed for the rejoin")
+            return
         asked = [n for n in job_nodes if n not in blame]
         no_culprit = not asked
         if no_culprit:
