@@ -191,30 +191,34 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
     store = manifest_store(state)
     ref = job_ref(state, ref) if ref is not None else None
     good, bad = _select(state, store, ref)
-    if not force and good:  # before the supervisor is stopped: a refused teardown leaves it supervising
-        await _refuse_busy([m for _, m in good], ssh, drain=drain, log=log)
-    # a supervisor of the cluster would heal or rejoin what this tears down: stopped first, held off until done
-    held = await hold_supervisors(state, ref, log=log) if supervisors else []
+    hs_of: dict = {}  # one session per node for the checks and the stop
     try:
-        good, bad = _select(state, store, ref, set().union(*(h.targets for h in held)))
-        if ref is not None and not good and not bad:
-            if held:
-                log(f"supervision of cluster {', '.join(h.cluster for h in held)} stopped; nothing of it was running")
-                return []
-            raise MissingInput(f"no launch of {ref!r} in {state.launches}")
-        if bad and not good:
-            # never act on a manifest we cannot trust, and never pretend there was nothing to do
-            raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
-        # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
-        malformed[:] = [{"manifest": str(p), "error": why} for p, why in bad]
-        jobs = [m for _, m in good]
-        hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
+        if not force and good:  # before the supervisor is stopped: a refused teardown leaves it supervising
+            hs_of = {m.job_id: handles(m.nodes, ssh) for _, m in good}
+            await refuse_activity([m for _, m in good], ssh, refuse=("busy",), hints={"busy": BUSY_HINT},
+                                  drain=drain, log=log, hs_of=hs_of)
+        # a supervisor of the cluster would heal or rejoin what this tears down: stopped first, held off until done
+        held = await hold_supervisors(state, ref, log=log) if supervisors else []
         try:
+            good, bad = _select(state, store, ref, set().union(*(h.targets for h in held)))
+            if ref is not None and not good and not bad:
+                if held:
+                    log(f"supervision of cluster {', '.join(h.cluster for h in held)} stopped; nothing of it was "
+                        "running")
+                    return []
+                raise MissingInput(f"no launch of {ref!r} in {state.launches}")
+            if bad and not good:
+                # never act on a manifest we cannot trust, and never pretend there was nothing to do
+                raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
+            # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
+            malformed[:] = [{"manifest": str(p), "error": why} for p, why in bad]
+            jobs = [m for _, m in good]
+            hs_of.update({m.job_id: handles(m.nodes, ssh) for m in jobs if m.job_id not in hs_of})
             return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
         finally:
-            await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
+            release(state, held)
     finally:
-        release(state, held)
+        await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
 
 
 def _select(state, store, ref: str | None, also: set[str] = frozenset()) -> tuple[list, list]:
@@ -225,15 +229,6 @@ def _select(state, store, ref: str | None, also: set[str] = frozenset()) -> tupl
     names = {ref} | set(also)
     return ([(p, m) for p, m in good if names & {m.job_id, m.deployment_id}],
             [(p, why) for p, why in bad if any(p.stem == n or p.stem.startswith(n + "-") for n in names)])
-
-
-async def _refuse_busy(jobs, ssh: SshOptions, *, drain: float, log) -> None:
-    hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}
-    try:
-        await refuse_activity(jobs, ssh, refuse=("busy",), hints={"busy": BUSY_HINT}, drain=drain, log=log,
-                              hs_of=hs_of)
-    finally:
-        await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
 
 
 async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:
