@@ -66,3 +66,25 @@ def test_status_says_a_dead_supervisors_healing_is_nothing_serving(tmp_path, env
     assert h["supervisor_alive"] is False and h["condition"] == "supervisor dead, nothing serving"
     p = cli("status", env=env)
     assert "heal t: supervisor dead, nothing serving (its last word: healing since" in p.stderr, p.stderr
+
+
+def test_teardown_refuses_with_75_a_supervisor_it_cannot_stop_naming_it(tmp_path, env):
+    """A supervisor that holds its cluster's lock but runs elsewhere (or is not the pid its file names) is not
+    signalled: teardown exits 75 naming its pid and how to stop it, and touches nothing."""
+    from clusterctl.locks import Lock
+
+    state = Path(env["CLUSTERCTL_STATE_DIR"])
+    _state_file(state, "t.json", {
+        "schema_version": 1, "state": "healing", "reason": "rank 1 on b dead; leaving out b",
+        "since": "2026-12-05T12:00:00Z", "heals": 0, "degraded_seconds": 0.0, "deployment": "t-1", "job": None,
+        "cluster": "t", "original": "t-1", "lost_nodes": [],
+        "supervisor": {"host": "elsewhere-host", "pid": 4242, "start_time": 1.0, "boot_id": None, "detached": False}})
+    before = (state / "heal" / "t.json").read_bytes()
+    lock = Lock(state / "locks" / "heal-t.lock").acquire()  # the supervisor, alive, holds it
+    try:
+        p = cli("teardown", env=env)
+    finally:
+        lock.release()
+    assert p.returncode == 75, p.stderr
+    assert "supervised by pid 4242 on elsewhere-host" in p.stderr and "kill 4242" in p.stderr
+    assert "no launch" not in p.stderr and (state / "heal" / "t.json").read_bytes() == before
