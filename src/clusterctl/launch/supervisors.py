@@ -59,7 +59,7 @@ def _cluster_of(state, ref: str) -> str | None:
     return None
 
 
-def _matches(state, doc: dict, ref: str | None, cluster: str | None) -> bool:
+def _matches(doc: dict, ref: str | None, cluster: str | None) -> bool:
     return ref is None or ref in (doc.get("deployment"), doc.get("original"), doc.get("job")) \
         or (cluster is not None and doc.get("cluster") == cluster)
 
@@ -73,7 +73,7 @@ async def hold_supervisors(state, ref: str | None, *, log=lambda msg: None,
     held: list[Held] = []
     try:
         for doc in healstate.read_all(state):
-            if _matches(state, doc, ref, cluster) and isinstance(doc.get("cluster"), str):
+            if _matches(doc, ref, cluster) and isinstance(doc.get("cluster"), str):
                 held.append(await _hold(state, doc, log, timeout))
         _refuse_starting(state, ref, cluster, {h.cluster for h in held})
     except BaseException:
@@ -137,7 +137,7 @@ def release(state, held: list[Held], *, stopped: bool = True) -> None:
     its lock is let go."""
     for h in held:
         try:
-            if stopped:
+            if stopped and (h.pid or h.doc.get("state") != "degraded" or h.doc.get("job")):  # news to tell
                 say_stopped(state, h.doc, "supervision stopped by teardown"
                             + (f" (supervisor pid {h.pid})" if h.pid else ""))
         finally:
