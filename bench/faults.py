@@ -760,6 +760,75 @@ def _heal_trial(case_name: str):
     return trial
 
 
+def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
+    """The supervisor's own loop over simulated nodes (tests/launch/test_heal_races.py's bed: the real look,
+    teardown, replan and relaunch code on a clock the trial turns): rank 0 SIGKILLed, rank 1 following it out at
+    a random moment from 0 to 14 s (before, at, after the grace and the stale period) with one of the words a
+    follower writes, or never; 25 moments per trial."""
+    import asyncio
+
+    import test_heal_races as races
+    from clusterctl.launch.fakecluster import SimulatedNode
+    from clusterctl.launch.faketransport import fake_nodes
+
+    moments = []
+    for k in range(5 if bed.quick else 25):
+        d, _ = bed.fresh("race")
+        follow_at = None if rng.random() < 0.1 else round(rng.uniform(0.0, 14.0), 1)
+        words = rng.choice(races.FOLLOWERS)
+        state, sup, clock = races._supervised(d, grace=rng.choice([1.0, 3.0, 5.0]))
+        nodes = {races.A: SimulatedNode(), races.B: SimulatedNode()}
+
+        async def go():
+            await sup.take_over()
+            original = sup.current
+            await races._kill_rank0_and_heal(sup, clock, nodes, follow_at, words)
+            races._healed_onto_b(state, sup, original)
+
+        try:
+            with fake_nodes(nodes):
+                asyncio.run(go())
+        except AssertionError as e:
+            raise Fail(f"rank 1 following at {follow_at} s ({words['state']}): {e}") from None
+        moments.append(follow_at)
+    return f"{len(moments)} moments, each healed onto rank 1's node with one plan change"
+
+
+def heal_race_real(bed: Bed, rng: random.Random, i: int) -> str:
+    """`supervise` over a detached 2-rank job; rank 0 SIGKILLed; rank 1 follows on its own (ring error, a stuck
+    exchange or the probe ladder: whichever comes first), while the supervisor's grace (drawn from 0.5-3 s) puts
+    its look before, during or after that exit."""
+    d, env = bed.fresh("heal-race")
+    dep = bed.plan(d, env, mems=(6, 6))
+    state = d / "state"
+    p = cli("launch", dep, "--detach", "--timeout", "120", "-q", env=env)
+    need(p.returncode == 0, f"launch exited {p.returncode}: {p.stderr.strip()[-300:]}")
+    grace = rng.choice(["0.5", "1", "2", "3"])
+    sup = start_cli("supervise", dep, "--heal-grace", grace, "--rejoin-after", "600", "--grace", "3", env=env)
+    try:
+        endpoint = wait_line(sup)
+        [m0] = manifests(state)
+        os.kill(next(r["pid"] for r in m0["ranks"] if r["rank"] == 0), signal.SIGKILL)
+        t0, doc = time.monotonic(), {}
+        while time.monotonic() - t0 < 90:
+            with contextlib.suppress(OSError, ValueError):
+                doc = json.loads((state / "heal" / "t.json").read_text())
+            need("no node answers" not in (doc.get("reason") or ""), f"every node blamed: {doc.get('reason')}")
+            if doc.get("state") == "serving" and doc.get("job") not in (None, m0["job_id"]):
+                break
+            time.sleep(0.1)
+        healed = time.monotonic() - t0
+        need(doc.get("lost_nodes") == ["a"], f"after {healed:.1f} s: {doc.get('state')}: {doc.get('reason')}, "
+             f"lost {doc.get('lost_nodes')}")
+        [m1] = manifests(state)
+        need(m1["endpoint"] == endpoint, f"served on {m1['endpoint']}, not {endpoint}")
+        return f"grace {grace} s: healed onto b in {healed:.1f} s"
+    finally:
+        sup.kill()
+        sup.wait(timeout=30)
+        cli("teardown", dep, "--force", "--grace", "1", env=env)
+
+
 HEAL_CRITERION = ("launch --heal serves again on the nodes left within the goal (tiny 30 s, SmolLM2 60 s), back to "
                   "the original plan within 60 s of the node healthy, 0 hung clients, the same URL")
 
@@ -791,6 +860,10 @@ ROWS = [
         trials=2),
     Row("heal: tiny 2->1, link cut (netns)", HEAL_CRITERION, _heal_trial("tiny 2->1, link cut (netns)"), trials=2),
     Row("heal: SmolLM2 3->2, rank SIGKILL", HEAL_CRITERION, _heal_trial("SmolLM2 3->2, rank SIGKILL"), trials=1),
+    Row("heal race (simulated): rank 0 lost, rank 1 follows at any moment 0-14 s or never",
+        "healed onto rank 1's node every time, one plan change, never every node blamed", heal_race_simulated),
+    Row("heal race (real ranks): supervise, rank 0 SIGKILL, rank 1 follows on its own",
+        "healed onto rank 1's node (lost: a), the same URL, never 'no node answers'", heal_race_real),
     Row("replan option matrix (plan/replan random walk)", "new id + history entry for every change, --to gives "
         "the same bytes back, no-op says unchanged, a missing --path-map refused (69), nothing lost", replan_matrix),
 ]

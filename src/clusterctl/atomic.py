@@ -200,13 +200,14 @@ def strict_loads(data: bytes | str, *, source: str = "input") -> Any:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
         obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
     except UnicodeDecodeError:
-        raise IntegrityError(f"{source} is not UTF-8 text") from None
+        raise IntegrityError(f"{source} is not UTF-8 text", damaged=True) from None
     except RecursionError:
-        raise IntegrityError(f"{source} is nested too deeply") from None
+        raise IntegrityError(f"{source} is nested too deeply", damaged=True) from None
     except json.JSONDecodeError as e:
-        raise IntegrityError(f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise IntegrityError(f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                             damaged=True) from None
     except ValueError as e:
-        raise IntegrityError(f"{source} is not valid JSON ({e})") from None
+        raise IntegrityError(f"{source} is not valid JSON ({e})", damaged=True) from None
     _reject_inf(obj, source)
     return obj
 
@@ -217,7 +218,7 @@ def _reject_inf(obj: Any, source: str, depth: int = 0) -> None:
     while stack:
         o = stack.pop()
         if isinstance(o, float) and (o != o or o in (float("inf"), float("-inf"))):
-            raise IntegrityError(f"{source} is not valid JSON (a number is out of range)")
+            raise IntegrityError(f"{source} is not valid JSON (a number is out of range)", damaged=True)
         if isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, list):

@@ -94,9 +94,15 @@ class DoesNotFit(ConfigError):
 
 
 class IntegrityError(ClusterctlError):
-    """A file that is corrupt, tampered with, unsigned, of a newer version, or of the wrong type."""
+    """A file that is corrupt, tampered with, unsigned, of a newer version, or of the wrong type. ``damaged``:
+    truncated or garbled (not JSON, no signature block, not UTF-8), as opposed to well-formed but refused (a
+    signature that does not verify, a newer version, another type): what the state dir moves aside."""
 
     exit_code = Exit.DATAERR
+
+    def __init__(self, message: str, *, damaged: bool = False, **kw):
+        super().__init__(message, **kw)
+        self.damaged = damaged
 
 
 class MissingInput(ClusterctlError):

@@ -194,7 +194,8 @@ def _job_state(job: dict) -> str:
     down = job.get("ranks_down")
     heal = job.get("heal")
     return esc(job["state"]) + (f" [red]{down}/{len(job['ranks'])} down[/red]" if down else "") + (
-        f" [{HEAL_STYLE[heal['state']]}]{esc(heal['state'])}[/]" if heal else "")
+        (f" [red]{esc(heal['condition'])}[/]" if heal.get("condition") else
+         f" [{HEAL_STYLE[heal['state']]}]{esc(heal['state'])}[/]") if heal else "")
 
 
 HEAL_STYLE = {"serving": "green", "healing": "yellow", "degraded": "red"}
@@ -212,6 +213,10 @@ def heal_line(h: dict, *, plain: bool = False) -> str:
     alive = h.get("supervisor_alive")
     who = f"supervisor pid {sup.get('pid', '?')}" + (" [red](dead)[/red]" if alive is False else "")
     reason = f": {esc(h['reason'])}" if h.get("reason") else ""
+    if h.get("condition"):  # its supervisor is dead: what it last said is not what is
+        return (f"heal {esc(h.get('cluster', ''))}: [red]{esc(h['condition'])}[/] (its last word: "
+                f"{esc(h['state'])} since {esc(h.get('since', '?'))}{reason}); {h.get('heals', 0)} heal(s); "
+                f"deployment {esc(h.get('deployment'))}; {who}")
     return (f"heal {esc(h.get('cluster', ''))}: [{HEAL_STYLE[h['state']]}]{esc(h['state'])}[/] since "
             f"{esc(h.get('since', '?'))}{reason}; {h.get('heals', 0)} heal(s), "
             f"{float(h.get('degraded_seconds') or 0):.0f} s degraded; deployment {esc(h.get('deployment'))}; {who}")

@@ -108,7 +108,9 @@ class StateDir:
         try:
             loaded = decode(data, self.keyring.public_keys(), source=str(path))
         except IntegrityError as e:
-            if self.is_deployment_file(path) and _is_damage(e):
+            # truncated or garbled files are moved aside; a signature that does not verify (tampering, or a key
+            # that was rotated), a newer version or another type is refused but left: it may be valid to someone
+            if self.is_deployment_file(path) and e.damaged:
                 dest = move_aside(path, "corrupt")
                 e.message += f" (moved aside to {dest})"
                 e.args = (e.message,)
@@ -149,13 +151,3 @@ class StateDir:
                 staged.discard()
             raise
         return staged
-
-
-_DAMAGE = ("is not signed", "malformed signature block", "not valid JSON", "is not a JSON object", "not UTF-8",
-           "nested too deeply")
-
-
-def _is_damage(e: IntegrityError) -> bool:
-    """Truncated or garbled files are moved aside. A signature that does not verify (tampering, or a key that
-    was rotated), a newer version or another type is refused but left where it is: it may be valid to someone."""
-    return any(d in e.message for d in _DAMAGE)

@@ -17,6 +17,8 @@ import pytest
 
 from rankharness import PY, RankCluster, tiny_model_path
 
+from clusterctl.shared.runtimefiles import EndReason
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -103,6 +105,7 @@ def test_a_killed_peer_mid_request_ends_rank_0_with_one_line(model, tmp_path):
         # the ring's own error usually comes first; if MLX hangs instead, the peer-loss ladder ends it
         assert (m.state == "failed" and "lost a ring peer" in m.error) or (m.state == "lost" and "peer rank 1" in m.error)
         assert "peer rank 1" in m.error, m.error  # either way the marker names who went (`status` shows it)
+        assert m.reason is EndReason.PEER_LOST  # what the supervisor decides on: typed, whatever the words
         lines = _error_lines(c, 0)
         assert len(lines) == 1 and "rank 0" in lines[0]
 
@@ -120,7 +123,7 @@ def test_a_stale_lease_ends_the_rank_but_a_lease_never_written_does_not(model, t
         assert c.wait_exit(0, 10) == 69  # renewals stopped
         assert time.monotonic() - t0 < 5
         m = c.marker(0)
-        assert m.state == "failed" and "not renewed" in m.error
+        assert m.state == "failed" and "not renewed" in m.error and m.reason is EndReason.LEASE_EXPIRED
         assert len(_error_lines(c, 0)) == 1
 
 
@@ -145,7 +148,7 @@ def test_a_rank_whose_parent_dies_exits(model, tmp_path):
         assert time.monotonic() < deadline, "orphaned rank is still running"
         time.sleep(0.1)
     m = c.marker(0)
-    assert m.state == "failed" and "parent process" in m.error
+    assert m.state == "failed" and "parent process" in m.error and m.reason is EndReason.PARENT_GONE
     assert "Traceback" not in log.read_text()
 
 
@@ -204,6 +207,7 @@ def test_a_stop_stuck_behind_a_frozen_peer_ends_on_the_second_signal_or_the_alar
         assert c.wait_exit(1, 20) == 69
         m = c.marker(1)
         assert (m.state == "failed" and "ring" in m.error) or (m.state == "lost" and "peer rank 0 lost" in m.error)
+        assert m.reason is EndReason.PEER_LOST
 
 
 def test_the_stop_alarm_forces_an_exit_after_10_s(model, tmp_path):
@@ -294,7 +298,7 @@ def test_a_frozen_peer_is_handled_by_the_ladder_not_a_hang(model, tmp_path):
         log = c.logs(0)
         assert _ladder_lines(log) == ["missed 2 probes", "abort stage", " lost: "], log
         m = c.marker(0)
-        assert m.state == "lost" and "peer rank 1 lost" in m.error
+        assert m.state == "lost" and "peer rank 1 lost" in m.error and m.reason is EndReason.PEER_LOST
         assert len(_error_lines(c, 0)) == 1
         assert m.cancel_epoch is None or m.cancel_epoch >= 1
 

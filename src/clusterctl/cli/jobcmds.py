@@ -100,7 +100,8 @@ def teardown(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not."""
+    """Stop ranks verified: TERM, grace, KILL, confirm every process is gone; keep the manifest if not. A
+    supervised cluster's supervisor is stopped first (docs/heal.md)."""
     o = output(ctx, json, quiet)
     import asyncio
 
@@ -108,7 +109,8 @@ def teardown(
 
     malformed: list[dict] = []
     reports = asyncio.run(teardown_command(state_of(state_dir), target, ssh_options(known_hosts, accept_new_host_keys),
-                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed))
+                                           grace=grace, force=force, drain=drain, log=o.info, malformed=malformed,
+                                           supervisors=True))
     ok = all(r.ok for r in reports) and not malformed
     if o.json:
         o.data({"ok": ok, "jobs": [r.to_json() for r in reports], "malformed": malformed})

@@ -91,9 +91,12 @@ class Book:
             return f"{n} plan changes in the last {self.policy.window_s:g} s (at most {self.policy.max_heals})"
         return f"backoff after {n} plan change(s) in the last {self.policy.window_s:g} s"
 
-    def healed(self, now: float, lost_nodes: list[str]) -> None:
-        """A heal was made (or attempted) at ``now``, leaving ``lost_nodes`` out of the plan."""
-        self.changes.append(now)
+    def healed(self, now: float, lost_nodes: list[str], *, plan_change: bool = True) -> None:
+        """A heal was made (or attempted) at ``now``, leaving ``lost_nodes`` out of the plan. Not a
+        ``plan_change`` (a relaunch of the same plan: the loss found no culprit): nothing spent from the
+        budget."""
+        if plan_change:
+            self.changes.append(now)
         self.heals += 1
         for n in lost_nodes:
             if n not in self.lost:

@@ -3,7 +3,8 @@ read by ``status`` and by the front door (launch/front.py: its /health and /metr
 
     {"schema_version": 1, "state": "serving"|"healing"|"degraded", "reason": str|null, "since": ISO-8601 UTC,
      "heals": int, "degraded_seconds": float, "deployment": id, "job": id|null,
-     "cluster", "original", "lost_nodes", "supervisor": {host, pid, start_time, boot_id}, "updated_at"}
+     "cluster", "original", "lost_nodes", "http_host", "http_port", "leaving_out": [node]|null,
+     "supervisor": {host, pid, start_time, boot_id}, "updated_at"}
 
 Fields are only ever added. A reader tolerates a missing, truncated or foreign file (None, never a traceback).
 """

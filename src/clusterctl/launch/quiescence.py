@@ -51,7 +51,7 @@ async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
 def clean_marker(mk: dict) -> dict:
     """A marker as status shows it: fields of the wrong type are dropped (a garbled file never crashes status)."""
     out = {}
-    for key, kind in (("state", str), ("endpoint", str), ("error", str)):
+    for key, kind in (("state", str), ("endpoint", str), ("error", str), ("reason", str)):
         v = mk.get(key)
         out[key] = v[:500] if isinstance(v, kind) else None
     ce = mk.get("cancel_epoch")

@@ -1,4 +1,5 @@
-"""The cron reaper: find launch manifests whose coordinator is dead and reap their ranks like teardown does.
+"""The cron reaper: find launch manifests whose coordinator is dead and reap their ranks like teardown does; roll
+back a heal whose supervisor died in it (its jobs reaped, its state file ``degraded``: docs/heal.md).
 
 A coordinator is dead when its pid is gone, is a zombie, or now belongs to another process (start time differs),
 or when this host rebooted since. Manifests of live coordinators are left alone; a malformed manifest is reported
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.launch.manifest import coordinator_alive, manifest_store
 from clusterctl.launch.nodes import NodePool, SshOptions, close_all, handles
+from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
 
@@ -102,10 +104,29 @@ async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grac
     good, bad = store.all()
     for path, why in bad:
         report.malformed.append({"manifest": str(path), "error": why})
-    live = await asyncio.gather(*(job_is_live(m, ssh, pool) for _, m in good))
-    for (path, m), is_live in zip(good, live):
-        if is_live:
-            continue
+    heals = [] if dry_run else dead_heals(state)
+    try:
+        # a heal its supervisor died in is rolled back: the job it was tearing down (or, with none left, what
+        # it was launching) is reaped, live or not
+        lost = {m.job_id for _, m in good for doc, _ in heals if m.job_id == doc.get("job") or (
+            doc.get("job") is None and m.deployment_id == doc.get("deployment"))}
+        live = await asyncio.gather(*(job_is_live(m, ssh, pool) for _, m in good))
+        await _reap_jobs(state, store, ssh, pool, report, [m for (_, m), is_live in zip(good, live)
+                                                            if not is_live or m.job_id in lost],
+                         grace=grace, dry_run=dry_run, log=log, held=held, healing=lost)
+        for doc, _ in heals:
+            pid = (doc.get("supervisor") or {}).get("pid", "?")
+            log(f"cluster {doc['cluster']}: supervisor pid {pid} died during a heal: rolled back")
+            say_stopped(state, doc, f"supervisor pid {pid} died during a heal; reap tore down what it left, "
+                                    "nothing serving (run supervise to serve again)")
+    finally:
+        for _, lock in heals:
+            lock.release()
+
+
+async def _reap_jobs(state, store, ssh: SshOptions, pool, report: ReapReport, jobs: list, *, grace: float,
+                     dry_run: bool, log, held: frozenset[str], healing: set[str]) -> None:
+    for m in jobs:
         if dry_run:
             report.reaped.append({"job_id": m.job_id, "deployment_id": m.deployment_id, "dry_run": True,
                                   "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
@@ -119,7 +140,9 @@ async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grac
             continue
         try:
             store.key = state.keyring.signing_key()
-            log(f"reaping job {m.job_id} (" + ("every rank of the detached job has exited)" if m.coordinator.detached
+            log(f"reaping job {m.job_id} (" + ("a heal its supervisor died in left it)" if m.job_id in healing
+                                               else "every rank of the detached job has exited)"
+                                               if m.coordinator.detached
                                                else f"coordinator pid {m.coordinator.pid} is gone)"))
             try:
                 tr = await teardown_job(m, store, ssh, grace=grace, hs=pool.handles(m.nodes))

@@ -316,7 +316,7 @@ async def _gone_ranks(run: Running) -> dict[int, bool]:
             for x, st in zip(recs, ans["status"]):
                 if st in ("dead", "foreign"):
                     mk = rf.parse_marker(await run.hs[node].read_json(x.marker_path))
-                    gone[x.rank] = mk is not None and (mk.state == "lost" or "lost a ring peer" in (mk.error or ""))
+                    gone[x.rank] = mk is not None and rf.followed_a_peer(mk.state, mk.reason)
 
     await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
     return gone

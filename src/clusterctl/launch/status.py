@@ -130,11 +130,28 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
                      "serving": _serving_defaults(state, m.deployment_id),
                      "ranks_down": sum(x["state"] in DOWN for x in ranks) if probe_nodes else None})
     heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
+    for h in heal:
+        h["condition"] = heal_condition(h, jobs, probe_nodes)
     for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
         j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
     fronts = annotate_jobs(state, jobs)
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal,
             "fronts": fronts}
+
+
+def heal_condition(h: dict, jobs: list[dict], probed: bool) -> str | None:
+    """Pure: what a state file no longer says by itself. Its supervisor dead, its last word (``healing``,
+    ``serving``) is stale: say whether anything of the cluster still serves (every rank of a job of its
+    deployment up, as seen now). None while the supervisor runs (its word stands) or when nobody looked."""
+    if h.get("supervisor_alive") is not False:
+        return None
+    if h.get("state") == "degraded" and h.get("job") is None:
+        return "supervisor dead, nothing serving"
+    if not probed:
+        return None
+    up = [j["job_id"] for j in jobs if j["deployment_id"] == h.get("deployment") and j["ranks"]
+          and all(r["state"] in ("ready", "serving") for r in j["ranks"])]
+    return f"supervisor dead; job {up[0]} serving unsupervised" if up else "supervisor dead, nothing serving"
 
 
 def _heal_states(state, ref: str | None, deployments: set[str]) -> list[dict]:

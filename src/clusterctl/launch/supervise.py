@@ -24,25 +24,22 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from clusterctl.errors import Busy, ClusterctlError
+from clusterctl.errors import Busy, ClusterctlError, MissingInput
 from clusterctl.launch import healstate
 from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
+from clusterctl.launch.healwatch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
 from clusterctl.launch.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.launch.nodes import close_all, handles
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
+from clusterctl.launch.quiescence import STALE_AFTER, judge
 from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
 from clusterctl.launch.reaper import live_jobs
 from clusterctl.launch.start import launch
-from clusterctl.launch.status import rank_state
 from clusterctl.launch.teardown import teardown_command
 
 POLL_S = 1.0
-LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe; a cut link must not stall the loop
 PROBE_EVERY_S = 2.0
 UNREACHABLE_CONNECT = 1.0  # the teardown's connection to a node that stopped answering
 SAVE_EVERY_S = 5.0
-UP = ("loading", "ready", "serving")
-FOLLOWER_EXIT = 69  # a rank that left because a peer, its lease or its parent was lost (Exit.UNAVAILABLE)
 
 
 @dataclass
@@ -71,15 +68,26 @@ class Supervisor:
         self.idle = False
         self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
         self.last_probe = float("-inf")
+        self.held = False  # the reason already says the budget holds the heal back
+        self.unfinished: dict | None = None  # the state file of a predecessor that died healing
         self._saved: tuple[dict, float] | None = None
         self.me = this_coordinator().model_dump(mode="json")  # who writes the state file (its pid, start time)
         self._resume()
 
     def _resume(self) -> None:
         """A supervisor restarted (systemd) after a heal: the original deployment and the lost nodes from the
-        state file it left, when it names the deployment that is current now."""
+        state file it left, when it names the deployment that is current now; the HTTP host and port the
+        cluster serves on (every relaunch binds them, whoever supervises); and a heal it did not finish (it
+        died ``healing``): the nodes it was leaving out, so this one finishes the heal (``take_over``)."""
         doc = healstate.read(healstate.path_of(self.state, self.cluster))
-        if not doc or doc.get("deployment") != self.current or not isinstance(doc.get("original"), str):
+        if not doc or doc.get("cluster") != self.cluster:
+            return
+        port, host = doc.get("http_port"), doc.get("http_host")
+        if self.opts.http_port is None and isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+            self.opts.http_port = port
+        if not self.opts.http_host and isinstance(host, str) and host:
+            self.opts.http_host = host
+        if doc.get("deployment") != self.current or not isinstance(doc.get("original"), str):
             return
         with contextlib.suppress(ClusterctlError):
             _, loaded = self.state.load_deployment(doc["original"])
@@ -87,17 +95,43 @@ class Supervisor:
             self.node_order = [r.node for r in loaded.deployment.ranks]
             self.book.lost = [n for n in doc.get("lost_nodes") or [] if n in self.node_order]
             self.book.heals = int(doc.get("heals") or 0)
+            out = doc.get("leaving_out")
+            if doc.get("state") == "healing" and isinstance(out, list):
+                self.pending = [n for n in out if n in self.node_order]
+                self.unfinished = doc
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         try:
             while not stop.is_set():
-                await self.step()
+                if not await self._step_unless(stop):
+                    return
                 self.save()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), POLL_S)
         finally:
             await self._close_looks()
+
+    async def _step_unless(self, stop: asyncio.Event) -> bool:
+        """One step; detached, a stop cuts it short (a launch cut short tears down what it started, a teardown
+        keeps the job's manifest: the successor or ``teardown`` finishes it). In the foreground the step ends
+        first: the stop's own teardown must see every rank. False: cut short."""
+        if not self.detach:
+            await self.step()
+            return True
+        step, stopper = asyncio.ensure_future(self.step()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([step, stopper], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if step.done():
+            step.result()
+            return True
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step
+        self.log(f"heal: stopped during a step ({self.book.phase}); what it left is in the state file")
+        return False
 
     async def step(self) -> None:
         now = self.clock()
@@ -119,6 +153,7 @@ class Supervisor:
 
     # ---- phase and state file -------------------------------------------------------------------------------
     def phase(self, name: str, reason: str | None = None) -> None:
+        self.held = False  # a new word: the budget's hold is said again when it still holds
         before = self.book.phase
         if self.book.set_phase(self.clock(), name, reason):
             if name != before:
@@ -131,6 +166,10 @@ class Supervisor:
         return {**state_doc(self.book, self.clock(), since_iso=self.since_iso, deployment=self.current,
                             job=self.job.manifest.job_id if self.job else None, cluster=self.cluster,
                             original=self.original),
+                # where the cluster serves, and the nodes a heal under way leaves out: a successor (this one
+                # killed) relaunches on the same host and port and finishes the heal
+                "http_host": self.opts.http_host or None, "http_port": self.opts.http_port,
+                "leaving_out": list(self.pending) if self.pending is not None else None,
                 "supervisor": self.me, "updated_at": now_iso()}
 
     def save(self, force: bool = False) -> None:
@@ -151,7 +190,7 @@ class Supervisor:
 
         m = self.job.manifest
         markers, procs = await self._markers_and_procs(m)
-        ranks = [self._rank(m, r, markers.get(r.rank, {}), procs.get(r.rank)) for r in m.ranks]
+        ranks = [rank_record(r, markers.get(r.rank, {}), procs.get(r.rank), self.job.running) for r in m.ranks]
         self.idle = judge(m, markers)["state"] == "idle"
         down = [x for x in ranks if x["state"] != "up"]
         # down since the look began (a node that let it time out has not answered since then), or since its
@@ -167,53 +206,10 @@ class Supervisor:
             return None  # only ranks that followed a lost peer so far: the one that left shows itself soon
         return blame, "; ".join(f"rank {x['rank']} on {x['node']} {x['state']}" for x in down)
 
-    def _rank(self, m, r, info: dict, process: str | None) -> dict:
-        mk = clean_marker(info.get("marker") or {})
-        age = info.get("age")
-        st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
-        run = self.job.running
-        follower = mk.get("state") == "lost" or "lost a ring peer" in (mk.get("error") or "")
-        if run is not None and run.exited(r.rank):
-            st = "exited"
-            follower = follower or run.procs[r.rank].returncode == FOLLOWER_EXIT
-        return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
-                "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
-
     async def _markers_and_procs(self, m) -> tuple[dict, dict]:
         if not self.hs:
             self.hs = handles(m.nodes, self.opts.ssh)
-        markers: dict[int, dict] = {}
-        procs: dict[int, str] = {}
-        by_node: dict[str, list] = {}
-        for r in m.ranks:
-            by_node.setdefault(r.node, []).append(r)
-
-        async def one(node: str, recs: list) -> None:
-            h = self.hs[node]
-            targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
-                        "boot_id": r.boot_id} for r in recs if r.pid]
-            async def alive_op() -> dict:
-                return await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
-
-            try:
-                ans, alive = await asyncio.gather(
-                    h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id}, timeout=LOOK_TIMEOUT),
-                    alive_op())
-            except ClusterctlError as e:
-                markers.update({r.rank: {"error": e.message} for r in recs})
-                self.unreachable[node] = True
-                return
-            self.unreachable[node] = False
-            for x in ans.get("markers", []):
-                doc = x.get("marker") or {}
-                if isinstance(doc.get("rank"), int) and doc.get("node") == node:
-                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
-            st = alive.get("status") if isinstance(alive, dict) else None
-            if isinstance(st, list) and len(st) == len(targets):
-                procs.update({r.rank: str(s) for r, s in zip([r for r in recs if r.pid], st)})
-
-        await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
-        return markers, procs
+        return await look_at(m, self.hs, self.unreachable)
 
     async def _close_looks(self) -> None:
         hs, self.hs = self.hs, {}
@@ -226,25 +222,7 @@ class Supervisor:
         model folder of the original deployment there?"""
 
         _, loaded = self.state.load_deployment(self.original)
-        dep = loaded.deployment
-        hs = handles([dep.node(n) for n in names], self._ssh())
-
-        async def one(n: str) -> bool:
-            try:
-                ans = await hs[n].op("probe", {"model_path": dep.path_map.get(n),
-                                                "runtime_dir": hs[n].runtime_dir}, timeout=LOOK_TIMEOUT)
-            except ClusterctlError:
-                return False
-            return bool(ans.get("model", {}).get("ok")) and bool(ans.get("runtime_dir", {}).get("ok"))
-
-        try:
-            ok = await asyncio.wait_for(asyncio.gather(*(one(n) for n in names)), LOOK_TIMEOUT + 5)
-        except asyncio.TimeoutError:
-            ok = [False] * len(names)
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(close_all(hs), LOOK_TIMEOUT)
-        return dict(zip(names, ok))
+        return await probe_nodes(loaded.deployment, names, self._ssh())
 
     async def probe_lost(self, now: float) -> None:
         for n, ok in (await self.probe(list(self.book.lost))).items():
@@ -252,10 +230,11 @@ class Supervisor:
 
     # ---- acting ---------------------------------------------------------------------------------------------
     async def lose(self, blame: list[str], why: str) -> None:
-        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``."""
+        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``
+        (recorded first: a successor finishes the heal if this supervisor dies during the teardown)."""
+        self.pending = blame
         self.phase("healing", f"{why}; leaving out {', '.join(blame)}")
         await self.stop_job(unreachable=frozenset(n for n in blame if self.unreachable.get(n)))
-        self.pending = blame
 
     def _ssh(self, within: float = LOOK_TIMEOUT):
         """SSH options for a node that may not answer: connect within ``within`` seconds."""
@@ -297,33 +276,47 @@ class Supervisor:
 
     async def retry_leftovers(self) -> None:
         for job_id in list(self.leftovers):
-            with contextlib.suppress(ClusterctlError):
+            try:
                 reports = await teardown_command(self.state, job_id, self.opts.ssh, grace=self.opts.grace,
                                                  force=True, log=self.log)
-                if all(r.ok for r in reports):
-                    self.leftovers.remove(job_id)
+            except MissingInput:  # no manifest left: nothing of it to stop
+                reports = []
+            except ClusterctlError:
+                continue
+            if all(r.ok for r in reports):
+                self.leftovers.remove(job_id)
 
     async def heal(self, now: float) -> None:
-        """Replan on the nodes that answer (the lost ones left out) and relaunch, when the budget allows."""
+        """Replan on the nodes that answer (the blamed ones left out) and relaunch, when the budget allows. A
+        loss that blames every node of the job found no culprit: every one is asked, those that answer serve
+        again (the same plan when all do: a relaunch, no plan change, nothing spent from the budget)."""
 
-        wait = self.book.wait(now)
-        if wait > 0:
-            said = self.book.reason or "not serving"  # said once (a countdown would rewrite the state file)
-            if "; no heal for " not in said:  # what went wrong stays in front: a failed launch, the loss
-                self.phase("degraded", f"{said}; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
+        blame = self.pending or []
+        job_nodes = [n for n in self.node_order if n not in self.book.lost]
+        if not job_nodes:  # every node is lost: nothing to heal onto; the rejoin probes bring them back
+            self.pending = None
+            self.phase("degraded", f"every node is lost ({', '.join(self.book.lost)}), probed for the rejoin")
             return
-        self.book.healed(now, self.pending)
-        asked = [n for n in self.node_order if n not in self.book.lost]
+        asked = [n for n in job_nodes if n not in blame]
+        no_culprit = not asked
+        if no_culprit:
+            asked = job_nodes
+        elif self._held(now):
+            return
         # a node that answered the last look of the lost job just now needs no probe of its own (one SSH
         # connection and one Python start-up less before the relaunch); the others are asked
         fresh = {n for n in asked if self.unreachable.get(n) is False}
         self.unreachable = {}
         answers = await self.probe([n for n in asked if n not in fresh]) if set(asked) - fresh else {}
         nodes = [n for n in asked if n in fresh or answers.get(n)]
-        lost = ", ".join(self.book.lost)
+        leave_out = [n for n in asked if n not in nodes] if no_culprit else blame
+        if no_culprit and leave_out and self._held(self.clock()):
+            return
+        self.book.healed(now, leave_out, plan_change=bool(leave_out))
+        lost = ", ".join(self.book.lost) or "none"
         if not nodes:
             self.pending = []  # tried again after the backoff
-            self.phase("degraded", f"no node answers ({', '.join(asked) or 'none left'}; lost: {lost})")
+            self.phase("degraded", f"no node answers a probe ({', '.join(asked)}; lost: {lost})")
             return
         try:
             p = await asyncio.to_thread(propose, self.state, self.ref, nodes=nodes)
@@ -333,9 +326,24 @@ class Supervisor:
             return
         if await self.apply(p, "heal"):
             self.pending = None
-            self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin")
+            self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin" if self.book.lost
+                       else f"on {', '.join(nodes)}; relaunched (no node to blame)")
         else:
             self.pending = []
+            if not leave_out:  # a relaunch that failed: the next one waits for the backoff like any other
+                self.book.changes.append(now)
+
+    def _held(self, now: float) -> bool:
+        """The budget holds a plan change back: ``degraded``, said once (a countdown would rewrite the state
+        file), what went wrong staying in front (a failed launch, the loss)."""
+        wait = self.book.wait(now)
+        if wait <= 0:
+            return False
+        if not self.held:
+            said = self.book.reason or "not serving"
+            self.phase("degraded", f"{said}; no heal for {wait:.0f} s: {self.book.why_waiting(now)}")
+            self.held = True
+        return True
 
     async def rejoin(self) -> None:
         """Every lost node answered well for long enough: back to the original deployment."""
@@ -371,6 +379,7 @@ class Supervisor:
                 await asyncio.to_thread(lambda: write_new(self.state, p).commit())
             ref = deployment_ref(p)
             self.ref, self.current = ref, p.new.deployment_id
+            self.save(force=True)  # the state file names what now is current (a successor resumes from it)
             try:
                 self.job = await self.launch(ref)
             except ClusterctlError as e:
@@ -400,6 +409,9 @@ class Supervisor:
             if not m.coordinator.detached:
                 raise Busy(f"job {m.job_id} is supervised by its own coordinator (pid {m.coordinator.pid})",
                            hint="stop it, launch it with --detach, then supervise it")
+        if self.unfinished is not None:
+            await self._finish_heal(jobs)
+            return
         if not self.opts.http_host:  # "": the running job's host (else the default), as replan keeps it
             host = (jobs[0].endpoint or "").split("://", 1)[-1].rpartition(":")[0].strip("[]") if jobs else ""
             self.opts.http_host = host or "127.0.0.1"
@@ -415,6 +427,21 @@ class Supervisor:
         except ClusterctlError as e:  # e.g. restarted while a node is away: heal onto the nodes that answer
             self.phase("degraded", f"deployment {self.current} did not launch: {e.message}")
             self.pending = []
+
+
+    async def _finish_heal(self, jobs: list) -> None:
+        """Its predecessor died healing (SIGKILL, a crash): what is left of the lost job, or of a relaunch cut
+        short, is torn down verified; the next step heals without the nodes it was leaving out, on the
+        cluster's recorded host and port."""
+        doc, self.unfinished = self.unfinished, None
+        pid = (doc.get("supervisor") or {}).get("pid", "?")
+        self.phase("healing", f"{doc.get('reason') or 'a heal'}; finishing it (supervisor pid {pid} died during it)")
+        if isinstance(doc.get("job"), str) and doc["job"] not in {m.job_id for m in jobs}:
+            self.leftovers.append(doc["job"])  # its ranks may all be gone: its manifest still is to be cleared
+        for m in jobs:
+            self.job = Job(m)
+            await self.stop_job()
+        await self.retry_leftovers()
 
 
 async def _quietly(aw) -> None:

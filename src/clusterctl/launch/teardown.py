@@ -19,6 +19,7 @@ from clusterctl.launch.manifest import LaunchManifest, ManifestStore, coordinato
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
+from clusterctl.launch.supervisors import hold_supervisors, release
 from clusterctl.locks import Lock, deployment_lock_path
 from clusterctl.node.procs import Identity, signal_process, status_of
 
@@ -173,7 +174,7 @@ def malformed_line(bad) -> str:
 
 async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
                            force: bool = False, drain: float = 0.0, log=lambda msg: None,
-                           malformed: list | None = None) -> list[TeardownReport]:
+                           malformed: list | None = None, supervisors: bool = False) -> list[TeardownReport]:
     """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
     (SIGTERM, identity-checked), then everything is verified here under the deployment's lock. Manifests that
     cannot be trusted are never acted on: they go to ``malformed`` (manifest, error) while the sound jobs are
@@ -181,31 +182,53 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
 
     A job whose ranks report requests in flight (quiescence ``busy``) is not touched unless ``force``;
     ``drain`` seconds let it go idle first. Unknown activity (a rank unreachable or stale) does not block a
-    teardown: stopping broken deployments is what teardown is for."""
+    teardown: stopping broken deployments is what teardown is for.
+
+    ``supervisors`` (``clusterctl teardown``): the cluster's supervisor is stopped first and held off until the
+    teardown is done (launch/supervisors.py), and what it last ran is torn down too (a heal's new job)."""
 
     malformed = malformed if malformed is not None else []
     store = manifest_store(state)
-    good, bad = store.all() if state.launches.is_dir() else ([], [])
-    if ref is not None:
-        ref = job_ref(state, ref)
-        good = [(p, m) for p, m in good if ref in (m.job_id, m.deployment_id)]
-        bad = [(p, why) for p, why in bad if p.stem == ref or p.stem.startswith(ref + "-")]
-        if not good and not bad:
-            raise MissingInput(f"no launch of {ref!r} in {state.launches}")
-    if bad and not good:
-        # never act on a manifest we cannot trust, and never pretend there was nothing to do
-        raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
-    # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
-    malformed[:] = [{"manifest": str(p), "error": why} for p, why in bad]
-    jobs = [m for _, m in good]
-    hs_of = {m.job_id: handles(m.nodes, ssh) for m in jobs}  # one session per node for the checks and the stop
+    ref = job_ref(state, ref) if ref is not None else None
+    good, bad = _select(state, store, ref)
+    hs_of: dict = {}  # one session per node for the checks and the stop
     try:
-        if not force:
-            await refuse_activity(jobs, ssh, refuse=("busy",), hints={"busy": BUSY_HINT}, drain=drain, log=log,
-                                  hs_of=hs_of)
-        return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
+        if not force and good:  # before the supervisor is stopped: a refused teardown leaves it supervising
+            hs_of = {m.job_id: handles(m.nodes, ssh) for _, m in good}
+            await refuse_activity([m for _, m in good], ssh, refuse=("busy",), hints={"busy": BUSY_HINT},
+                                  drain=drain, log=log, hs_of=hs_of)
+        # a supervisor of the cluster would heal or rejoin what this tears down: stopped first, held off until done
+        held = await hold_supervisors(state, ref, log=log) if supervisors else []
+        try:
+            good, bad = _select(state, store, ref, set().union(*(h.targets for h in held)))
+            if ref is not None and not good and not bad:
+                if held:
+                    log(f"supervision of cluster {', '.join(h.cluster for h in held)} stopped; nothing of it was "
+                        "running")
+                    return []
+                raise MissingInput(f"no launch of {ref!r} in {state.launches}")
+            if bad and not good:
+                # never act on a manifest we cannot trust, and never pretend there was nothing to do
+                raise IntegrityError(malformed_line(bad), hint=MALFORMED_HINT)
+            # the jobs whose manifests are sound are stopped all the same; the caller reports the others (exit 1)
+            malformed[:] = [{"manifest": str(p), "error": why} for p, why in bad]
+            jobs = [m for _, m in good]
+            hs_of.update({m.job_id: handles(m.nodes, ssh) for m in jobs if m.job_id not in hs_of})
+            return await _teardown_jobs(state, store, jobs, ssh, hs_of, grace=grace, log=log)
+        finally:
+            release(state, held)
     finally:
         await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
+
+
+def _select(state, store, ref: str | None, also: set[str] = frozenset()) -> tuple[list, list]:
+    """The sound and the malformed manifests of ``ref`` (every one when None) or of what ``also`` names."""
+    good, bad = store.all() if state.launches.is_dir() else ([], [])
+    if ref is None:
+        return good, bad
+    names = {ref} | set(also)
+    return ([(p, m) for p, m in good if names & {m.job_id, m.deployment_id}],
+            [(p, why) for p, why in bad if any(p.stem == n or p.stem.startswith(n + "-") for n in names)])
 
 
 async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:

@@ -35,10 +35,11 @@ from clusterctl.rank.priority import lower_compute
 from clusterctl.rank.ringjoin import join_ring, ring_addresses
 from clusterctl.rank.schedule import IdleWait
 from clusterctl.rank.steploop import StepLoop
-from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, peer_loss
+from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, end_reason, peer_loss
 from clusterctl.rank.wire import ApiError
 from clusterctl.shared.cancelfile import CancelWatch, cancel_here, write_ack
 from clusterctl.shared.markers import MarkerWriter
+from clusterctl.shared.runtimefiles import EndReason
 from clusterctl.shared.contract import load_rank_contract  # provided by the launcher side
 
 UNSIGNED_ENV = "CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"
@@ -84,7 +85,7 @@ class Rank:
         that a stuck collective holds. The exit releases the rank's memory.)"""
         with self._fatal_lock:
             if self.marker is not None:
-                self.marker.update(state=state, error=err.message, final=True)
+                self.marker.update(state=state, error=err.message, reason=end_reason(err), final=True)
             _say(f"error: {err.message}")
             self._tell_clients(err)
             _exit_now(int(err.exit_code))
@@ -178,7 +179,7 @@ class Rank:
         """A broken ring does not say which peer went: ask the watched peers once (≤ 0.5 s) and name the silent
         ones, so the marker (and `clusterctl status`) says "peer rank 1 does not answer"."""
 
-        if not isinstance(err, PeerLost) or self.prober is None or "peer rank" in err.message:
+        if not isinstance(err, PeerLost) or self.prober is None or err.peers:
             return err
         try:
             silent = self.prober.silent()
@@ -187,12 +188,13 @@ class Rank:
         if not silent:
             return err
         who = ", ".join(f"peer rank {p}" for p in silent)
-        return PeerLost(f"{err.message}; {who} {'does' if len(silent) == 1 else 'do'} not answer")
+        return PeerLost(f"{err.message}; {who} {'does' if len(silent) == 1 else 'do'} not answer",
+                        peers=tuple(silent))
 
     def _crash(self) -> None:
         traceback.print_exc()
         err = sys.exc_info()[1]
-        self.marker.update(state="failed", final=True,
+        self.marker.update(state="failed", final=True, reason=EndReason.INTERNAL,
                            error=f"rank {self.spec.rank}: internal error: {type(err).__name__}: {err}"[:500])
         self._tell_clients(ClusterctlError(f"rank {self.spec.rank}: internal error"))
         _exit_now(int(Exit.SOFTWARE))
@@ -336,8 +338,8 @@ class Rank:
                 _say(f"{who} answers again: serving goes on")
             elif action == "lost":
                 self.fatal(PeerLost(f"{who} lost: no probe answer for {window + spec.abort_grace_s:g} s "
-                                    f"({spec.probe_tolerance} probes, then {spec.abort_grace_s:g} s of grace)"),
-                           state="lost")
+                                    f"({spec.probe_tolerance} probes, then {spec.abort_grace_s:g} s of grace)",
+                                    peers=(peer,)), state="lost")
 
         self.prober = Prober(peers, job_token(spec.job_id, spec.nonce), spec.rank, ladder,
                              interval=spec.probe_interval_s, on_action=act).start()

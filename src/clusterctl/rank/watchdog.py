@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from clusterctl.errors import ClusterctlError, Exit
-from clusterctl.shared.runtimefiles import KEEPER_PID_ENV
+from clusterctl.shared.runtimefiles import KEEPER_PID_ENV, EndReason
 from clusterctl.shared.markers import read_lease
 
 
 class PeerLost(ClusterctlError):
+    """The rank only followed a lost ring peer. ``peers``: the peer ranks known to be silent (named by the
+    probe ladder or asked once on the way out), empty while nobody knows which one went."""
+
     exit_code = Exit.UNAVAILABLE
+    reason = EndReason.PEER_LOST
+
+    def __init__(self, message: str, *, peers: tuple[int, ...] = (), **kw):
+        super().__init__(message, **kw)
+        self.peers = tuple(peers)
 
     @classmethod
     def ring(cls, rank: int, what: str) -> "PeerLost":
@@ -32,10 +40,18 @@ class PeerLost(ClusterctlError):
 
 class LeaseExpired(ClusterctlError):
     exit_code = Exit.UNAVAILABLE
+    reason = EndReason.LEASE_EXPIRED
 
 
 class ParentGone(ClusterctlError):
     exit_code = Exit.UNAVAILABLE
+    reason = EndReason.PARENT_GONE
+
+
+def end_reason(err: ClusterctlError) -> EndReason:
+    """What a rank that ends on ``err`` writes in its marker's ``reason``: the watchdog's own kinds say it,
+    any other error is the rank's own failure."""
+    return err.reason if isinstance(err, (PeerLost, LeaseExpired, ParentGone)) else EndReason.FAILED
 
 
 _PEER_WORDS = ("[ring]", "[jaccl]", "[mpi]", "peer", "connection", "recv", "send", "socket")

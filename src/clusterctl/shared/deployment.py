@@ -278,7 +278,7 @@ def decode(data: bytes, trusted: list[PublicKey], *, source: str = "deployment f
     payload = verify_signed(data, KIND, trusted, source=source)
     doc = strict_loads(payload, source=source)
     if not isinstance(doc, dict):
-        raise IntegrityError(f"{source} is not a JSON object")
+        raise IntegrityError(f"{source} is not a JSON object", damaged=True)
     if doc.get("type") != KIND:
         raise IntegrityError(f"{source} is a {doc.get('type')!r} file, not a deployment")
     version = doc.get("schema_version")

@@ -20,6 +20,7 @@ before, so a coordinator counts rank 0 only when its own pair is there (docs/lau
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 from dataclasses import dataclass
@@ -110,6 +111,33 @@ State = Literal["loading", "ready", "serving", "stopping", "lost", "failed"]
 _ORDER = {"loading": 0, "ready": 1, "serving": 2, "stopping": 3, "lost": 4, "failed": 4}
 
 
+class EndReason(str, enum.Enum):
+    """Why a rank ended, as its marker says (typed: the supervisor and launch decide on this, never on the
+    words of ``error``). ``peer_lost``: it only followed a lost ring peer (the ring broke, an exchange with a
+    peer did not finish, the peer-loss ladder gave up on a peer); ``lease_expired``/``parent_gone``: its
+    launcher or its keeper went away; ``failed``: an error of its own; ``internal``: a crash (a traceback)."""
+
+    PEER_LOST = "peer_lost"
+    LEASE_EXPIRED = "lease_expired"
+    PARENT_GONE = "parent_gone"
+    FAILED = "failed"
+    INTERNAL = "internal"
+
+
+def end_reason_of(value) -> EndReason | None:
+    """A marker's ``reason`` as read from a file that may be old (none) or garbled: the enum, or None."""
+    try:
+        return EndReason(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def followed_a_peer(state, reason) -> bool:
+    """Did the rank whose marker says ``state`` and ``reason`` only follow a lost ring peer? Its ladder's last
+    word (``lost``) or its typed reason says so, whatever its process does now (a follower exits 69 at once)."""
+    return state == "lost" or end_reason_of(reason) is EndReason.PEER_LOST
+
+
 class MarkerMissing(IntegrityError):
     """No marker (yet): the rank has not started, or its folder was cleaned."""
 
@@ -138,6 +166,7 @@ class Marker(BaseModel):
     last_step_at: Optional[float] = None
     heartbeat_at: float  # this node's wall clock; compare only with the same node's clock
     error: Optional[str] = None
+    reason: Optional[EndReason] = None  # why it ended, with ``error`` (markers before this field: None)
     env: dict[str, str] = Field(default_factory=dict)
     start_layer: Optional[int] = None
     end_layer: Optional[int] = None

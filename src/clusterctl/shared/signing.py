@@ -117,8 +117,8 @@ def verify_signed(data: bytes, kind: str, trusted: list[PublicKey], *, source: s
     m = _TAIL.search(data)
     if not m:
         if b'"signature"' not in data:
-            raise IntegrityError(f"{source} is not signed")
-        raise IntegrityError(f"{source} has a malformed signature block")
+            raise IntegrityError(f"{source} is not signed", damaged=True)
+        raise IntegrityError(f"{source} has a malformed signature block", damaged=True)
     key_id = m.group(1).decode()
     payload = data[: m.start()] + b"\n}\n"
     key = next((k for k in trusted if k.key_id == key_id), None)
