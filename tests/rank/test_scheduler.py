@@ -337,7 +337,7 @@ class FakeBatch:
     def ended(self) -> list[str]:
         return []
 
-    def add(self, req, emit=None, prefix=None, emit_lp=None) -> None:
+    def add(self, req, emit=None, prefix=None, emit_lp=None, grammar=None) -> None:
         self.rows[req.id] = emit
 
     def drop(self, rid: str, finish: str, *, save: bool = False):
