@@ -21,6 +21,8 @@ from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.admission import Preparer
 from clusterctl.rank.compiler import Compiler, GrammarRefused, Refusal
 
+COSTLY = (Refusal.COMPILE_COST, Refusal.MASK_COST, Refusal.PARSER_LIMIT)  # refused for what they would cost the ranks
+
 # the name clients written for mlx_lm.server send for "the model this server serves"
 SERVED_MODEL_ALIASES = ("default_model",)
 # how often the HTTP server's accept loop looks for a shutdown request: a rank's stop waits for it (at 0.2 s,
@@ -141,9 +143,9 @@ class Api:
             return self.compiler.admit(req, wait_s=self.spec.http_timeout_s)
         except GrammarRefused as e:
             raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice",
-                           code=None if e.kind is Refusal.INVALID else "grammar_too_costly") from None
+                           code="grammar_too_costly" if e.kind in COSTLY else None) from None
         except TimeoutError:
-            raise ApiError(503, "busy compiling other requests' grammars", type="server_error",
+            raise ApiError(503, "busy compiling other requests' grammars", type="server_error", code="grammar_busy",
                            retry_after=RETRY_AFTER_S) from None
 
     def leave_queue(self, api_req: ApiRequest) -> bool:

@@ -61,6 +61,10 @@ import numpy as np
 from clusterctl.rank.compiler import GrammarRefused, Refusal
 
 MAX_SCHEMA_BYTES = 64 * 1024
+# the lexer's fuel at compile (llguidance's default: 1,000,000). A compile's cost grows faster than its fuel: 1,000
+# optional properties (or enum values) take ~18,000 and ~0.1 s, 2,000 ~37,000 and 0.5-3 s; past the limit the
+# compile stops in ~15 ms, where admission's CPU budget (compiler.py) would leave it running to its end
+LEXER_FUEL = 20_000
 CACHE_SIZE = 128
 ROLLOUT_WINDOW = 64  # start checking the way out when this many tokens (or fewer) are left
 MARGIN = 8  # force the way out this many tokens early: one sampled token may lengthen it (e.g. "[{" opens two)
@@ -265,9 +269,12 @@ class GrammarFactory:
             g = grammar()
         except (ValueError, TypeError) as e:
             raise GrammarRefused(Refusal.INVALID, f"{what}: {_one_line(e)}") from None
-        m = llguidance.LLMatcher(self.lltok, g, log_level=0, limits=llguidance.LLParserLimits(verbose_errors=False))
-        if m.is_error():
-            raise GrammarRefused(Refusal.INVALID, f"{what}: {_one_line(m.get_error())}")
+        limits = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=LEXER_FUEL)
+        m = llguidance.LLMatcher(self.lltok, g, log_level=0, limits=limits)
+        if m.is_error():  # its cost if 4x the fuel builds it (no tokens: cheaper than a compile), else invalid
+            more = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=4 * LEXER_FUEL)
+            kind = Refusal.INVALID if llguidance.LLMatcher.validate_grammar(g, limits=more) else Refusal.COMPILE_COST
+            raise GrammarRefused(kind, f"{what}: {_one_line(m.get_error())}")
         return m
 
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
