@@ -4,12 +4,13 @@ llguidance (docs/dependencies.md says why: measured against outlines-core and xg
 or "any JSON object", into a matcher that gives, per step, the set of tokens that keep the answer valid. The mask
 is computed on the CPU per row per step (median ~15 µs for SmolLM2's 49,152 tokens; 8 rows together, unpacked to
 bool, ~0.1 ms) and applied with one MLX op. Keys come in the schema's ``properties`` order (as OpenAI's).
-One factory serves one thread (the rank's sampling loop); its constraints are per request.
+One factory per rank (compiler.py's: it compiles on worker threads, off the step loop, and the step loop computes
+the masks of the constraints it handed over); its constraints are per request.
 
 Interface (the rank's samplers integrate it; nothing here knows about batches or HTTP)::
 
     factory = GrammarFactory(tokenizer, vocab)        # once per rank: mlx-lm's TokenizerWrapper, the logits' width
-    c = factory.compile(response_format, max_tokens)  # per request; ValueError(one line) -> answer 400
+    c = factory.compile(response_format, max_tokens)  # per request; GrammarRefused(one line) -> answer 400
     masks = factory.masks([c, None, ...])             # (rows, vocab) bool, None = an unconstrained row
     logits = apply_masks(logits, masks)               # one mx.where; then sample as usual
     c.advance(token)                                  # per row, with the sampled token
@@ -40,11 +41,17 @@ report finish "length". The model is free until the way out plus a margin of 8 t
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
 A schema whose shortest answer found (``min_tokens``) does not fit in max_tokens is still cut (finish "length").
 The roll-out costs a few masks (~15 µs each) per step in the last ``2 * min_tokens + 8`` (at least 64) tokens
-while the model strays from it, and is bounded (512 tokens, 20 ms: past that, no way out, and a cut answer).
+while the model strays from it, and is bounded on every schedule by ``rollout_steps`` masks: rank 0 chooses it at
+admission from what the grammar's masks cost (20 ms of them, 16 to 512), and every rank applies it, so lockstep
+ranks compute the same masks; where rank 0 alone samples (overlapped) a roll-out is also cut at 20 ms
+(``Constraint.seconds``). Past the bound: no way out, and a cut answer. A roll-out that found none is tried again
+only after 1, 2, 4, ... 32 tokens.
 
-Cost bounds: a schema is refused above 64 KiB of JSON; llguidance's own limits (lexer fuel, grammar size) bound
-compilation, so a hostile schema compiles or fails in milliseconds (bench/grammar.py measures some: at most
-~50 ms); compiled matchers are cached by schema (LRU, 128) and each request gets a deep copy (~10 µs).
+Cost bounds: a schema is refused above 64 KiB of JSON, and its compile is refused when the lexer's fuel passes
+LEXER_FUEL (about 1,000 properties or enum values); admission (compiler.py) bounds the compile's CPU time and the
+first masks' and checks the parser's limits before any compute. Compiled matchers are cached by schema (LRU, 128)
+and each request gets a deep copy (~10 µs). Refusals are ``compiler.GrammarRefused`` (a ValueError with a
+``Refusal`` kind).
 """
 
 from __future__ import annotations
