@@ -1,19 +1,22 @@
 """Request grammars compiled off the step loop: rank 0 compiles a request's grammar at admission, within a CPU
 budget, and the step loop takes that compiled constraint when the request joins; the other ranks of a lockstep
-pipeline (they sample too) compile it on their own worker when rank 0 announces the request, before it joins
-(steploop.py, scheduler.py's ``Announced``). No rank's step loop compiles a grammar.
+pipeline (they sample too) compile it on their own worker when rank 0 announces the request, and it joins once
+every rank has (steploop.py, scheduler.py: ``Scheduler.held``). No rank's step loop compiles a grammar.
 
 Why worker threads and a CPU budget: llguidance releases the GIL while it compiles, but a compile cannot be
-interrupted, and a schema under the 64 KiB cap can take seconds (2,000 optional properties: 0.7-3 s). Each compile
-runs on a thread of its own at a lower priority than the ranks' compute (``NICE``); admission waits until that
-thread has used COMPILE_CPU_S of CPU time (a measure the machine's load does not inflate), then refuses the request
-(400) and leaves the compile to end on its own, its result dropped. At most MAX_WORKERS compiles run at once, so
-abandoned ones cannot pile up; a schema refused for its cost is remembered (``_refused``) and refused at once.
+interrupted, and a schema under the 64 KiB cap can take seconds (2,000 optional properties: 0.7-3 s). The lexer's
+fuel (grammar.LEXER_FUEL) stops the costliest kind early; for the rest, each compile runs on a thread of its own at a
+lower priority than the ranks' compute (``NICE``), and admission waits until that thread has used COMPILE_CPU_S of
+CPU time (a measure the machine's load does not inflate), then refuses the request (400) and leaves the compile to
+end on its own, its result dropped. At most MAX_WORKERS compiles run at once, so abandoned ones cannot pile up; a
+schema refused for its cost is remembered (``_refused``) and refused at once. Then ``probe`` checks its first masks
+before any compute.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import os
 import queue
 import threading
@@ -39,8 +42,8 @@ class Refusal(enum.Enum):
 
     INVALID = "invalid"  # not a format, not a schema, or keywords the grammar cannot enforce (strict)
     TOO_LARGE = "too_large"  # over grammar.MAX_SCHEMA_BYTES
-    COMPILE_COST = "compile_cost"  # its compile ran past the admission's CPU budget
-    MASK_COST = "mask_cost"  # its first masks did (grammar.MASK_CPU_S)
+    COMPILE_COST = "compile_cost"  # its compile ran past the lexer's fuel or the admission's CPU budget
+    MASK_COST = "mask_cost"  # one of its first masks did (MASK_CPU_S)
     PARSER_LIMIT = "parser_limit"  # its mask allows a token its parser then refuses (llguidance's row/item limits)
 
 
@@ -115,7 +118,7 @@ class Compiler:
 
     # -- rank 0: admission -----------------------------------------------------------------------------------------
     def admit(self, req: GenRequest, *, wait_s: float = 30.0) -> "grammar.Constraint | None":
-        """The request's grammar compiled and checked on a worker (``GrammarFactory.probe``), or GrammarRefused:
+        """The request's grammar compiled and checked (``probe``) on a worker, or GrammarRefused:
         over the CPU budget (COMPILE_COST), a costly first mask (MASK_COST), a parser that would refuse what its mask
         allows (PARSER_LIMIT), or invalid. Sets ``req.rollout_steps`` (every rank bounds its roll-outs by it).
         TimeoutError when ``wait_s`` passes before a worker is free."""
@@ -125,7 +128,7 @@ class Compiler:
         with self._lock:
             known = self._refused.get(key)
         if known is not None:
-            raise known
+            raise GrammarRefused(known.kind, str(known))
         job = self._start(lambda: self._checked(req), wait_s)
         try:
             return self._wait(job, time.monotonic() + wait_s)
@@ -246,8 +249,6 @@ def _cpu(clock: int | None) -> float | None:
 
 
 def _key(grammar: dict) -> str:
-    import json
-
     try:
         return json.dumps(grammar, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):
