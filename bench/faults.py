@@ -704,7 +704,8 @@ def gguf_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
 
 def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     """tests/admissionfuzz.py against 2 real ranks (either schedule, a planned context of 64) with a random seed:
-    sampling values at and past the model's limits, sizes past the context and the byte cap (issue 30)."""
+    sampling values at and past the model's limits, sizes past the context and the byte cap (issue 30), response
+    formats with costly compiles and logprobs with them (issue 41)."""
     import admissionfuzz
     from mlx_lm.utils import load_tokenizer
     from rankharness import RankCluster
@@ -851,8 +852,9 @@ ROWS = [
     Row("load: 64 streaming clients x 60 s, 2 ranks",
         "0 5xx, each response complete or 429, /health < 100 ms, RSS growth within the plan's reserve", load,
         trials=1),
-    Row("rank 0 requests fuzzed (sampling limits, sizes, planned context)",
-        "each a 200 within the context or a clean 4xx; no rank ends", request_fuzz),
+    Row("rank 0 requests fuzzed (sampling limits, sizes, planned context, response formats, costly schemas, logprobs)",
+        "each a 200 within the context (strict JSON; a structured answer parses) or a clean 4xx; no rank ends",
+        request_fuzz),
     Row("GGUF metadata and counts fuzzed (model import)",
         "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
     Row("heal: tiny 2->1, rank SIGKILL", HEAL_CRITERION, _heal_trial("tiny 2->1, rank SIGKILL"), trials=2),

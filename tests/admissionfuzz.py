@@ -1,6 +1,8 @@
 """A fuzzer of what a client can send rank 0 (issue 30): sampling values at and past the model's limits, request
-sizes past the planned context and the byte cap, seeds, stops and cache salts, streamed or not. Every answer must
-be a 200 within the planned context or a 4xx in OpenAI's error shape, and no rank may end.
+sizes past the planned context and the byte cap, seeds, stops and cache salts, streamed or not, and response
+formats, costly ones among them (issue 41: compiles of seconds, masks that allow what the parser refuses, strings
+no answer closes). Every answer must be a 200 within the planned context or a 4xx in OpenAI's error shape (or a 503
+``grammar_busy`` while costly compiles hold the workers), a 200 with a grammar must parse, and no rank may end.
 
 Used by tests/test_fuzz_admission.py (a fixed seed, a few dozen requests) and bench/faults.py (a random seed)."""
 
@@ -45,7 +47,44 @@ def _values(t: Target) -> dict[str, list]:
         "stop": [None, "", "x", ["a", "b"], ["a"] * 5, [""], [1], "\n"],
         "cache_salt": [None, "", "s", "s" * 1024, "s" * 1025, 7],
         "n": [None, 1, 2],
+        "logprobs": [None, 0, 5, 20, 21, True],  # with a grammar: -inf on every forbidden token (issue 41)
+        "top_logprobs": [None, 0, 5, 20],
     }
+
+
+def costly_schemas(tag: str) -> list[tuple[str, dict]]:
+    """Eight schemas a hostile key holder sends (``tag``, a few letters, varies their names, so no cache helps):
+    compiles of seconds under the 64 KiB cap, a grammar whose mask allows what its parser refuses, strings no answer
+    can close."""
+    def props(i: int, n: int) -> dict:  # 1,500 properties: 51 KB
+        return {"type": "object", "additionalProperties": False,
+                "properties": {f"{tag}{i}{k}": {"type": "integer"} for k in range(n)}}
+
+    def recursive(i: int) -> dict:
+        name = f"n{tag}{i}"
+        return {"$defs": {name: {"type": "object", "required": ["a", "b"], "properties": {
+            "a": {"$ref": f"#/$defs/{name}"}, "b": {"$ref": f"#/$defs/{name}"}}}}, "$ref": f"#/$defs/{name}"}
+
+    return [*((f"properties {i}", props(i, 1500)) for i in range(4)),
+            *((f"recursive {i}", recursive(i)) for i in range(2)),
+            *((f"endless string {i}", {"type": "object", "required": [f"s{tag}{i}"], "properties": {
+                f"s{tag}{i}": {"type": "string", "minLength": 10 ** 9}}}) for i in range(2))]
+
+
+def _response_format(rng: random.Random):
+    """Mostly none; else a plain format, a bad one, or (rarely: each costs a compile worker seconds) a costly one."""
+    x = rng.random()
+    if x < 0.75:
+        return None
+    if x < 0.9:
+        return rng.choice([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema", "json_schema": {
+            "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+            {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["yes", "no"]}}}])
+    if x < 0.95:
+        return rng.choice([{"type": "xml"}, "json", {"type": "json_schema"},
+                           {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}, "strict": True}])
+    _, schema = rng.choice(costly_schemas("".join(rng.choice("abcdefghij") for _ in range(3))))
+    return {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
 
 
 def _prompt(rng: random.Random, t: Target):
@@ -71,6 +110,9 @@ def request(rng: random.Random, t: Target) -> tuple[str, dict]:
     body.setdefault("max_tokens", rng.choice([1, 2, 4]))
     body["stream"] = rng.random() < 0.4
     prompt = _prompt(rng, t) if rng.random() < 0.3 else rng.choice(["Hello", "def f():"])
+    rf = _response_format(rng)
+    if rf is not None:
+        body["response_format"] = rf
     if rng.random() < 0.5:
         if not isinstance(prompt, str):
             prompt = "Hello"
@@ -108,6 +150,8 @@ def events(data: str) -> list[dict]:
 def check(t: Target, path: str, body: dict, status: int, data: str) -> str | None:
     """None when the answer is one rank 0 may give; else what is wrong with it."""
     what = f"{path} {json.dumps(body)[:300]} -> {status} {data[:300]}"
+    if status == 503 and body.get("response_format") is not None and _code(data) == "grammar_busy":
+        return None  # costly compiles hold every grammar worker: come back later (Retry-After)
     if 400 <= status < 500:
         try:
             err = json.loads(data)["error"]
@@ -119,16 +163,43 @@ def check(t: Target, path: str, body: dict, status: int, data: str) -> str | Non
     if body.get("stream"):
         if not data.rstrip().endswith("data: [DONE]"):
             return f"a stream that did not end with [DONE]: {what}"
+        try:
+            for line in data.splitlines():
+                if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                    json.loads(line[6:], parse_constant=_not_json)
+        except ValueError as e:
+            return f"a stream event that is not strict JSON ({e}): {what}"
         if any("error" in event for event in events(data)):  # an error event (not a token whose text is "error")
             return f"a stream that failed: {what}"
         return None
     try:
-        usage = json.loads(data)["usage"]
+        doc = json.loads(data, parse_constant=_not_json)
+        usage = doc["usage"]
     except (ValueError, KeyError, TypeError):
-        return f"a 200 without usage: {what}"
+        return f"a 200 without usage (or not strict JSON): {what}"
     if usage["total_tokens"] > t.context:
         return f"served past the planned context of {t.context}: {what}"
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        choice = doc["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        try:
+            json.loads(text)
+        except (ValueError, TypeError):
+            if choice["finish_reason"] != "length":  # only a budget too small for the schema may cut it
+                return f"structured output that does not parse: {what}"
     return None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _code(data: str):
+    try:
+        return json.loads(data)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def run(t: Target, seed: int, n: int, *, alive=None) -> Tally:

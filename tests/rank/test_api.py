@@ -245,3 +245,39 @@ def test_bad_response_formats_are_refused(cluster, fmt):
     status, out, _ = call(cluster, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2,
                                                                 "response_format": fmt})
     assert status == 400 and out["error"]["param"] == "response_format", out
+
+
+def strict_loads(text: str):
+    """JSON as JavaScript's JSON.parse and Go's encoding/json read it: Infinity, -Infinity and NaN refused."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_with_a_grammar_are_json_and_list_only_allowed_tokens(cluster, stream):
+    """A grammar leaves -inf on every token it forbids: the answer (every event of a stream) still parses as strict
+    JSON, every value is finite, and no alternative is a forbidden token (-9999.0, OpenAI's floor, would be one)."""
+    body = {"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 20, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["yes", "no"]}}}}
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    raw = r.read().decode()
+    conn.close()
+    assert r.status == 200, raw
+    if stream:
+        docs = [strict_loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+        entries = [e for d in docs if d["choices"] and d["choices"][0].get("logprobs")
+                   for e in d["choices"][0]["logprobs"]["content"]]
+        text = "".join(d["choices"][0]["delta"].get("content") or "" for d in docs if d["choices"])
+    else:
+        out = strict_loads(raw)
+        entries, text = out["choices"][0]["logprobs"]["content"], out["choices"][0]["message"]["content"]
+    assert json.loads(text) in ("yes", "no") and entries, raw[:400]
+    for e in entries:
+        assert e["logprob"] > -9999.0 and e["top_logprobs"], e
+        assert all(a["logprob"] > -9999.0 for a in e["top_logprobs"]), e
+        assert len(e["top_logprobs"]) < 20  # the enum allows few tokens at each step, never 20

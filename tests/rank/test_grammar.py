@@ -315,3 +315,128 @@ def test_a_sampler_that_keeps_opening_content_still_gets_a_closed_answer(smollm2
                 c.advance(t)
                 out[i].append(t)
         _check(cases, [(tok.decode(o), len(o), True) for o in out])
+
+
+def strict_json(text: str):
+    """json.loads as JavaScript's JSON.parse and Go's encoding/json read it: no Infinity, -Infinity or NaN."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_under_a_grammar_are_finite_and_list_no_forbidden_token(tiny):
+    """A grammar's mask leaves -inf on every token it forbids: an entry's alternatives are only allowed tokens and
+    every value is finite (OpenAI's floor, -9999.0), at every step of a constrained answer."""
+    from clusterctl.rank.logprobs import Entries
+    from clusterctl.rank.sampling import GrammarMask
+
+    model, tok, factory = tiny
+    proc = GrammarMask(factory.compile(js({"enum": ["yes", "no"]}), max_tokens=8))
+    entries, toks, cache = Entries(tok, 20), tok.encode("say", add_special_tokens=False), None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(toks)[None], cache=cache)[0, -1]
+    for _ in range(8):
+        masked = proc(mx.array(toks), logits[None])[0]
+        allowed = set(np.flatnonzero(np.array(masked > -np.inf)).tolist())
+        lp = masked - mx.logsumexp(masked)
+        t = int(mx.argmax(lp).item())
+        e = strict_json(json.dumps(entries.entry(t, entries.pending(lp))))
+        assert e["top_logprobs"] and {a["id"] for a in e["top_logprobs"]} <= allowed, e
+        assert all(a["logprob"] > -9999.0 for a in e["top_logprobs"]) and e["logprob"] >= -9999.0
+        if t in factory.eos:
+            break
+        toks.append(t)
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+    assert proc.c.done or proc.c.accepting
+
+
+def test_a_forbidden_chosen_token_reads_as_the_floor():
+    """The chosen token's value is clamped too (a sampler that fell back to the argmax of a fully masked row)."""
+    from clusterctl.rank.logprobs import FLOOR, Entries
+
+    class Tok:
+        def decode(self, ids):
+            return f"t{ids[0]}"
+
+    row = mx.array([0.0, -float("inf"), -float("inf"), -1e9])
+    e = Entries(Tok(), 3).entry(1, Entries(Tok(), 3).pending(row))
+    assert strict_json(json.dumps(e)) == e and e["logprob"] == FLOOR
+    assert [a["id"] for a in e["top_logprobs"]] == [0]
+
+
+HOSTILE = {
+    # 2,000 optional properties, no others: seconds to compile (0.7-3 s), and its mask then allows '{"' that its
+    # parser refuses ("Current row has 7999 items")
+    "many properties": {"type": "object", "additionalProperties": False,
+                        "properties": {f"k{i}": {"type": "integer"} for i in range(2000)}},
+    # a recursive $ref with required: its first mask takes 0.1-0.8 s, and its parser refuses '{"' ("Too many items")
+    "recursive required": {"$defs": {"n": {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"$ref": "#/$defs/n"}, "b": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2):
+    from clusterctl.rank.compiler import Compiler
+
+    _model, tok, _f = smollm2
+    c = Compiler(tok)
+    c.factory()
+    return c
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
+    """Refused before any compute, with a typed reason; a second time at once (remembered)."""
+    import time
+
+    from clusterctl.rank.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.generation import GenRequest
+
+    def req():
+        return GenRequest(id="r", tokens=[1], max_tokens=64, grammar={"response_format": js(HOSTILE[name])})
+
+    with pytest.raises(GrammarRefused) as e:
+        compiler.admit(req())
+    assert e.value.kind in (Refusal.COMPILE_COST, Refusal.MASK_COST, Refusal.PARSER_LIMIT), e.value
+    t0 = time.monotonic()
+    with pytest.raises(GrammarRefused) as again:
+        compiler.admit(req())
+    assert time.monotonic() - t0 < 0.05  # (nothing compiled: it is a look-up)
+    assert (again.value.kind, str(again.value)) == (e.value.kind, str(e.value))
+
+
+def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
+    """What admission accepts comes back compiled (the step loop uses it as is) with a roll-out bound in masks that
+    every rank applies alike; a rank that compiles it on announcement makes the same constraint."""
+    from clusterctl.rank.compiler import Compiler
+    from clusterctl.rank.generation import GenRequest
+
+    req = GenRequest(id="r", tokens=[1], max_tokens=40, grammar={"response_format": js(PERSON)})
+    c = compiler.admit(req)
+    assert c is not None and 16 <= req.rollout_steps <= 512 and c.rollout_steps == req.rollout_steps
+    other = Compiler(compiler.tokenizer)
+    other._made = compiler._made  # the same tables (made once per rank)
+    other.announce(GenRequest(**req.__dict__))
+    mine = other.take(req)
+    assert (mine.min_tokens, mine.rollout_steps) == (c.min_tokens, c.rollout_steps) and other.pending == 0
+    assert np.array_equal(np.array(mine.mask()), np.array(c.mask()))
+
+
+def test_a_failed_roll_out_is_not_repeated_every_step(smollm2):
+    """A string of minLength 10^9 has no way out: the roll-out fails and is tried again after 1, 2, 4, ... tokens,
+    not at every step of the window (each costs up to its bound in masks)."""
+    _model, tok, factory = smollm2
+    c = factory.compile_request({"response_format": js({"type": "string", "minLength": 10 ** 9})}, 40, 32)
+    calls = []
+    real = c._rollout
+    c._rollout = lambda state, seconds: calls.append(1) or real(state, seconds)
+    a = tok.encode("a", add_special_tokens=False)[0]
+    c.advance(tok.encode('"', add_special_tokens=False)[0])
+    for _ in range(38):
+        c.fill(np.empty(factory._words, dtype=np.int32))
+        c.advance(a)
+    assert c.min_tokens is None and 3 <= len(calls) <= 6, len(calls)

@@ -337,7 +337,7 @@ class FakeBatch:
     def ended(self) -> list[str]:
         return []
 
-    def add(self, req, emit=None, prefix=None, emit_lp=None) -> None:
+    def add(self, req, emit=None, prefix=None, emit_lp=None, grammar=None) -> None:
         self.rows[req.id] = emit
 
     def drop(self, rid: str, finish: str, *, save: bool = False):
@@ -370,3 +370,53 @@ def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_pa
     loop.stop.set()
     assert loop._meet(1)[0] and not loop.batch.ids() and not loop.inflight
     assert all(answered(reqs[r])[-1][1].status == 503 for r in "bc")
+
+
+# ---- lockstep grammars: announced, then joined once every rank compiled them (compiler.py)
+
+def grammar_request(rid: str) -> ApiRequest:
+    j = api_request(rid)
+    j.req.grammar = {"response_format": {"type": "json_object"}}
+    return j
+
+
+def test_a_grammar_request_is_announced_keeps_its_slot_and_joins_once_every_rank_compiled_it():
+    q = RequestQueue()
+    g1, plain, g2 = grammar_request("g1"), api_request("p"), grammar_request("g2")
+    for j in (g1, plain, g2):
+        q.put(j)
+    s = Scheduler(q)
+    s.announcing = True
+    ch = s.meeting(room=3)
+    assert [r.id for r in ch.announces] == ["g1", "g2"] and [r.id for r in ch.adds] == ["p"]
+    assert BatchChanges.decode(ch.encode()) == ch and s.announced == 2 and not s.joining.keys() - {"p"}
+    s.joined("p")
+    # the others report one compile still running: only the first announced is done everywhere
+    q.put(api_request("late"))
+    s.compiled(2 - 1)
+    ch = s.meeting(room=2)  # g1 and g2 hold two of the three slots: g1 joins, "late" waits behind g2's slot
+    assert [r.id for r in ch.adds] == ["g1"] and not ch.announces and len(q) == 1
+    s.compiled(2)
+    assert [r.id for r in s.meeting(room=1).adds] == ["g2"]
+
+
+def test_an_announced_request_cancelled_before_it_joins_is_answered_and_dropped_on_every_rank():
+    q = RequestQueue()
+    g = grammar_request("g")
+    q.put(g)
+    s = Scheduler(q)
+    s.announcing = True
+    assert [r.id for r in s.meeting(room=2).announces] == ["g"]
+    g.cancelled.set()
+    ch = s.meeting(room=2)
+    assert ch.drops == ("g",) and not ch.adds and not s.held
+    assert answered(g)[0][1].finish_reason == "cancelled"
+    s.compiled(1)
+    assert not s.meeting(room=2)  # it never joins
+
+
+def test_without_announcing_a_grammar_request_joins_at_once():
+    q = RequestQueue()
+    q.put(grammar_request("g"))
+    ch = Scheduler(q).meeting(room=1)
+    assert [r.id for r in ch.adds] == ["g"] and not ch.announces

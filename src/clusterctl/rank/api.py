@@ -19,6 +19,9 @@ from clusterctl.rank.openai import ApiError, RequestBuilder
 from clusterctl.rank.generation import GenResult
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.admission import Preparer
+from clusterctl.rank.compiler import Compiler, GrammarRefused, Refusal
+
+COSTLY = (Refusal.COMPILE_COST, Refusal.MASK_COST, Refusal.PARSER_LIMIT)  # refused for what they would cost the ranks
 
 # the name clients written for mlx_lm.server send for "the model this server serves"
 SERVED_MODEL_ALIASES = ("default_model",)
@@ -45,6 +48,7 @@ class Api:
         self.state = "loading"
         self.builder: RequestBuilder | None = None
         self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
+        self.compiler: Compiler | None = None  # grammars, off the step loop (compiler.py)
         self._keys = [(name, key.encode()) for name, key in spec.tenant_keys().items()]
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
         self._requests: dict[str, ApiRequest] = {}  # those requests, for the batch occupancy a scrape reads
@@ -80,6 +84,8 @@ class Api:
 
         self.builder = RequestBuilder(self.spec, limits)
         self.preparer = Preparer(tokenizer, wait_s=self.spec.http_timeout_s)
+        self.compiler = Compiler(tokenizer)
+        self.compiler.warm()
         self.state = "serving"
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -120,12 +126,27 @@ class Api:
         self.active.add(api_req.id)
         try:
             api_req.req = self.preparer.prepare(api_req)
+            api_req.grammar = self._compile(api_req.req)
             if not self.queue.put(api_req):
                 raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
         except BaseException:
             self.active.remove(api_req.id)
             self.release(api_req)
             raise
+
+    def _compile(self, req):
+        """The request's grammar compiled here, on a worker of its own within a CPU budget (compiler.py), before
+        it is queued: a grammar that cannot be served, or would cost the ranks too much, is a 400 now."""
+        if req.grammar is None:
+            return None
+        try:
+            return self.compiler.admit(req, wait_s=self.spec.http_timeout_s)
+        except GrammarRefused as e:
+            raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice",
+                           code="grammar_too_costly" if e.kind in COSTLY else None) from None
+        except TimeoutError:
+            raise ApiError(503, "busy compiling other requests' grammars", type="server_error", code="grammar_busy",
+                           retry_after=RETRY_AFTER_S) from None
 
     def leave_queue(self, api_req: ApiRequest) -> bool:
         """Its client left before it joined the batch: out of the queue at once (its admission slot frees now,

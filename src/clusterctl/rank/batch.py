@@ -59,7 +59,8 @@ class Batch:
         return []
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
-            emit_lp: Callable[[dict], None] | None = None) -> None:
+            emit_lp: Callable[[dict], None] | None = None, grammar=None) -> None:
+        """``grammar``: the request's compiled constraint (compiler.py; sampling.processors)."""
         from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
         from clusterctl.rank.sampling import Guard, processors
@@ -69,7 +70,7 @@ class Batch:
         if not self.seqs:
             self._mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
-        procs = own = processors(req, self.tokenizer)
+        procs = own = processors(req, grammar)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
         if guard is not None:

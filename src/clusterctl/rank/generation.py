@@ -36,6 +36,8 @@ class GenRequest:
     logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
     # structured output (grammar.py): {"response_format": {...}} or {"lark": "..."} (a forced tool call)
     grammar: Optional[dict] = None
+    # the grammar's roll-out bound in masks (grammar.py), rank 0's choice at admission from what one of its masks costs
+    rollout_steps: Optional[int] = None
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None
     cache_len: int = 0

@@ -4,12 +4,13 @@ llguidance (docs/dependencies.md says why: measured against outlines-core and xg
 or "any JSON object", into a matcher that gives, per step, the set of tokens that keep the answer valid. The mask
 is computed on the CPU per row per step (median ~15 µs for SmolLM2's 49,152 tokens; 8 rows together, unpacked to
 bool, ~0.1 ms) and applied with one MLX op. Keys come in the schema's ``properties`` order (as OpenAI's).
-One factory serves one thread (the rank's sampling loop); its constraints are per request.
+One factory per rank (compiler.py's: it compiles on worker threads, off the step loop, and the step loop computes
+the masks of the constraints it handed over); its constraints are per request.
 
 Interface (the rank's samplers integrate it; nothing here knows about batches or HTTP)::
 
     factory = GrammarFactory(tokenizer, vocab)        # once per rank: mlx-lm's TokenizerWrapper, the logits' width
-    c = factory.compile(response_format, max_tokens)  # per request; ValueError(one line) -> answer 400
+    c = factory.compile(response_format, max_tokens)  # per request; GrammarRefused(one line) -> answer 400
     masks = factory.masks([c, None, ...])             # (rows, vocab) bool, None = an unconstrained row
     logits = apply_masks(logits, masks)               # one mx.where; then sample as usual
     c.advance(token)                                  # per row, with the sampled token
@@ -40,16 +41,23 @@ report finish "length". The model is free until the way out plus a margin of 8 t
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
 A schema whose shortest answer found (``min_tokens``) does not fit in max_tokens is still cut (finish "length").
 The roll-out costs a few masks (~15 µs each) per step in the last ``2 * min_tokens + 8`` (at least 64) tokens
-while the model strays from it, and is bounded (512 tokens, 20 ms: past that, no way out, and a cut answer).
+while the model strays from it, and is bounded on every schedule by ``rollout_steps`` masks: rank 0 chooses it at
+admission from what the grammar's masks cost (20 ms of them, 16 to 512), and every rank applies it, so lockstep
+ranks compute the same masks; where rank 0 alone samples (overlapped) a roll-out is also cut at 20 ms
+(``Constraint.seconds``). Past the bound: no way out, and a cut answer. A roll-out that found none is tried again
+only after 1, 2, 4, ... 32 tokens.
 
-Cost bounds: a schema is refused above 64 KiB of JSON; llguidance's own limits (lexer fuel, grammar size) bound
-compilation, so a hostile schema compiles or fails in milliseconds (bench/grammar.py measures some: at most
-~50 ms); compiled matchers are cached by schema (LRU, 128) and each request gets a deep copy (~10 µs).
+Cost bounds: a schema is refused above 64 KiB of JSON, and its compile is refused when the lexer's fuel passes
+LEXER_FUEL (about 1,000 properties or enum values); admission (compiler.py) bounds the compile's CPU time and the
+first masks' and checks the parser's limits before any compute. Compiled matchers are cached by schema (LRU, 128)
+and each request gets a deep copy (~10 µs). Refusals are ``compiler.GrammarRefused`` (a ValueError with a
+``Refusal`` kind).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -57,7 +65,13 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from clusterctl.rank.compiler import GrammarRefused, Refusal
+
 MAX_SCHEMA_BYTES = 64 * 1024
+# the lexer's fuel at compile (llguidance's default: 1,000,000). A compile's cost grows faster than its fuel: 1,000
+# optional properties (or enum values) take ~18,000 and ~0.1 s, 2,000 ~37,000 and 0.5-3 s; past the limit the
+# compile stops in ~15 ms, where admission's CPU budget (compiler.py) would leave it running to its end
+LEXER_FUEL = 20_000
 CACHE_SIZE = 128
 ROLLOUT_WINDOW = 64  # start checking the way out when this many tokens (or fewer) are left
 MARGIN = 8  # force the way out this many tokens early: one sampled token may lengthen it (e.g. "[{" opens two)
@@ -67,6 +81,7 @@ SLACK = 16  # and this many (at least the shortest answer's length) before that,
 _OPENERS = set(",{[")
 ROLLOUT_STEPS = 512  # a roll-out longer than this is given up (the answer may then be cut)
 ROLLOUT_SECONDS = 0.02  # ... and one that takes longer (a hostile schema's masks can cost ms each)
+MAX_BACKOFF = 32  # after a failed roll-out, the next waits 1, 2, 4, ... up to this many tokens (deterministic)
 
 # JSON written compactly, with the separators models write by themselves
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -80,9 +95,15 @@ def _one_line(msg: str) -> str:
 class Constraint:
     """One request's grammar state. Made by :meth:`GrammarFactory.compile`; not shared between requests."""
 
-    def __init__(self, factory: "GrammarFactory", matcher, max_tokens: int | None):
+    def __init__(self, factory: "GrammarFactory", matcher, max_tokens: int | None,
+                 rollout_steps: int = ROLLOUT_STEPS):
         self._f = factory
         self._m = matcher
+        # a roll-out's bounds: masks (the same on every rank: rank 0 chose it at admission from what one costs) and,
+        # where one rank alone samples (``seconds``), time
+        self.rollout_steps = max(1, min(int(rollout_steps), ROLLOUT_STEPS))
+        self.seconds: float | None = factory.rollout_seconds
+        self._backoff, self._wait = 0, 0  # after a failed roll-out: tokens to wait before the next one
         self.remaining = max_tokens  # tokens the answer may still take (None: no limit)
         self._way_out: list[int] | None = None  # the roll-out from the current state, when computed
         self.closed_by_budget = False  # the budget forced the end of the answer
@@ -92,11 +113,12 @@ class Constraint:
         self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
         self.min_tokens: int | None = None  # the shortest answer's length in tokens (known when max_tokens is)
         if max_tokens is not None:
-            self._way_out = factory._rollout(matcher, 0)
+            self._way_out = self._rollout(0, None)  # untimed: the same shortest answer on every rank
             self.min_tokens = len(self._way_out) or None
             self._slack = max(SLACK, len(self._way_out))
             # the way out of a deeper state may be longer than the shortest answer: look well before
             self._window = max(ROLLOUT_WINDOW, 2 * len(self._way_out) + MARGIN + self._slack)
+            self._way_out = self._way_out or None  # none found: looked for again in the window
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
@@ -121,13 +143,23 @@ class Constraint:
             self.closed_by_budget = True
             return self._f.eos[0]
         if self._way_out is None:
-            self._way_out = self._f._rollout(self._m, self._str)
+            if self._wait > 0:  # the last roll-out failed: not every step (each costs up to rollout_steps masks)
+                self._wait -= 1
+                return None
+            self._way_out = self._rollout(self._str, self.seconds)
+            if not self._way_out:
+                self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF)
+                self._wait, self._way_out = self._backoff, None
+                return None
         if self._way_out and len(self._way_out) + MARGIN >= self.remaining:  # [] when none was found
             self.closed_by_budget = True
             return self._way_out[0]
         self._narrow = bool(self._way_out) and self._str == 0 \
             and self.remaining <= len(self._way_out) + MARGIN + self._slack
         return None
+
+    def _rollout(self, state: int, seconds: float | None) -> list[int]:
+        return self._f._rollout(self._m, state, steps=self.rollout_steps, seconds=seconds)
 
     def narrow(self, row: np.ndarray) -> None:
         """Near the end (``forced`` said so), outside a string: tokens that open content leave the grammar's
@@ -185,62 +217,88 @@ class GrammarFactory:
         self._words = (self.lltok.vocab_size + 31) // 32
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
         self._no_openers: np.ndarray | None = None
-        # a roll-out's time bound (None: only its step bound). The ranks of a lockstep pipeline all sample, so
-        # their masks must not depend on how fast each one is: they run without it
+        # the time bound of the roll-outs of the constraints it makes (None: only their step bound; Constraint.seconds).
+        # The ranks of a lockstep pipeline all sample, so their masks must not depend on how fast each one is: they
+        # run without it
         self.rollout_seconds: float | None = ROLLOUT_SECONDS
 
     # -- compile -------------------------------------------------------------------------------------------------
-    def compile_request(self, grammar: dict, max_tokens: int | None = None) -> Constraint | None:
+    def compile_request(self, grammar: dict, max_tokens: int | None = None,
+                        rollout_steps: int | None = None) -> Constraint | None:
         """A rank's request grammar: ``{"response_format": ...}`` (``compile``) or ``{"lark": text}`` (a forced tool
         call's markup, tools.CallConstraint.lark)."""
+        base = self.base(grammar)
+        return None if base is None else self.constraint(base, max_tokens, rollout_steps or ROLLOUT_STEPS)
+
+    def base(self, grammar: dict):
+        """The compiled matcher of a request's grammar (cached; None: no constraint); GrammarRefused (one line)."""
         if "lark" in grammar:
-            return self.compile_lark(grammar["lark"], max_tokens)
-        return self.compile(grammar.get("response_format"), max_tokens)
+            return self._lark(grammar["lark"])
+        return self._schema(grammar.get("response_format"))
+
+    def constraint(self, base, max_tokens: int | None = None, rollout_steps: int = ROLLOUT_STEPS) -> Constraint:
+        """A fresh Constraint of a compiled matcher (its own copy: a base is shared by every request of it)."""
+        return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens), rollout_steps)
 
     def compile_lark(self, text: str, max_tokens: int | None = None) -> Constraint:
         """An llguidance Lark grammar -> a fresh Constraint; ValueError (one line) when it does not compile."""
+        return self.constraint(self._lark(text), max_tokens)
+
+    def _lark(self, text: str):
         import llguidance
 
         if not isinstance(text, str) or len(text) > MAX_SCHEMA_BYTES:
-            raise ValueError("the tool call's grammar is too large")
-        base = self._cached("lark:" + text, lambda: self._matcher(
+            raise GrammarRefused(Refusal.TOO_LARGE, "the tool call's grammar is too large")
+        return self._cached("lark:" + text, lambda: self._matcher(
             llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), "the tool call's grammar"))
-        return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens))
 
     def _cached(self, key: str, build):
-        """The compiled matcher of ``key`` (built on a miss; least recently used out past CACHE_SIZE)."""
-        base = self._cache.get(key)
-        if base is None:
-            base = self._cache[key] = build()
+        """The compiled matcher of ``key`` (built on a miss; least recently used out past CACHE_SIZE). Compiles
+        run on several threads (compiler.py): the cache is locked, a build is not."""
+        with self._lock:
+            base = self._cache.get(key)
+            if base is not None:
+                self._cache.move_to_end(key)
+                return base
+        base = build()
+        with self._lock:
+            self._cache[key] = base
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
         return base
 
     def _matcher(self, llguidance, grammar, what: str):
-        """A matcher of ``grammar()`` (llguidance's grammar text); ValueError (one line) naming ``what``."""
+        """A matcher of ``grammar()`` (llguidance's grammar text); GrammarRefused (one line) naming ``what``."""
         try:
             g = grammar()
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{what}: {_one_line(e)}") from None
-        m = llguidance.LLMatcher(self.lltok, g, log_level=0, limits=llguidance.LLParserLimits(verbose_errors=False))
-        if m.is_error():
-            raise ValueError(f"{what}: {_one_line(m.get_error())}")
+            raise GrammarRefused(Refusal.INVALID, f"{what}: {_one_line(e)}") from None
+        limits = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=LEXER_FUEL)
+        m = llguidance.LLMatcher(self.lltok, g, log_level=0, limits=limits)
+        if m.is_error():  # its cost if 4x the fuel builds it (no tokens: cheaper than a compile), else invalid
+            more = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=4 * LEXER_FUEL)
+            kind = Refusal.INVALID if llguidance.LLMatcher.validate_grammar(g, limits=more) else Refusal.COMPILE_COST
+            raise GrammarRefused(kind, f"{what}: {_one_line(m.get_error())}")
         return m
 
     def compile(self, response_format: dict | None, max_tokens: int | None = None) -> Constraint | None:
         """OpenAI's ``response_format`` -> a fresh Constraint (None for ``text`` or no format); with
         ``max_tokens`` (the request's budget) it closes the answer within it (see the module's docstring).
-        ValueError (one line, fit for a 400) when the format or its schema is unsupported or invalid."""
+        ValueError (GrammarRefused: one line, fit for a 400) when the format or its schema is unsupported or
+        invalid."""
+        base = self._schema(response_format)
+        return None if base is None else self.constraint(base, max_tokens)
+
+    def _schema(self, response_format: dict | None):
         import llguidance
 
         if response_format is None:
             return None
         if not isinstance(response_format, dict):
-            raise ValueError("response_format must be an object")
+            raise GrammarRefused(Refusal.INVALID, "response_format must be an object")
         kind = response_format.get("type")
         if kind == "text":
             return None
@@ -249,23 +307,24 @@ class GrammarFactory:
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-                raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+                raise GrammarRefused(Refusal.INVALID,
+                                     "response_format.json_schema must be an object with a 'schema' object")
             schema, strict = spec.get("schema", {}), bool(spec.get("strict", False))
         else:
-            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+            raise GrammarRefused(Refusal.INVALID, "response_format.type must be 'text', 'json_object' or "
+                                                  f"'json_schema', not {kind!r}")
         try:
             key = json.dumps([schema, strict], sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"response_format.json_schema.schema is not JSON: {_one_line(e)}") from None
+            raise GrammarRefused(Refusal.INVALID,
+                                 f"response_format.json_schema.schema is not JSON: {_one_line(e)}") from None
         if len(key) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"response_format.json_schema.schema is too large ({len(key)} bytes; "
-                             f"at most {MAX_SCHEMA_BYTES})")
+            raise GrammarRefused(Refusal.TOO_LARGE, f"response_format.json_schema.schema is too large ({len(key)} "
+                                                    f"bytes; at most {MAX_SCHEMA_BYTES})")
         options = dict(_JSON_OPTIONS, lenient=not strict)
-        base = self._cached(key, lambda: self._matcher(
+        return self._cached(key, lambda: self._matcher(
             llguidance, lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options),
             "response_format.json_schema.schema"))
-        budget = None if max_tokens is None else int(max_tokens)
-        return Constraint(self, base.deep_copy(), budget)
 
     # -- masks ---------------------------------------------------------------------------------------------------
     def bitmasks(self, constraints: Sequence[Constraint | None]) -> np.ndarray:
@@ -340,17 +399,17 @@ class GrammarFactory:
                 state = 1
         return state
 
-    def _rollout(self, matcher, state: int) -> list[int]:
+    def _rollout(self, matcher, state: int, *, steps: int = ROLLOUT_STEPS, seconds: float | None = None) -> list[int]:
         """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
-        accepted answer; [] when none is found within ROLLOUT_STEPS and ROLLOUT_SECONDS."""
+        accepted answer; [] when none is found within ``steps`` masks (and ``seconds``, when given)."""
         texts, orders, _quotes = self._rollout_tables()
         m = matcher.deep_copy()
         row = np.empty(self._words, dtype=np.int32)
         way: list[int] = []
         n_tok = len(texts)
         repeats = 0
-        deadline = time.perf_counter() + self.rollout_seconds if self.rollout_seconds is not None else None
-        for _ in range(ROLLOUT_STEPS):
+        deadline = time.perf_counter() + seconds if seconds is not None else None
+        for _ in range(steps):
             if m.is_accepting():
                 return way
             if deadline is not None and time.perf_counter() > deadline:

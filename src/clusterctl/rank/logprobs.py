@@ -5,9 +5,21 @@ handed to the HTTP thread one entry per token.
 An entry is OpenAI's chat shape: ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}...]}`` plus the token's ``id``; /v1/completions turns a list of them into its legacy shape
 (``completion_shape``). ``token`` is the token's own text (a byte-level token that holds part of a character reads
-as U+FFFD there; ``bytes`` are then those of that text, not the raw byte: a known approximation)."""
+as U+FFFD there; ``bytes`` are then those of that text, not the raw byte: a known approximation).
+
+Every value is finite: JSON has no ``-Infinity`` (JavaScript's ``JSON.parse`` and Go's ``encoding/json`` refuse
+the whole body), so a logprob is at least ``FLOOR`` (OpenAI's), and a token the request's grammar or bans forbid
+(-inf after the processors) is never listed as an alternative."""
 
 from __future__ import annotations
+
+FLOOR = -9999.0  # OpenAI's smallest logprob
+
+
+def finite(lp: float) -> float:
+    """``lp`` clamped to FLOOR (-inf and NaN included)."""
+    return lp if lp >= FLOOR else FLOOR
+
 
 class Entries:
     """Makes the entries of one request: ``top`` alternatives per token (0: the chosen token only)."""
@@ -24,7 +36,7 @@ class Entries:
 
     def _one(self, tid: int, lp: float) -> dict:
         t = self._token(tid)
-        return {"id": tid, "token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+        return {"id": tid, "token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
 
     def pending(self, logprobs):
         """The lazy arrays an entry needs from a row's log-probabilities (shape (vocab,) or (1, vocab)): built
@@ -43,7 +55,9 @@ class Entries:
         alts = []
         if top is not None:
             idx, vals = top
-            alts = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+            # a forbidden token (-inf: the grammar's mask; about -1e9: a ban, openai.BANNED) is no alternative
+            alts = sorted(((i, v) for i, v in zip(idx.tolist(), vals.tolist()) if v >= FLOOR),
+                          key=lambda p: -p[1])
         e["top_logprobs"] = [self._one(i, v) for i, v in alts]
         return e
 

@@ -35,20 +35,6 @@ def _response_format(body: dict) -> dict | None:
     return {"response_format": rf}
 
 
-def check_grammar(tokenizer, req: GenRequest) -> None:
-    """Compile the request's grammar once on admission (rank 0's HTTP side): a schema that cannot be enforced is
-    a 400 now, not a failed row later."""
-    if req.grammar is None:
-        return
-    from clusterctl.rank.sampling import grammar_factory
-
-    try:
-        grammar_factory(tokenizer, deterministic=False, user="admission").compile_request(req.grammar, req.max_tokens)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice") \
-            from None
-
-
 def refuse_unsupported(body: dict) -> None:
     """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored."""
     if body.get("n", 1) not in (1, None):
@@ -154,14 +140,11 @@ class RequestBuilder:
         return out or None
 
     def _request(self, rid: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
-        """The request to generate: max_tokens resolved (none given: until the context is full) and checked,
-        its grammar compiled once."""
+        """The request to generate: max_tokens resolved (none given: until the context is full) and checked (its
+        grammar is compiled next, off the preparer's lock: Api.admit, compiler.py)."""
         max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
         self._check_len(tokens, max_tokens)
-        req = GenRequest(id=rid, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
-        if tokenizer is not None:
-            check_grammar(tokenizer, req)
-        return req
+        return GenRequest(id=rid, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
 
     def _check_len(self, tokens: list[int], max_tokens: int) -> None:
         if not tokens:

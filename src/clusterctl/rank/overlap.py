@@ -188,9 +188,9 @@ class OverlapBatch:
         return [len(mb) for mb in self.mbs]
 
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
-            *, into: int, emit_lp: Callable[[dict], None] | None = None) -> None:
+            *, into: int, emit_lp: Callable[[dict], None] | None = None, grammar=None) -> None:
         """A request joins micro-batch ``into`` (the scheduler's choice: ``join_count`` during a run, ``place`` at
-        a meeting) at its next slot."""
+        a meeting) at its next slot; ``grammar``: its compiled constraint (rank 0; compiler.py)."""
         if any(r.id == req.id for mb in self.mbs for r in (*mb.rows, *mb.fresh)):
             raise ValueError(f"request {req.id} is already in the batch")
         if not req.tokens or req.max_tokens < 1:
@@ -199,7 +199,7 @@ class OverlapBatch:
         if self.last:
             row.seq = Seq(req=req, uid=0, detok=self.tokenizer.detokenizer, emit=emit, stops=StopMatcher(req.stop),
                           emit_lp=emit_lp)
-            row.sampler = RowSampler(req, self.tokenizer)
+            row.sampler = RowSampler(req, grammar)
             row.seq.procs = row.sampler.procs
             if emit_lp is not None and req.logprobs >= 0:
                 row.seq.lp = Entries(self.tokenizer, req.logprobs)

@@ -26,6 +26,7 @@ class ApiRequest:
     prepare_s: float = 0.0  # how long its template and tokenizer took
     cached_tokens: int = 0  # prompt tokens the prompt cache gave it (usage.prompt_tokens_details.cached_tokens)
     splitter: Any = None  # chat: splitter.OutputSplitter (content, reasoning, tool calls out of the text)
+    grammar: Any = None  # its grammar's constraint, compiled at admission (compiler.py): the step loop takes it
     created: int = field(default_factory=lambda: int(time.time()))
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from clusterctl.rank.generation import GenRequest
+from clusterctl.rank.grammar import ROLLOUT_SECONDS
 
 
 class GrammarMask:
@@ -45,36 +46,18 @@ def closed_by_budget(procs) -> bool:
     return any(isinstance(p, GrammarMask) and p.c.closed_by_budget for p in procs or ())
 
 
-def grammar_factory(tokenizer, *, deterministic: bool, user: str = "steps"):
-    """The GrammarFactory of one thread (``user``: "steps", the step loop; "admission", the HTTP threads, one at
-    a time) for ``tokenizer``, made on first use (~1-2 s for a large vocabulary). ``deterministic``: no time bound
-    on closing an answer within max_tokens (every lockstep rank must compute the same masks); the overlapped
-    pipeline samples on rank 0 alone and keeps the bound."""
-    from clusterctl.rank.grammar import GrammarFactory
-
-    attr = f"_clusterctl_grammar_{user}_{int(deterministic)}"
-    f = getattr(tokenizer, attr, None)
-    if f is None:
-        f = GrammarFactory(tokenizer)
-        if deterministic:
-            f.rollout_seconds = None
-        setattr(tokenizer, attr, f)
-    return f
-
-
-def processors(req: GenRequest, tokenizer=None, *, deterministic: bool = True) -> list:
+def processors(req: GenRequest, grammar=None) -> list:
     """mlx-lm's logits processors for a request's logit_bias and penalties, and its grammar last (none when it
-    asks for none)."""
+    asks for none). ``grammar``: its constraint, compiled off the step loop (compiler.py), or the exception its
+    compile raised; never compiled here."""
     procs = _bias_and_penalties(req)
-    if req.grammar is not None and tokenizer is not None:
-        try:
-            c = grammar_factory(tokenizer, deterministic=deterministic).compile_request(req.grammar, req.max_tokens)
-        except Exception as e:  # admitted, so it compiled on rank 0: fail this request alone, never the rank
-            def refuse(tokens, logits, why=failure(e)):
+    if req.grammar is not None:
+        if grammar is None or isinstance(grammar, BaseException):
+            def refuse(tokens, logits, why=failure(grammar or RuntimeError("the grammar was not compiled"))):
                 raise ValueError(why)
 
             return [*procs, refuse]
-        procs.append(GrammarMask(c))
+        procs.append(GrammarMask(grammar))
     return procs
 
 
@@ -95,7 +78,8 @@ class RowSampler:
     failed: str | None = None  # why this request's sampling failed (the row then took the argmax)
     logprobs: mx.array | None = None  # the last step's log-softmax after the processors (wants_logprobs)
 
-    def __init__(self, req: GenRequest, tokenizer=None):
+    def __init__(self, req: GenRequest, grammar=None):
+        """``grammar``: the request's constraint as ``processors`` takes it."""
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self.temp = float(req.temperature)
@@ -106,7 +90,9 @@ class RowSampler:
             self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
         if req.top_k > 0:
             self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
-        self.procs = processors(req, tokenizer, deterministic=False)  # rank 0 alone samples
+        if grammar is not None and not isinstance(grammar, BaseException):
+            grammar.seconds = ROLLOUT_SECONDS  # rank 0 alone samples: its roll-outs may be bounded in time too
+        self.procs = processors(req, grammar)
         self.history = list(req.tokens) if self.procs else None  # what the processors look back on
         self.key = mx.random.key(req.seed) if self.temp > 0 else None
         self.wants_logprobs = req.logprobs >= 0

@@ -23,7 +23,7 @@ from clusterctl.rank.generation import GenRequest, GenResult
 from clusterctl.rank.group import MAX_PAYLOAD
 from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
 
-_KEYS = {"add", "drop", "fin"}
+_KEYS = {"add", "drop", "fin", "ann"}
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,18 @@ class BatchChanges:
     adds: tuple[GenRequest, ...] = ()  # join now (with rank 0's prompt-cache decision in each request)
     drops: tuple[str, ...] = ()  # cancelled, or their client left
     finishes: tuple[str, ...] = ()  # overlapped: answered early (EOS, a stop string); their KV goes to the cache
+    announces: tuple[GenRequest, ...] = ()  # lockstep: will join once every rank compiled their grammars
 
     def __bool__(self) -> bool:
-        return bool(self.adds or self.drops or self.finishes)
+        return bool(self.adds or self.drops or self.finishes or self.announces)
 
     def encode(self) -> bytes:
         """The bytes rank 0 shares (empty: no changes)."""
         if not self:
             return b""
         doc = {"add": [r.__dict__ for r in self.adds], "drop": list(self.drops),
-               **({"fin": list(self.finishes)} if self.finishes else {})}
+               **({"fin": list(self.finishes)} if self.finishes else {}),
+               **({"ann": [r.__dict__ for r in self.announces]} if self.announces else {})}
         data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
         if len(data) > MAX_PAYLOAD:
             raise IntegrityError(f"batch changes of {len(data)} bytes exceed {MAX_PAYLOAD}")
@@ -60,11 +62,14 @@ class BatchChanges:
                 or not all(isinstance(d, list) and all(isinstance(x, str) for x in d)
                            for d in (doc["drop"], doc.get("fin", []))):
             raise IntegrityError("shared batch changes have an unexpected shape")
+        if not isinstance(doc.get("ann", []), list):
+            raise IntegrityError("shared batch changes have an unexpected shape")
         adds = tuple(_request(a) for a in doc["add"])
-        ids = [r.id for r in adds] + doc["drop"] + doc.get("fin", [])
+        announces = tuple(_request(a) for a in doc.get("ann", []))
+        ids = [r.id for r in adds] + doc["drop"] + doc.get("fin", []) + [r.id for r in announces]
         if len(set(ids)) != len(ids):
             raise IntegrityError("shared batch changes name a request twice")
-        return cls(adds, tuple(doc["drop"]), tuple(doc.get("fin", ())))
+        return cls(adds, tuple(doc["drop"]), tuple(doc.get("fin", ())), announces)
 
 
 def _request(obj) -> GenRequest:
@@ -161,6 +166,12 @@ class Scheduler:
         self.epochs = Epochs(cancels, on_ack)
         self.inflight: dict[str, ApiRequest] = {}  # the requests in the batch, by id
         self.joining: dict[str, tuple[int | None, ApiRequest]] = {}  # decided to join (micro-batch), not yet applied
+        # lockstep over several ranks (they all sample): a request with a grammar is announced first and joins once
+        # every rank has compiled it off its step loop (compiler.py; rank 0 compiled it at admission)
+        self.announcing = False
+        self.held: deque[tuple[int, ApiRequest]] = deque()  # announced, not joined: (announcement number, request)
+        self.announced = 0  # announcements made
+        self.ready_below = 0  # announcements numbered below this are compiled on every rank (``compiled``)
 
     def waiting(self) -> int:
         return len(self.queue) if self.queue is not None else 0
@@ -168,8 +179,13 @@ class Scheduler:
     def poll_cancels(self) -> bool:
         """A new cancel epoch marks the matching requests cancelled: in the batch, decided to join it (they leave
         at the next decision after they joined), and queued. True if one came."""
-        held = {**self.inflight, **{rid: api_req for rid, (_, api_req) in self.joining.items()}}
+        held = {**self.inflight, **{rid: api_req for rid, (_, api_req) in self.joining.items()},
+                **{r.id: r for _, r in self.held}}
         return self.epochs.poll(held, self.queue)
+
+    def compiled(self, below: int) -> None:
+        """A meeting's header said the announcements numbered below ``below`` are compiled on every rank."""
+        self.ready_below = max(self.ready_below, below)
 
     # -- joins
 
@@ -184,21 +200,46 @@ class Scheduler:
             if api_req.cancelled.is_set():  # cancelled while queued: never started
                 api_req.events.put(("done", cancelled()))
                 continue
-            req = api_req.req
-            hit = self.lookup(req) if self.lookup is not None else None
-            if hit is not None:
-                req.cache_from, req.cache_len = hit
-            self.joining[req.id] = (into, api_req)
-            out.append(req)
+            self._cache_hit(api_req.req)
+            self.joining[api_req.id] = (into, api_req)
+            out.append(api_req.req)
         return out
+
+    def _cache_hit(self, req: GenRequest) -> None:
+        """The prompt cache's decision for a request about to join (none: its whole prompt is processed)."""
+        hit = self.lookup(req) if self.lookup is not None else None
+        req.cache_from, req.cache_len = hit if hit is not None else (None, 0)
 
     def meeting(self, room: int, ended: list[str] = (), *, wait: float = 0.0) -> BatchChanges:
         """A meeting's changes: a new cancel epoch first, then the cancelled requests leave, the answered ones
         (overlapped: ``ended``) leave, and queued ones take the freed slots."""
         self.poll_cancels()
-        drops = tuple(rid for rid, j in self.inflight.items() if j.cancelled.is_set())
+        leaving = tuple(rid for rid, j in self.inflight.items() if j.cancelled.is_set())
+        drops = leaving + self._drop_held()
         fins = tuple(rid for rid in ended if rid not in drops)
-        return BatchChanges(tuple(self.take(room + len(drops) + len(fins), wait=wait)), drops, fins)
+        ready = []  # announced requests every rank has compiled: they join first (their slots were kept)
+        while self.held and self.held[0][0] < self.ready_below:
+            api_req = self.held.popleft()[1]
+            self._cache_hit(api_req.req)  # now: what the cache held when it was announced may be gone
+            self.joining[api_req.id] = (None, api_req)
+            ready.append(api_req.req)
+        free = room + len(leaving) + len(fins) - len(ready) - len(self.held)
+        taken = self.take(free, wait=wait if not self.held else 0.0)
+        announces = [r for r in taken if self.announcing and r.grammar is not None]
+        for req in announces:
+            self.held.append((self.announced, self.joining.pop(req.id)[1]))
+            self.announced += 1
+        adds = [*ready, *(r for r in taken if not (self.announcing and r.grammar is not None))]
+        return BatchChanges(tuple(adds), drops, fins, tuple(announces))
+
+    def _drop_held(self) -> tuple[str, ...]:
+        """Announced requests cancelled before they joined: answered now; the other ranks forget their compiles."""
+        gone = [r for _, r in self.held if r.cancelled.is_set()]
+        if gone:
+            self.held = deque((n, r) for n, r in self.held if not r.cancelled.is_set())
+        for api_req in gone:
+            api_req.events.put(("done", cancelled()))
+        return tuple(r.id for r in gone)
 
     # -- the in-flight map (rank 0; on the other ranks every call finds nothing)
 
@@ -216,9 +257,10 @@ class Scheduler:
 
     def release_all(self) -> list[ApiRequest]:
         """The ranks stop: every request in the batch or about to join it."""
-        out = [*self.inflight.values(), *(r for _, r in self.joining.values())]
+        out = [*self.inflight.values(), *(r for _, r in self.joining.values()), *(r for _, r in self.held)]
         self.inflight.clear()
         self.joining.clear()
+        self.held.clear()
         return out
 
 

@@ -19,11 +19,13 @@ from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, 
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
 from clusterctl.rank.batch import Batch
+from clusterctl.rank.compiler import Compiler
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.promptcache import PromptCache, reusable
 from clusterctl.rank.scheduler import BatchChanges, Scheduler, cancelled, place
 
 KIND_IDLE, KIND_REQUEST = 0, 1
+HELD_MEET_S = 0.01  # idle, with requests announced (their grammars compiling on the ranks): meet this often
 
 
 class LoadWords:
@@ -101,6 +103,8 @@ class StepLoop:
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
         self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
+        # the other ranks' grammar compiles, off this loop (compiler.py); rank 0's are the API's, made at admission
+        self.compiler = None if self.leader else Compiler(tokenizer)
         if queue is not None:
             queue.on_put = self.idle.local
 
@@ -141,6 +145,10 @@ class StepLoop:
 
     def run(self) -> None:
         self.batch = self._new_batch()
+        # lockstep over several ranks: every rank samples, so every rank needs a request's grammar before it joins
+        self.sched.announcing = self.world > 1 and not self.overlapped
+        if self.compiler is not None and self.sched.announcing:
+            self.compiler.warm()
         if self.world > 1:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(f"rank {self.spec.rank}: decode schedule "
@@ -153,8 +161,9 @@ class StepLoop:
                 if stopping:
                     return
                 if not self.batch:
-                    if self.world > 1:
-                        self.idle.wait(idle_interval(ticks, self.wakeable), self.seq)
+                    if self.world > 1:  # (announced requests wait for the ranks' compiles: meet again soon)
+                        self.idle.wait(HELD_MEET_S if self._holding() else idle_interval(ticks, self.wakeable),
+                                       self.seq)
                     ticks += 1
                     cadence, gap = Cadence(), FIRST_CHECKPOINT
                     self.load.recent.add(idle=time.monotonic() - t0)
@@ -175,6 +184,7 @@ class StepLoop:
     def _meet(self, gap: int) -> tuple[bool, int]:
         """Agree on the batch's next changes; returns (stop, steps until the next meeting)."""
         stop_vote = 1 if self.stop.is_set() else 0
+        announced = self.sched.announced  # before this meeting's announcements: what the header's counts cover
         changes = BatchChanges()
         if self.leader and not stop_vote:
             changes = self.sched.meeting(self.batch.room, self.batch.ended(),
@@ -189,7 +199,9 @@ class StepLoop:
                 return True, gap
             self.apply(changes)
             return False, gap
-        mine = [0] * HEADER_WORDS + self.load.words()
+        # the last word: this rank's grammar compiles still running (rank 0 lets an announced request join once every
+        # rank has compiled it)
+        mine = [0] * HEADER_WORDS + self.load.words() + [self.compiler.pending if self.compiler is not None else 0]
         mine[3], mine[5] = stop_vote, 1
         if self.leader:
             mine[0:3] = [MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload)]
@@ -202,7 +214,9 @@ class StepLoop:
                          f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                          f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
         self.seq += 1
-        self.report_load(head[HEADER_WORDS:])
+        self.report_load(head[HEADER_WORDS:-1])
+        if self.leader:  # the compiles run in order on each rank: those announced first are done
+            self.sched.compiled(announced - head[-1])
         self.ack(head[6])
         if head[3] > 0:
             self._end_all()
@@ -243,7 +257,12 @@ class StepLoop:
             self.batch.drop(rid, "stop", save=True)
             if not self.leader:  # rank 0 let it go when it answered it (_done)
                 self.active.remove(rid)
+        for req in changes.announces:
+            if self.compiler is not None:
+                self.compiler.announce(req)
         for rid in changes.drops:
+            if self.compiler is not None:
+                self.compiler.discard(rid)
             res = self.batch.drop(rid, "cancelled")
             api_req = self.sched.left(rid)
             if res is not None:
@@ -257,11 +276,29 @@ class StepLoop:
             api_req = self.sched.joined(req.id)
             emit = (lambda s, a=api_req: a.events.put(("text", s))) if api_req is not None else None
             emit_lp = (lambda e, a=api_req: a.events.put(("logprob", e))) if api_req is not None else None
-            self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp,
+            self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp, grammar=self._grammar(req, api_req),
                            **({"into": places[i]} if self.overlapped else {}))
             self.active.add(req.id)
             if api_req is not None:
                 api_req.cached_tokens = req.cache_len if req.id in prefixes else 0
+
+    def _holding(self) -> bool:
+        """Requests announced and not joined yet (the same on every rank)."""
+        return bool(self.sched.held) if self.leader else bool(self.compiler and self.compiler.holding)
+
+    def _grammar(self, req, api_req: ApiRequest | None):
+        """A joining request's compiled grammar: rank 0's from admission; another rank's from its announcement (or
+        the exception its compile raised: the request then fails alone); none where this rank does not sample."""
+        if req.grammar is None:
+            return None
+        if api_req is not None:
+            return api_req.grammar
+        if self.compiler is None or not self.sched.announcing:
+            return None
+        try:
+            return self.compiler.take(req)
+        except Exception as e:
+            return e
 
     def _end_all(self) -> None:
         """The ranks stop: every request in the batch (and any just taken from the queue) gets a 503."""
