@@ -143,8 +143,25 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     assert b.completion({"prompt": "x" * 10, "max_tokens": 4}) is not None
 
 
+# Template expressions that make one large value in one step (issue 41 item 7): the line tracer cannot see time
+# or memory inside one operation or filter. {n} is a size from SIZES.
+EXPRESSIONS = [
+    "{{{{ ('x' * {n})|length }}}}", "{{{{ (['ab'] * {n})|join }}}}", "{{{{ 'x'|center({n})|length }}}}",
+    "{{{{ 'x'.ljust({n})|length }}}}", "{{{{ ('%{n}s' % 'x')|length }}}}", "{{{{ ('{{:>{n}}}'.format('x'))|length }}}}",
+    "{{{{ (2 ** {n})|string|length }}}}", "{{{{ range(100)|map('center', {n})|join|length }}}}",
+    "{{% set s = 'xy' * 1000 %}}{{{{ (s|replace('x', s * ({n} // 1000000 + 1)))|length }}}}",
+    "{{% set s = 'x' * ({n} // 10) %}}{{{{ (s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s)|length }}}}",
+    "{{% set s = 'x' * ({n} // 10) %}}{{% for i in range(50) %}}{{{{ s }}}}{{% endfor %}}",
+    "{{% set s = 'x' * ({n} // 100) %}}{{{{ ([s] * 1000)|tojson|length }}}}",
+    "{{{{ ('a\\tb' * 1000).expandtabs({n} // 1000)|length }}}}", "{{{{ 'x'|indent({n})|length }}}}",
+    "{{{{ ([1]|batch({n}, 'x')|list|first)|length }}}}",
+]
+SIZES = [10, 100000, 300000000]
+
+
 def _random_template(rng) -> str:
-    """A chat template built from pieces that can take long: nested loops, recursive macros, filters."""
+    """A chat template built from pieces that can take long: nested loops, recursive macros, filters, and
+    expressions that make a large value in one step."""
     loops = rng.randint(0, 3)
     body = "{{ m['content'] | trim }}"
     for i in range(loops):
@@ -154,7 +171,31 @@ def _random_template(rng) -> str:
         parts.insert(0, "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
     if rng.random() < 0.3:
         parts.append("{{ (messages | map(attribute='content') | join(' ')) | upper | replace('A', 'b') }}")
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        parts.insert(rng.randint(0, len(parts)), rng.choice(EXPRESSIONS).format(n=rng.choice(SIZES)))
     return "".join(parts)
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+@pytest.mark.parametrize("template", [e.format(n=300000000) for e in EXPRESSIONS])
+def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
+    """Each expression at 3e8: refused (400 prompt_budget_exceeded) before the value exists, fast."""
+    from clusterctl.rank.admission import Preparer
+    from clusterctl.rank.openai import ApiError
+
+    tok = _tokenizer_with_template(tmp_path, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    rss, t0 = _max_rss_mb(), time.monotonic()
+    with pytest.raises(ApiError) as e:
+        Preparer(tok, budget_s=5.0).prepare(job)
+    assert e.value.status == 400 and e.value.code == "prompt_budget_exceeded", e.value.message
+    assert "the chat template" in e.value.message
+    assert time.monotonic() - t0 < 5 and _max_rss_mb() - rss < 200, (time.monotonic() - t0, _max_rss_mb() - rss)
 
 
 def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
@@ -166,7 +207,8 @@ def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
 
     rng = random.Random(30)
     outcomes = {"rendered": 0, "refused": 0}
-    for n in range(6):
+    rss = _max_rss_mb()
+    for n in range(12):
         d = tmp_path / str(n)
         d.mkdir()
         tok = _tokenizer_with_template(d, _random_template(rng))
@@ -181,4 +223,6 @@ def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
             outcomes["refused"] += 1
         # the budget, plus what runs outside template code (the byte cap bounds the tokenizer's share)
         assert time.monotonic() - t0 < 10, (n, time.monotonic() - t0)
+    # no value past the cap was ever made (a 3e8-character string alone is 286 MB)
+    assert _max_rss_mb() - rss < 200, _max_rss_mb() - rss
     assert outcomes["rendered"] and outcomes["refused"], outcomes
