@@ -46,6 +46,11 @@ YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
 
 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
+    with _frozen_heap():
+        return await _launch(dep_ref, state, opts, log=log)
+
+
+async def _launch(dep_ref: str, state, opts: LaunchOptions, *, log) -> Running:
     # verified and re-hashed in a thread: hundreds of KB at hundreds of nodes
     dep_path, loaded = await asyncio.to_thread(state.load_deployment, dep_ref)
     dep: Deployment = loaded.deployment
@@ -149,8 +154,8 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
     await asyncio.to_thread(store.save, m)  # BEFORE the first rank starts: a crash from here on leaves a trail
     run = Running(manifest=m, store=store, hs=hs, procs={}, lock=lock, opts=opts)
     try:
-        with _frozen_heap():
-            await _start(run, plan, dep, Path(dep_path), key, log)
+        gc.freeze()  # the plan and the manifest too (_frozen_heap)
+        await _start(run, plan, dep, Path(dep_path), key, log)
         if opts.detach:
             await close_all(hs)
             lock.release()
@@ -164,9 +169,10 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
 
 @contextlib.contextmanager
 def _frozen_heap():
-    """What exists when the ranks start (the deployment, the plan, the manifest, every node's connection) lives
-    through the fan-out: kept out of the garbage collector's full collections meanwhile. Each walked all of it
-    on the event loop, 76-124 ms at 1,000 nodes, about half the loop's longest stalls (bench/scale.py)."""
+    """What exists when a launch begins, and again when its ranks start (the deployment, the plan, the manifest,
+    every node's connection), lives through the fan-out: kept out of the garbage collector's full collections
+    meanwhile. Each walked all of it on the event loop, 76-124 ms at 1,000 nodes, about half the loop's longest
+    stalls (bench/scale.py). Collected as usual once the launch returns."""
     gc.freeze()
     try:
         yield
