@@ -10,12 +10,16 @@ request), so nothing but the coordinator is measured, at any node count. Per row
   wall_s                       the command, start to end
   coordinator_cpu_ms_per_node  process CPU (every thread; the fake nodes' own answering included) / nodes
   bytes_sent_per_node          what the coordinator sent a node (op requests: files, contracts, argv), mean
-  world_bytes_per_node         (launch) the part of it that lists every rank: the MLX hostfile and the spec's
-                               layer_counts, which grow by ~40 bytes per rank (the only part that grows)
+  world_bytes_per_node         (launch) the part of it that lists every rank: the MLX hostfile, ~38 bytes per
+                               rank (the only part that grows; contracts carry a rank's own layer range)
   round_trips                  node-op requests one node received (max over nodes); each costs one round trip
   max_loop_stall_ms            the most CPU the event-loop thread spent between two 5 ms ticks of a watcher: how
                                long the loop could not answer anything (CPU, not wall: the machine is shared, and
                                being descheduled is not a stall of ours); max_loop_lag_ms is the wall-clock lateness
+
+Contract rows (``command: "contracts"``, 16, 100 and 1,000 nodes): every rank's contract planned and signed as
+launch does it (``fakecluster.simulated_contracts``: jobplan, the deployment's proof, one signature each), alone:
+``contract_bytes_per_node`` (the largest contract) and ``contract_cpu_ms_per_node`` (the best of 3 runs).
 
 Connection rows (``command: "connect"``) open real asyncssh sessions (one node-op request each) to an asyncssh
 server in this process, under a soft open-file limit of 256: ``failures`` is how many did not get their answer.
@@ -23,7 +27,8 @@ The server's end of each connection lives in this process too, so a connection c
 (fdlimit.SLOTS is told so). Two arms side by side: connections in waves (what clusterctl does) and all at once.
 
 Goals (checked and printed): launch CPU and bytes per node at 256 within 1.5x of 16, the same round trips, wall at
-256 within 2x of 16 at 50 ms; 0 failures for the 300 sessions. ``--quick``: 16 and 256 nodes at 0 and 50 ms and 300
+256 within 2x of 16 at 50 ms; 0 failures for the 300 sessions; contract bytes per node at 1,000 within 1.1x of 16 and
+contract CPU per node within 1.5x; no launch loop stall over 100 ms at the largest node count run. ``--quick``: 16 and 256 nodes at 0 and 50 ms and 300
 sessions; the default adds 1,000 nodes.
 """
 
@@ -42,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from clusterctl.launch import fdlimit  # noqa: E402
-from clusterctl.launch.fakecluster import SimulatedNode, simulated_deployment  # noqa: E402
+from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment  # noqa: E402
 from clusterctl.launch.faketransport import fake_nodes  # noqa: E402
 from clusterctl.launch.jobplan import LaunchOptions  # noqa: E402
 from clusterctl.launch.nodes import SshOptions  # noqa: E402
@@ -93,17 +98,29 @@ async def measured(name: str, nodes: dict[str, SimulatedNode], rtt_ms: float, co
 
 def world_bytes(nodes: dict[str, SimulatedNode]) -> int:
     """Of what launch sent a node, the part that lists every rank, mean per node: its MLX hostfile (the ring reads
-    every rank's address) and its spec's layer_counts, as sent (base64 in a write request)."""
-    from clusterctl.atomic import dumps
-
-    total = 0
-    for node in nodes.values():
-        for path, data in node.files.items():
-            if path.endswith(".hostfile.json"):
-                total += len(data)
-            elif path.endswith(".contract"):
-                total += len(dumps({"layer_counts": json.loads(data)["spec"]["layer_counts"]}))
+    every rank's address), as sent (base64 in a write request)."""
+    total = sum(len(data) for node in nodes.values() for path, data in node.files.items()
+                if path.endswith(".hostfile.json"))
     return round(total * 4 / 3 / len(nodes))
+
+
+def contract_rows(counts: list[int], folder: Path) -> list[dict]:
+    """Contracts alone: bytes of the largest and CPU per node of planning and signing all of them (best of 3)."""
+    rows = []
+    for i, n in enumerate([counts[0], *counts]):  # the first run warms up (imports, pydantic's schemas)
+        state = StateDir(folder / f"contracts-{i}")
+        path = simulated_deployment(state, n)
+        best = None
+        for _ in range(3):
+            cpu0 = time.process_time()
+            contracts = simulated_contracts(state, path)
+            cpu = time.process_time() - cpu0
+            best = cpu if best is None else min(best, cpu)
+        if i:
+            rows.append({"command": "contracts", "nodes": n, "rtt_ms": 0,
+                         "contract_bytes_per_node": max(len(c) for c in contracts.values()),
+                         "contract_cpu_ms_per_node": round(best * 1000 / n, 3)})
+    return rows
 
 
 async def commands(n: int, rtt_ms: float, folder: Path) -> list[dict]:
@@ -215,6 +232,16 @@ def goals(rows: list[dict]) -> list[tuple[str, float | None, float, bool]]:
         if rtt == 50:
             ratio = b["wall_s"] / a["wall_s"]
             out.append(("launch wall_s 256/16 at 50 ms", round(ratio, 2), 2.0, ratio <= 2.0))
+    c = {r["nodes"]: r for r in rows if r["command"] == "contracts"}
+    if 16 in c and 1000 in c:
+        for key, bound in (("contract_bytes_per_node", 1.1), ("contract_cpu_ms_per_node", 1.5)):
+            ratio = c[1000][key] / c[16][key]
+            out.append((f"{key} 1000/16", round(ratio, 2), bound, ratio <= bound))
+    launches = [r for r in rows if r["command"] == "launch"]
+    if launches:
+        top = max(r["nodes"] for r in launches)
+        stall = max(r["max_loop_stall_ms"] for r in launches if r["nodes"] == top)
+        out.append((f"launch longest loop stall at {top} nodes (ms)", stall, 100, stall <= 100))
     for r in rows:
         if r["command"] == "connect" and r.get("arm") == "waves":
             out.append((f"connect {r['nodes']} sessions under nofile {r['nofile']}: failures", r["failures"], 0,
@@ -229,8 +256,12 @@ def table(rows: list[dict]) -> None:
              "LAG ms"]
     print(" ".join(f"{h:>11}" for h in heads))
     for r in rows:
-        if r["command"] != "connect":
+        if r["command"] not in ("connect", "contracts"):
             print(" ".join(f"{r.get(c, '-')!s:>11}" for c in cols))
+    for r in rows:
+        if r["command"] == "contracts":
+            print(f"contracts {r['nodes']} nodes: {r['contract_bytes_per_node']} bytes, "
+                  f"{r['contract_cpu_ms_per_node']} ms of CPU per node")
     for r in rows:
         if r["command"] == "connect":
             print(f"connect {r['nodes']} real sessions, nofile {r['nofile']}, {r['arm']}: {r['failures']} failed, "
@@ -262,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                             print(json.dumps(r), flush=True)
                         else:
                             print(f"  {r['command']} {n} nodes {rtt:g} ms: {r['wall_s']} s", file=sys.stderr)
+            for r in contract_rows([16, 100, 1000], Path(tmp)):
+                rows.append(r)
+                if a.json:
+                    print(json.dumps(r), flush=True)
             folder = Path(tmp) / "connect"
             folder.mkdir()
             for r in await connect_rows(a.sessions, 256, folder):

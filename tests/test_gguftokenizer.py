@@ -81,6 +81,11 @@ def test_refusals(extra, error, text):
     ({"tokenizer.chat_template": "{% endfor %}"}, ConfigError, "chat template does not parse (line 1)"),
     ({"tokenizer.chat_template": ["x"]}, ConfigError, "tokenizer.chat_template is not text"),
     ({"tokenizer.chat_template": "{{ x }}" * 10000}, ConfigError, "chat template has 70000 characters (at most 65536)"),
+    # issue 41 item 7: templates that compile but render past rank 0's caps
+    ({"tokenizer.chat_template": "{{ ('x' * 300000000)|length }}"}, ConfigError,
+     "rendering a sample conversation, the chat template would make a repeated str of 300,000,000 characters"),
+    ({"tokenizer.chat_template": "{{ (['ab'] * 30000000)|join }}"}, ConfigError,
+     "rendering a sample conversation, the chat template would make a repeated list"),
 ])
 def test_lists_of_the_wrong_kind_are_refused(extra, error, text):
     """Found by tests/test_fuzz_gguf.py: these reached Python errors (exit 70) or a bare tokenizers exception."""

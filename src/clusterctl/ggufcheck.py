@@ -5,13 +5,13 @@
   accepts); outside, a ConfigError naming the key and the range.
 - ``check_tensors``: the tensor table against the metadata, per tensor of the file (nothing is built per layer
   the metadata claims, so a lying layer count costs nothing).
-- ``check_template``: the chat template parses in jinja2's sandbox, as transformers renders it; one that does
-  not would fail on rank 0 at the first chat request.
+- ``check_template``: the chat template parses in jinja2's sandbox, as transformers renders it, and renders a
+  sample conversation within rank 0's size caps and time budget; one that does not would fail on rank 0 at every
+  chat request.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import unicodedata
@@ -91,15 +91,18 @@ def f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
-def check_template(template: str, path) -> None:
-    """A chat template rank 0 can compile: it parses, with the extensions transformers enables, in jinja2's
-    sandbox. (Rendering it is bounded on rank 0, which renders with a time budget.)"""
+def check_template(template: str, path, args: dict | None = None) -> None:
+    """A chat template rank 0 can run: it parses, with the extensions transformers enables, in rank 0's bounded
+    sandbox (shared/chattemplate.py), and one rendering of a sample conversation stays within rank 0's size caps
+    and time budget (a template that refuses the sample, e.g. without a system role, is not refused for it)."""
     if len(template) > MAX_TEMPLATE:
         raise ConfigError(f"{path}: its chat template has {len(template)} characters (at most {MAX_TEMPLATE})")
     from jinja2 import TemplateError
 
+    from clusterctl.shared import chattemplate
+
     try:
-        _template_environment().from_string(template)
+        chattemplate.environment().from_string(template)
     except TemplateError as e:
         line = getattr(e, "lineno", None)
         raise ConfigError(f"{path}: its chat template does not parse"
@@ -107,32 +110,13 @@ def check_template(template: str, path) -> None:
     except (SyntaxError, RecursionError, MemoryError) as e:  # Python's own limits on what jinja2 compiled
         raise ConfigError(f"{path}: its chat template cannot be compiled ({type(e).__name__}: "
                           f"{str(e)[:80] or 'nested too deeply'})") from None
-
-
-@functools.cache
-def _template_environment():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                         extensions=[loopcontrols, _generation_extension()])
-
-
-def _generation_extension():
-    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's part): parsed as its
-    body, as transformers' AssistantTracker renders it."""
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    return Generation
+    try:
+        chattemplate.check_render(template, args)
+    except chattemplate.TemplateTooLarge as e:
+        raise ConfigError(f"{path}: rendering a sample conversation, {e.message}") from None
+    except chattemplate.BudgetExceeded:
+        raise ConfigError(f"{path}: rendering a sample conversation took over {chattemplate.BUDGET_S:g} s "
+                          f"(rank 0's budget for one request)") from None
 
 
 def terminal_text(text: str, limit: int = 200) -> str:

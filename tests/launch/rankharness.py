@@ -72,7 +72,7 @@ class RankCluster:
         spec = dict(
             deployment_id="dep", job_id=f"job-{self.tag}", nonce=f"nonce-{self.tag}", node=f"node{r}", rank=r,
             world_size=self.world, backend="ring", model_path=str(self.model_path), start_layer=start,
-            end_layer=end, layer_counts=self.layer_counts, num_layers=self.num_layers, hostfile=hostfile,
+            end_layer=end, num_layers=self.num_layers, hostfile=hostfile,  # its own range, as launch writes it
             http_port=self.http_port if r == 0 else None, api_key=self.api_key if r == 0 else None, seed=7,
             runtime_dir=str(self.root), marker_path=str(self.marker_path(r)), gate_path=str(self.gate),
             lease_path=str(self.lease) if self.lease else None, lease_seconds=self.lease_seconds,

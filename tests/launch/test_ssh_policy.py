@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -177,3 +178,37 @@ def test_rsync_with_a_hostile_remote_path(sshd, tmp_path):
     assert pull.returncode == 0, pull.stderr
     assert (back / "payload.bin").read_bytes() == src.read_bytes()
     assert not canary.exists(), "a remote shell executed part of the path"
+
+
+
+# As cron runs clusterctl in a container: no USER or LOGNAME, and a uid the password database does not know (a
+# mount namespace whose /etc/passwd is empty and whose nsswitch.conf reads only files).
+NO_USER_PROBE = """
+import asyncio, json
+from clusterctl.errors import ClusterctlError
+from clusterctl.launch import sshnode
+from clusterctl.launch.ssh_policy import SshTarget
+try:
+    asyncio.run(sshnode.connect(SshTarget(host="127.0.0.1", port=9, user="deploy", connect_timeout=5)))
+    print(json.dumps({"kind": "connected"}))
+except ClusterctlError as e:
+    print(json.dumps({"kind": type(e).__name__, "code": int(e.exit_code), "message": e.message}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_an_unknown_local_user_is_one_line_naming_the_user_to_set(tmp_path):
+    import json
+    import sys
+
+    (tmp_path / "passwd").write_text("")
+    (tmp_path / "nsswitch.conf").write_text("passwd: files\ngroup: files\nhosts: files dns\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "LNAME", "USERNAME")}
+    script = (f"mount --bind {tmp_path}/passwd /etc/passwd && mount --bind {tmp_path}/nsswitch.conf "
+              f"/etc/nsswitch.conf && exec {shlex.quote(sys.executable)} -c \"$PROBE\"")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**env, "PROBE": NO_USER_PROBE})
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "ConfigError" and got["code"] == int(Exit.CONFIG), got
+    assert "USER=deploy" in got["message"] and "deploy@127.0.0.1:9" in got["message"], got

@@ -195,3 +195,29 @@ def test_schedule_and_prompt_cache_are_planned_and_shown(c3, model32, state):
     assert r.code != 0 and "--schedule overlap" in r.stderr and len(r.stderr.strip().splitlines()) <= 2
     r = run("plan", "-c", str(c3), "-m", str(model32), "--schedule", "sideways")
     assert r.code == 2 and "auto, overlap, lockstep" in r.stderr
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ ('x' * 300000000)|length }}", "a repeated str of 300,000,000 characters"),
+    ("{{ (['ab'] * 30000000)|join }}", "a repeated list of"),
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "took over 10 s"),
+])
+def test_a_chat_template_past_rank_0s_bounds_is_refused_and_nothing_written(c3, model32, state, tmp_path,
+                                                                             template, message):
+    """Issue 41 item 7: a template that only compiled was accepted; plan now renders a sample conversation under
+    rank 0's caps and budget (replan shares the option's check)."""
+    evil = tmp_path / "evil.jinja"
+    evil.write_text(template)
+    out = tmp_path / "dep.json"
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--chat-template", str(evil), "-o", str(out))
+    assert r.code == 78, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr and "sample conversation" in r.stderr
+    assert not out.exists() and not list((state / "deployments").glob("*.json"))
+
+
+def test_a_chat_template_that_refuses_the_sample_conversation_is_still_accepted(c3, model32, state, tmp_path):
+    t = tmp_path / "no-system.jinja"
+    t.write_text("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    r = run("plan", "-c", str(c3), "-m", str(model32), "--chat-template", str(t), "-q")
+    assert r.code == 0, r.stderr

@@ -3,6 +3,7 @@ lockstep batch and the overlapped sampler), the template budget, the byte cap be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -143,8 +144,26 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     assert b.completion({"prompt": "x" * 10, "max_tokens": 4}) is not None
 
 
+# Template expressions that make one large value in one step (issue 41 item 7): the line tracer cannot see time
+# or memory inside one operation or filter. {n} is a size from SIZES; at the largest each would make 200 MB to
+# 1 GB without the caps (scaled so that running them on code without the caps cannot exhaust the machine).
+EXPRESSIONS = [
+    "{{{{ ('x' * {n})|length }}}}", "{{{{ (['ab'] * ({n} // 10))|join }}}}", "{{{{ 'x'|center({n})|length }}}}",
+    "{{{{ 'x'.ljust({n})|length }}}}", "{{{{ ('%{n}s' % 'x')|length }}}}", "{{{{ ('{{:>{n}}}'.format('x'))|length }}}}",
+    "{{{{ (2 ** ({n} // 1000))|string|length }}}}", "{{{{ range(3)|map('center', {n} // 3)|join|length }}}}",
+    "{{% set s = 'xy' * 1000 %}}{{{{ (s|replace('x', s * ({n} // 3000000 + 1)))|length }}}}",
+    "{{% set s = 'x' * ({n} // 30) %}}{{{{ (s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s)|length }}}}",
+    "{{% set s = 'x' * ({n} // 30) %}}{{% for i in range(10) %}}{{{{ s }}}}{{% endfor %}}",
+    "{{% set s = 'x' * ({n} // 30) %}}{{{{ [s, s, s, s, s, s]|tojson|length }}}}",
+    "{{{{ ('a\\tb' * 1000).expandtabs({n} // 1000)|length }}}}", "{{{{ 'x\\ny'|indent({n})|length }}}}",
+    "{{{{ ([1]|batch({n} // 10, 'x')|list|first)|length }}}}",
+]
+SIZES = [10, 100000, 300000000]
+
+
 def _random_template(rng) -> str:
-    """A chat template built from pieces that can take long: nested loops, recursive macros, filters."""
+    """A chat template built from pieces that can take long: nested loops, recursive macros, filters, and
+    expressions that make a large value in one step."""
     loops = rng.randint(0, 3)
     body = "{{ m['content'] | trim }}"
     for i in range(loops):
@@ -154,7 +173,39 @@ def _random_template(rng) -> str:
         parts.insert(0, "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
     if rng.random() < 0.3:
         parts.append("{{ (messages | map(attribute='content') | join(' ')) | upper | replace('A', 'b') }}")
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        parts.insert(rng.randint(0, len(parts)), rng.choice(EXPRESSIONS).format(n=rng.choice(SIZES)))
     return "".join(parts)
+
+
+@contextlib.contextmanager
+def _peak_mb():
+    """The most memory Python allocated meanwhile, in MB (yields a list the peak is appended to)."""
+    import tracemalloc
+
+    got: list[float] = []
+    tracemalloc.start()
+    try:
+        yield got
+    finally:
+        got.append(tracemalloc.get_traced_memory()[1] / 1e6)
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("template", [e.format(n=300000000) for e in EXPRESSIONS])
+def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
+    """Each expression at 3e8: refused (400 prompt_budget_exceeded) before the value exists, fast."""
+    from clusterctl.rank.admission import Preparer
+    from clusterctl.rank.openai import ApiError
+
+    tok = _tokenizer_with_template(tmp_path, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    t0 = time.monotonic()
+    with _peak_mb() as peak, pytest.raises(ApiError) as e:
+        Preparer(tok, budget_s=5.0).prepare(job)
+    assert e.value.status == 400 and e.value.code == "prompt_budget_exceeded", e.value.message
+    assert "the chat template" in e.value.message
+    assert time.monotonic() - t0 < 5 and peak[0] < 200, (time.monotonic() - t0, peak)
 
 
 def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
@@ -166,19 +217,24 @@ def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
 
     rng = random.Random(30)
     outcomes = {"rendered": 0, "refused": 0}
-    for n in range(6):
+    peaks = []
+    for n in range(12):
         d = tmp_path / str(n)
         d.mkdir()
         tok = _tokenizer_with_template(d, _random_template(rng))
         job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
                                   "max_tokens": 2})
         t0 = time.monotonic()
-        try:
-            Preparer(tok, budget_s=0.3).prepare(job)
-            outcomes["rendered"] += 1
-        except ApiError as e:
-            assert 400 <= e.status < 500 and e.message
-            outcomes["refused"] += 1
+        with _peak_mb() as peak:
+            try:
+                Preparer(tok, budget_s=0.3).prepare(job)
+                outcomes["rendered"] += 1
+            except ApiError as e:
+                assert 400 <= e.status < 500 and e.message
+                outcomes["refused"] += 1
+        peaks.extend(peak)
         # the budget, plus what runs outside template code (the byte cap bounds the tokenizer's share)
         assert time.monotonic() - t0 < 10, (n, time.monotonic() - t0)
+    # no value past the cap was ever made (a 3e8-character string alone is 286 MB)
+    assert max(peaks) < 200, peaks
     assert outcomes["rendered"] and outcomes["refused"], outcomes

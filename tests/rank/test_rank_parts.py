@@ -40,6 +40,30 @@ def test_layer_ranges_follow_mlx_lm_reversed_order():
     parse_rank_spec(spec_dict(rank=1, start_layer=0, end_layer=2, http_port=None))
 
 
+def test_a_spec_without_every_ranks_count_takes_exactly_the_ranges_mlx_lm_can_give():
+    """Launch's contracts carry a rank's own range, not every rank's count (issue 41 item 8: a list of N in each
+    of N contracts, and a walk of it per rank). Every range some split gives is taken, no other, and the split
+    rebuilt for mlx-lm's pipeline() places the rank exactly there."""
+    import itertools
+
+    for world in range(1, 5):
+        for layers in range(world, 8):
+            splits = [c for c in itertools.product(range(1, layers + 1), repeat=world) if sum(c) == layers]
+            for r in range(world):
+                possible = {layer_range(list(c), r) for c in splits}
+                for start in range(layers):
+                    for end in range(start + 1, layers + 1):
+                        kw = dict(world_size=world, rank=r, start_layer=start, end_layer=end, num_layers=layers,
+                                  layer_counts=None, hostfile="/h.json" if world > 1 else None)
+                        if (start, end) not in possible:
+                            with pytest.raises(IntegrityError, match="pipeline order"):
+                                parse_rank_spec(spec_dict(**kw))
+                            continue
+                        split = parse_rank_spec(spec_dict(**kw)).mlx_split
+                        assert len(split) == world and min(split) >= 1 and sum(split) == layers
+                        assert layer_range(split, r) == (start, end)
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(start_layer=0, end_layer=6), "pipeline order"),
     (dict(layer_counts=[6, 1]), "sum to 8"),

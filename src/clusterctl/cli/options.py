@@ -149,9 +149,6 @@ def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=
             out["chat_template"] = read_capped(chat_template, limit=65536, what="chat template").decode("utf-8")
         except UnicodeDecodeError:
             raise UsageError(f"--chat-template {chat_template}: not UTF-8 text") from None
-        from clusterctl.ggufcheck import check_template
-
-        check_template(out["chat_template"], f"--chat-template {chat_template}")
     if chat_template_args is not None:
         try:
             args = _json.loads(chat_template_args)
@@ -160,6 +157,10 @@ def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=
         if not isinstance(args, dict):
             raise UsageError("--chat-template-args: want a JSON object")
         out["chat_template_args"] = args
+    if "chat_template" in out:
+        from clusterctl.ggufcheck import check_template
+
+        check_template(out["chat_template"], f"--chat-template {chat_template}", out.get("chat_template_args"))
     return out
 
 

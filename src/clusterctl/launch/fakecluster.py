@@ -17,13 +17,17 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from clusterctl.launch.faketransport import ScriptedOps
+from clusterctl.launch.jobplan import LaunchOptions, contract_payload, mlx_view, plan_job, rank_addresses
 from clusterctl.launch.preflight import coordinator_versions as mine
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import ModelFacts
 from clusterctl.plan.planner import make_deployment
+from clusterctl.shared.contract import deployment_proof, encode_contract
 from clusterctl.shared.deployment import PlanOptions
+from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 
 
 def coordinator_versions() -> dict:
@@ -142,3 +146,19 @@ def simulated_deployment(state, nodes: int, *, layers: int | None = None, ips: b
     if len(dep.ranks) != nodes:
         raise ValueError(f"the plan used {len(dep.ranks)} of {nodes} nodes")
     return str(state.save_deployment(dep)[-1])
+
+
+def simulated_contracts(state, path: str) -> dict[str, bytes]:
+    """Every rank's signed contract for a launch of the simulated deployment at ``path``, planned and signed as
+    launch plans and signs them (job id and nonce fixed), with no node to talk to: what bench/scale.py and the
+    tests measure of contracts per node. Node name -> contract bytes."""
+    _, loaded = state.load_deployment(path)
+    dep, n = loaded.deployment, len(loaded.deployment.ranks)
+    pub, key = state.keyring.public_keys()[0], state.keyring.signing_key()
+    plan = plan_job(dep, LaunchOptions(check_model=False, detach=True), block=list(range(30000, 30001 + n)),
+                    runtime_dirs={r.node: "/run/fake" for r in dep.ranks}, addrs=rank_addresses(dep),
+                    job_id=f"{dep.deployment_id}-20260102030405-abc123", nonce="n" * 32,
+                    trusted_key=(pub.key_id, pub.to_text()), abort_grace_s=5.0, compute_nice=10,
+                    mlx_env=mlx_view(MLX_ENV_DEFAULTS))
+    proof = deployment_proof(Path(path).read_bytes(), dep)
+    return {f.node: encode_contract(proof, contract_payload(f.spec), key) for f in plan.files if f.spec is not None}

@@ -95,8 +95,7 @@ def mlx_launch_hostfile(dep: Deployment, addrs: list[str], env: dict[str, str]) 
 
     rdma = jaccl_devices(dep.nodes) if dep.backend == "jaccl" else None
     hosts = []
-    for i, r in enumerate(dep.ranks):
-        n = dep.node(r.node)
+    for i, n in enumerate(dep.rank_nodes()):
         ssh = n.host if not n.user else f"{n.user}@{n.host}"
         entry = {"ssh": ssh, "ips": [addrs[i]]}
         if rdma is not None:

@@ -144,7 +144,7 @@ class JobPlan:
 
     def records(self) -> list[RankRecord]:
         """Fresh manifest records (the launch fills in pid and state as ranks start)."""
-        return [r.record.model_copy(deep=True) for r in self.ranks]
+        return [r.record.model_copy() for r in self.ranks]  # scalars only: a shallow copy is a fresh record
 
     def files_of(self, node: str) -> list[NodeFile]:
         return [f for f in self.files if f.node == node]
@@ -188,13 +188,13 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
     ring_ports, http_port = port_split(world, block, opts.http_port)
     lease_seconds = 0.0 if opts.detach else opts.lease_seconds
     hostfiles = hostfile.ring_hostfiles(addrs, ring_ports) if world > 1 else None
-    counts = [x.layers for x in dep.ranks]
     ranks: list[PlannedRank] = []
     files: list[NodeFile] = []
-    for r in dep.ranks:
+    encoded: dict[int, bytes] = {}
+    for r, node in zip(dep.ranks, dep.rank_nodes()):
         d = runtime_dirs[r.node]
         names = rf.RankFiles(d, job_id, r.rank)
-        rec = RankRecord(rank=r.rank, node=r.node, host=dep.node(r.node).host, local=dep.node(r.node).is_local,
+        rec = RankRecord(rank=r.rank, node=r.node, host=node.host, local=node.is_local,
                          runtime_dir=d, marker_path=names.marker, contract_path=names.contract,
                          hostfile_path=names.hostfile if world > 1 else None,
                          log_path=names.log if opts.detach else None,
@@ -204,7 +204,7 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                "rank": r.rank, "world_size": world, "backend": dep.backend, "parallel": dep.parallel,
                "schedule": dep.schedule or "overlap", "prompt_cache_tokens": dep.prompt_cache_tokens,
                "model_path": dep.path_map[r.node], "start_layer": r.start_layer, "end_layer": r.end_layer,
-               "layer_counts": counts, "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
+               "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,
                "api_key": opts.api_key if r.rank == 0 else None, "seed": opts.seed,
                **({"api_keys": dict(opts.api_keys)} if r.rank == 0 and opts.api_keys else {}),
@@ -222,7 +222,10 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
         key_id, key_text = trusted_key
         files.append(NodeFile(r.node, rf.trusted_key_path(d, key_id), "trusted-key", data=key_text.encode()))
         if hostfiles:
-            files.append(NodeFile(r.node, names.hostfile, "hostfile", data=json.dumps(hostfiles[r.rank]).encode()))
+            hf = hostfiles[r.rank]  # every rank gets the same list (hostfile.ring_hostfiles): encoded once, not N times
+            if id(hf) not in encoded:
+                encoded[id(hf)] = json.dumps(hf).encode()
+            files.append(NodeFile(r.node, names.hostfile, "hostfile", data=encoded[id(hf)]))
         files.append(NodeFile(r.node, names.contract, "contract", spec=spec))
     return JobPlan(job_id=job_id, nonce=nonce, deployment_id=dep.deployment_id, block=list(block),
                    ring_ports=ring_ports, http_port=http_port, lease_seconds=lease_seconds, ranks=ranks, files=files,
@@ -231,6 +234,6 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
 
 def rank_addresses(dep: Deployment) -> list[str]:
     """One address per rank that the other ranks connect to (may resolve a host name: not pure)."""
-    nodes = [dep.node(r.node) for r in dep.ranks]
+    nodes = dep.rank_nodes()
     all_local = all(n.is_local for n in nodes)
     return [hostfile.rank_address(n, all_local=all_local, backend=dep.backend) for n in nodes]

@@ -88,9 +88,10 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
     copy_only: dict[str, bool] = {}
     busy_only: dict[str, set[int]] = {}
     mdoc = manifest.model_dump(mode="json") if manifest is not None else None
+    rank_of = {r.node: r for r in dep.ranks}  # dep.rank_of per node would walk every rank N times
 
     async def one(h: NodeHandle) -> list[str]:
-        rank = dep.rank_of(h.name)
+        rank = rank_of[h.name]
         path = dep.path_map[h.name]
         probe = await h.op("probe", {"backend": dep.backend if len(dep.ranks) > 1 else None,
                                      "model_path": path, "runtime_dir": h.runtime_dir,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import getpass
 import os
 import shlex
 from pathlib import Path
@@ -76,6 +77,7 @@ def describe(target: SshTarget) -> str:
 def asyncssh_connect_kwargs(target: SshTarget) -> dict:
     """Keyword arguments for ``asyncssh.connect``. Host keys are checked against known_hosts (never disabled);
     keys asyncssh cannot find there go through ``judge_unlisted_host_key`` (see sshnode.py)."""
+    check_local_user(target)
     kh = known_hosts_path(target)
     kwargs: dict = {
         "host": target.host,
@@ -102,6 +104,19 @@ def asyncssh_connect_kwargs(target: SshTarget) -> dict:
         else:
             kwargs["agent_path"] = None
     return kwargs
+
+
+def check_local_user(target: SshTarget) -> None:
+    """asyncssh needs this machine's user name for every connection, even when the node names its own (``user``):
+    it reads LOGNAME, USER, LNAME, USERNAME, then the password database. Under cron (no USER) in a container whose
+    uid has no password entry none answers: one line naming what to set, not an unclassified ValueError."""
+    try:
+        getpass.getuser()
+    except (KeyError, OSError):
+        name = target.user or "<the SSH user name>"
+        raise ConfigError(f"cannot tell which user runs clusterctl to connect to {describe(target)} (LOGNAME and "
+                          f"USER are unset, as under cron, and uid {os.getuid()} has no password entry): set "
+                          f"USER={name} in its environment (in a crontab, a line USER={name})") from None
 
 
 def judge_unlisted_host_key(target: SshTarget, *, host_listed: bool, key_line: str, fingerprint: str) -> None:

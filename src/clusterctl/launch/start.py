@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import shlex
 import time
 from pathlib import Path
@@ -45,13 +46,18 @@ YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
 
 
 async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
+    with _frozen_heap():
+        return await _launch(dep_ref, state, opts, log=log)
+
+
+async def _launch(dep_ref: str, state, opts: LaunchOptions, *, log) -> Running:
     # verified and re-hashed in a thread: hundreds of KB at hundreds of nodes
     dep_path, loaded = await asyncio.to_thread(state.load_deployment, dep_ref)
     dep: Deployment = loaded.deployment
     _check_connections(dep, opts)
     # The nodes' sessions start now (SSH connection, channel, Python, mlx import) while this machine checks the
     # deployment, the model and the other launches: preflight then finds them ready. Nothing on a node changes.
-    hs = handles([dep.node(r.node) for r in dep.ranks], opts.ssh, keeper_grace=opts.grace)
+    hs = handles(dep.rank_nodes(), opts.ssh, keeper_grace=opts.grace)
     warming = asyncio.ensure_future(warm(hs, dep))
     try:
         manifest = None
@@ -88,7 +94,7 @@ def _check_connections(dep: Deployment, opts: LaunchOptions) -> None:
     """A foreground job holds one connection per remote node for its whole life (its ranks' keepers): it cannot
     run in waves (fdlimit.SLOTS), so it must fit under the open-file limit at once."""
 
-    remote = sum(not dep.node(r.node).is_local for r in dep.ranks)
+    remote = sum(not n.is_local for n in dep.rank_nodes())
     if not opts.detach and remote > fdlimit.SLOTS.limit:
         raise ConfigError(f"a foreground launch keeps one connection per node open: {remote} nodes, but the "
                           f"open-file limit ({fdlimit.soft_limit()}) allows {fdlimit.SLOTS.limit}",
@@ -143,11 +149,12 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         job_id=job_id, deployment_id=dep.deployment_id, plan_hash=dep.plan_hash, deployment_file=str(dep_path),
         created_at=now_iso(), nonce=nonce, coordinator=this_coordinator(detached=opts.detach),
         http_port=plan.http_port, ports=plan.block, lease_seconds=plan.lease_seconds or None,
-        mlx_launch_hostfile=plan.mlx_launch_hostfile, nodes=[dep.node(r.node) for r in dep.ranks],
+        mlx_launch_hostfile=plan.mlx_launch_hostfile, nodes=dep.rank_nodes(),
         ranks=plan.records())
     await asyncio.to_thread(store.save, m)  # BEFORE the first rank starts: a crash from here on leaves a trail
     run = Running(manifest=m, store=store, hs=hs, procs={}, lock=lock, opts=opts)
     try:
+        gc.freeze()  # the plan and the manifest too (_frozen_heap)
         await _start(run, plan, dep, Path(dep_path), key, log)
         if opts.detach:
             await close_all(hs)
@@ -160,9 +167,22 @@ async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOpt
         raise other from None
 
 
+@contextlib.contextmanager
+def _frozen_heap():
+    """What exists when a launch begins, and again when its ranks start (the deployment, the plan, the manifest,
+    every node's connection), lives through the fan-out: kept out of the garbage collector's full collections
+    meanwhile. Each walked all of it on the event loop, 76-124 ms at 1,000 nodes, about half the loop's longest
+    stalls (bench/scale.py). Collected as usual once the launch returns."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def rank_addresses(dep: Deployment) -> list[str]:
     """jobplan.rank_addresses with the name lookups (nodes without ``ips``) made concurrently, in threads."""
-    nodes = [dep.node(r.node) for r in dep.ranks]
+    nodes = dep.rank_nodes()
     all_local = all(n.is_local for n in nodes)
 
     async def one(n) -> str:

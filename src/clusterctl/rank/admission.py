@@ -7,23 +7,23 @@ Why a byte cap before tokenizing: no token stands for more bytes than the vocabu
 over ``context`` times that many bytes cannot fit and is refused without being read; below it, tokenizing takes
 a bounded time (about 5 µs per byte with mlx-lm's tokenizers on these machines) and releases the GIL for most of it.
 Why a budget on templates: a chat template is a program (Jinja); rendering is bounded by line-tracing only the
-template's own compiled code, which is interrupted past its deadline.
+template's own compiled code, which is interrupted past its deadline, and (inside one filter or operation, which
+the tracer does not see) by the size caps of shared/chattemplate.py, which transformers renders with here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from clusterctl.rank.wire import ApiError
+from clusterctl.shared.chattemplate import (BUDGET_S, BoundedEnvironment, BudgetExceeded, TemplateTooLarge,
+                                            template_budget)
 from clusterctl.shared.modelfiles import text_config
 
-PREPARE_BUDGET_S = 10.0  # chat template and tokenizer time a request may take
+PREPARE_BUDGET_S = BUDGET_S  # chat template and tokenizer time a request may take
 MIN_TOKEN_BYTES = 16  # the byte cap's floor per token (a tokenizer whose vocabulary cannot be read)
-TEMPLATE_FILE = "<template>"  # the file name of Jinja's code compiled from a string (transformers' templates)
 
 
 @dataclass(frozen=True)
@@ -76,31 +76,18 @@ def use_template(tokenizer, template: str | None) -> None:
     tokenizer.has_chat_template = True
 
 
-class BudgetExceeded(Exception):
-    pass
+def bound_templates() -> None:
+    """transformers renders every chat template in a jinja2 ``ImmutableSandboxedEnvironment`` it builds per
+    template (``chat_template_utils``); the bounded one of shared/chattemplate.py takes its place, so what rank 0
+    renders has the size caps plan checked the template against. A transformers that builds it elsewhere stops
+    the rank here rather than serving unbounded templates."""
+    from transformers.utils import chat_template_utils as ctu
 
-
-@contextlib.contextmanager
-def template_budget(seconds: float):
-    """Interrupt Jinja template code that runs past ``seconds`` (this thread only; other code runs untraced)."""
-    deadline = time.monotonic() + seconds
-
-    def local(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise BudgetExceeded()
-        return local
-
-    def calls(frame, event, arg):
-        if frame.f_code.co_filename == TEMPLATE_FILE:
-            return local(frame, event, arg)
-        return None
-
-    old = sys.gettrace()
-    sys.settrace(calls)
-    try:
-        yield
-    finally:
-        sys.settrace(old)
+    if not hasattr(ctu, "ImmutableSandboxedEnvironment") or not hasattr(ctu, "_compile_jinja_template"):
+        raise RuntimeError("this transformers builds chat templates where clusterctl cannot bound them")
+    if ctu.ImmutableSandboxedEnvironment is not BoundedEnvironment:
+        ctu.ImmutableSandboxedEnvironment = BoundedEnvironment
+        ctu._compile_jinja_template.cache_clear()
 
 
 class Preparer:
@@ -108,6 +95,7 @@ class Preparer:
     a second thread in the tokenizer would only take cores and the GIL from the ranks' compute."""
 
     def __init__(self, tokenizer, *, budget_s: float = PREPARE_BUDGET_S, wait_s: float = 30.0):
+        bound_templates()
         self.tokenizer = tokenizer
         self.budget_s, self.wait_s = budget_s, wait_s
         self._one = threading.Lock()
@@ -126,6 +114,9 @@ class Preparer:
             except BudgetExceeded:
                 raise ApiError(400, f"rendering the chat template took over {self.budget_s:g} s",
                                code="prompt_budget_exceeded") from None
+            except TemplateTooLarge as e:
+                raise ApiError(400, f"rendering the chat template: {e.message}", code="prompt_budget_exceeded") \
+                    from None
             except ApiError:
                 raise
             except RecursionError:

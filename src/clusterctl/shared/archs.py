@@ -18,6 +18,8 @@ Both sides use this module: ``plan`` for the decision, the rank to find the bloc
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 
 STAGES = "stages"  # clusterctl's stage code (rank/stage.py)
@@ -34,7 +36,7 @@ class Capability:
 
 def model_class(config: dict):
     """mlx-lm's (Model, ModelArgs) for this config, as its loader resolves them."""
-    from mlx_lm import utils
+    utils = mlx_lm_utils()
 
     resolve = getattr(utils, "_get_classes", None)
     if resolve is None:  # pragma: no cover - an mlx-lm without the resolver: import by model_type
@@ -44,6 +46,29 @@ def model_class(config: dict):
         arch = importlib.import_module(f"mlx_lm.models.{mt}")
         return arch.Model, arch.ModelArgs
     return resolve(config)
+
+
+def mlx_lm_utils():
+    """``mlx_lm.utils``, imported without the open-file limit it sets: importing it calls
+    ``setrlimit(RLIMIT_NOFILE, (2048, 4096))``, which would undo the CLI's raise (a coordinator holds one connection
+    per node) and, being a hard limit, could never be raised again in this process. Every ``mlx_lm`` import runs it
+    (the package's ``__init__`` imports ``utils``), so the first one goes through here (plan, launch's model check
+    and replan reach mlx-lm only through ``model_class``)."""
+    if "mlx_lm.utils" not in sys.modules:
+        import resource
+
+        real = resource.setrlimit
+
+        def keep_nofile(which, limits):
+            if which != resource.RLIMIT_NOFILE:
+                real(which, limits)
+
+        resource.setrlimit = keep_nofile  # only while mlx-lm imports (nothing else sets limits meanwhile)
+        try:
+            import mlx_lm.utils  # noqa: F401
+        finally:
+            resource.setrlimit = real
+    return sys.modules["mlx_lm.utils"]
 
 
 def build_lazy(config: dict):

@@ -177,6 +177,11 @@ class Deployment(BaseModel):
                 return r
         raise KeyError(node)
 
+    def rank_nodes(self) -> list[Node]:
+        """Each rank's node, in rank order, in one pass (``node()`` per rank walks the list N times)."""
+        by_name = {n.name: n for n in self.nodes}
+        return [by_name[r.node] for r in self.ranks]
+
 
 def canonical(obj) -> bytes:
     """Canonical JSON for hashing: sorted keys, no spaces, ASCII only, no floats allowed to drift."""

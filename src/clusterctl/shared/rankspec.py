@@ -45,7 +45,9 @@ class RankSpec(BaseModel):
     model_path: str
     start_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1)
-    layer_counts: list[int]
+    # every rank's layer count, in rank order: optional, and not in launch's contracts (a list of N per rank made
+    # launch O(N^2)); a rank needs only its own range, which must be one mlx-lm's order can give (below)
+    layer_counts: Optional[list[int]] = None
     num_layers: int = Field(ge=1)
     hostfile: Optional[str] = None
     http_host: str = "127.0.0.1"
@@ -101,14 +103,17 @@ class RankSpec(BaseModel):
             raise ValueError(f"schema_version {self.schema_version} is not supported (this rank reads 1)")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
-        if len(self.layer_counts) != self.world_size:
-            raise ValueError(f"layer_counts has {len(self.layer_counts)} entries for world_size {self.world_size}")
+        counts = self.layer_counts
+        if counts is not None and len(counts) != self.world_size:
+            raise ValueError(f"layer_counts has {len(counts)} entries for world_size {self.world_size}")
         if self.parallel == "tensor":
-            if any(c != self.num_layers for c in self.layer_counts) or \
+            if any(c != self.num_layers for c in counts or ()) or \
                     (self.start_layer, self.end_layer) != (0, self.num_layers):
-                raise ValueError(f"a tensor-parallel rank runs every layer: layer_counts {self.layer_counts} and "
+                raise ValueError(f"a tensor-parallel rank runs every layer: layer_counts {counts} and "
                                  f"[{self.start_layer}, {self.end_layer}) must all be {self.num_layers}")
             return self._common()
+        if counts is None:
+            return self._own_range()._common()
         if any(c <= 0 for c in self.layer_counts) or sum(self.layer_counts) != self.num_layers:
             raise ValueError(f"layer_counts {self.layer_counts} must be positive and sum to {self.num_layers}")
         want = layer_range(self.layer_counts, self.rank)
@@ -117,6 +122,18 @@ class RankSpec(BaseModel):
                 f"rank {self.rank} is given layers [{self.start_layer}, {self.end_layer}) but mlx-lm's pipeline "
                 f"order (rank 0 runs the last layers) gives it [{want[0]}, {want[1]}) for {self.layer_counts}")
         return self._common()
+
+    def _own_range(self) -> "RankSpec":
+        """Without the whole split: this rank's range is one mlx-lm's order can give it (rank 0 runs the last
+        layers, rank N-1 the first, every rank at least one), so the ranks after it hold [0, start) and the ones
+        before it [end, num_layers). That the ranks' ranges tile the model is the signed deployment's (each
+        contract is checked against its row of it)."""
+        r, w, s, e, n = self.rank, self.world_size, self.start_layer, self.end_layer, self.num_layers
+        later, earlier = w - 1 - r, r  # ranks running the layers before s, and after e
+        if not (s < e <= n and s >= later and n - e >= earlier and (later or s == 0) and (earlier or e == n)):
+            raise ValueError(f"rank {r} of {w} is given layers [{s}, {e}) of {n}, which mlx-lm's pipeline order "
+                             f"(rank 0 runs the last layers, every rank at least one) cannot give it")
+        return self
 
     def _common(self) -> "RankSpec":
         if self.world_size == 1 and self.hostfile is not None:
@@ -135,8 +152,20 @@ class RankSpec(BaseModel):
 
     @property
     def mlx_split(self) -> list[int]:
-        """The ``split`` argument of mlx-lm's ``pipeline(group, split)``: layer counts in rank order."""
-        return list(self.layer_counts)
+        """The ``split`` argument of mlx-lm's ``pipeline(group, split)``: layer counts in rank order. Without
+        ``layer_counts``, one that places this rank exactly (pipeline() reads only this rank's entry and the sum
+        of the later ranks'; every entry must be positive and all sum to the layers): one layer to each other
+        rank, the rest of each side to the rank next to this one's neighbours' ends."""
+        if self.layer_counts is not None:
+            return list(self.layer_counts)
+        r, w = self.rank, self.world_size
+        earlier = [1] * r  # ranks 0 .. r-1 run [end_layer, num_layers)
+        if earlier:
+            earlier[0] += self.num_layers - self.end_layer - r
+        later = [1] * (w - 1 - r)  # ranks r+1 .. w-1 run [0, start_layer)
+        if later:
+            later[-1] += self.start_layer - len(later)
+        return [*earlier, self.end_layer - self.start_layer, *later]
 
     @property
     def overlapped(self) -> bool:
