@@ -20,6 +20,7 @@ from clusterctl.shared.deployment import Deployment, decode, identity_changes
 from clusterctl import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
+from clusterctl.launch.hubmodel import with_hub
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.manifest import manifest_store, now_iso
 from clusterctl.launch.nodes import close_all, handles
@@ -107,6 +108,8 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
                                hint="run replan where the deployment was planned")
         new = make_deployment(ins.cluster, inspect_model(Path(ins.model_path)), ins.model_path, ins.options,
                               path_map=ins.path_map)
+        # the same hub snapshot keeps its repository and commit (and its name); another folder is another model
+        new = with_hub(new, old.model.hub if ins.model_path == old.model.source_path else None)
         new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
     named = _named(old, new)
