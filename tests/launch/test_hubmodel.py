@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def model(tmp_path) -> Path:
 
 
 class Bed:
-    def __init__(self, tmp: Path, hub: FakeHub):
+    def __init__(self, tmp: Path, hub: FakeHub, extra_nodes: str = ""):
         self.tmp, self.hub = tmp, hub
         self.state = tmp / "state"
         self.hf_home = tmp / "hf"
@@ -51,7 +52,7 @@ local = true
 memory_gb = 4
 ips = ["127.0.0.1"]
 runtime_dir = "{tmp}/run-a"
-""")
+{extra_nodes}""")
 
     def env(self, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
@@ -232,3 +233,51 @@ def test_a_hub_cache_snapshot_is_a_model_folder_but_links_elsewhere_are_not(tmp_
     (plain / "config.json").symlink_to(os.path.relpath(repo / "blobs" / next(iter(os.listdir(repo / "blobs"))), plain))
     with pytest.raises(ManifestRefused):
         build_manifest(plain, use_cache=False)  # outside a snapshot, a link out of the folder is refused as before
+
+
+@pytest.mark.slow
+def test_sync_ships_the_snapshot_or_the_nodes_fetch_the_commit_from_the_hub(tmp_path, hub, model, sshd):
+    if not shutil.which("rsync"):
+        pytest.skip("rsync is not installed")
+    commit = hub.add(REPO_ID, model)
+    path_b = tmp_path / "copy b"
+    bed = Bed(tmp_path, hub, extra_nodes=f"""
+[[node]]
+name = "b"
+host = "127.0.0.1"
+port = {sshd.port}
+user = "root"
+identity_file = "{sshd.client_key}"
+ips = ["127.0.0.1"]
+memory_gb = 4
+python = "{sys.executable}"
+model_path = "{path_b}"
+runtime_dir = "{tmp_path}/run-b"
+""")
+    dep_file = str(tmp_path / "dep.json")
+    dep = planned(bed.plan(REPO_ID, "--json", "-o", dep_file))
+    snapshot = dep["model"]["source_path"]
+
+    def sync(*args):
+        p = subprocess.run([sys.executable, "-m", "clusterctl", "sync", dep_file, "--json", "--known-hosts",
+                            str(sshd.known_hosts), *args], capture_output=True, text=True, env=bed.env(),
+                           timeout=300, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, p.stderr
+        evs = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+        return {e["node"]: e["state"] for e in evs if e["event"] == "status"}, evs[-1]
+
+    states, summary = sync()
+    assert states == {"a": "ok", "b": "missing"}  # a is this machine: it plans and serves from the snapshot
+    assert summary["mode"] == "rsync" and summary["source"] == f"this machine:{snapshot}"
+    assert not [p for p in path_b.rglob("*") if p.is_symlink()]  # the node holds plain files
+    want = build_manifest(model, use_cache=False).manifest_hash
+    assert build_manifest(path_b, use_cache=False).manifest_hash == want == summary["manifest_hash"]
+
+    # download mode: node b fetches the planned commit from the hub itself, checked against the manifest
+    shutil.rmtree(path_b)
+    before = hub.downloads(REPO_ID)
+    states, summary = sync("--mode", "download")
+    assert states["b"] == "missing" and summary["mode"] == "download" and summary["ok"]
+    assert summary["source"] == f"{hub.url}/{REPO_ID}/resolve/{commit}"
+    assert build_manifest(path_b, use_cache=False).manifest_hash == want
+    assert hub.downloads(REPO_ID) - before == {f.name: 1 for f in model.iterdir()}

@@ -155,6 +155,14 @@ def _drop(path: Path) -> None:
         blob.unlink(missing_ok=True)
 
 
+def hub_resolve_url(hub: HubRef) -> str:
+    """The base URL of the planned commit's files on the hub (``HF_ENDPOINT``): ``<base>/<path>`` is each file,
+    what `sync --mode download` fetches on the nodes (checked there against the manifest)."""
+    from huggingface_hub import constants
+
+    return f"{constants.ENDPOINT}/{hub.repo_id}/resolve/{hub.commit}"
+
+
 def with_hub(dep, hub: HubRef | None):
     """``dep`` named after its hub repository (its name and the pinned commit are part of its identity)."""
     if hub is None:
