@@ -94,7 +94,10 @@ def test_hub_names_are_told_from_paths():
 
 
 def test_first_plan_downloads_and_records_the_commit_the_second_uses_the_cache(tmp_path, hub, model):
-    commit = hub.add(REPO_ID, model)
+    published = tmp_path / "with-extra"
+    shutil.copytree(model, published)
+    (published / "pytorch_model.bin").write_bytes(b"\0" * 4096)  # another format: mlx-lm does not fetch it
+    commit = hub.add(REPO_ID, published)
     bed = Bed(tmp_path, hub)
     p = bed.plan(REPO_ID, "--json")
     dep = planned(p)
@@ -118,6 +121,10 @@ def test_first_plan_downloads_and_records_the_commit_the_second_uses_the_cache(t
     before = sum(hub.requests.values())
     offline = planned(bed.plan(REPO_ID, "--json", HF_HUB_OFFLINE="1"))
     assert offline["model"]["hub"]["commit"] == commit and sum(hub.requests.values()) == before
+
+    # the hub unreachable: the branch's commit and its files come from the cache
+    down = planned(bed.plan(REPO_ID, "--json", HF_ENDPOINT=f"http://127.0.0.1:{free_port()}"))
+    assert down["model"]["hub"]["commit"] == commit and down["deployment_id"] == dep["deployment_id"]
 
     # a folder named like the repository, here, wins over the hub
     local = make_model(tmp_path / "tiny-org" / "tiny-4bit", layers=2)

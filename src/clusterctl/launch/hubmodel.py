@@ -1,6 +1,6 @@
 """A model named by its hub name (``ORG/NAME[@REVISION]``): resolved and downloaded into the hub cache.
 
-huggingface_hub does the work, as for every MLX tool: ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``,
+huggingface_hub does the work, as for every MLX tool (and with mlx-lm's own file patterns): ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``,
 ``HF_HOME`` / ``HF_HUB_CACHE`` mean what they mean to ``mlx_lm.generate``, and a model one of them downloaded is
 not downloaded again. A download goes to ``blobs/<etag>.<id>.incomplete`` and is renamed into place only at its
 full size (the library's rule); the content is then checked here against the hashes the hub listed for the
@@ -61,13 +61,16 @@ def download(repo: str, revision: str | None, *, progress: bool = False) -> Mode
     """The repo's snapshot at ``revision`` (default branch when None) in the hub cache, checked."""
     import huggingface_hub as hf
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, logging as hf_logging
+    # the files mlx-lm itself downloads (weights, configs, tokenizer, code): not a repository's other formats
+    # (.bin, .gguf, images), and the same snapshot mlx_lm.load finds complete
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     (enable_progress_bars if progress else disable_progress_bars)()
     # the library's own warnings (an unauthenticated request, a retry) are noise when nothing is wrong;
     # a failure reaches the operator as one line below
     hf_logging.set_verbosity_error()
     try:
-        folder = Path(hf.snapshot_download(repo, revision=revision))
+        folder = Path(hf.snapshot_download(repo, revision=revision, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except ClusterctlError:
         raise
     except Exception as e:  # the library's typed errors, mapped below; anything else is a bug worth a traceback
