@@ -288,3 +288,63 @@ runtime_dir = "{tmp_path}/run-b"
     assert summary["source"] == f"{hub.url}/{REPO_ID}/resolve/{commit}"
     assert build_manifest(path_b, use_cache=False).manifest_hash == want
     assert hub.downloads(REPO_ID) - before == {f.name: 1 for f in model.iterdir()}
+
+
+def test_rank_0_is_told_the_repository_as_the_served_name(tmp_path, model):
+    from clusterctl.launch.hubmodel import with_hub
+    from clusterctl.launch.jobplan import LaunchOptions, mlx_view, plan_job, rank_addresses
+    from clusterctl.plan.inventory import parse_cluster
+    from clusterctl.plan.model import inspect_model
+    from clusterctl.plan.planner import make_deployment
+    from clusterctl.shared.deployment import HubRef, PlanOptions
+    from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
+
+    nodes = [{"name": n, "memory_gb": 64, "host": f"10.0.0.{i + 1}", "ips": [f"10.0.0.{i + 1}"],
+              "model_path": "/models/m"} for i, n in enumerate("ab")]
+    dep = make_deployment(parse_cluster({"cluster": {"name": "lab"}, "node": nodes}), inspect_model(model),
+                          "/models/m", PlanOptions())
+    hubbed = with_hub(dep, HubRef(repo_id=REPO_ID, commit="c" * 40))
+    assert hubbed.deployment_id != dep.deployment_id and hubbed.model.name == REPO_ID
+
+    def specs(d):
+        return [r.spec for r in plan_job(
+            d, LaunchOptions(lease_seconds=30.0), block=[30000, 30001, 30002],
+            runtime_dirs={"a": "/run/a", "b": "/run/b"}, addrs=rank_addresses(d), job_id=f"{d.deployment_id}-x",
+            nonce="n" * 32, trusted_key=("0123456789abcdef", "k\n"), abort_grace_s=5.0, compute_nice=10,
+            mlx_env=mlx_view(MLX_ENV_DEFAULTS)).ranks]
+
+    assert [s.served_name for s in specs(hubbed)] == [REPO_ID, None]
+    assert [s.served_name for s in specs(dep)] == [None, None]
+
+
+@pytest.mark.slow
+def test_a_hub_model_serves_under_its_repository_name(tmp_path, hub):
+    import urllib.request
+
+    from clusterctl.tinymodel import build
+
+    tiny = build(tmp_path / "tiny")
+    hub.add(REPO_ID, tiny)
+    bed = Bed(tmp_path, hub)
+    dep = planned(bed.plan(REPO_ID, "--json"))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "clusterctl", *args], capture_output=True, text=True,
+                              env=bed.env(), timeout=300, stdin=subprocess.DEVNULL)
+
+    p = cli("launch", dep["deployment_id"], "--detach", "--json", "--timeout", "180")
+    assert p.returncode == 0, p.stderr
+    endpoint = json.loads(p.stdout)["endpoint"]
+    try:
+        with urllib.request.urlopen(endpoint + "/v1/models", timeout=30) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [REPO_ID]
+        body = json.dumps({"model": REPO_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(endpoint + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        assert answer["model"] == REPO_ID and answer["usage"]["completion_tokens"] == 3
+    finally:
+        td = cli("teardown", "--json")
+        assert td.returncode == 0, td.stderr
