@@ -215,6 +215,15 @@ def test_replan_keeps_the_hub_reference(tmp_path, hub, model):
     assert after["model"]["hub"] == {"repo_id": REPO_ID, "revision": None, "commit": commit}
     assert after["model"]["name"] == REPO_ID and after["model"]["source_path"] == dep["model"]["source_path"]
 
+    # the hub cache cleaned: the replan downloads the planned commit again, to the same place
+    shutil.rmtree(bed.hf_home)
+    r = subprocess.run([sys.executable, "-m", "clusterctl", "replan", after["deployment_id"], "--context", "384",
+                        "--yes", "--json"], capture_output=True, text=True, env=bed.env(), timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert Path(dep["model"]["source_path"], "config.json").is_file()
+    assert hub.downloads(REPO_ID)["model.safetensors"] == 2
+
 
 def test_a_hub_cache_snapshot_is_a_model_folder_but_links_elsewhere_are_not(tmp_path, model):
     from clusterctl.shared.modelmanifest import ManifestRefused

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterctl.errors import AuthRejected, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
+from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, HostUnreachable, IntegrityError,
+                               MissingInput, UsageError)
 from clusterctl.shared.deployment import HubRef, with_identity
 from clusterctl.shared.modelmanifest import HashCache, hash_files, scan
 
@@ -82,6 +83,7 @@ def download(repo: str, revision: str | None, *, progress: bool = False) -> Mode
 
 def _hub_error(e: Exception, repo: str, revision: str | None) -> Exception:
     """One line per failure, decided on the library's exception types and its offline setting."""
+    import httpx2
     from huggingface_hub import constants, errors
 
     endpoint = constants.ENDPOINT
@@ -96,6 +98,8 @@ def _hub_error(e: Exception, repo: str, revision: str | None) -> Exception:
     if isinstance(e, errors.RepositoryNotFoundError):
         return MissingInput(f"--model {at}: no folder of that name here and no repository {repo} on {endpoint}",
                             hint="check the name; a private repository needs HF_TOKEN")
+    if isinstance(e, errors.HFValidationError):
+        return UsageError(f"--model {at}: not a valid hub name ({str(e).splitlines()[0]})")
     if isinstance(e, errors.RevisionNotFoundError):
         return MissingInput(f"{repo} has no revision {revision!r} on {endpoint}",
                             hint="give a branch, a tag or a commit of the repository")
@@ -108,12 +112,14 @@ def _hub_error(e: Exception, repo: str, revision: str | None) -> Exception:
     if isinstance(e, errors.HfHubHTTPError):
         code = e.response.status_code if e.response is not None else "?"
         return HostUnreachable(f"{endpoint} answered HTTP {code} for {at}", hint="try again later")
-    if isinstance(e, (errors.FileMetadataError, ConnectionError, TimeoutError)):
+    if isinstance(e, (errors.FileMetadataError, ConnectionError, TimeoutError, httpx2.TransportError)):
         return HostUnreachable(f"{endpoint} did not answer as a hub for {at}: {type(e).__name__}",
-                               hint="check HF_ENDPOINT")
-    if isinstance(e, OSError):  # a size check that failed, a full disk: the library left no file in place
-        return IntegrityError(f"downloading {at} failed: {e.strerror or type(e).__name__}"
-                              if e.strerror else f"downloading {at} failed: {str(e).splitlines()[0]}",
+                               hint="check the network or HF_ENDPOINT")
+    # the library left no file under its final name in either case (a temp file, renamed only at its full size)
+    if isinstance(e, OSError) and e.errno is not None:
+        return CannotWrite(f"cannot write {at} to the hub cache {constants.HF_HUB_CACHE}: {e.strerror or e}")
+    if isinstance(e, OSError):  # its size check: fewer (or more) bytes than the hub announced
+        return IntegrityError(f"downloading {at} failed: {str(e).splitlines()[0]}",
                               hint="run the plan again to retry the download")
     return e
 
@@ -156,6 +162,11 @@ def _drop(path: Path) -> None:
     path.unlink(missing_ok=True)
     if blob != path and blob.parent.name == "blobs":
         blob.unlink(missing_ok=True)
+
+
+def refetch(hub: HubRef) -> Path:
+    """The snapshot of a deployment's planned commit again (after the hub cache was cleaned)."""
+    return download(hub.repo_id, hub.commit).folder
 
 
 def hub_resolve_url(hub: HubRef) -> str:
