@@ -357,3 +357,42 @@ def test_a_hub_model_serves_under_its_repository_name(tmp_path, hub):
     finally:
         td = cli("teardown", "--json")
         assert td.returncode == 0, td.stderr
+
+
+def on_a_terminal(args: list[str], env: dict) -> tuple[int, bytes]:
+    """Run the CLI with its stderr on a pseudo-terminal of 100 columns (stdout a pipe); what the terminal got."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "clusterctl", *args], stdout=subprocess.PIPE, stderr=slave,
+                             env=env, stdin=subprocess.DEVNULL)
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            seen += chunk
+        p.communicate(timeout=300)
+    finally:
+        os.close(master)
+    return p.returncode, seen
+
+
+def test_progress_shows_on_a_terminal_only(tmp_path, hub, model):
+    hub.add(REPO_ID, model)
+    bed = Bed(tmp_path, hub)
+    args = ["plan", "-c", str(tmp_path / "cluster.toml"), "-m", REPO_ID, "--context", "256"]
+    code, seen = on_a_terminal([*args, "-q"], bed.env())
+    assert code == 0 and seen == b""  # -q: nothing, even on a terminal
+    (tmp_path / "hf").rename(tmp_path / "hf-old")  # the next plan downloads again
+    code, seen = on_a_terminal(args, bed.env())
+    assert code == 0 and b"Downloading bytes" in seen and b"100%" in seen, seen[:1000]
