@@ -110,8 +110,10 @@ def test_first_plan_downloads_and_records_the_commit_the_second_uses_the_cache(t
     files = {f.name for f in model.iterdir()}
     assert hub.downloads(REPO_ID) == {f: 1 for f in files}
 
+    seen = hub.requests.copy()
     again = planned(bed.plan(REPO_ID, "--json"))
     assert hub.downloads(REPO_ID) == {f: 1 for f in files}  # nothing downloaded twice
+    assert hub.requests - seen == {("GET", f"/api/models/{REPO_ID}/revision/main"): 1}  # which commit main is
     assert again["deployment_id"] == dep["deployment_id"]
     verify = subprocess.run([sys.executable, "-m", "clusterctl", "verify", dep["deployment_id"]],
                             capture_output=True, text=True, env=bed.env())
