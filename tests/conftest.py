@@ -4,6 +4,12 @@ import os
 
 import pytest
 
+# Never the network: a fuzzed `plan --model` that reads as a hub name (`0/0`) must not reach huggingface.co. Set
+# before anything imports huggingface_hub (it reads the variable once); the hub tests give their processes a
+# stand-in hub of their own (tests/hubserver.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
 from fixtures_ssh import netns_cluster, sshd, sshd_factory  # noqa: F401  (fixtures, registered by import)
 from xdistsched import pytest_terminal_summary, pytest_testnodedown, pytest_xdist_make_scheduler  # noqa: F401
 # (hooks of parallel runs, scripts/test; registered by import)

@@ -39,6 +39,11 @@ class Output:
             self._console = Console(stderr=True, highlight=False, soft_wrap=False, width=width)
         return self._console
 
+    @property
+    def progress(self) -> bool:
+        """Whether progress bars may be drawn: on a terminal's stderr, not with --json or --quiet."""
+        return not self.json and not self.quiet and sys.stderr.isatty()
+
     def data(self, doc: dict) -> None:
         """The one JSON document of a --json run, on stdout."""
         doc = {"schema_version": JSON_SCHEMA_VERSION, **doc} if "schema_version" not in doc else doc
@@ -338,7 +343,7 @@ class SyncView:
         self.out = out
         self.progress = None
         self.tasks: dict[str, tuple[Any, int]] = {}  # node -> (progress task, total bytes)
-        self.live = not out.json and not out.quiet and sys.stderr.isatty()
+        self.live = out.progress
 
     def __call__(self, event: dict) -> None:
         if self.out.json:

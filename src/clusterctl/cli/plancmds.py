@@ -19,7 +19,9 @@ from clusterctl.render import deployment_table
 def plan(
     ctx: typer.Context,
     cluster: ClusterOpt,
-    model: Annotated[Path, typer.Option("--model", "-m", help="The model folder on this machine (config.json + safetensors).")],
+    model: Annotated[str, typer.Option("--model", "-m", help="The model folder on this machine (config.json + "
+                                       "safetensors), or a hub name ORG/NAME[@REVISION] (downloaded into the hub "
+                                       "cache; an existing folder of that name wins).")],
     allocation: Annotated[str, typer.Option(help="auto | balanced | proportional (RAM-weighted) | speed (measured "
                                                  "speed) | work (the slowest stage as fast as it can be; auto: work "
                                                  "when the stages overlap, else balanced).")] = "auto",
@@ -68,7 +70,7 @@ def plan(
     dep, written = plan_and_record(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
-                                prompt_cache_gb=prompt_cache_gb,
+                                prompt_cache_gb=prompt_cache_gb, progress=o.progress,
                                 serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
                                                    chat_template_args) or None)
     for w in dep.warnings:

@@ -210,6 +210,7 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                **({"api_keys": dict(opts.api_keys)} if r.rank == 0 and opts.api_keys else {}),
                **({"cors_origins": list(opts.cors_origins)} if r.rank == 0 and opts.cors_origins else {}),
                **({"model_aliases": list(opts.model_aliases)} if r.rank == 0 and opts.model_aliases else {}),
+               **({"served_name": dep.model.hub.repo_id} if r.rank == 0 and dep.model.hub else {}),
                "runtime_dir": d, "marker_path": rec.marker_path, "gate_path": rf.gate_path(d, job_id),
                "lease_path": rf.lease_path(d, job_id) if lease_seconds else None,
                "lease_seconds": lease_seconds or DEFAULT_LEASE, "embedding_offload": dep.embedding_offload,

@@ -12,6 +12,7 @@ from pathlib import Path
 from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.shared.modelmanifest import HashCache, Manifest, build_manifest, load_manifest, save_manifest
 from clusterctl.plan.commands import plan_deployment
+from clusterctl.launch.hubmodel import resolve_model, with_hub
 
 
 def manifest_of_folder(state, folder: str | Path, *, name: str | None = None) -> Manifest:
@@ -57,9 +58,11 @@ def record_manifest(state, dep, folder: str | Path):
     return dep
 
 
-def plan_and_record(cluster_file: Path, model: Path, *, out: Path | None, state, probe_remote=None, **options):
-    """``clusterctl plan``: plan (plan/commands.py), record the model's manifest, sign and write the
-    deployment. Returns (deployment, the files written)."""
-
-    dep = record_manifest(state, plan_deployment(cluster_file, model, probe_remote=probe_remote, **options), model)
+def plan_and_record(cluster_file: Path, model: str | Path, *, out: Path | None, state, probe_remote=None,
+                    progress: bool = False, **options):
+    """``clusterctl plan``: the model found (a folder, or a hub name downloaded: hubmodel.py), planned
+    (plan/commands.py), its manifest recorded, signed and written. Returns (deployment, the files written)."""
+    src = resolve_model(model, progress=progress)
+    dep = with_hub(plan_deployment(cluster_file, src.folder, probe_remote=probe_remote, **options), src.hub)
+    dep = record_manifest(state, dep, src.folder)
     return dep, state.save_deployment(dep, out)

@@ -20,6 +20,7 @@ from clusterctl.shared.deployment import Deployment, decode, identity_changes
 from clusterctl import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
+from clusterctl.launch.hubmodel import refetch, with_hub
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.manifest import manifest_store, now_iso
 from clusterctl.launch.nodes import close_all, handles
@@ -102,11 +103,15 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
         cluster = fill_memory(load_cluster(cluster_file)) if cluster_file is not None else None
         ins = derive(old, cluster=cluster, nodes=nodes, options=options, path_map=path_map,
                      speeds_seen=speeds_seen(state, old.cluster))
+        if not Path(ins.model_path).is_dir() and old.model.hub and ins.model_path == old.model.source_path:
+            refetch(old.model.hub)  # the hub cache was cleaned: the planned commit, downloaded to the same place
         if not Path(ins.model_path).is_dir():
             raise MissingInput(f"the model {ins.model_path} is not on this machine: replan needs it to plan",
                                hint="run replan where the deployment was planned")
         new = make_deployment(ins.cluster, inspect_model(Path(ins.model_path)), ins.model_path, ins.options,
                               path_map=ins.path_map)
+        # the same hub snapshot keeps its repository and commit (and its name); another folder is another model
+        new = with_hub(new, old.model.hub if ins.model_path == old.model.source_path else None)
         new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
     named = _named(old, new)

@@ -208,7 +208,7 @@ class Rank:
         marker = self.marker
         active = ActiveSet(lambda ids: marker.update(active_requests=ids))  # one set: HTTP and step loop
         if spec.rank == 0:
-            self.api = Api(spec, queue, model_name=Path(spec.model_path).name, active=active)
+            self.api = Api(spec, queue, model_name=spec.served_name or Path(spec.model_path).name, active=active)
             self.api.start()
             if self.stopping.is_set():
                 self.api.state = "stopping"

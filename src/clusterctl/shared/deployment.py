@@ -54,6 +54,15 @@ class RankBytes(BaseModel):
     prompt_cache: int = 0
 
 
+class HubRef(BaseModel):
+    """Where a model named by its hub name came from: the repository, the revision asked for, the commit it was."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    repo_id: str = Field(min_length=3, max_length=200, pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+    revision: Optional[str] = Field(default=None, max_length=200)  # as given after @ (None: the default branch)
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$")  # what the revision resolved to when planned
+
+
 class ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -73,6 +82,9 @@ class ModelRef(BaseModel):
     # splits by; empty / 0 in files planned before them
     layer_work: list[int] = Field(default_factory=list)
     head_work: int = 0
+    # plan --model ORG/NAME[@REV]: the hub repository and the commit planned (source_path is its snapshot in the
+    # hub cache); None for a model planned from a folder
+    hub: Optional[HubRef] = None
 
 
 class RankAssignment(BaseModel):

@@ -5,8 +5,9 @@ Which files count (docs/sync.md):
 - hidden files and folders (a name starting with ``.``) are left out: rsync's partial folder, editors' and
   hub clients' scratch files, ``.git``;
 - partial downloads (``*.incomplete``, ``*.tmp``, ``*.part``, ``*.partial``) are left out and listed as such;
-- a symlink to a file inside the folder counts as that file's content under the link's name; a symlink with an
-  absolute target, or one that leads outside the folder, or to a folder, is refused, as is any other kind of
+- a symlink to a file inside the folder counts as that file's content under the link's name (so does a hub cache
+  snapshot's link into its repository's ``blobs/``); a symlink with an absolute target, or one that leads
+  outside the folder, or to a folder, is refused, as is any other kind of
   file (fifo, socket, device): a manifest never vouches for bytes that live elsewhere.
 
 The manifest hash covers the sorted (path, size, sha256) triples only: the folder's own path, the model name
@@ -168,12 +169,20 @@ def _symlink(root: Path, real_root: Path, link: Path, rel: str, folder) -> Found
         real = link.resolve(strict=True)
     except (FileNotFoundError, RuntimeError):
         raise ManifestRefused(f"{folder}: symlink {rel} -> {target} is broken or loops") from None
-    if real_root not in real.parents:
+    if real_root not in real.parents and not _in_hub_blobs(real_root, real):
         raise ManifestRefused(f"{folder}: symlink {rel} -> {target} leads outside the model folder")
     st = real.stat()
     if not stat.S_ISREG(st.st_mode):
         raise ManifestRefused(f"{folder}: symlink {rel} -> {target} does not point at a regular file")
     return Found(rel, str(real), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _in_hub_blobs(real_root: Path, real: Path) -> bool:
+    """A hub cache snapshot (``models--ORG--NAME/snapshots/<commit>/``) links its files to the repository's own
+    ``blobs/``: those bytes belong to the snapshot (sync copies them as plain files; docs/sync.md)."""
+    repo = real_root.parent.parent
+    return (real_root.parent.name == "snapshots" and repo.name.startswith("models--")
+            and real.parent == repo / "blobs")
 
 
 # ---------------------------------------------------------------------------------------------------- hashing

@@ -58,6 +58,9 @@ class RankSpec(BaseModel):
     api_keys: dict[Name, SecretStr] = Field(default_factory=dict, max_length=1024)
     # rank 0: more names clients may give as `model` (besides the model folder's name and "default_model")
     model_aliases: list[Name] = Field(default_factory=list, max_length=64)
+    # rank 0: the model's own name as clients give it (a deployment planned by its hub name: the repository id,
+    # as mlx_lm.server names it); None: the model folder's name
+    served_name: Optional[str] = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_./-]+$")
     # rank 0: browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all
     cors_origins: list[str] = Field(default_factory=list, max_length=64)
     seed: int = Field(default=0, ge=0, lt=2**31)

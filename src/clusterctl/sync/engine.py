@@ -26,6 +26,7 @@ from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles, 
 from clusterctl.shared.copycheck import check_copy, needed_files
 from clusterctl.shared.modelmanifest import Manifest, build_manifest, HashCache
 from clusterctl.launch.plannedmodel import planned_manifest
+from clusterctl.launch.hubmodel import hub_resolve_url
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync
 from clusterctl.locks import Lock
 
@@ -180,9 +181,12 @@ def choose_source(dep, manifest: Manifest, nodes: list[NodeSync], opts: SyncOpti
                           node=ok[0].node)
         why_not.append("no node holds a verified copy")
     if opts.mode in ("auto", "download"):
-        if opts.url:
-            reason = "; ".join(why_not) + "; downloading from the mirror" if why_not else "--mode download"
-            return Source("download", opts.url, reason, url=opts.url)
+        url, where = opts.url, "the mirror"
+        if url is None and dep.model.hub is not None:  # planned by its hub name: the hub at the planned commit
+            url, where = hub_resolve_url(dep.model.hub), f"the hub at commit {dep.model.hub.commit[:12]}"
+        if url:
+            reason = "; ".join(why_not) + f"; downloading from {where}" if why_not else "--mode download"
+            return Source("download", url, reason, url=url)
         if opts.mode == "download":
             raise UsageError("--mode download needs --url (an HTTP mirror of the model folder)")
         why_not.append("no --url to download from")
