@@ -38,6 +38,13 @@ a whole new item (``},`` then an object with required keys). The answer then
 parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
 report finish "length". The model is free until the way out plus a margin of 8 tokens fills the budget (one
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
+Reasoning before the answer (tools.py: free text closed by its end marker) is closed the same way: the roll-out
+takes the end marker first (free text would accept closing characters forever) and never opens a block, and the
+reasoning ends ``_slack`` tokens before the roll-out's shortest answer would need, so the answer after it is the
+model's own for a while (closing the reasoning counts as closed by the budget). A complete answer that may go on
+(parallel calls) ends, closed_by_budget false, when another item of twice the shortest answer's length no longer
+fits: the budget keeps the model from starting a call it would have to cut. A grammar that accepts the empty
+answer (free text: tool_choice "none") has nothing to close: max_tokens cuts it as any text.
 A schema whose shortest answer found (``min_tokens``) does not fit in max_tokens is still cut (finish "length").
 The roll-out costs a few masks (~15 µs each) per step in the last ``2 * min_tokens + 8`` (at least 64) tokens
 while the model strays from it, and is bounded (512 tokens, 20 ms: past that, no way out, and a cut answer).
@@ -71,6 +78,7 @@ ROLLOUT_SECONDS = 0.02  # ... and one that takes longer (a hostile schema's mask
 # JSON written compactly, with the separators models write by themselves
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CLOSERS = set('"]}')
+_ENDS = ('"', "]", "}", ">")  # the last character of an item: a JSON value, a call's markup
 
 
 def _one_line(msg: str) -> str:
@@ -91,6 +99,9 @@ class Constraint:
         self._slack = SLACK
         self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
         self.min_tokens: int | None = None  # the shortest answer's length in tokens (known when max_tokens is)
+        self._closed = False  # the last token closed an item (a marker, or text ending in '"', ']', '}' or '>')
+        if max_tokens is not None and matcher.is_accepting():  # an answer that may be empty (free text, e.g.
+            self.remaining = max_tokens = None  # tool_choice "none"): nothing to close; max_tokens cuts it as any text
         if max_tokens is not None:
             self._way_out = factory._rollout(matcher, 0)
             self.min_tokens = len(self._way_out) or None
@@ -115,14 +126,22 @@ class Constraint:
         self._narrow = False
         if self.remaining is None or self.remaining > self._window or self._m.is_stopped():
             return None
-        if self._m.is_accepting():  # e.g. a top-level number: one more digit could be fine, a "." would not
+        if self._m.is_accepting():
+            # after a whole item (a call, with parallel calls allowed): no new one unless twice the shortest answer
+            # fits; ending here cuts nothing. Else (a top-level number: one more digit could be fine, a "." would
+            # not) only in the last tokens, and that ends the number the model was writing
+            if self._closed and self.remaining <= 2 * (self.min_tokens or 0) + MARGIN:
+                return self._f.eos[0]
             if self.remaining > MARGIN:
                 return None
             self.closed_by_budget = True
             return self._f.eos[0]
         if self._way_out is None:
             self._way_out = self._f._rollout(self._m, self._str)
-        if self._way_out and len(self._way_out) + MARGIN >= self.remaining:  # [] when none was found
+        # reasoning (the way out opens with its end marker) ends early enough to leave the answer after it room of
+        # its own (``_slack`` tokens), not only the roll-out's shortest answer
+        room = self._slack if self._way_out and self._way_out[0] == self._f._think[1] else 0
+        if self._way_out and len(self._way_out) + MARGIN + room >= self.remaining:  # [] when none was found
             self.closed_by_budget = True
             return self._way_out[0]
         self._narrow = bool(self._way_out) and self._str == 0 \
@@ -161,6 +180,7 @@ class Constraint:
         if self.remaining is not None:
             self.remaining -= 1
             self._str = self._f._scan(self._str, token)
+            self._closed = self._f._closes(self._closed, token)
 
 
 class GrammarFactory:
@@ -186,6 +206,7 @@ class GrammarFactory:
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
+        self._think = _think_ids(tokenizer)  # (opens, closes) reasoning: the roll-out never opens, closes first
         self._no_openers: np.ndarray | None = None
         # a roll-out's time bound (None: only its step bound). The ranks of a lockstep pipeline all sample, so
         # their masks must not depend on how fast each one is: they run without it
@@ -195,18 +216,21 @@ class GrammarFactory:
     def compile_request(self, grammar: dict, max_tokens: int | None = None) -> Constraint | None:
         """A rank's request grammar: ``{"response_format": ...}`` (``compile``) or ``{"lark": text}`` (a forced tool
         call's markup, tools.CallConstraint.lark)."""
-        if "lark" in grammar:
-            return self.compile_lark(grammar["lark"], max_tokens)
+        if "lark" in grammar:  # a forced call, or a response_format after reasoning (tools.reasoned_json)
+            what = "response_format.json_schema.schema" if "response_format" in grammar else "the tool call's grammar"
+            return self.compile_lark(grammar["lark"], max_tokens, what)
         return self.compile(grammar.get("response_format"), max_tokens)
 
-    def compile_lark(self, text: str, max_tokens: int | None = None) -> Constraint:
-        """An llguidance Lark grammar -> a fresh Constraint; ValueError (one line) when it does not compile."""
+    def compile_lark(self, text: str, max_tokens: int | None = None, what: str = "the tool call's grammar") \
+            -> Constraint:
+        """An llguidance Lark grammar -> a fresh Constraint; ValueError (one line, naming ``what``) when it does not
+        compile."""
         import llguidance
 
         if not isinstance(text, str) or len(text) > MAX_SCHEMA_BYTES:
-            raise ValueError("the tool call's grammar is too large")
+            raise ValueError(f"{what} is too large")
         base = self._cached("lark:" + text, lambda: self._matcher(
-            llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), "the tool call's grammar"))
+            llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), what))
         return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens))
 
     def _cached(self, key: str, build):
@@ -237,22 +261,10 @@ class GrammarFactory:
         ValueError (one line, fit for a 400) when the format or its schema is unsupported or invalid."""
         import llguidance
 
-        if response_format is None:
+        found = _schema_of(response_format)
+        if found is None:
             return None
-        if not isinstance(response_format, dict):
-            raise ValueError("response_format must be an object")
-        kind = response_format.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            schema, strict = {"type": "object"}, True
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-                raise ValueError("response_format.json_schema must be an object with a 'schema' object")
-            schema, strict = spec.get("schema", {}), bool(spec.get("strict", False))
-        else:
-            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+        schema, strict = found
         try:
             key = json.dumps([schema, strict], sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -300,21 +312,28 @@ class GrammarFactory:
         """The roll-out's preferences, outside a JSON string and inside one: first the tokens made only of
         closing characters, longest first (outside: not starting with a quote, which would open a string;
         inside: starting with the quote that ends it); then the others, shortest first (the least new content),
-        ties by id."""
+        ties by id; outside a string, blanks last (optional layout, e.g. around a marker, never closes anything)."""
         n = len(texts)
         closer = np.array([bool(t) and set(t) <= _CLOSERS for t in texts], dtype=bool)
         quote = np.array([t[:1] == '"' for t in texts], dtype=bool)
+        blank = np.array([bool(t) and not t.strip() for t in texts], dtype=bool)
         length = np.array([len(t) if t else 1 << 20 for t in texts])
         ids = np.arange(n)
         outside, inside = closer & ~quote, closer & quote
-        return (np.lexsort((ids, np.where(outside, -length, length), ~outside)),
+        return (np.lexsort((ids, np.where(outside, -length, length), blank, ~outside)),
                 np.lexsort((ids, np.where(inside, -length, length), ~inside)))
 
     def _rollout_tables(self):
         if self._tables is None:  # ~1 s for 49k tokens
             texts = self._hf.batch_decode([[i] for i in range(len(self._hf))])
-            quotes = np.array(['"' in t or "\\" in t for t in texts], dtype=bool)
-            self._tables = texts, self._rollout_orders(texts), quotes
+            # a special token (a marker: "</think>", "<tool_call>") is never inside a JSON string: _scan resets
+            special = np.array([self.lltok.is_special_token(i) for i in range(len(texts))], dtype=bool)
+            quotes = np.array(['"' in t or "\\" in t for t in texts], dtype=bool) | special
+            orders = self._rollout_orders(texts)
+            opens, closes = self._think
+            if closes is not None:  # free reasoning (TEXT) accepts closers forever: its way out is its end marker
+                orders = tuple(np.concatenate([[closes], o[(o != closes) & (o != opens)]]) for o in orders)
+            self._tables = texts, orders, quotes, special
         return self._tables
 
     def no_openers(self) -> np.ndarray:
@@ -328,9 +347,11 @@ class GrammarFactory:
 
     def _scan(self, state: int, token: int) -> int:
         """The string state (see Constraint._str) after ``token``'s text."""
-        texts, _orders, quotes = self._rollout_tables()
+        texts, _orders, quotes, special = self._rollout_tables()
         if token >= len(quotes) or (state != 2 and not quotes[token]):
             return state
+        if special[token]:  # a marker ends whatever came before it (reasoning that quoted text)
+            return 0
         for ch in texts[token]:
             if state == 2:
                 state = 1
@@ -340,10 +361,18 @@ class GrammarFactory:
                 state = 1
         return state
 
+    def _closes(self, closed: bool, token: int) -> bool:
+        """Whether the text ends an item after ``token`` (``closed``: it did before; blanks keep it)."""
+        texts, _orders, _quotes, special = self._rollout_tables()
+        if token >= len(texts):
+            return closed
+        body = texts[token].rstrip()
+        return bool(special[token] or body[-1:] in _ENDS) if body or special[token] else closed
+
     def _rollout(self, matcher, state: int) -> list[int]:
         """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
         accepted answer; [] when none is found within ROLLOUT_STEPS and ROLLOUT_SECONDS."""
-        texts, orders, _quotes = self._rollout_tables()
+        texts, orders = self._rollout_tables()[:2]
         m = matcher.deep_copy()
         row = np.empty(self._words, dtype=np.int32)
         way: list[int] = []
@@ -369,6 +398,46 @@ class GrammarFactory:
             way.append(tok)
             state = self._scan(state, tok)
         return []
+
+
+def _schema_of(response_format: dict | None) -> tuple[Any, bool] | None:
+    """(schema, strict) of OpenAI's ``response_format``; None for ``text`` or none; ValueError (one line)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ValueError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, True
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+        return spec.get("schema", {}), bool(spec.get("strict", False))
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+
+
+def json_schema(response_format: dict) -> dict:
+    """The schema of a JSON ``response_format`` with its llguidance options (``x-guidance``), as a Lark grammar's
+    ``%json`` takes it (tools.reasoned_json): the same answers as ``GrammarFactory.compile`` allows."""
+    found = _schema_of(response_format)
+    if found is None or not isinstance(found[0], dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+    schema, strict = found
+    return {**schema, "x-guidance": dict(_JSON_OPTIONS, lenient=not strict)}
+
+
+def _think_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The tokens that open and close a reasoning block, when each is one token (mlx-lm's TokenizerWrapper knows
+    them; a plain HF tokenizer: none)."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return None, None
+    ids = []
+    for seq in (tokenizer.think_start_tokens, tokenizer.think_end_tokens):
+        ids.append(seq[0] if seq is not None and len(seq) == 1 else None)
+    return ids[0], ids[1]
 
 
 def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:
