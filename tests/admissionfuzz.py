@@ -73,6 +73,13 @@ SCHEMAS = [
         "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {"enum": ["x", "y"]}}}},
     {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}, "why": {"type": "string"}}},
 ]
+TOOLS = [  # what a fuzzed constrained request offers the model (bench/faults.py; the tests pass their own)
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["color", "ok"],
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}}}}},
+]
 ROOMY = 48  # max_tokens from which every constrained answer here fits whole (its shortest form, and a reasoning end)
 
 

@@ -691,6 +691,7 @@ def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
             "chat_template_kwargs": {"enable_thinking": False}}
     auto, _ = answer(tok, body, scripted(tok, call))
     assert [c["function"]["name"] for c in auto.tool_calls] == ["get_time"]
-    for spelled in (call, tok.encode("<", add_special_tokens=False) + tok.encode("tool_call>{", add_special_tokens=False)):
+    apart = tok.encode("<", add_special_tokens=False) + tok.encode("tool_call>{", add_special_tokens=False)
+    for spelled in (call, apart):
         none, out = answer(tok, {**body, "tool_choice": "none"}, scripted(tok, spelled))
         assert "<tool_call>" not in tok.decode(out) and not none.tool_calls and none.content, none

@@ -206,6 +206,7 @@ class GrammarFactory:
         self._exec = llguidance.LLExecutor(num_threads=threads)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
+        self._special: np.ndarray | None = None  # made with them: the tokens llguidance sees as special (markers)
         self._think = _think_ids(tokenizer)  # (opens, closes) reasoning: the roll-out never opens, closes first
         self._no_openers: np.ndarray | None = None
         # a roll-out's time bound (None: only its step bound). The ranks of a lockstep pipeline all sample, so
@@ -333,7 +334,7 @@ class GrammarFactory:
             opens, closes = self._think
             if closes is not None:  # free reasoning (TEXT) accepts closers forever: its way out is its end marker
                 orders = tuple(np.concatenate([[closes], o[(o != closes) & (o != opens)]]) for o in orders)
-            self._tables = texts, orders, quotes, special
+            self._tables, self._special = (texts, orders, quotes), special
         return self._tables
 
     def no_openers(self) -> np.ndarray:
@@ -347,10 +348,10 @@ class GrammarFactory:
 
     def _scan(self, state: int, token: int) -> int:
         """The string state (see Constraint._str) after ``token``'s text."""
-        texts, _orders, quotes, special = self._rollout_tables()
+        texts, _orders, quotes = self._rollout_tables()
         if token >= len(quotes) or (state != 2 and not quotes[token]):
             return state
-        if special[token]:  # a marker ends whatever came before it (reasoning that quoted text)
+        if self._special[token]:  # a marker ends whatever came before it (reasoning that quoted text)
             return 0
         for ch in texts[token]:
             if state == 2:
@@ -363,7 +364,7 @@ class GrammarFactory:
 
     def _closes(self, closed: bool, token: int) -> bool:
         """Whether the text ends an item after ``token`` (``closed``: it did before; blanks keep it)."""
-        texts, _orders, _quotes, special = self._rollout_tables()
+        texts, special = self._rollout_tables()[0], self._special
         if token >= len(texts):
             return closed
         body = texts[token].rstrip()
@@ -372,7 +373,7 @@ class GrammarFactory:
     def _rollout(self, matcher, state: int) -> list[int]:
         """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
         accepted answer; [] when none is found within ROLLOUT_STEPS and ROLLOUT_SECONDS."""
-        texts, orders = self._rollout_tables()[:2]
+        texts, orders, _quotes = self._rollout_tables()
         m = matcher.deep_copy()
         row = np.empty(self._words, dtype=np.int32)
         way: list[int] = []

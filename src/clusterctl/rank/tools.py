@@ -12,13 +12,18 @@ Use, on rank 0::
     text = render(tokenizer, chat, template_args)   # the operator's template arguments under the request's
     tokens = tokenizer.encode(text, add_special_tokens=False)
     chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
+    reasoned_json(tokenizer, schema, initial)       # response_format after the reasoning the prompt opened
     banned_token_ids(tokenizer, chat)               # tool_choice "none": logit bias -inf on these
+    no_call_lark(tokenizer, chat)                   # ... or, the marker being several tokens, this grammar
     splitter = chat.splitter(tokenizer, tokens)     # splitter.py's OutputSplitter
 
 Decisions where OpenAI and mlx-lm leave room:
 - ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
-  cached prefix, stay those of "auto"), no call is parsed (any markup stays in the content, verbatim), and
-  ``banned_token_ids`` names the call's opening token for the sampler to forbid (a logit bias of -inf).
+  cached prefix, stay those of "auto"), no call is parsed, and the call's opening marker cannot be written:
+  ``banned_token_ids`` names its token for the sampler to forbid (a logit bias of -inf), or, when the marker is
+  text of several tokens, ``no_call_lark`` is a grammar of any text without it.
+- A forced call or a ``response_format`` on a prompt that opened a reasoning block comes after that block (the
+  grammar module closes the reasoning in time for it): else the answer would be the reasoning.
 - "required" / a named function: ``call_constraint`` says what the grammar module must enforce (a JSON schema of
   the call, the markers as tokens, and all of it as an llguidance Lark grammar); refused for call formats that
   are not JSON between markers (only mlx-lm's ``json_tools``: Qwen2.5, Qwen3, Hermes).
