@@ -728,6 +728,35 @@ def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     return f"seed {seed}, {schedule}: {tally.ok} served, {tally.refused} refused ({tally.by_status})"
 
 
+def constrained_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
+    """tests/admissionfuzz.py with tools, tool_choice, response_format and thinking on and off, against 2 real
+    ranks (either schedule) serving a tiny model whose template calls tools and opens <think> (tests/toolmodels.py),
+    with a random seed (issue 41: answers that landed in the reasoning, forced calls never made)."""
+    import admissionfuzz
+    from mlx_lm.utils import load_tokenizer
+    from rankharness import RankCluster
+    from toolmodels import tool_model
+
+    from clusterctl.rank.admission import limits_for
+
+    seed, schedule = rng.randrange(10**9), rng.choice(["overlap", "lockstep"])
+    d, _ = bed.fresh("constrained")
+    folder = tool_model(d / "model")
+    config = json.loads((folder / "config.json").read_text())
+    limits = limits_for(config, load_tokenizer(folder), 512)
+    with RankCluster(d, folder, [1, config["num_hidden_layers"] - 1], tag=f"cz{i}",
+                     overrides={"schedule": schedule, "context_tokens": 512, "control_timeout_s": 4.0}).up() as c:
+        def alive() -> None:
+            for r, p in enumerate(c.procs):
+                need(p.poll() is None, f"rank {r} exited {p.returncode}: {c.logs(r)[-300:]}")
+
+        t = admissionfuzz.Target(port=c.http_port, vocab=limits.vocab, context=512, token_bytes=limits.token_bytes,
+                                 tools=admissionfuzz.TOOLS)
+        tally = admissionfuzz.run(t, seed, 40 if bed.quick else 200, alive=alive)
+    need(not tally.failures, f"{len(tally.failures)} failures: " + "; ".join(tally.failures[:2]))
+    return f"seed {seed}, {schedule}: {tally.ok} served, {tally.refused} refused ({tally.by_status})"
+
+
 def _heal_trial(case_name: str):
     """A heal row: bench/heal.py's case, held to its goals (heal time, rejoin time, 0 hung clients, same URL)."""
     def trial(bed: Bed, rng: random.Random, i: int) -> str:
@@ -855,6 +884,9 @@ ROWS = [
     Row("rank 0 requests fuzzed (sampling limits, sizes, planned context, response formats, costly schemas, logprobs)",
         "each a 200 within the context (strict JSON; a structured answer parses) or a clean 4xx; no rank ends",
         request_fuzz),
+    Row("rank 0 constrained requests fuzzed (tools, response_format, a template that opens <think>)",
+        "each a 200 whose JSON parses, forced call is made, 'none' has no call markup; or a clean 4xx",
+        constrained_fuzz),
     Row("GGUF metadata and counts fuzzed (model import)",
         "each case a valid import or a one-line refusal 65/66/78, < 5 s and 512 MiB each", gguf_fuzz),
     Row("heal: tiny 2->1, rank SIGKILL", HEAL_CRITERION, _heal_trial("tiny 2->1, rank SIGKILL"), trials=2),

@@ -217,7 +217,7 @@ def hostile(kind: str) -> None:
     path = model_path(kind)
     tok = load_tokenizer(path)
     f = GrammarFactory(tok)
-    f._rollout_tables()  # made once per rank on first use: not a schema's cost
+    f.tables()  # made once per rank on first use: not a schema's cost
     rows = []
     for name, schema in HOSTILE.items():
         t0 = time.perf_counter()

@@ -4,7 +4,13 @@ formats, costly ones among them (issue 41: compiles of seconds, masks that allow
 no answer closes). Every answer must be a 200 within the planned context or a 4xx in OpenAI's error shape (or a 503
 ``grammar_busy`` while costly compiles hold the workers), a 200 with a grammar must parse, and no rank may end.
 
-Used by tests/test_fuzz_admission.py (a fixed seed, a few dozen requests) and bench/faults.py (a random seed)."""
+With ``Target.tools`` (a model whose template calls tools and thinks, tests/toolmodels.py) chat requests also get
+a response_format, tools and a tool_choice, with thinking on or off, and the answer must be usable: JSON content
+that parses, a forced call in ``tool_calls``, no call markup in the content under "none", nothing in the
+reasoning alone (issue 41: structured output landed in the reasoning of thinking templates).
+
+Used by tests/rank/test_rank_admission.py and tests/rank/test_api_tools.py (fixed seeds, a few dozen requests) and
+bench/faults.py (a random seed)."""
 
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ class Target:
     context: int  # the plan's per-request context
     token_bytes: int  # the most bytes one token stands for (rank 0's byte cap: context x this)
     key: str | None = None
+    tools: list | None = None  # the model calls tools (and may think): constrained chat requests too
+    marker: str = "<tool_call>"  # its call's opening marker
 
 
 @dataclass
@@ -98,7 +106,50 @@ def _prompt(rng: random.Random, t: Target):
     ])
 
 
+SCHEMAS = [
+    {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}},
+    {"type": "object", "additionalProperties": False, "required": ["name", "tags"], "properties": {
+        "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {"enum": ["x", "y"]}}}},
+    {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}, "why": {"type": "string"}}},
+]
+TOOLS = [  # what a fuzzed constrained request offers the model (bench/faults.py; the tests pass their own)
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["color", "ok"],
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}}}}},
+]
+ROOMY = 48  # max_tokens from which every constrained answer here fits whole (its shortest form, and a reasoning end)
+
+
+def _constrained(rng: random.Random, t: Target, body: dict) -> dict:
+    """A chat body's response_format or tools and tool_choice, thinking on or off (the template opens a think
+    block when on), and a budget that is tight or roomy."""
+    body["max_tokens"] = rng.choice([1, 3, 12, 24, ROOMY, 80])
+    body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.6}
+    if rng.random() < 0.4:
+        schema = rng.choice(SCHEMAS)
+        body["response_format"] = rng.choice([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": schema, "strict": rng.random() < 0.5}}])
+        return body
+    body["tools"] = t.tools
+    choice = rng.choice(["auto", "none", "required", "function", None])
+    if choice == "function":
+        body["tool_choice"] = {"type": "function", "function": {"name": rng.choice(t.tools)["function"]["name"]}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    if rng.random() < 0.4:
+        body["parallel_tool_calls"] = rng.random() < 0.5
+    if choice in ("auto", "none", None) and rng.random() < 0.5:  # push the model towards a call's markup
+        body["temperature"] = 1.5
+    return body
+
+
 def request(rng: random.Random, t: Target) -> tuple[str, dict]:
+    if t.tools and rng.random() < 0.6:
+        body = {"stream": rng.random() < 0.4, "seed": rng.randrange(1 << 20), "temperature": rng.choice([0, 1.0]),
+                "messages": [{"role": "user", "content": rng.choice(["Hello", "add 2 and 3", "JSON please"])}]}
+        return "/v1/chat/completions", _constrained(rng, t, body)
     values = _values(t)
     body: dict = {}
     # one to three fields at or past their limits, the rest left out (so that most requests are legal)
@@ -147,11 +198,60 @@ def events(data: str) -> list[dict]:
     return out
 
 
+def _message(body: dict, data: str) -> tuple[dict, str]:
+    """The chat answer's message and finish_reason, a stream's deltas added up."""
+    if not body.get("stream"):
+        choice = json.loads(data)["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish = None
+    for event in events(data):
+        for c in event.get("choices", []):
+            d = c.get("delta") or {}
+            msg["content"] += d.get("content") or ""
+            msg["reasoning_content"] += d.get("reasoning_content") or ""
+            msg["tool_calls"] += d.get("tool_calls") or []
+            finish = c.get("finish_reason") or finish
+    return msg, finish
+
+
+def check_constrained(t: Target, body: dict, data: str) -> str | None:
+    """What is wrong with a 200 to a constrained chat request (None: nothing): the answer a client parses."""
+    msg, finish = _message(body, data)
+    content, calls = msg.get("content") or "", msg.get("tool_calls") or []
+    roomy = body["max_tokens"] >= ROOMY
+    choice = body.get("tool_choice", "auto" if body.get("tools") else None)
+    if body.get("tools") and choice == "none" and (t.marker in content or calls):
+        return "call markup or a call under tool_choice none"
+    if choice in ("required",) or isinstance(choice, dict):
+        if t.marker in content:
+            return "a forced call's markup in the content"
+        if roomy and not calls:
+            return f"a forced call with room for it made none (finish {finish}, content {content!r})"
+        if calls and finish not in ("tool_calls", "length"):
+            return f"calls made, finish {finish}"
+    if "response_format" in body and (roomy or finish == "stop"):
+        try:
+            json.loads(content)
+        except ValueError:
+            return f"JSON content that does not parse (finish {finish}): {content[:120]!r}, reasoning " \
+                   f"{(msg.get('reasoning_content') or '')[:80]!r}"
+    return None
+
+
 def check(t: Target, path: str, body: dict, status: int, data: str) -> str | None:
     """None when the answer is one rank 0 may give; else what is wrong with it."""
     what = f"{path} {json.dumps(body)[:300]} -> {status} {data[:300]}"
-    if status == 503 and body.get("response_format") is not None and _code(data) == "grammar_busy":
+    if status == 503 and (body.get("response_format") is not None or body.get("tools")) \
+            and _code(data) == "grammar_busy":
         return None  # costly compiles hold every grammar worker: come back later (Retry-After)
+    if status == 200 and path.endswith("/chat/completions") and ("response_format" in body or "tools" in body):
+        try:
+            bad = check_constrained(t, body, data)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            bad = f"an answer not in OpenAI's shape ({type(e).__name__}: {e})"
+        if bad:
+            return f"{bad}: {what}"
     if 400 <= status < 500:
         try:
             err = json.loads(data)["error"]

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzutil import (counting_fixtures, FUZZ, JSON_ANY, byte_variants, count, json_variants,
+from fuzzutil import (counting_fixtures, FUZZ, JSON_ANY, byte_variants, count, fuzz_settings, json_variants,
                       only_clean_errors, write_file as _write)
 
 
@@ -350,5 +350,94 @@ def test_request_bodies(tokenizer):
             count("refused")
             return  # the HTTP layer answers 400 before a builder sees a non-object (tests/rank)
         one(kind, body)
+
+    run()
+
+
+def test_constrained_chat_bodies_on_a_thinking_template(tmp_path_factory):
+    """Chat bodies with tools, tool_choice and response_format, varied, on a template whose generation prompt opens
+    <think> (tests/toolmodels.py): a 4xx, or a request whose grammar compiles; and when the request forces a call
+    or a JSON answer as given (not varied) on a prompt that opened the block, the grammar lets the reasoning end
+    and closes the answer within max_tokens whatever the model picks (random tokens the mask allows), the answer
+    after the reasoning (issue 41: it landed in the reasoning, or ran to max_tokens with no call)."""
+    import numpy as np
+    import toolmodels
+    from mlx_lm.tokenizer_utils import load
+
+    from clusterctl.rank import tools as T
+    from clusterctl.rank.admission import Limits, Preparer
+    from clusterctl.rank.compiler import Compiler, GrammarRefused
+    from clusterctl.rank.openai import ApiError, RequestBuilder
+    from clusterctl.shared.rankspec import RankSpec
+
+    tok = load(toolmodels.write_tokenizer(tmp_path_factory.mktemp("thinktok") / "t"))
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
+                    marker_path="/r/m", gate_path="/r/g")
+    builder = RequestBuilder(spec, Limits(context=512, model_context=4096, vocab=len(tok), token_bytes=82))
+    preparer = Preparer(tok)
+    compiler = Compiler(tok)  # admission's compile (rank 0's Api): its roll-outs have no time bound, so what is
+    factory = compiler.factory()  # checked does not depend on the machine's load
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}}}
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"c": {"enum": ["r", "g"]}}, "required": ["c"]}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    bases = [
+        {"messages": msgs, "tools": [add, pick], "tool_choice": "required", "max_tokens": 40},
+        {"messages": msgs, "tools": [add], "tool_choice": {"type": "function", "function": {"name": "add"}},
+         "max_tokens": 32},
+        {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}}},
+         "max_tokens": 24},
+        {"messages": msgs, "response_format": {"type": "json_object"}, "max_tokens": 16},
+        {"messages": msgs, "tools": [add], "tool_choice": "none", "max_tokens": 8,
+         "chat_template_kwargs": {"enable_thinking": False}},
+    ]
+    shaping = ("tools", "tool_choice", "response_format", "max_tokens", "chat_template_kwargs")
+
+    def one(body, seed):
+        try:
+            job = builder.chat(body)
+            req = preparer.prepare(job)
+            c = compiler.admit(req)  # admitted: it compiled, within its bounds (a GrammarRefused is a 400)
+        except ApiError as e:
+            assert 400 <= e.status < 500 and e.message, (e.status, e.message)
+            count("refused")
+            return
+        except GrammarRefused as e:
+            assert str(e) and "\n" not in str(e), e
+            count("refused")
+            return
+        count("accepted")
+        if c is None:
+            return
+        base = next((b for b in bases if all(b.get(k) == body.get(k) for k in shaping)), None)
+        if base is None or T.initial_state(tok, req.tokens) != "reasoning":
+            return
+        rng = np.random.default_rng(seed)
+        out = []
+        while len(out) < req.max_tokens and not c.done:
+            allowed = np.flatnonzero(np.array(c.mask()))
+            t = int(rng.choice(allowed))
+            if t in factory.eos:
+                break
+            c.advance(t)
+            out.append(t)
+        assert c.accepting and tok.think_end_id in out, (body, tok.decode(out))
+        sp = job.splitter
+        reply = sp.feed(tok.decode(out)) + sp.finish("stop")
+        kinds = {e.kind for e in reply}
+        assert ("tool_call" if "tools" in body else "content") in kinds, (body, tok.decode(out), reply)
+        count("answered after the reasoning")
+
+    @fuzz_settings(0.5)
+    @given(st.sampled_from(range(len(bases))).flatmap(
+        lambda i: st.one_of(st.just(bases[i]), json_variants(bases[i]))), st.integers(0, 1 << 16))
+    def run(body, seed):
+        if isinstance(body, dict):
+            one(body, seed)
+        else:
+            count("refused")
 
     run()

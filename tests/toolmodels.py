@@ -106,15 +106,16 @@ def _tiny() -> Path:
 
 
 def write_tokenizer(dest: Path, *, call_format: str = "json_tools", thinking: bool = True,
-                    source: Path | None = None) -> Path:
+                    source: Path | None = None, call_tokens: bool = True) -> Path:
     """``dest`` with tokenizer.json and tokenizer_config.json: the tiny model's tokenizer, the markers as
-    tokens, and a chat template that renders tools (``call_format``) and, if ``thinking``, a think block."""
+    tokens, and a chat template that renders tools (``call_format``) and, if ``thinking``, a think block.
+    ``call_tokens`` False leaves the call markers text of several tokens (as SmolLM2's tokenizer spells them)."""
     source = source or _tiny()
     dest.mkdir(parents=True, exist_ok=True)
     tok = json.loads((source / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     by_id = {i: s for s, i in vocab.items()}
-    markers = TOOL_MARKERS[call_format] + (THINK_MARKERS if thinking else [])
+    markers = (TOOL_MARKERS[call_format] if call_tokens else []) + (THINK_MARKERS if thinking else [])
     size = len(vocab)
     for k, marker in enumerate(markers):
         i = size - len(markers) + k
@@ -132,7 +133,7 @@ def write_tokenizer(dest: Path, *, call_format: str = "json_tools", thinking: bo
     return dest
 
 
-def tool_model(dest: Path, *, call_format: str = "json_tools", thinking: bool = True) -> Path:
+def tool_model(dest: Path, *, call_format: str = "json_tools", thinking: bool = True, call_tokens: bool = True) -> Path:
     """A whole model folder at ``dest`` that ranks can serve: the tiny model's config and weights (linked) and
     the tool tokenizer of ``write_tokenizer``."""
     source = _tiny()
@@ -148,4 +149,4 @@ def tool_model(dest: Path, *, call_format: str = "json_tools", thinking: bool = 
                 shutil.copyfile(f, target)
         else:
             shutil.copyfile(f, target)
-    return write_tokenizer(dest, call_format=call_format, thinking=thinking, source=source)
+    return write_tokenizer(dest, call_format=call_format, thinking=thinking, source=source, call_tokens=call_tokens)

@@ -159,3 +159,68 @@ def test_the_openai_client_gets_tool_calls_and_reasoning_stream_and_not(cluster)
     assert client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=4).choices
     thinking = client.chat.completions.create(model="m", messages=HISTORY[:1], max_tokens=6, temperature=0)
     assert thinking.choices[0].message.model_extra.get("reasoning_content")
+
+
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["color", "ok"],
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}}}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+def test_structured_output_and_forced_calls_on_a_template_that_opens_think(cluster):
+    """issue 41 (5, 6): the generation prompt opens <think>; a response_format's JSON comes back in content (the
+    reasoning closed within max_tokens, finish length since the budget closed it), a required call in tool_calls;
+    a required call with parallel calls allowed finishes tool_calls once its calls close, nothing cut in content."""
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        for stream in (False, True):
+            body = {"messages": HISTORY[:1], "response_format": rf, "max_tokens": 40, "temperature": 1.0,
+                    "seed": seed, "stream": stream}
+            msg, finish = stream_or_not(cluster, body)
+            assert msg["reasoning_content"] and finish == "length", msg
+            jsonschema.validate(json.loads(msg["content"]), PERSON)
+        msg, finish = stream_or_not(cluster, {"messages": HISTORY[:1], "tools": [TOOLS[0], PICK], "max_tokens": 48,
+                                              "tool_choice": "required", "temperature": 1.0, "seed": seed})
+        assert msg["tool_calls"] and not msg["content"] and finish in ("tool_calls", "length"), msg
+        msg, finish = stream_or_not(cluster, {"messages": HISTORY[:1], "tools": [PICK], "max_tokens": 80,
+                                              "tool_choice": "required", "temperature": 1.0, "seed": seed,
+                                              "chat_template_kwargs": {"enable_thinking": False}})
+        assert finish == "tool_calls" and msg["tool_calls"] and not msg["content"], msg
+
+
+def stream_or_not(c, body: dict) -> tuple[dict, str]:
+    """The message (a stream's deltas added up) and finish_reason of a chat answer."""
+    import admissionfuzz
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read().decode()
+    conn.close()
+    assert r.status == 200, data
+    msg, finish = admissionfuzz._message(body, data)
+    return {"content": msg.get("content") or "", "reasoning_content": msg.get("reasoning_content") or "",
+            "tool_calls": msg.get("tool_calls") or []}, finish
+
+
+def test_fuzzed_constrained_requests_on_a_thinking_template(cluster, folder):
+    """tests/admissionfuzz.py with tools, response_format and thinking on and off (a fixed seed): every answer
+    usable as the request shaped it (bench/faults.py runs the plain fuzzer with a random seed)."""
+    import admissionfuzz
+
+    from clusterctl.rank.admission import limits_for
+    from mlx_lm.utils import load_tokenizer
+
+    limits = limits_for(json.loads((folder / "config.json").read_text()), load_tokenizer(folder), None)
+    target = admissionfuzz.Target(port=cluster.http_port, vocab=limits.vocab, context=limits.context,
+                                  token_bytes=limits.token_bytes, tools=[TOOLS[0], PICK])
+    def alive() -> None:
+        for r, p in enumerate(cluster.procs):
+            assert p.poll() is None, f"rank {r} exited {p.returncode}\n{cluster.logs(r)}"
+
+    tally = admissionfuzz.run(target, seed=41, n=40, alive=alive)
+    assert not tally.failures, "\n".join(tally.failures)
+    assert tally.ok >= 20, tally

@@ -295,7 +295,7 @@ def test_a_sampler_that_keeps_opening_content_still_gets_a_closed_answer(smollm2
     Such a token near the end once lengthened the way out from 2 tokens to 15 with 12 left (bench/grammar.py
     --served: 6 of 24 SmolLM2 answers cut). Every answer must still parse and validate, at every budget."""
     _model, tok, factory = smollm2
-    texts = factory._rollout_tables()[0]
+    texts = factory.tables().texts
     opens = np.array([any(ch in t for ch in ",{[") for t in texts] + [False] * (factory.vocab - len(texts)))
     cases = formats()
     rng = np.random.default_rng(11)
@@ -424,6 +424,23 @@ def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
     mine = other.take(req)
     assert (mine.min_tokens, mine.rollout_steps) == (c.min_tokens, c.rollout_steps) and other.pending == 0
     assert np.array_equal(np.array(mine.mask()), np.array(c.mask()))
+
+
+def test_a_schema_whose_shortest_answer_cannot_fit_max_tokens_is_refused_at_admission(compiler):
+    """A shortest answer longer than max_tokens would be forced from its first token and then cut (invalid JSON
+    after the compute): refused at admission with a typed kind, naming max_tokens. Not remembered: the same schema
+    with a budget it fits is admitted."""
+    from clusterctl.rank.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.generation import GenRequest
+
+    def req(n):
+        return GenRequest(id="r", tokens=[1], max_tokens=n, grammar={"response_format": js(PERSON)})
+
+    shortest = compiler.admit(req(400)).min_tokens
+    with pytest.raises(GrammarRefused) as e:
+        compiler.admit(req(shortest - 1))
+    assert e.value.kind is Refusal.BUDGET and f"max_tokens {shortest - 1}" in str(e.value), e.value
+    assert compiler.admit(req(shortest)).min_tokens == shortest
 
 
 def test_a_failed_roll_out_is_not_repeated_every_step(smollm2):

@@ -150,6 +150,9 @@ def test_model_names_aliases_and_paths_without_v1(one, shared_clusters):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-5", messages=CHAT, max_tokens=1)
     assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-5")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
     bare = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}", api_key="unused", max_retries=0)
     assert bare.completions.create(model="tiny-model-test", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 

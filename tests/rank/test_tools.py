@@ -523,3 +523,209 @@ def test_tool_model_folder_serves(tmp_path):
     assert reply.finish_reason == "length" and text.strip()
     if not any(m in text for m in ("</think>", "<tool_call>")):  # random weights: the prompt's think block
         assert (reply.reasoning_content, reply.content) == (text.lstrip(), "")
+
+
+# ---- constrained answers through the request pipeline (issue 41: 5, 6) -------------------------------------------
+# A request built and prepared as rank 0 does (openai.RequestBuilder), its grammar compiled as a rank compiles it,
+# and a scripted model in place of the weights (random logits, or a wish to write one text): what the grammar and
+# the splitter make of them is the answer a client gets.
+
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["color", "ok"],
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}}}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+def _builder(tok):
+    import json as _json
+
+    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.openai import RequestBuilder
+    from clusterctl.shared.rankspec import RankSpec
+    from rankharness import tiny_model_path
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
+                    marker_path="/r/m", gate_path="/r/g")
+    return RequestBuilder(spec, limits_for(_json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096))
+
+
+def answer(tok, body: dict, model) -> tuple[S.Reply, list[int]]:
+    """The reply to ``body`` (a chat request) when ``model(tokens so far) -> logits`` writes it: the rank's
+    end of a row (EOS, a complete answer, max_tokens; a budget-closed answer reports "length") and its splitter."""
+    import numpy as np
+
+    from clusterctl.rank.grammar import GrammarFactory
+
+    api_req = _builder(tok).chat(body)
+    req = api_req.prepare(tok)
+    factory = GrammarFactory(tok)
+    factory.rollout_seconds = None  # as lockstep ranks run it: the result must not depend on the machine's load
+    c = factory.compile_request(req.grammar, req.max_tokens) if req.grammar is not None else None
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    out: list[int] = []
+    finish = "length"
+    for _ in range(req.max_tokens):
+        logits = np.array(model(out), dtype=np.float32)
+        for t, b in bias.items():
+            logits[t] += b
+        if c is not None:
+            logits = np.where(np.array(c.mask()), logits, -np.inf)
+        t = int(np.argmax(logits))
+        if t in tok.eos_token_ids:
+            finish = "stop"
+            break
+        out.append(t)
+        if c is not None:
+            c.advance(t)
+            if c.done:
+                finish = "stop"
+                break
+    if finish == "stop" and c is not None and c.closed_by_budget:
+        finish = "length"
+    sp = api_req.splitter
+    reply = S.Reply().add(sp.feed(tok.decode(out))).add(sp.finish(finish))
+    return reply, out
+
+
+def random_model(seed: int, vocab: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return lambda _tokens: rng.gumbel(size=vocab) * 3  # argmax of these: a sample of a random model
+
+
+def test_a_json_answer_follows_the_reasoning_the_prompt_opened(toks):
+    """A template whose generation prompt opens <think> (DeepSeek-R1, thinking Qwen3): the JSON comes after the
+    reasoning, in ``content``, within max_tokens, and parses; the reasoning is closed early enough for it. The
+    finish rule: "length" when the budget closed something the model had open (here its reasoning), "stop" when
+    the model ended the answer; the content parses either way."""
+    tok = toks["json"]
+    msgs = [{"role": "user", "content": "who?"}]
+    assert T.initial_state(tok, tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                   tokenize=False), add_special_tokens=False)) \
+        == "reasoning"
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    for seed in range(6):
+        for max_tokens in (20, 48):
+            reply, out = answer(tok, {"messages": msgs, "response_format": rf, "max_tokens": max_tokens},
+                                random_model(seed, len(tok)))
+            jsonschema.validate(json.loads(reply.content), PERSON)
+            assert reply.finish_reason == "length" and len(out) <= max_tokens, (seed, reply)
+    # the model ends its answer itself: "stop"; without reasoning, the JSON alone
+    small = {"type": "json_schema", "json_schema": {"name": "p", "schema": PICK["function"]["parameters"]}}
+    for seed in range(4):
+        reply, _ = answer(tok, {"messages": msgs, "response_format": small, "max_tokens": 60,
+                                "chat_template_kwargs": {"enable_thinking": False}}, random_model(seed, len(tok)))
+        assert reply.finish_reason == "stop" and not reply.reasoning_content, reply
+        jsonschema.validate(json.loads(reply.content), PICK["function"]["parameters"])
+
+
+def test_a_forced_call_follows_the_reasoning_the_prompt_opened(toks):
+    """tool_choice required on that template: the reasoning ends in time, the call is made (tool_calls), never
+    all tokens in reasoning_content with no call."""
+    tok = toks["json"]
+    for seed in range(6):
+        reply, out = answer(tok, {"messages": [{"role": "user", "content": "w?"}], "tools": [WEATHER, PICK],
+                                  "tool_choice": "required", "max_tokens": 40}, random_model(seed, len(tok)))
+        assert reply.tool_calls and not reply.content and len(out) <= 40, (seed, reply)
+        for call in reply.tool_calls:
+            tool = next(t for t in (WEATHER, PICK) if t["function"]["name"] == call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+def test_required_calls_finish_tool_calls_when_they_close(toks):
+    """tool_choice required with parallel calls allowed: the answer ends with its calls (finish tool_calls), not
+    with a further call the budget had to cut (finish length); a model's newline after a call does not commit it
+    to another one."""
+    tok = toks["nothink"]
+    body = {"messages": [{"role": "user", "content": "pick"}], "tools": [PICK], "tool_choice": "required",
+            "max_tokens": 80}
+    for seed in range(6):
+        reply, _ = answer(tok, body, random_model(seed, len(tok)))
+        assert reply.finish_reason == "tool_calls" and reply.tool_calls and not reply.content, (seed, reply)
+    # a model that ends its call with a newline, then its end token
+    call = tok.encode('<tool_call>\n{"name": "pick", "arguments": {"color": "red", "ok": true}}\n</tool_call>\n',
+                      add_special_tokens=False)
+    reply, out = answer(tok, {**body, "max_tokens": 200}, scripted(tok, call + [tok.eos_token_id]))
+    assert reply.finish_reason == "tool_calls" and len(reply.tool_calls) == 1 and len(out) == len(call), reply
+
+
+def test_a_cut_forced_call_never_reaches_the_content(toks):
+    tok = toks["json"]
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "tool_choice": "required"})
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    s = chat.splitter(tok, [])
+    assert summary(run(s, token_pieces(tok, cut), "length")) == ("", "", [], "length") and s.malformed
+
+
+def scripted(tok, tokens: list[int], strength: float = 50.0):
+    """A model that wants to write ``tokens`` (then EOS): each step the next one is boosted, whatever came
+    before; when the grammar refuses it, the model takes what it may and goes on with the same wish."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def logits(out):
+        x = rng.normal(size=len(tok)).astype(np.float32)
+        k = 0
+        for t in out:  # how far into its wish the text is
+            k = k + 1 if k < len(tokens) and t == tokens[k] else (1 if t == tokens[0] else 0)
+        x[tokens[k] if k < len(tokens) else tok.eos_token_id] += strength
+        return x
+
+    return logits
+
+
+def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
+    """tool_choice "none" on a template whose call marker is text of several tokens (SmolLM2's): a model set on
+    calling never gets the marker out, however the tokens would spell it; under "auto" the same model calls."""
+    from mlx_lm.tokenizer_utils import load
+
+    tok = load(toolmodels.write_tokenizer(tmp_path / "text-markers", call_tokens=False))
+    assert tok.has_tool_calling and len(tok.tool_call_start_tokens) > 1
+    call = tok.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', add_special_tokens=False)
+    body = {"messages": [{"role": "user", "content": "time?"}], "tools": TOOLS, "max_tokens": 40,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    auto, _ = answer(tok, body, scripted(tok, call))
+    assert [c["function"]["name"] for c in auto.tool_calls] == ["get_time"]
+    apart = tok.encode("<", add_special_tokens=False) + tok.encode("tool_call>{", add_special_tokens=False)
+    for spelled in (call, apart):
+        none, out = answer(tok, {**body, "tool_choice": "none"}, scripted(tok, spelled))
+        assert "<tool_call>" not in tok.decode(out) and not none.tool_calls and none.content, none
+
+
+def test_thinking_grammars_are_admitted_and_announced_alike(toks):
+    """issue 41 items 1 and 5 together: a thinking template's grammars (the JSON after the reasoning the prompt
+    opened, a forced call) are compiled at admission (compiler.py: off the step loop, probed, a roll-out bound in
+    masks), and a lockstep rank that compiles the announced request makes the same constraint: the same shortest
+    answer (opening with </think>: the roll-out closes the reasoning first), the same bound, the same first mask."""
+    import numpy as np
+
+    from clusterctl.rank.compiler import Compiler, GrammarRefused, Refusal
+    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.grammar import json_schema
+
+    tok = toks["json"]
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+        "type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}}}
+    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                  "tool_choice": "required"})
+    grammars = {"reasoned json": {"lark": T.reasoned_json(tok, json_schema(rf), "reasoning"), "response_format": rf},
+                "forced call": {"lark": T.call_constraint(tok, chat, "reasoning").lark()}}
+    rank0, other = Compiler(tok), Compiler(tok)
+    end = tok.encode("</think>", add_special_tokens=False)
+    for name, grammar in grammars.items():
+        req = GenRequest(id=name, tokens=[1], max_tokens=60, grammar=grammar)
+        c = rank0.admit(req)
+        assert c is not None and 16 <= req.rollout_steps <= 512 and c.rollout_steps == req.rollout_steps, name
+        assert len(end) == 1 and c._way_out[0] == end[0], (name, c._way_out)
+        other.announce(GenRequest(**req.__dict__))
+        mine = other.take(req)
+        assert (mine.min_tokens, mine.rollout_steps) == (c.min_tokens, c.rollout_steps), name
+        assert np.array_equal(np.array(mine.mask()), np.array(c.mask())), name
+        with pytest.raises(GrammarRefused) as e:  # its shortest answer cannot fit: refused, naming max_tokens
+            rank0.admit(GenRequest(id=name, tokens=[1], max_tokens=c.min_tokens - 1, grammar=grammar))
+        assert e.value.kind is Refusal.BUDGET and "max_tokens" in str(e.value), e.value

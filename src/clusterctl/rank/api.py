@@ -142,7 +142,8 @@ class Api:
         try:
             return self.compiler.admit(req, wait_s=self.spec.http_timeout_s)
         except GrammarRefused as e:
-            raise ApiError(400, str(e), param="response_format" if "response_format" in req.grammar else "tool_choice",
+            param = "response_format" if "response_format" in req.grammar else "tool_choice"
+            raise ApiError(400, str(e), param="max_tokens" if e.kind is Refusal.BUDGET else param,
                            code="grammar_too_costly" if e.kind in COSTLY else None) from None
         except TimeoutError:
             raise ApiError(503, "busy compiling other requests' grammars", type="server_error", code="grammar_busy",
@@ -201,9 +202,12 @@ class Api:
         if not isinstance(name, str):
             raise ApiError(400, "model must be a string", param="model")
         if name not in self.model_names:
-            shown = name if len(name) <= 80 else name[:77] + "..."
-            raise ApiError(404, f"the model {shown!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise self.model_not_found(name)
+
+    def model_not_found(self, name: str) -> ApiError:
+        """OpenAI's answer for a model it does not serve: 404, code model_not_found, param model, its message."""
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        return ApiError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
 
     # -- browsers (CORS)
 

@@ -45,6 +45,7 @@ class Refusal(enum.Enum):
     COMPILE_COST = "compile_cost"  # its compile ran past the lexer's fuel or the admission's CPU budget
     MASK_COST = "mask_cost"  # one of its first masks did (MASK_CPU_S)
     PARSER_LIMIT = "parser_limit"  # its mask allows a token its parser then refuses (llguidance's row/item limits)
+    BUDGET = "budget"  # its shortest answer does not fit in the request's max_tokens (it could only be cut)
 
 
 class GrammarRefused(ValueError):
@@ -120,8 +121,8 @@ class Compiler:
     def admit(self, req: GenRequest, *, wait_s: float = 30.0) -> "grammar.Constraint | None":
         """The request's grammar compiled and checked (``probe``) on a worker, or GrammarRefused:
         over the CPU budget (COMPILE_COST), a costly first mask (MASK_COST), a parser that would refuse what its mask
-        allows (PARSER_LIMIT), or invalid. Sets ``req.rollout_steps`` (every rank bounds its roll-outs by it).
-        TimeoutError when ``wait_s`` passes before a worker is free."""
+        allows (PARSER_LIMIT), a shortest answer longer than max_tokens (BUDGET), or invalid. Sets
+        ``req.rollout_steps`` (every rank bounds its roll-outs by it). TimeoutError when ``wait_s`` passes before a worker is free."""
         if req.grammar is None:
             return None
         key = _key(req.grammar)
@@ -147,7 +148,11 @@ class Compiler:
             return None
         what = "response_format" if "response_format" in req.grammar else "the tool call's grammar"
         req.rollout_steps = rollout_steps(probe(f, base, what))
-        return f.constraint(base, req.max_tokens, req.rollout_steps)
+        c = f.constraint(base, req.max_tokens, req.rollout_steps)
+        if c.min_tokens is not None and c.min_tokens > req.max_tokens:  # forced from its first token, then cut
+            raise GrammarRefused(Refusal.BUDGET, f"max_tokens {req.max_tokens} is too small for {what}: its shortest "
+                                                 f"answer takes {c.min_tokens} tokens")
+        return c
 
     def _wait(self, job: _Job, deadline: float):
         """The job's result once done; GrammarRefused COMPILE_COST once its thread used ``cpu_s`` of CPU;
@@ -260,14 +265,23 @@ def probe(f: "grammar.GrammarFactory", base, what: str) -> float:
     GrammarRefused MASK_COST); and along the first PROBE_STEPS tokens of its shortest answer, that its parser takes
     the longest and the shortest token its mask allows (llguidance checks its row and item limits when a token is
     consumed, not when the mask is made: such a grammar would fail mid-answer, after the compute; PARSER_LIMIT).
-    Returns the CPU time of the costliest of those masks but the first (llguidance releases the GIL while it makes
-    one)."""
+    Returns the CPU time of the costliest of those masks but the first, on a second walk (the first builds the
+    lexer's states lazily) (llguidance releases the GIL while it makes one)."""
     import numpy as np  # (heavy: this module is imported by the control plane)
 
-    texts, orders, _quotes = f._rollout_tables()
-    lengths = np.array([len(t) for t in texts])
-    m = base.deep_copy()
-    row = np.empty(f._words, dtype=np.int32)
+    tables = f.tables()
+    lengths = np.array([len(t) for t in tables.texts])
+    # twice: the first walk builds the lexer's states lazily (a first compile's masks cost up to 40x a warm one's:
+    # 2.2 ms against 0.05, a bound of 16 masks where a forced call after reasoning needs 22); copies share them
+    took = [_walk(f, base.deep_copy(), what, lengths) for _ in range(2)][-1]
+    return max(took[1:] or took or [0.0])  # the first mask includes the lexer's set-up
+
+
+def _walk(f: "grammar.GrammarFactory", m, what: str, lengths) -> list[float]:
+    """``probe``'s walk along the first PROBE_STEPS tokens of ``m``'s shortest answer: each mask's CPU time."""
+    import numpy as np
+
+    tables, row = f.tables(), np.empty(f._words, dtype=np.int32)
     took, state = [], 0
     for _ in range(PROBE_STEPS):
         if m.is_stopped() or m.is_error():
@@ -278,19 +292,19 @@ def probe(f: "grammar.GrammarFactory", base, what: str) -> float:
         if took[-1] > MASK_CPU_S:
             raise GrammarRefused(Refusal.MASK_COST, f"{what}: one token's mask took {took[-1] * 1000:.0f} ms of CPU (at "
                                                     f"most {MASK_CPU_S * 1000:.0f} ms): too costly to enforce")
-        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:len(texts)].view(np.bool_)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:len(tables.texts)].view(np.bool_)
         allowed = np.flatnonzero(bits)
         if not len(allowed):
             break
-        order = orders[1 if state else 0]
+        order = tables.orders[1 if state else 0]
         tok = int(order[bits[order]][0])  # the roll-out's choice: the walk goes on along the shortest answer
         sizes = lengths[allowed]
         others = {int(allowed[np.argmax(sizes)]), int(allowed[np.argmin(sizes)])} - {tok}
         if not all(m.deep_copy().consume_token(t) for t in others) or not m.consume_token(tok):
             raise GrammarRefused(Refusal.PARSER_LIMIT, f"{what}: too complex to enforce (its mask allows a token its "
                                                        f"parser then refuses)")
-        state = f._scan(state, tok)
-    return max(took[1:] or took or [0.0])  # the first includes the lexer's lazy set-up
+        state = tables.scan(state, tok)
+    return took
 
 
 def rollout_steps(mask_s: float) -> int:

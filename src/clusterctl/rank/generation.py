@@ -34,7 +34,8 @@ class GenRequest:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
-    # structured output (grammar.py): {"response_format": {...}} or {"lark": "..."} (a forced tool call)
+    # structured output (grammar.py): {"response_format": {...}}, or {"lark": "..."} (a forced tool call, text without
+    # the call marker under tool_choice "none"), with the response_format beside it when it is the JSON after reasoning
     grammar: Optional[dict] = None
     # the grammar's roll-out bound in masks (grammar.py), rank 0's choice at admission from what one of its masks costs
     rollout_steps: Optional[int] = None

@@ -39,7 +39,15 @@ a whole new item (``},`` then an object with required keys). The answer then
 parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
 report finish "length". The model is free until the way out plus a margin of 8 tokens fills the budget (one
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
-A schema whose shortest answer found (``min_tokens``) does not fit in max_tokens is still cut (finish "length").
+Reasoning before the answer (tools.py: free text closed by its end marker) is closed the same way: the roll-out
+takes the end marker first (free text would accept closing characters forever) and never opens a block, and the
+reasoning ends ``_slack`` tokens before the roll-out's shortest answer would need, so the answer after it is the
+model's own for a while (closing the reasoning counts as closed by the budget). A complete answer that may go on
+(parallel calls) ends, closed_by_budget false, when another item of twice the shortest answer's length no longer
+fits: the budget keeps the model from starting a call it would have to cut. A grammar that accepts the empty
+answer (free text: tool_choice "none") has nothing to close: max_tokens cuts it as any text.
+A grammar whose shortest answer found (``min_tokens``) does not fit in max_tokens would be forced from its first
+token and cut: admission refuses it (compiler.py, a 400 naming max_tokens).
 The roll-out costs a few masks (~15 µs each) per step in the last ``2 * min_tokens + 8`` (at least 64) tokens
 while the model strays from it, and is bounded on every schedule by ``rollout_steps`` masks: rank 0 chooses it at
 admission from what the grammar's masks cost (20 ms of them, 16 to 512), and every rank applies it, so lockstep
@@ -58,7 +66,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -66,6 +73,7 @@ import mlx.core as mx
 import numpy as np
 
 from clusterctl.rank.compiler import GrammarRefused, Refusal
+from clusterctl.rank.rollout import TokenTables, think_ids, way_out
 
 MAX_SCHEMA_BYTES = 64 * 1024
 # the lexer's fuel at compile (llguidance's default: 1,000,000). A compile's cost grows faster than its fuel: 1,000
@@ -78,14 +86,12 @@ MARGIN = 8  # force the way out this many tokens early: one sampled token may le
 SLACK = 16  # and this many (at least the shortest answer's length) before that, tokens that open content (",", "{",
 # "[" outside a string) are allowed only as the way out's next token: one such token can commit the answer to a
 # whole new item (``},`` then an object with required keys: a way out of 2 tokens became 15 with 12 left)
-_OPENERS = set(",{[")
 ROLLOUT_STEPS = 512  # a roll-out longer than this is given up (the answer may then be cut)
 ROLLOUT_SECONDS = 0.02  # ... and one that takes longer (a hostile schema's masks can cost ms each)
 MAX_BACKOFF = 32  # after a failed roll-out, the next waits 1, 2, 4, ... up to this many tokens (deterministic)
 
 # JSON written compactly, with the separators models write by themselves
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_CLOSERS = set('"]}')
 
 
 def _one_line(msg: str) -> str:
@@ -112,6 +118,9 @@ class Constraint:
         self._slack = SLACK
         self._str = 0  # where the text is: 0 outside any JSON string, 1 in one, 2 in one after a backslash
         self.min_tokens: int | None = None  # the shortest answer's length in tokens (known when max_tokens is)
+        self._closed = False  # the last token closed an item (a marker, or text ending in '"', ']', '}' or '>')
+        if max_tokens is not None and matcher.is_accepting():  # an answer that may be empty (free text, e.g.
+            self.remaining = max_tokens = None  # tool_choice "none"): nothing to close; max_tokens cuts it as any text
         if max_tokens is not None:
             self._way_out = self._rollout(0, None)  # untimed: the same shortest answer on every rank
             self.min_tokens = len(self._way_out) or None
@@ -137,7 +146,12 @@ class Constraint:
         self._narrow = False
         if self.remaining is None or self.remaining > self._window or self._m.is_stopped():
             return None
-        if self._m.is_accepting():  # e.g. a top-level number: one more digit could be fine, a "." would not
+        if self._m.is_accepting():
+            # after a whole item (a call, with parallel calls allowed): no new one unless twice the shortest answer
+            # fits; ending here cuts nothing. Else (a top-level number: one more digit could be fine, a "." would
+            # not) only in the last tokens, and that ends the number the model was writing
+            if self._closed and self.remaining <= 2 * (self.min_tokens or 0) + MARGIN:
+                return self._f.eos[0]
             if self.remaining > MARGIN:
                 return None
             self.closed_by_budget = True
@@ -151,7 +165,10 @@ class Constraint:
                 self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF)
                 self._wait, self._way_out = self._backoff, None
                 return None
-        if self._way_out and len(self._way_out) + MARGIN >= self.remaining:  # [] when none was found
+        # reasoning (the way out opens with its end marker) ends early enough to leave the answer after it room of
+        # its own (``_slack`` tokens), not only the roll-out's shortest answer
+        room = self._slack if self._way_out and self._way_out[0] == self._f._think[1] else 0
+        if self._way_out and len(self._way_out) + MARGIN + room >= self.remaining:  # [] when none was found
             self.closed_by_budget = True
             return self._way_out[0]
         self._narrow = bool(self._way_out) and self._str == 0 \
@@ -192,7 +209,8 @@ class Constraint:
             raise RuntimeError(f"grammar: token {token} refused: {_one_line(self._m.get_error())}")
         if self.remaining is not None:
             self.remaining -= 1
-            self._str = self._f._scan(self._str, token)
+            tables = self._f.tables()
+            self._str, self._closed = tables.scan(self._str, token), tables.closes(self._closed, token)
 
 
 class GrammarFactory:
@@ -219,7 +237,7 @@ class GrammarFactory:
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._hf, self._tables = hf, None  # the roll-out's token tables, made when a budget first needs them
-        self._no_openers: np.ndarray | None = None
+        self._think = think_ids(tokenizer)  # (opens, closes) reasoning: the roll-out never opens, closes first
         # the time bound of the roll-outs of the constraints it makes (None: only their step bound; Constraint.seconds).
         # The ranks of a lockstep pipeline all sample, so their masks must not depend on how fast each one is: they
         # run without it
@@ -235,25 +253,29 @@ class GrammarFactory:
 
     def base(self, grammar: dict):
         """The compiled matcher of a request's grammar (cached; None: no constraint); GrammarRefused (one line)."""
-        if "lark" in grammar:
-            return self._lark(grammar["lark"])
+        if "lark" in grammar:  # a forced call, a response_format after reasoning (tools.reasoned_json), or text
+            # without the call marker (tool_choice "none", tools.no_call_lark)
+            what = "response_format.json_schema.schema" if "response_format" in grammar else "the tool call's grammar"
+            return self._lark(grammar["lark"], what)
         return self._schema(grammar.get("response_format"))
 
     def constraint(self, base, max_tokens: int | None = None, rollout_steps: int = ROLLOUT_STEPS) -> Constraint:
         """A fresh Constraint of a compiled matcher (its own copy: a base is shared by every request of it)."""
         return Constraint(self, base.deep_copy(), None if max_tokens is None else int(max_tokens), rollout_steps)
 
-    def compile_lark(self, text: str, max_tokens: int | None = None) -> Constraint:
-        """An llguidance Lark grammar -> a fresh Constraint; ValueError (one line) when it does not compile."""
-        return self.constraint(self._lark(text), max_tokens)
+    def compile_lark(self, text: str, max_tokens: int | None = None, what: str = "the tool call's grammar") \
+            -> Constraint:
+        """An llguidance Lark grammar -> a fresh Constraint; ValueError (GrammarRefused: one line, naming ``what``)
+        when it does not compile."""
+        return self.constraint(self._lark(text, what), max_tokens)
 
-    def _lark(self, text: str):
+    def _lark(self, text: str, what: str):
         import llguidance
 
         if not isinstance(text, str) or len(text) > MAX_SCHEMA_BYTES:
-            raise GrammarRefused(Refusal.TOO_LARGE, "the tool call's grammar is too large")
+            raise GrammarRefused(Refusal.TOO_LARGE, f"{what} is too large")
         return self._cached("lark:" + text, lambda: self._matcher(
-            llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), "the tool call's grammar"))
+            llguidance, lambda: llguidance.LLMatcher.grammar_from_lark(text), what))
 
     def _cached(self, key: str, build):
         """The compiled matcher of ``key`` (built on a miss; least recently used out past CACHE_SIZE). Compiles
@@ -295,24 +317,10 @@ class GrammarFactory:
     def _schema(self, response_format: dict | None):
         import llguidance
 
-        if response_format is None:
+        found = _schema_of(response_format)
+        if found is None:
             return None
-        if not isinstance(response_format, dict):
-            raise GrammarRefused(Refusal.INVALID, "response_format must be an object")
-        kind = response_format.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            schema, strict = {"type": "object"}, True
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-                raise GrammarRefused(Refusal.INVALID,
-                                     "response_format.json_schema must be an object with a 'schema' object")
-            schema, strict = spec.get("schema", {}), bool(spec.get("strict", False))
-        else:
-            raise GrammarRefused(Refusal.INVALID, "response_format.type must be 'text', 'json_object' or "
-                                                  f"'json_schema', not {kind!r}")
+        schema, strict = found
         try:
             key = json.dumps([schema, strict], sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -353,81 +361,51 @@ class GrammarFactory:
         unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
         return mx.array(unpacked.view(np.bool_))
 
-    # -- the way out under a token budget --------------------------------------------------------------------------
-    @staticmethod
-    def _rollout_orders(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """The roll-out's preferences, outside a JSON string and inside one: first the tokens made only of
-        closing characters, longest first (outside: not starting with a quote, which would open a string;
-        inside: starting with the quote that ends it); then the others, shortest first (the least new content),
-        ties by id."""
-        n = len(texts)
-        closer = np.array([bool(t) and set(t) <= _CLOSERS for t in texts], dtype=bool)
-        quote = np.array([t[:1] == '"' for t in texts], dtype=bool)
-        length = np.array([len(t) if t else 1 << 20 for t in texts])
-        ids = np.arange(n)
-        outside, inside = closer & ~quote, closer & quote
-        return (np.lexsort((ids, np.where(outside, -length, length), ~outside)),
-                np.lexsort((ids, np.where(inside, -length, length), ~inside)))
-
-    def _rollout_tables(self):
-        if self._tables is None:  # ~1 s for 49k tokens
-            texts = self._hf.batch_decode([[i] for i in range(len(self._hf))])
-            quotes = np.array(['"' in t or "\\" in t for t in texts], dtype=bool)
-            self._tables = texts, self._rollout_orders(texts), quotes
+    # -- the way out under a token budget (rollout.py) ---------------------------------------------------------------
+    def tables(self) -> TokenTables:
+        """The roll-out's token tables (made on first use, ~1 s for 49k tokens)."""
+        if self._tables is None:
+            self._tables = TokenTables(self._hf, self.lltok, self._words, self._think)
         return self._tables
 
     def no_openers(self) -> np.ndarray:
         """A bitmask (int32 words) of every token but those whose text holds ",", "{" or "[" (Constraint.narrow)."""
-        if self._no_openers is None:
-            texts = self._rollout_tables()[0]
-            keep = np.ones(self._words * 32, dtype=bool)
-            keep[:len(texts)] = [not (_OPENERS & set(t)) for t in texts]
-            self._no_openers = np.packbits(keep, bitorder="little").view(np.int32)
-        return self._no_openers
-
-    def _scan(self, state: int, token: int) -> int:
-        """The string state (see Constraint._str) after ``token``'s text."""
-        texts, _orders, quotes = self._rollout_tables()
-        if token >= len(quotes) or (state != 2 and not quotes[token]):
-            return state
-        for ch in texts[token]:
-            if state == 2:
-                state = 1
-            elif state == 1:
-                state = 2 if ch == "\\" else 0 if ch == '"' else 1
-            elif ch == '"':
-                state = 1
-        return state
+        return self.tables().no_openers
 
     def _rollout(self, matcher, state: int, *, steps: int = ROLLOUT_STEPS, seconds: float | None = None) -> list[int]:
-        """The tokens of a deterministic, short way from ``matcher``'s state (``state``: in a string or not) to an
-        accepted answer; [] when none is found within ``steps`` masks (and ``seconds``, when given)."""
-        texts, orders, _quotes = self._rollout_tables()
-        m = matcher.deep_copy()
-        row = np.empty(self._words, dtype=np.int32)
-        way: list[int] = []
-        n_tok = len(texts)
-        repeats = 0
-        deadline = time.perf_counter() + seconds if seconds is not None else None
-        for _ in range(steps):
-            if m.is_accepting():
-                return way
-            if deadline is not None and time.perf_counter() > deadline:
-                return []
-            m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
-            allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:n_tok].view(np.bool_)
-            order = orders[1 if state else 0]
-            candidates = order[allowed[order]]
-            if not len(candidates) or m.is_error():
-                return []
-            # the same token again and again may never end (e.g. "-0.000..." in a range): take the next one
-            tok = int(candidates[min(max(repeats - 1, 0), len(candidates) - 1)])
-            repeats = repeats + 1 if way and tok == way[-1] else 0
-            if not m.consume_token(tok):
-                return []
-            way.append(tok)
-            state = self._scan(state, tok)
-        return []
+        """rollout.way_out of ``matcher``'s state."""
+        return way_out(self.tables(), matcher, self._words, state, steps, seconds)
+
+def _schema_of(response_format: dict | None) -> tuple[Any, bool] | None:
+    """(schema, strict) of OpenAI's ``response_format``; None for ``text`` or none; GrammarRefused INVALID (one
+    line)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise GrammarRefused(Refusal.INVALID, "response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, True
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise GrammarRefused(Refusal.INVALID,
+                                 "response_format.json_schema must be an object with a 'schema' object")
+        return spec.get("schema", {}), bool(spec.get("strict", False))
+    raise GrammarRefused(Refusal.INVALID, "response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                          f"not {kind!r}")
+
+
+def json_schema(response_format: dict) -> dict:
+    """The schema of a JSON ``response_format`` with its llguidance options (``x-guidance``), as a Lark grammar's
+    ``%json`` takes it (tools.reasoned_json): the same answers as ``GrammarFactory.compile`` allows."""
+    found = _schema_of(response_format)
+    if found is None or not isinstance(found[0], dict):
+        raise GrammarRefused(Refusal.INVALID, "response_format.json_schema.schema must be a JSON schema object")
+    schema, strict = found
+    return {**schema, "x-guidance": dict(_JSON_OPTIONS, lenient=not strict)}
 
 
 def apply_masks(logits: mx.array, masks: mx.array) -> mx.array:

@@ -35,6 +35,21 @@ def _response_format(body: dict) -> dict | None:
     return {"response_format": rf}
 
 
+def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
+    """The grammar of a response_format on this model: the JSON after a reasoning block when the model reasons in
+    one (mandatory when the prompt opened it, so that the answer is the content, not the reasoning), else the JSON
+    alone."""
+    if not tokenizer.has_thinking:
+        return {"response_format": response_format}
+    from clusterctl.rank.grammar import json_schema  # grammar.py loads MLX and numpy; this module neither
+
+    try:
+        lark = tl.reasoned_json(tokenizer, json_schema(response_format), tl.initial_state(tokenizer, tokens))
+    except ValueError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+    return {"response_format": response_format} if lark is None else {"lark": lark, "response_format": response_format}
+
+
 def refuse_unsupported(body: dict) -> None:
     """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored."""
     if body.get("n", 1) not in (1, None):
@@ -228,6 +243,10 @@ class RequestBuilder:
                 raise ApiError(400, str(e), param=e.param) from None
             if forced is not None:
                 params["grammar"] = {"lark": forced.lark()}
+            elif params["grammar"] is not None:  # response_format: after the reasoning, when the model reasons
+                params["grammar"] = _reasoned(tokenizer, params["grammar"]["response_format"], tokens)
+            elif (text := tl.no_call_lark(tokenizer, chat)) is not None:  # "none", a marker of several tokens
+                params["grammar"] = {"lark": text}
             req = self._request(rid, tokens, params, tokenizer)
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:

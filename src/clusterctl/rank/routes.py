@@ -33,6 +33,12 @@ def model(api, h) -> None:
     h.json(200, api.model_card())
 
 
+def no_model(api, h) -> None:
+    """GET /v1/models/<a name this server does not serve>: OpenAI's 404 model_not_found (clients catch it by its
+    code, e.g. to tell a missing model from a missing route)."""
+    h.error(api.model_not_found(h.path.split("?", 1)[0].split("/models/", 1)[1]))
+
+
 def completions(api, h) -> None:
     serve(api, h, "completion")
 
@@ -59,8 +65,8 @@ def _find(api, method: str, path: str):
     hit = ROUTES.get((method, path))
     if hit is not None:
         return hit, True
-    if method == "GET" and path.startswith(PREFIX + "/models/") and api.knows_model(path[len(PREFIX) + 8:]):
-        return (model, "key"), True
+    if method == "GET" and path.startswith(PREFIX + "/models/"):
+        return (model if api.knows_model(path[len(PREFIX) + 8:]) else no_model, "key"), True
     return None, any(p == path for _, p in ROUTES)
 
 

@@ -14,7 +14,9 @@ Decisions where OpenAI and mlx-lm leave room:
 - Calls are parsed only when the request has tools (mlx_lm.server parses them always): a client that sent no
   tools gets the markup as text, not a ``tool_calls`` it cannot dispatch.
 - A call that does not parse (cut by ``max_tokens`` or a stop string, or malformed JSON) never raises: its text,
-  opening marker included, is returned as content (mlx_lm.server drops it silently) and ``malformed`` keeps it.
+  opening marker included, is returned as content (mlx_lm.server drops it silently) and ``malformed`` keeps it;
+  under a forced call (``forced``: tool_choice "required" or a function) it is dropped (``malformed`` keeps it):
+  the client asked for calls, and markup in its content is text it would show or parse as an answer.
 - Whitespace right after a marker and right before one is dropped (``</think>\\n\\n`` and the newline between
   calls are the template's layout, not the answer); output without markers is passed through byte for byte.
 - Text held back as a possible marker start is real text when generation ends: it is emitted on every finish
@@ -90,13 +92,14 @@ class OutputSplitter:
     """
 
     def __init__(self, tokenizer, tools: Optional[list[dict]] = None, *, parse_calls: Optional[bool] = None,
-                 initial_state: str = "normal", parallel: bool = True):
+                 initial_state: str = "normal", parallel: bool = True, forced: bool = False):
         self._tokenizer = tokenizer
         self._tools = tools
         if parse_calls is None:
             parse_calls = bool(tools)
         self._parse_calls = parse_calls and tokenizer.has_tool_calling
         self._parallel = parallel
+        self._forced = forced
         from mlx_lm.generate import TextStateMachine
 
         self._tsm = TextStateMachine
@@ -178,6 +181,8 @@ class OutputSplitter:
         calls = self._parse(text)
         if calls is None:
             self.malformed.append(text)
+            if self._forced:
+                return
             tok = self._tokenizer
             out.append(Event("content", tok.tool_call_start + text + ((tok.tool_call_end or "") if closed else "")))
             return

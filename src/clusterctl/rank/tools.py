@@ -12,13 +12,18 @@ Use, on rank 0::
     text = render(tokenizer, chat, template_args)   # the operator's template arguments under the request's
     tokens = tokenizer.encode(text, add_special_tokens=False)
     chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
+    reasoned_json(tokenizer, schema, initial)       # response_format after the reasoning the prompt opened
     banned_token_ids(tokenizer, chat)               # tool_choice "none": logit bias -inf on these
+    no_call_lark(tokenizer, chat)                   # ... or, the marker being several tokens, this grammar
     splitter = chat.splitter(tokenizer, tokens)     # splitter.py's OutputSplitter
 
 Decisions where OpenAI and mlx-lm leave room:
 - ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
-  cached prefix, stay those of "auto"), no call is parsed (any markup stays in the content, verbatim), and
-  ``banned_token_ids`` names the call's opening token for the sampler to forbid (a logit bias of -inf).
+  cached prefix, stay those of "auto"), no call is parsed, and the call's opening marker cannot be written:
+  ``banned_token_ids`` names its token for the sampler to forbid (a logit bias of -inf), or, when the marker is
+  text of several tokens, ``no_call_lark`` is a grammar of any text without it.
+- A forced call or a ``response_format`` on a prompt that opened a reasoning block comes after that block (the
+  grammar module closes the reasoning in time for it): else the answer would be the reasoning.
 - "required" / a named function: ``call_constraint`` says what the grammar module must enforce (a JSON schema of
   the call, the markers as tokens, and all of it as an llguidance Lark grammar); refused for call formats that
   are not JSON between markers (only mlx-lm's ``json_tools``: Qwen2.5, Qwen3, Hermes).
@@ -231,7 +236,8 @@ class ChatTools:
         """The splitter of this request's output, started in the state its prompt leaves the model in."""
         return OutputSplitter(tokenizer, self.tools, parse_calls=self.parse_calls,
                               initial_state=initial_state(tokenizer, prompt_tokens),
-                              parallel=self.parallel and self.choice != "function")
+                              parallel=self.parallel and self.choice != "function",
+                              forced=self.choice in ("required", "function"))
 
 
 def render_kwargs(tokenizer, chat: ChatTools, defaults: Optional[dict] = None) -> dict:
@@ -274,12 +280,24 @@ def initial_state(tokenizer, prompt_tokens: list[int]) -> str:
 
 def banned_token_ids(tokenizer, chat: ChatTools) -> list[int]:
     """Tokens the sampler must never pick for this request: the call's opening marker under tool_choice "none"
-    with tools rendered (empty when that marker is not one token: then any markup comes back as content)."""
+    with tools rendered, when that marker is one token (else ``no_call_lark``)."""
     if chat.tools and chat.choice == "none" and tokenizer.has_tool_calling:
         start = tokenizer.tool_call_start_tokens or ()
         if len(start) == 1:
             return [start[0]]
     return []
+
+
+def no_call_lark(tokenizer, chat: ChatTools) -> Optional[str]:
+    """tool_choice "none" with tools rendered, on a model whose call marker is several tokens: the Lark grammar of
+    any text without that marker, however it is tokenized (a logit bias bans tokens, and such a marker has many
+    spellings in tokens: "<tool_call>" as "<", "tool", "_call>", ...). None when ``banned_token_ids`` suffices."""
+    if not (chat.tools and chat.choice == "none" and tokenizer.has_tool_calling) or not tokenizer.tool_call_start:
+        return None
+    if len(tokenizer.tool_call_start_tokens or ()) == 1:
+        return None
+    marker = "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in tokenizer.tool_call_start)
+    return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{marker}.*)/\n"
 
 
 def call_format(tokenizer) -> Optional[str]:
@@ -333,15 +351,44 @@ class CallConstraint:
         schema.setdefault("x-guidance", JSON_STYLE)
         end = f" WS {self._marker(self.end)}" if self.end else ""
         lines = [f"call: {self._marker(self.start)} WS %json {json.dumps(schema, ensure_ascii=False)}{end}",
-                 "calls: call" + ("" if self.max_calls == 1 else " (WS call)*"),
-                 "WS: /[ \\t\\n]{0,4}/", "TEXT: /(?s:.*)/"]
+                 # parallel calls may end in blanks: a model's newline before its end token commits it to no call
+                 "calls: call" + ("" if self.max_calls == 1 else " (WS call)* WS"), *LAYOUT_RULES]
         if self.think is None:
             lines.insert(0, "start: calls")
         else:
-            closed = f"TEXT {self._marker(self.think[1])} WS"
-            opened = closed if self.think_open else f"({self._marker(self.think[0])} {closed})?"
-            lines.insert(0, f"start: {opened} calls")
+            lines[:0] = ["start: reasoning calls", _reasoning_rule(self.think, self.think_open, self._marker)]
         return "\n".join(lines) + "\n"
+
+
+# the rules a reasoning block and markers need: a few blanks or newlines (the templates' layout), free text
+LAYOUT_RULES = ("WS: /[ \\t\\n]{0,4}/", "TEXT: /(?s:.*)/")
+
+
+def _reasoning_rule(think: tuple[str, str], opened: bool, marker) -> str:
+    """Lark rule ``reasoning``: free text closed by ``think[1]``, mandatory when the prompt opened the block, else
+    optional and opened by ``think[0]``. The grammar module's roll-out closes it (its end marker first) when the
+    budget needs the tokens for the answer after it."""
+    closed = f"TEXT {marker(think[1])} WS"
+    return "reasoning: " + (closed if opened else f"({marker(think[0])} {closed})?")
+
+
+def reasoned_json(tokenizer, schema: dict, initial: str) -> Optional[str]:
+    """The Lark grammar of a JSON answer (``schema`` with its llguidance options, grammar.json_schema) after the
+    reasoning block the prompt opened (``initial`` "reasoning"): reasoning </think> JSON(schema) EOS. Without it
+    the JSON was the reasoning, and ``content`` stayed empty. None (the JSON alone) when the prompt opened no block
+    (a block it closed, e.g. enable_thinking false, asked for none) or the markers are not one token each."""
+    if not tokenizer.has_thinking or initial != "reasoning":
+        return None
+    think = (tokenizer.think_start, tokenizer.think_end)
+    ids = {m: i for m in think if (i := _one_token(tokenizer, m)) is not None}
+    if len(ids) < 2:  # free text before a marker made of several tokens would never end (the lexer is greedy)
+        return None
+
+    def marker(text: str) -> str:
+        return f"<[{ids[text]}]>"
+
+    return "\n".join(["start: reasoning answer", _reasoning_rule(think, True, marker),
+                      f"answer: %json {json.dumps(schema, ensure_ascii=False)}", *LAYOUT_RULES]) + "\n"
 
 
 def _one_token(tokenizer, text: str) -> Optional[int]:
