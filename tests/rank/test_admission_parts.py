@@ -105,6 +105,7 @@ def _builder(tok, context=4096):
                                            context))
 
 
+@pytest.mark.slow
 def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
     from clusterctl.rank.admission import Preparer
     from clusterctl.rank.openai import ApiError
@@ -157,6 +158,7 @@ def _random_template(rng) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow
 def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
     """Templates of random shape (seeded): each renders, or is refused with a 4xx, in about its budget."""
     import random
