@@ -10,9 +10,18 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
+import slowguard
+import xdistsched
 from fixtures_ssh import netns_cluster, sshd, sshd_factory  # noqa: F401  (fixtures, registered by import)
-from xdistsched import pytest_terminal_summary, pytest_testnodedown, pytest_xdist_make_scheduler  # noqa: F401
+from slowguard import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_logreport,  # noqa: F401
+                       pytest_runtest_protocol)  # (the `slow` mark, enforced: docs/testing.md; registered by import)
+from xdistsched import pytest_testnodedown, pytest_xdist_make_scheduler  # noqa: F401
 # (hooks of parallel runs, scripts/test; registered by import)
+
+
+def pytest_terminal_summary(terminalreporter):
+    xdistsched.terminal_summary(terminalreporter)  # the fuzzers' case counts from the workers
+    slowguard.terminal_summary(terminalreporter)  # unmarked tests that took long
 
 
 @pytest.fixture(autouse=True, scope="session")

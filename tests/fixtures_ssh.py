@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.ssh_policy import SshTarget
+from slowguard import require_slow
 from testports import free_port  # noqa: F401  (this worker's own ports; test_transport takes it from here)
 
 SSHD = "/usr/sbin/sshd"
@@ -134,6 +135,7 @@ class Sshd:
 def start_sshd(folder: Path, *, client_key: Path, host: str = "127.0.0.1", port: int | None = None,
                netns: str | None = None, extra_config: str = "") -> Sshd:
     """Start `sshd -D -e -f cfg` (inside ``netns`` when given) and wait until it answers."""
+    require_slow("a real sshd" + (f" in network namespace {netns}" if netns else ""))
     folder.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege separation dir sshd insists on
     host_key = keygen(folder / "host_key", "clusterctl-test-host")
@@ -270,6 +272,7 @@ class NetnsBed:
         self.built = 0
 
     def build(self, n: int, *, sshd_extra: str = "") -> NetnsCluster:
+        require_slow(f"{n + 1} network namespaces with sshd")
         b = self.built
         self.built += 1
         tag, subnet = f"{self.tag}{'abcdefghij'[b % 10]}", (self.subnet + b) % 200 + 10

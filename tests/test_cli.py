@@ -80,6 +80,7 @@ def mounts(tmp_path):
         subprocess.run(["umount", "-l", str(d)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["read-only", "full", "proc"])
 def test_model_tiny_where_no_file_can_be_written_is_73(where, mounts):
     if where == "proc":
@@ -94,6 +95,7 @@ def test_model_tiny_where_no_file_can_be_written_is_73(where, mounts):
         assert list(d.iterdir()) == []  # nothing half-built left behind
 
 
+@pytest.mark.slow
 def test_model_tiny_names_the_flag_in_its_hint(tmp_path):
     assert run("model", "tiny", str(tmp_path / "m"), "--layers", "2", "--hidden", "64", "-q").code == 0
     r = run("model", "tiny", str(tmp_path / "m"), "--layers", "3", "--hidden", "64")

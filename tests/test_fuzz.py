@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from fuzzutil import (counting_fixtures, FUZZ, JSON_ANY, byte_variants, count, fuzz_settings, json_variants,
                       only_clean_errors, write_file as _write)
 
+pytestmark = pytest.mark.slow  # fuzzers: hundreds of cases per test, 10-25 s each
+
 
 _count_cases, _report_cases = counting_fixtures("fuzz cases per parser")
 

@@ -40,6 +40,8 @@ from fuzzutil import counting_fixtures, count, fuzz_settings
 
 from clusterctl.errors import ClusterctlError
 
+pytestmark = pytest.mark.slow  # a stateful fuzzer of cancel epochs (20 s)
+
 DEP, JOB = "dep-1", "job-1"
 WAIT = 1.0  # seconds of the fake clock a waiting cancel polls for (20 polls)
 TICK = 0.05

@@ -40,6 +40,8 @@ from hypothesis import strategies as st
 from fuzzutil import counting_fixtures, cli_problems as check
 from fuzzutil import cache_typer_command, count, fuzz_settings, report_cases, run_cli, set_current
 
+pytestmark = pytest.mark.slow  # every parameter of every command at its boundaries (minutes)
+
 LONG = 1 << 20  # the "1 MB" argument
 
 NUMERIC_EDGES = ["0", "-1", "1", str(10**19), str(-10**19), "inf", "-inf", "nan", "1e309", "", "x", "0x10", "1.5",

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # fuzzers of GGUF files (each imports a model)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzzutil import MAX_EXAMPLES, CliWorker, cli_problems, count, counting_fixtures  # noqa: E402
 from gguffiles import Typed, count_fields, tiny_llama, write_gguf  # noqa: E402

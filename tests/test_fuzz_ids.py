@@ -32,6 +32,8 @@ from fuzzutil import counting_fixtures, count, fuzz_settings
 
 from clusterctl.errors import ClusterctlError
 
+pytestmark = pytest.mark.slow  # fuzzers of hostile ids through every command
+
 NAME_MAX = 255
 ECHO_LIMIT = 300
 LONG = 1 << 20

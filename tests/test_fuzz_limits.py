@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 
 from fuzzutil import counting_fixtures, CliWorker, cli_problems, count, fuzz_settings
 
+pytestmark = pytest.mark.slow  # fuzzers: every field at its limits (minutes)
+
 LIMITS = [0, -1, 1, 2, 65536, 65537, 2**24 + 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63, 2**64, 10**12, 10**19, 10**100,
           -(2**63), 0.5, 1e-300, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), "12", "", True, False,
           None, [1], {}]

@@ -38,6 +38,7 @@ def smol_loaded(smol):
     return load(str(smol[1].dest))  # mlx-lm's own loader, unchanged
 
 
+@pytest.mark.slow
 def test_smollm2_config_and_files(smol):
     src, r = smol
     assert (r.layers, r.hidden_size, r.heads, r.kv_heads, r.vocab_size) == (30, 576, 9, 3, 49152)
@@ -62,6 +63,7 @@ def test_smollm2_config_and_files(smol):
     assert not [p for p in r.dest.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
+@pytest.mark.slow
 def test_smollm2_answers_paris(smol_loaded):
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -72,6 +74,7 @@ def test_smollm2_answers_paris(smol_loaded):
     assert "Paris" in text, text
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_the_gguf_vocabulary(smol, smol_loaded):
     src, _ = smol
     _, tok = smol_loaded
@@ -98,6 +101,7 @@ def test_smollm2_tokenizer_matches_the_gguf_vocabulary(smol, smol_loaded):
         assert tok.encode(text) == ref.encode(text).ids
 
 
+@pytest.mark.slow
 def test_smollm2_chat_template_renders(smol_loaded):
     _, tok = smol_loaded
     text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
@@ -107,6 +111,7 @@ def test_smollm2_chat_template_renders(smol_loaded):
     assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> first, two <|im_end|>, no extra bos
 
 
+@pytest.mark.slow
 def test_reimport_of_the_same_file_is_a_noop(smol):
     src, first = smol
     before = {p.name: p.stat().st_mtime_ns for p in first.dest.iterdir()}
@@ -470,6 +475,7 @@ def test_huge_counts_are_refused_fast_and_small(tmp_path, what, code):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_name_reaches_the_terminal_escaped(tmp_path):
     """Item 7: general.name with a newline, ANSI escapes, a C1 CSI and a bidi override."""
     name = "evil\n\x1b[31mRED\x1b[0m\x07\x9b2J\u202e"

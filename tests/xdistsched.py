@@ -8,7 +8,7 @@
   file to finish is a short one. The costs are seconds measured on 2 cores (``--durations``); a file not in the
   table counts 0.5 s per test. Keep the table's big entries roughly right when a file grows by minutes.
 
-The hooks are registered by tests/conftest.py; nothing here changes a run without xdist.
+The hooks are registered by tests/conftest.py (``terminal_summary`` is called by its terminal summary); nothing here changes a run without xdist.
 """
 
 from __future__ import annotations
@@ -125,6 +125,6 @@ def pytest_testnodedown(node, error):
     _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("terminal_lines", []))
 
 
-def pytest_terminal_summary(terminalreporter):
+def terminal_summary(terminalreporter):
     for line in _WORKER_LINES:
         terminalreporter.write_line(line)

@@ -25,6 +25,7 @@ PY = sys.executable
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # bench scripts put only tests/launch on the path
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from testports import free_ports  # noqa: E402,F401  (this worker's own ports: tests/testports.py)
+from slowguard import require_slow  # noqa: E402  (a test that starts ranks is marked slow: tests/slowguard.py)
 
 
 class RankCluster:
@@ -83,6 +84,7 @@ class RankCluster:
         return spec
 
     def start(self, *, ranks: list[int] | None = None) -> "RankCluster":
+        require_slow(f"{self.world} real rank(s) (RankCluster)")
         env = dict(os.environ)
         for k in list(env):
             if k.startswith(("MLX_", "JACCL_")):

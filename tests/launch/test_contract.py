@@ -158,6 +158,7 @@ def test_untrusted_key_and_unsigned(setup, tmp_path):
         load_rank_contract(write(run, json.dumps({"spec": spec_for(dep, 1, run)}).encode()), "b")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tampered", "other-node", "missing"])
 def test_the_rank_process_refuses_with_65_and_one_line(setup, how):
     dep, dep_bytes, key, run, _ = setup

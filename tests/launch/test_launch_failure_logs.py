@@ -149,15 +149,15 @@ def test_printable_escapes_what_a_terminal_would_act_on():
     assert last_lines(data, 40)[1] == "\\x1b]0;title\\x07second" and "\ufffd" in last_lines(data, 40)[2]
 
 
-def _run_of(tmp_path: Path, python: str, log_path: str):
+def _run_of(tmp_path: Path, python: str, log_path: str, marker_path: str | None = None):
     """A failed launch as keep_logs sees it: one detached rank 0 on node a (a real LocalTransport running
-    ``python``), and rank 1 that never started."""
+    ``python``) with its marker at ``marker_path``, and rank 1 that never started."""
     from clusterctl.launch.nodes import NodeHandle
     from clusterctl.launch.localnode import LocalTransport
     from clusterctl.plan.inventory import Node
 
-    recs = [SimpleNamespace(rank=0, node="a", pid=4242, log_path=log_path),
-            SimpleNamespace(rank=1, node="b", pid=None, log_path=None)]
+    recs = [SimpleNamespace(rank=0, node="a", pid=4242, log_path=log_path, marker_path=marker_path),
+            SimpleNamespace(rank=1, node="b", pid=None, log_path=None, marker_path=None)]
     h = NodeHandle(Node(name="a", local=True, memory_gb=1), LocalTransport(node="a", python=python))
     return SimpleNamespace(manifest=SimpleNamespace(ranks=recs, job_id="j"), procs={}, hs={"a": h})
 
@@ -197,13 +197,44 @@ def test_a_node_that_cannot_be_read_is_noted_not_fatal(tmp_path):
 
 
 def test_a_rank_that_only_followed_a_lost_peer_is_not_blamed_over_one_that_failed(tmp_path):
-    """The coordinator may see the follower gone first (a race): the kept logs decide."""
+    """The coordinator may see the follower gone first (a race): the markers' typed reasons decide."""
     from clusterctl.launch.ranklogs import KeptLog, KeptLogs, with_own_failure
+    from clusterctl.shared.runtimefiles import EndReason
 
-    follower = KeptLog(rank=0, node="a", tail=["rank 0: lost a ring peer (rank 1 did not answer)"])
-    crashed = KeptLog(rank=1, node="b", tail=["  File \"x.py\", line 3", "ValueError: [matmul] shapes"])
+    follower = KeptLog(rank=0, node="a", ended=EndReason.PEER_LOST, followed=True)
+    crashed = KeptLog(rank=1, node="b", ended=EndReason.INTERNAL)
     logs = KeptLogs(folder=tmp_path, ranks=[follower, crashed])
     assert with_own_failure(0, logs) == 1
     assert with_own_failure(1, logs) == 1
-    quiet = KeptLogs(folder=tmp_path, ranks=[follower, KeptLog(rank=1, node="b", tail=["loaded layers"])])
-    assert with_own_failure(0, quiet) == 0  # nobody else explains more: the choice stands
+    for other in (None, EndReason.PEER_LOST, EndReason.LEASE_EXPIRED):  # nobody else explains more: it stands
+        quiet = KeptLogs(folder=tmp_path, ranks=[follower, KeptLog(rank=1, node="b", ended=other)])
+        assert with_own_failure(0, quiet) == 0, other
+
+
+def test_the_words_of_a_log_never_decide_whom_a_failed_launch_blames(tmp_path):
+    """A log that reads like a follower's, beside one that reads like a crash, moves nothing without markers."""
+    from clusterctl.launch.ranklogs import KeptLog, KeptLogs, with_own_failure
+
+    follower = KeptLog(rank=0, node="a", tail=["rank 0: lost a ring peer (rank 1 did not answer)"])
+    crashed = KeptLog(rank=1, node="b", tail=["Traceback (most recent call last):", "ValueError: [matmul] shapes"])
+    assert with_own_failure(0, KeptLogs(folder=tmp_path, ranks=[follower, crashed])) == 0
+
+
+@pytest.mark.parametrize("state, reason, followed", [
+    ("failed", "peer_lost", True), ("lost", None, True), ("failed", "internal", False), ("stopping", None, False)])
+def test_keep_logs_reads_each_rank_s_end_from_its_marker_file(tmp_path, state, reason, followed):
+    from clusterctl.launch import ranklogs
+    from clusterctl.shared.runtimefiles import EndReason
+
+    log, marker = tmp_path / "rank0.log", tmp_path / "rank0.marker.json"
+    log.write_text("rank 0: anything at all\n")
+    marker.write_text(json.dumps(dict(deployment_id="d", job_id="j", nonce="n", rank=0, node="a", host="h", pid=1,
+                                      pgid=1, start_time=1.0, boot_id=None, state=state, heartbeat_at=2.0,
+                                      reason=reason)))
+    logs = asyncio.run(ranklogs.keep_logs(_run_of(tmp_path, sys.executable, str(log), str(marker)), tmp_path / "k"))
+    k0, k1 = logs.ranks
+    assert (k0.ended, k0.followed) == (EndReason(reason) if reason else None, followed)
+    assert (k1.ended, k1.followed) == (None, False)  # never started: no marker read
+    marker.write_text("{garbled")
+    logs = asyncio.run(ranklogs.keep_logs(_run_of(tmp_path, sys.executable, str(log), str(marker)), tmp_path / "k2"))
+    assert (logs.ranks[0].ended, logs.ranks[0].followed) == (None, False)

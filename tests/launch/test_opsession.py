@@ -22,7 +22,7 @@ from clusterctl.plan.inventory import Node
 PY = sys.executable
 
 
-@pytest.fixture(params=["local", "ssh"])
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
 def handle(request):
     """A NodeHandle of either kind, built inside the running event loop; ``.root`` is the process the node's
     sessions descend from (this test process, or the sshd)."""

@@ -38,6 +38,7 @@ def test_bad_users_are_refused(user):
         SshTarget(host="n", user=user)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=30))
 def test_any_accepted_host_is_safe_as_an_argument(host):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from launchutil import cli
 
 
@@ -15,6 +17,7 @@ def _state_file(state: Path, name: str, doc) -> Path:
     return p
 
 
+@pytest.mark.slow
 def test_heal_and_detach_contradict_and_supervise_names_a_missing_deployment(tmp_path, env):
     p = cli("launch", "nope", "--heal", "--detach", env=env)
     assert p.returncode == 2 and "clusterctl supervise" in p.stderr
@@ -24,6 +27,7 @@ def test_heal_and_detach_contradict_and_supervise_names_a_missing_deployment(tmp
     assert p.returncode == 2
 
 
+@pytest.mark.slow
 def test_status_shows_each_supervisors_state_and_ignores_a_garbled_file(tmp_path, env):
     state = Path(env["CLUSTERCTL_STATE_DIR"])
     _state_file(state, "t.json", {
@@ -42,6 +46,7 @@ def test_status_shows_each_supervisors_state_and_ignores_a_garbled_file(tmp_path
     assert "2 heal(s), 62 s degraded" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_status_says_a_dead_supervisors_healing_is_nothing_serving(tmp_path, env):
     """A supervisor killed mid-heal leaves ``healing`` in its file: `status` says what is, not its last word."""
     import subprocess

@@ -34,6 +34,7 @@ def env_of(state):
     return {"CLUSTERCTL_STATE_DIR": str(state)}
 
 
+@pytest.mark.slow
 def test_rank_ignoring_sigterm_is_killed_after_the_grace(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce, IGNORE_TERM)
@@ -72,6 +73,7 @@ def freezer():
         pass
 
 
+@pytest.mark.slow
 def test_unkillable_rank_is_reported_and_the_manifest_kept(state, freezer):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)
@@ -176,6 +178,7 @@ def test_a_process_we_may_not_signal_counts_as_alive(tmp_path):
         p.kill()
 
 
+@pytest.mark.slow
 def test_unreachable_host_keeps_the_manifest(state):
     nonce = secrets.token_hex(8)
     # an SSH node on a closed loopback port: connection refused
@@ -194,6 +197,7 @@ def test_unreachable_host_keeps_the_manifest(state):
     assert (state / "launches" / f"{m.job_id}.json").exists()
 
 
+@pytest.mark.slow
 def test_markers_of_other_jobs_are_never_touched(state):
     nonce, other_nonce = secrets.token_hex(8), secrets.token_hex(8)
     mine = spawn(nonce)
@@ -244,6 +248,7 @@ def test_a_nodes_sweep_signals_only_the_ranks_it_hosts_in_a_shared_runtime_dir(s
             p.wait()
 
 
+@pytest.mark.slow
 def test_reap_leaves_live_coordinators_alone_and_reports_malformed(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)
@@ -263,6 +268,7 @@ def test_reap_leaves_live_coordinators_alone_and_reports_malformed(state):
         p.kill()
 
 
+@pytest.mark.slow
 def test_reap_with_nothing_to_do_is_silent_and_imports_no_mlx(state):
     state.mkdir(parents=True)
     code = ("import sys\nfrom clusterctl.cli import main\n"
@@ -274,6 +280,7 @@ def test_reap_with_nothing_to_do_is_silent_and_imports_no_mlx(state):
     assert time.monotonic() - t0 < 10  # generous: a shared 2-core machine; bench/ measures it properly
 
 
+@pytest.mark.slow
 def test_two_concurrent_reaps_never_fight(state):
     jobs = []
     for _ in range(3):
@@ -298,6 +305,7 @@ def test_two_concurrent_reaps_never_fight(state):
     assert not list((state / "launches").glob("*.json"))
 
 
+@pytest.mark.slow
 def test_verify_never_moves_a_launch_manifest_or_key(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)
@@ -312,6 +320,7 @@ def test_verify_never_moves_a_launch_manifest_or_key(state):
         p.kill()
 
 
+@pytest.mark.slow
 def test_reap_quiet_is_silent_when_the_lock_is_held(state):
     (state / "launches").mkdir(parents=True)
     (state / "locks").mkdir(parents=True)
@@ -326,6 +335,7 @@ def test_reap_quiet_is_silent_when_the_lock_is_held(state):
         holder.kill()
 
 
+@pytest.mark.slow
 def test_teardown_refuses_malformed_manifests(state):
     (state / "launches").mkdir(parents=True)
     (state / "launches" / "j1.json").write_text("{garbage")
@@ -337,6 +347,7 @@ def test_teardown_refuses_malformed_manifests(state):
     assert (state / "launches" / "j1.json").exists()
 
 
+@pytest.mark.slow
 def test_a_detached_job_whose_ranks_all_exited_is_reaped(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)
@@ -353,6 +364,7 @@ def test_a_detached_job_whose_ranks_all_exited_is_reaped(state):
     assert not list((state / "launches").glob("*.json"))
 
 
+@pytest.mark.slow
 def test_one_malformed_manifest_does_not_keep_a_deployments_healthy_job_running(state):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)

@@ -16,6 +16,8 @@ from clusterctl.errors import ConfigError
 
 from rankharness import reference_tokens, tiny_model_path
 
+pytestmark = pytest.mark.slow  # every test here builds tiny models
+
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, corpus_bytes=200_000)
 
 

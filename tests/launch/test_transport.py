@@ -45,7 +45,7 @@ def wait_group_dead(pgid: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-@pytest.fixture(params=["local", "ssh"])
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
 def make(request):
     """Build a fresh transport of either kind inside the running event loop."""
     if request.param == "local":
@@ -215,6 +215,7 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace(make):
     assert not keeper.group_alive(sp.info.pgid)
 
 
+@pytest.mark.slow
 def test_kill_skips_the_grace(make):
     async def go():
         t = make()
@@ -238,6 +239,7 @@ def test_kill_skips_the_grace(make):
     assert not keeper.group_alive(sp.info.pgid) and not keeper.group_alive(late.info.pgid)
 
 
+@pytest.mark.slow
 def test_exit_status_and_error_output_of_a_failing_child(make):
     async def go():
         t = make()
@@ -275,6 +277,7 @@ def test_output_printed_before_the_keeper_report_is_kept_as_output(tmp_path):
     assert sp.stdout_tail == b"Welcome to node 7\n{not json\nchild-out\n"
 
 
+@pytest.mark.slow
 def test_closing_the_transport_stops_what_it_started(make):
     async def go():
         t = make(keeper_grace=3)

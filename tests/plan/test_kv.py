@@ -87,6 +87,7 @@ def measured_bytes(config: dict, n: int = N, decoded: int = 2) -> int:
     return sum(c.nbytes for c in cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*MATRIX, *EXTRA])
 def test_estimate_matches_mlx_lm_caches(name):
     config = MATRIX.get(name) or EXTRA[name]

@@ -7,6 +7,8 @@ import pytest
 
 from replanfuzz import model_folder, walk
 
+pytestmark = pytest.mark.slow  # walks every replan option combination (minutes)
+
 # A seed whose 60 steps (about 8 s) reach every outcome below, and that fails on the bug of issue 30 both as it
 # was (the id from plan_hash: plan --prompt-cache-gb 0 and the default share an id) and with the options added
 # to that hash (a --path-map change is then "unchanged"); checked by swapping deployment.identity_doc.

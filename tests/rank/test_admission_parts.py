@@ -106,6 +106,7 @@ def _builder(tok, context=4096):
                                            context))
 
 
+@pytest.mark.slow
 def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
     from clusterctl.rank.admission import Preparer
     from clusterctl.rank.openai import ApiError
@@ -208,6 +209,7 @@ def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
     assert time.monotonic() - t0 < 5 and peak[0] < 200, (time.monotonic() - t0, peak)
 
 
+@pytest.mark.slow
 def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
     """Templates of random shape (seeded): each renders, or is refused with a 4xx, in about its budget."""
     import random

@@ -12,6 +12,8 @@ import pytest
 
 from rankharness import RankCluster, tiny_model_path
 
+pytestmark = pytest.mark.slow  # every test here runs against the shared real ranks
+
 PROMPT = "def main(argv):"
 MODEL_ID = "tiny-model-test"
 

@@ -12,6 +12,8 @@ import pytest
 
 from rankharness import RankCluster
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from toolmodels import tool_model  # noqa: E402
 

@@ -14,6 +14,8 @@ import pytest
 
 from rankharness import free_ports, tiny_model_path
 
+pytestmark = pytest.mark.slow  # real ranks and a real mlx_lm.server
+
 
 @pytest.fixture(scope="module")
 def model():

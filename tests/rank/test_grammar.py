@@ -161,6 +161,7 @@ def _check(cases, answers):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_every_answer_of_the_random_model_parses_and_validates(tiny):
     """27 formats in one batch (greedy and sampled rows alternate) plus an unconstrained row. CPU time is scarce
     in CI: one batch of 28 rows, at most 63 steps."""
@@ -183,6 +184,7 @@ def test_every_answer_of_the_random_model_parses_and_validates(tiny):
         json.loads(answers[-1][0])
 
 
+@pytest.mark.slow
 def test_smollm2_answers_for_real(smollm2):
     model, tok, factory = smollm2
     cases = [("person", js(PERSON), PERSON), (JSON_OBJECT, {"type": "json_object"}, {"type": "object"})]
@@ -195,6 +197,7 @@ def test_smollm2_answers_for_real(smollm2):
     assert json.loads(answers[0][0])["age"] == 30 and answers[0][2]  # a real answer, ended by itself
 
 
+@pytest.mark.slow
 def test_random_logits_over_smollm2s_tokenizer(smollm2):
     """The worst sampler there is: random logits over 49,152 tokens, many of them long (e.g. ``"]}`` or ``[{"``),
     every budget from the shortest answer up, every format; no forward pass, so it costs little."""
@@ -289,6 +292,7 @@ def test_not_strict_ignores_what_is_not_implemented(tiny):
     assert factory.compile(js({"type": "array", "uniqueItems": True}, strict=False)) is not None
 
 
+@pytest.mark.slow
 def test_a_sampler_that_keeps_opening_content_still_gets_a_closed_answer(smollm2):
     """The adversary of the budget: whenever the grammar allows a token that opens more content (",", "{", "["
     outside a string, e.g. ``},`` that ends one array item and commits to another with required keys), take it.
@@ -388,6 +392,7 @@ def compiler(smollm2):
     return c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
     """Refused before any compute, with a typed reason; a second time at once (remembered)."""
@@ -409,6 +414,7 @@ def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
     assert (again.value.kind, str(again.value)) == (e.value.kind, str(e.value))
 
 
+@pytest.mark.slow
 def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
     """What admission accepts comes back compiled (the step loop uses it as is) with a roll-out bound in masks that
     every rank applies alike; a rank that compiles it on announcement makes the same constraint."""
@@ -443,6 +449,7 @@ def test_a_schema_whose_shortest_answer_cannot_fit_max_tokens_is_refused_at_admi
     assert compiler.admit(req(shortest)).min_tokens == shortest
 
 
+@pytest.mark.slow
 def test_a_failed_roll_out_is_not_repeated_every_step(smollm2):
     """A string of minLength 10^9 has no way out: the roll-out fails and is tried again after 1, 2, 4, ... tokens,
     not at every step of the window (each costs up to its bound in masks)."""

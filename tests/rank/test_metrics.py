@@ -103,6 +103,7 @@ def _stream(c, max_tokens=3000):
     return conn, r, first["id"]
 
 
+@pytest.mark.slow
 def test_metrics_need_the_key_and_every_documented_metric_is_there(rank):
     before = scrape(rank)
     assert _scrape_raw(rank, key=None)[0] == 401
@@ -121,6 +122,7 @@ def test_metrics_need_the_key_and_every_documented_metric_is_there(rank):
                for o in OUTCOMES)
 
 
+@pytest.mark.slow
 def test_an_ok_request_moves_outcome_tokens_and_latency_histograms(rank):
     m0 = scrape(rank)
     status, body = _post(rank, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
@@ -139,6 +141,7 @@ def test_an_ok_request_moves_outcome_tokens_and_latency_histograms(rank):
     assert all(d("clusterctl_requests_total", outcome=o) == 0 for o in OUTCOMES if o != "ok")
 
 
+@pytest.mark.slow
 def test_refusals_count_as_4xx_the_missing_key_included(rank):
     m0 = scrape(rank)
     assert _post(rank, {"prompt": PROMPT, "max_tokens": 2, "n": 2})[0] == 400
@@ -150,6 +153,7 @@ def test_refusals_count_as_4xx_the_missing_key_included(rank):
     assert v(m1, "clusterctl_prompt_tokens_total") == v(m0, "clusterctl_prompt_tokens_total")  # never generated
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_is_cancelled_and_the_batch_shows_it_while_it_runs(rank):
     m0 = scrape(rank)
     conn, r, rid = _stream(rank)
@@ -169,6 +173,7 @@ def test_a_client_that_leaves_is_cancelled_and_the_batch_shows_it_while_it_runs(
     assert v(m2, "clusterctl_cancel_acks_total") == v(m0, "clusterctl_cancel_acks_total")  # no cancel file
 
 
+@pytest.mark.slow
 def test_a_cancel_file_is_acked_and_counted(rank):
     m0 = scrape(rank)
     conn, r, rid = _stream(rank)

@@ -12,6 +12,8 @@ import pytest
 from rankharness import tiny_model_path
 from test_api import PROMPT, _close, reference, reference_logprobs
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 openai = pytest.importorskip("openai")
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -163,6 +163,7 @@ def test_a_join_announcement_of_another_job_is_not_counted_and_times_out():
         r.close()
 
 
+@pytest.mark.slow
 def test_wake_up_calls_reach_this_jobs_responders_with_the_meeting_number():
     token = job_token("job-1", "nonce")
     p1, p2, p3 = _free_udp_port(), _free_udp_port(), _free_udp_port()

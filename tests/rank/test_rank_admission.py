@@ -13,6 +13,8 @@ import pytest
 
 from rankharness import RankCluster, tiny_model_path
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 PROMPT = "def main(argv):"
 VOCAB = 2048  # the tiny model's
 CONTEXT = 128  # the plan's per-request context in the shared clusters (conftest.py SHARED_CONTEXT)

@@ -19,6 +19,8 @@ from rankharness import PY, RankCluster, tiny_model_path
 
 from clusterctl.shared.runtimefiles import EndReason
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 
 @pytest.fixture(scope="module")
 def model():

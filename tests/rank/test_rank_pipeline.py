@@ -13,6 +13,8 @@ import pytest
 
 from rankharness import RankCluster, reference_tokens, tiny_model_path
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 PROMPTS = ["def main(argv):", "import sys\nclass Foo"]
 
 

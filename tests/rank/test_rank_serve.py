@@ -17,6 +17,8 @@ import pytest
 
 from rankharness import RankCluster, reference_tokens, tiny_model_path
 
+pytestmark = pytest.mark.slow  # every test here starts real ranks
+
 KEY = "sk-test-key-123"
 PROMPT = "def main(argv):"
 

@@ -504,6 +504,7 @@ def test_stop_strings_upstream(toks):
     assert content == "Checking.<tool_call>\n{\"name\": \""
 
 
+@pytest.mark.slow
 def test_tool_model_folder_serves(tmp_path):
     """The whole folder loads in mlx-lm and generates from a prompt with tools (what ranks will serve)."""
     from mlx_lm import load, stream_generate

@@ -17,6 +17,7 @@ from pathlib import Path
 from clusterctl.errors import ClusterctlError, LaunchFailed
 from clusterctl.atomic import atomic_write_bytes, atomic_write_json
 from clusterctl.launch.transport import TAIL_BYTES
+from clusterctl.shared import runtimefiles as rf
 
 KEEP_BYTES = 4 << 20  # the last 4 MiB of each rank's log
 TAIL_LINES = 20  # of the failing rank, in --json (the error line carries the last one)
@@ -79,7 +80,9 @@ class KeptLog:
     truncated: bool = False  # only the last KEEP_BYTES (a detached rank) or 64 KiB (a foreground one)
     source: str = ""  # the node's log path, or "keeper channel"
     error: str | None = None
-    tail: list[str] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)  # for the operator only: no decision reads these words
+    ended: rf.EndReason | None = None  # the typed reason its marker gives for its end (None: none, or no marker)
+    followed: bool = False  # its marker says it only followed a lost ring peer
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "node": self.node, "file": self.file, "bytes": self.bytes,
@@ -111,9 +114,24 @@ async def _read_node_log(h, path: str) -> tuple[int, bytes]:
     return int(head), data
 
 
+async def _read_end(run, rec, k: KeptLog) -> None:
+    """The rank's marker's word on how it ended, into ``k`` (left unset when the marker is missing or unreadable)."""
+    h = run.hs.get(rec.node)
+    if h is None or not rec.marker_path:
+        return
+    try:
+        mk = rf.parse_marker(await h.read_json(rec.marker_path))
+    except (ClusterctlError, OSError, TimeoutError):
+        return
+    if mk is not None:
+        k.ended, k.followed = mk.reason, rf.followed_a_peer(mk.state, mk.reason)
+
+
 async def _collect(run, r) -> tuple[KeptLog, bytes]:
     rec = run.manifest.ranks[r.rank]
     k = KeptLog(rank=r.rank, node=r.node)
+    if rec.pid:
+        await _read_end(run, rec, k)
     p = run.procs.get(r.rank)
     if p is not None:
         err, out = p.stderr_tail, p.stdout_tail
@@ -176,20 +194,17 @@ def failing_rank(error: BaseException, run, gone: dict[int, bool]) -> int | None
     return 0 if run.manifest.ranks else None
 
 
-FOLLOWED = "lost a ring peer"  # what a rank that ended because another one did says last (rank/watchdog.py)
+OWN_FAILURE = frozenset({rf.EndReason.FAILED, rf.EndReason.INTERNAL})  # an error of its own, or a crash
 
 
 def with_own_failure(chosen: int | None, logs: "KeptLogs") -> int | None:
-    """``chosen``, unless its log shows it only followed a lost peer and another rank's log ends in an error of
-    its own (a traceback, an exception's last line): that one explains the launch's failure (the coordinator may have seen the follower gone first)."""
-    def followed(k) -> bool:
-        return any(FOLLOWED in ln for ln in k.tail)
-
+    """``chosen``, unless its marker says it only followed a lost peer and another rank's marker says it ended on
+    an error of its own: that one explains the launch's failure (the coordinator may have seen the follower gone
+    first). Decided on the markers' typed reasons; the logs' words are only shown."""
     k = logs.of(chosen)
-    if k is None or not k.tail or not followed(k):
+    if k is None or not k.followed:
         return chosen
-    own = [o.rank for o in logs.ranks if o.tail and not followed(o)
-           and any(ln.startswith("Traceback") or "Error" in ln for ln in o.tail)]
+    own = [o.rank for o in logs.ranks if o.ended in OWN_FAILURE]
     return own[0] if own else chosen
 
 
