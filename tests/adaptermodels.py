@@ -28,3 +28,17 @@ def build_adapter(model_path: Path, out: Path, *, num_layers: int = 2, rank: int
     (out / "adapter_config.json").write_text(json.dumps(
         {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}))
     return out
+
+
+def adapted_tokens(model: Path, adapter: Path, prompt: str, n: int) -> list[int]:
+    """One process, plain mlx-lm with the adapter: the greedy tokens ``stream_generate`` produces (EOS excluded)."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    m, tok = load(str(model), adapter_path=str(adapter))
+    out = []
+    for r in stream_generate(m, tok, prompt, max_tokens=n, sampler=make_sampler(0.0)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out

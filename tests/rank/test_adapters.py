@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from adaptermodels import build_adapter
+from adaptermodels import adapted_tokens, build_adapter
 from rankharness import RankCluster, complete, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "x = ["]
-
-
-def _adapted_tokens(model, adapter, prompt: str, n: int) -> list[int]:
-    from mlx_lm import load, stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    m, tok = load(str(model), adapter_path=str(adapter))
-    out = []
-    for r in stream_generate(m, tok, prompt, max_tokens=n, sampler=make_sampler(0.0)):
-        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +26,7 @@ def test_two_pipeline_ranks_serve_an_adapter_like_one_mlx_lm_process(adapted, sc
     from clusterctl.shared.modelmanifest import build_manifest
 
     model, adapter = adapted
-    want = {p: _adapted_tokens(model, adapter, p, 12) for p in PROMPTS}
+    want = {p: adapted_tokens(model, adapter, p, 12) for p in PROMPTS}
     assert any(want[p] != reference_tokens(model, p, 12) for p in PROMPTS)  # the adapter changes the tokens
     over = {"adapter_path": str(adapter), "adapter_hash": build_manifest(adapter).manifest_hash,
             "schedule": schedule}

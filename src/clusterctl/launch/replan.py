@@ -33,6 +33,7 @@ from clusterctl.locks import Lock
 from clusterctl.plan.commands import fill_memory
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
+from clusterctl.plan.adapter import carried
 from clusterctl.plan.planner import make_deployment
 from clusterctl.plan.replan import derive, placement_diff
 
@@ -107,6 +108,8 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
                                hint="run replan where the deployment was planned")
         new = make_deployment(ins.cluster, inspect_model(Path(ins.model_path)), ins.model_path, ins.options,
                               path_map=ins.path_map)
+        if old.adapter is not None:  # the same adapter content, at the new nodes' paths
+            new = carried(old.adapter, new)
         new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
     named = _named(old, new)

@@ -14,8 +14,8 @@ import json
 import re
 from pathlib import Path
 
-from clusterctl.errors import ConfigError, IntegrityError, MissingInput
-from clusterctl.shared.deployment import AdapterRef
+from clusterctl.errors import ConfigError, IntegrityError, MissingInput, UsageError
+from clusterctl.shared.deployment import AdapterRef, Deployment, with_identity
 from clusterctl.shared.modelfiles import read_safetensors_header, weight_files
 from clusterctl.shared.modelmanifest import HashCache, build_manifest
 
@@ -103,7 +103,26 @@ def inspect_adapter(folder: Path, model: Path, num_layers: int, nodes: dict[str,
     _check_weights(folder, model, num_layers, covered, rank)
     manifest = build_manifest(folder, cache=HashCache())
     digest = manifest.manifest_hash
-    paths = {name: str(folder) if local else f"{path.rstrip('/')}/{NODE_FOLDER}/{digest.split(':')[-1][:16]}"
-             for name, (path, local) in nodes.items()}
     return AdapterRef(source_path=str(folder), manifest_hash=digest, fine_tune_type=kind, num_layers=covered,
-                      rank=rank, path_map=paths)
+                      rank=rank, path_map=node_paths(str(folder), digest, nodes))
+
+
+def node_paths(source: str, digest: str, nodes: dict[str, tuple[str, bool]]) -> dict[str, str]:
+    """Where each node reads the adapter: a local node the coordinator's copy, another one its own copy in a
+    hidden folder under its model folder, named by the adapter's content (two adapters never share one)."""
+    return {name: source if local else f"{path.rstrip('/')}/{NODE_FOLDER}/{digest.split(':')[-1][:16]}"
+            for name, (path, local) in nodes.items()}
+
+
+def refuse_tensor(dep: Deployment) -> None:
+    if dep.parallel == "tensor" and len(dep.ranks) > 1:
+        raise UsageError("--adapter is served by pipeline ranks only: plan with --parallel pipeline "
+                         "(tensor parallel ranks do not shard LoRA layers)")
+
+
+def carried(old: AdapterRef, dep: Deployment) -> Deployment:
+    """A replan's ``dep`` serving the adapter ``old`` planned (the same content), at its new nodes' paths."""
+    refuse_tensor(dep)
+    nodes = {r.node: (dep.path_map[r.node], dep.node(r.node).is_local) for r in dep.ranks}
+    ref = old.model_copy(update={"path_map": node_paths(old.source_path, old.manifest_hash, nodes)})
+    return with_identity(dep.model_copy(update={"adapter": ref}))

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from clusterctl.errors import UsageError
 from clusterctl.shared.deployment import Deployment, PlanOptions, with_identity
-from clusterctl.plan.adapter import inspect_adapter
+from clusterctl.plan.adapter import inspect_adapter, refuse_tensor
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
@@ -60,9 +60,7 @@ def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, adapt
 
 def with_adapter(dep: Deployment, adapter: Path, model: Path) -> Deployment:
     """``dep`` serving the LoRA adapter at ``adapter`` (checked against ``model``); its id names the adapter."""
-    if dep.parallel == "tensor" and len(dep.ranks) > 1:
-        raise UsageError("--adapter is served by pipeline ranks only: plan with --parallel pipeline "
-                         "(tensor parallel ranks do not shard LoRA layers)")
+    refuse_tensor(dep)
     nodes = {r.node: (dep.path_map[r.node], dep.node(r.node).is_local) for r in dep.ranks}
     ref = inspect_adapter(adapter, model, dep.model.num_layers, nodes)
     return with_identity(dep.model_copy(update={"adapter": ref}))
