@@ -86,3 +86,13 @@ def test_an_adapter_with_tensor_parallelism_is_refused_by_name(model, adapter, s
     assert run("plan", "-c", str(c2), "-m", str(model), "--parallel", "tensor").code == 0
     _refused(run("plan", "-c", str(c2), "-m", str(model), "--parallel", "tensor", "--adapter", str(adapter)),
              "--parallel pipeline")
+
+
+def test_an_adapter_on_a_quantized_model_is_checked_by_its_linears_real_dimensions(c3, state, tmp_path):
+    q = make_model(tmp_path / "q", layers=8, hidden=128, inter=256, quant_bits=4)
+    good = build_adapter(q, tmp_path / "q-lora", num_layers=4)
+    r = run("plan", "-c", str(c3), "-m", str(q), "--adapter", str(good), "--json")
+    assert r.code == 0 and r.json()["adapter"]["num_layers"] == 4, r.stderr
+    wide = build_adapter(make_model(tmp_path / "w", layers=8, hidden=64, quant_bits=4), tmp_path / "w-lora",
+                         num_layers=4)
+    _refused(run("plan", "-c", str(c3), "-m", str(q), "--adapter", str(wide)), "has shape")

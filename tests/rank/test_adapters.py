@@ -35,6 +35,29 @@ def test_two_pipeline_ranks_serve_an_adapter_like_one_mlx_lm_process(adapted, sc
             assert complete(c, p, 12)["token_ids"] == want[p]
 
 
+@pytest.fixture(scope="module")
+def adapted_quantized(tmp_path_factory):
+    """The tiny model quantized to 4 bits (mlx-lm's convert: a few seconds), with an adapter on its
+    QuantizedLinear layers."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("q4")
+    convert(str(tiny_model_path()), mlx_path=str(root / "model"), quantize=True, q_bits=4, q_group_size=64)
+    return root / "model", build_adapter(root / "model", root / "lora", num_layers=6)
+
+
+@pytest.mark.slow
+def test_an_adapter_on_a_quantized_model_serves_like_one_mlx_lm_process(adapted_quantized, tmp_path):
+    from clusterctl.shared.modelmanifest import build_manifest
+
+    model, adapter = adapted_quantized
+    want = adapted_tokens(model, adapter, PROMPTS[0], 12)
+    assert want != reference_tokens(model, PROMPTS[0], 12)
+    over = {"adapter_path": str(adapter), "adapter_hash": build_manifest(adapter).manifest_hash}
+    with RankCluster(tmp_path, model, [4, 4], tag="loraq4", overrides=over).up() as c:
+        assert complete(c, PROMPTS[0], 12)["token_ids"] == want
+
+
 @pytest.mark.slow
 def test_a_rank_refuses_an_adapter_changed_after_plan_in_one_line(adapted, tmp_path):
     from clusterctl.shared.modelmanifest import build_manifest
