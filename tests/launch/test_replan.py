@@ -311,3 +311,39 @@ def test_a_full_disk_under_the_deployment_file_stops_the_replan_before_the_old_j
     finally:
         cli("teardown", "--force", env=env)
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def _token_ids(endpoint: str, prompt: str, n: int) -> list[int]:
+    import urllib.request
+
+    req = urllib.request.Request(endpoint + "/v1/completions", data=json.dumps(
+        {"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def test_an_adapter_deployment_serves_the_adapter_and_a_replan_carries_it(tmp_path, tiny, env):
+    """plan --adapter, launch: 2 ranks answer as one ``mlx_lm.load(model, adapter_path=...)`` process; a replan
+    (another schedule) keeps the same adapter content on the new deployment's ranks."""
+    from adaptermodels import adapted_tokens, build_adapter
+
+    adapter = build_adapter(tiny, tmp_path / "lora", num_layers=6)
+    want = adapted_tokens(tiny, adapter, "def main(argv):", 8)
+    c = local_cluster(tmp_path, (2, 6))
+    dep = tmp_path / "dep.json"
+    cli("plan", "-c", str(c), "-m", str(tiny), "--context", "512", "--adapter", str(adapter), "-o", str(dep), "-q",
+        env=env, check=True)
+    old = _launch(dep, env)
+    try:
+        assert {_contract(old, n)["adapter_path"] for n in "ab"} == {str(adapter)}
+        planned = _contract(old, "b")["adapter_hash"]
+        assert _token_ids(old["endpoint"], "def main(argv):", 8) == want
+        p = cli("replan", str(dep), "--schedule", "lockstep", "--yes", "--json", env=env)
+        assert p.returncode == 0, p.stderr
+        new = _job(env)
+        assert new["deployment_id"] == json.loads(p.stdout)["new"] != old["deployment_id"]
+        assert _contract(new, "b")["adapter_hash"] == planned
+        assert _token_ids(new["endpoint"], "def main(argv):", 8) == want
+    finally:
+        teardown(env)

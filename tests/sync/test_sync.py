@@ -57,7 +57,7 @@ class Bed:
     """A model source, a 2-node cluster (a local, b over ssh) with its own paths, a plan, a state dir."""
 
     def __init__(self, tmp: Path, sshd, source: Path, *, path_a: str | None = None, path_b: str | None = None,
-                 port_b: int | None = None, extra_nodes: str = ""):
+                 port_b: int | None = None, extra_nodes: str = "", plan_args: tuple = ()):
         self.tmp, self.sshd, self.source = tmp, sshd, source
         self.path_a = path_a or str(tmp / "copy a")
         self.path_b = path_b or str(tmp / "copy b")
@@ -87,7 +87,7 @@ runtime_dir = "{tmp}/run-b"
         (tmp / "cluster.toml").write_text(text)
         self.dep = str(tmp / "dep.json")
         p = cli("plan", "-c", str(tmp / "cluster.toml"), "-m", str(source), "--context", "256", "-o", self.dep, "-q",
-                env=self.env)
+                *plan_args, env=self.env)
         assert p.returncode == 0, p.stderr
 
     def sync(self, *args) -> subprocess.CompletedProcess:
@@ -155,6 +155,32 @@ def test_sync_to_every_node_at_its_own_path_then_launch_preflight_passes(tmp_pat
     [start] = [e for e in events(fix) if e["event"] == "start"]
     assert start["node"] == "b" and start["files"] == 1  # only the file that differs
     assert same_tree(bed.path_b, tiny)
+
+
+def test_sync_sends_the_adapter_and_launch_refuses_one_changed_after_plan(tmp_path, sshd, tiny, have_rsync):
+    """Node b gets the adapter under its model folder (hidden: the model's manifest ignores it); node a, local,
+    reads the coordinator's copy. An adapter changed after plan is caught by launch's copy check."""
+    from adaptermodels import build_adapter
+
+    adapter = build_adapter(tiny, tmp_path / "lora", num_layers=2)
+    bed = Bed(tmp_path, sshd, tiny, plan_args=("--adapter", str(adapter)))
+    ref = json.loads(Path(bed.dep).read_text())["adapter"]
+    on_b = Path(ref["path_map"]["b"])
+    assert on_b.parent == Path(bed.path_b) / ".clusterctl-adapters" and ref["path_map"]["a"] == str(adapter)
+    p = bed.sync()
+    assert p.returncode == 0, p.stderr
+    s = summary(p)
+    assert s["ok"] and s["adapter"]["ok"] and s["adapter"]["manifest_hash"] == ref["manifest_hash"]
+    assert same_tree(on_b, adapter) and same_tree(bed.path_b, tiny)
+    again = bed.sync()
+    assert again.returncode == 0 and not [e for e in events(again) if e["event"] == "start"]
+
+    build_adapter(tiny, adapter, num_layers=2, seed=5)  # the coordinator's (and node a's) copy, changed
+    launch = cli("launch", bed.dep, "--detach", "--known-hosts", str(sshd.known_hosts), "--timeout", "60",
+                 env=bed.env)
+    assert launch.returncode != 0 and "Traceback" not in launch.stderr, launch.stderr
+    assert f"a: adapter copy at {adapter} is stale" in launch.stderr, launch.stderr
+    assert not list((tmp_path / "state").glob("launches/*.json"))  # nothing was started
 
 
 def test_verify_finds_what_the_quick_check_trusts(tmp_path, sshd, tiny, have_rsync):

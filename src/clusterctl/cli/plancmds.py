@@ -41,6 +41,8 @@ def plan(
     prompt_cache_gb: Annotated[float, typer.Option("--prompt-cache-gb", help="Per-rank memory (GiB) kept for the "
                                                    "prompt cache (0: none).", parser=number(0, 1e6),
                                                    metavar="GIB")] = 0.25,
+    adapter: Annotated[Optional[Path], typer.Option("--adapter", help="A LoRA adapter folder (mlx_lm.lora's "
+                                                    "output) every rank applies to its layers.")] = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -70,7 +72,7 @@ def plan(
     dep, written = plan_and_record(cluster, model, allocation=allocation, backend=backend, parallel=parallel,
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
-                                prompt_cache_gb=prompt_cache_gb, progress=o.progress,
+                                 prompt_cache_gb=prompt_cache_gb, progress=o.progress, adapter=adapter,
                                 serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
                                                    chat_template_args) or None)
     for w in dep.warnings:

@@ -203,7 +203,10 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
         doc = {"deployment_id": dep.deployment_id, "job_id": job_id, "nonce": nonce, "node": r.node,
                "rank": r.rank, "world_size": world, "backend": dep.backend, "parallel": dep.parallel,
                "schedule": dep.schedule or "overlap", "prompt_cache_tokens": dep.prompt_cache_tokens,
-               "model_path": dep.path_map[r.node], "start_layer": r.start_layer, "end_layer": r.end_layer,
+               "model_path": dep.path_map[r.node],
+               **({"adapter_path": dep.adapter.path_map[r.node], "adapter_hash": dep.adapter.manifest_hash}
+                  if dep.adapter is not None else {}),
+               "start_layer": r.start_layer, "end_layer": r.end_layer,
                "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,
                "api_key": opts.api_key if r.rank == 0 else None, "seed": opts.seed,

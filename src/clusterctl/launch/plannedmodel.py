@@ -50,6 +50,29 @@ def planned_manifest(state, dep) -> Manifest | None:
     return m
 
 
+def planned_adapter_manifest(state, dep) -> Manifest | None:
+    """The manifest of the LoRA adapter ``dep`` serves (None: no adapter): from the state dir, else rebuilt from
+    the coordinator's copy, which must hash to the planned value."""
+    if dep.adapter is None:
+        return None
+    digest = dep.adapter.manifest_hash
+    m = load_manifest(state.manifests, digest)
+    if m is not None:
+        return m
+    src = Path(dep.adapter.source_path)
+    if not src.is_dir():
+        raise MissingInput(f"the adapter manifest {digest} of deployment {dep.deployment_id} is not in "
+                           f"{state.manifests}, and there is no adapter at {src} to rebuild it from",
+                           hint="copy the manifest file from the coordinator that ran `clusterctl plan`")
+    m = build_manifest(src, cache=HashCache())
+    if m.manifest_hash != digest:
+        raise IntegrityError(f"the adapter at {src} is not the one deployment {dep.deployment_id} was planned "
+                             f"with (manifest {m.manifest_hash}, planned {digest})",
+                             hint="restore that adapter, or run `clusterctl plan` again")
+    save_manifest(state.manifests, m)
+    return m
+
+
 def record_manifest(state, dep, folder: str | Path):
     """``dep`` with the manifest hash of the model at ``folder`` (built here, stored in the state dir): the
     content every node's copy must match (launch preflight and `clusterctl sync` check it)."""
@@ -65,4 +88,6 @@ def plan_and_record(cluster_file: Path, model: str | Path, *, out: Path | None, 
     src = resolve_model(model, progress=progress)
     dep = with_hub(plan_deployment(cluster_file, src.folder, probe_remote=probe_remote, **options), src.hub)
     dep = record_manifest(state, dep, src.folder)
+    if dep.adapter is not None:  # stored beside the model's: sync and launch check every node's copy against it
+        manifest_of_folder(state, dep.adapter.source_path)
     return dep, state.save_deployment(dep, out)

@@ -63,26 +63,28 @@ def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
     return errors, warnings
 
 
-def copy_problem(copy: dict, path: str, dep_ref: str) -> str | None:
-    """One line for a node whose model copy is not the planned one (None when it is), naming the fix."""
+def copy_problem(copy: dict, path: str, dep_ref: str, what: str = "model") -> str | None:
+    """One line for a node whose model (or adapter) copy is not the planned one (None when it is), naming the fix."""
     state = copy.get("state")
     if state == "ok":
         return None
     if state == "error":
-        return f"cannot check the model copy at {path}: {copy.get('detail')}"
+        return f"cannot check the {what} copy at {path}: {copy.get('detail')}"
     counts = {"missing": f"{copy.get('n_missing', 0)} file(s) missing", "stale": f"{copy.get('n_stale', 0)} file(s) differ"}
-    what = ", ".join(counts[k] for k in ("stale", "missing") if copy.get(f"n_{k}"))
+    counted = ", ".join(counts[k] for k in ("stale", "missing") if copy.get(f"n_{k}"))
     first = f", e.g. {copy['first']}" if copy.get("first") else ""
-    return (f"model copy at {path} is {state} ({what or copy.get('detail', 'not the planned model')}{first}); "
+    return (f"{what} copy at {path} is {state} ({counted or copy.get('detail', f'not the planned {what}')}{first}); "
             f"run `clusterctl sync {dep_ref}`")
 
 
 async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str, list[int]], *,
-                    manifest=None, verify: bool = False, dep_ref: str | None = None) -> list[str]:
+                    manifest=None, verify: bool = False, dep_ref: str | None = None,
+                    adapter_manifest=None) -> list[str]:
     """Probe every node concurrently; raise one error naming every failure on every node. Returns warnings.
 
     With ``manifest`` each node also compares its copy of the model with it (sizes and cached hashes; every
-    byte re-hashed with ``verify``). When copies are the only problem the exit code is 69 (unavailable).
+    byte re-hashed with ``verify``), and with ``adapter_manifest`` its copy of the LoRA adapter. When copies are
+    the only problem the exit code is 69 (unavailable).
     """
     warnings: list[str] = []
     copy_only: dict[str, bool] = {}
@@ -110,6 +112,14 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
             errs.append(copy)  # names the fix; the folder check below would only repeat part of it
         elif not model.get("ok"):
             errs.append(model.get("error", "model check failed"))
+        copies = [copy] if copy else []
+        if adapter_manifest is not None and dep.adapter is not None:
+            apath = dep.adapter.path_map[h.name]
+            st = await h.op("model_status", {"manifest": adapter_manifest.model_dump(mode="json"), "path": apath,
+                                             "verify": verify, "only": None}, timeout=NODEOP_TIMEOUT)
+            if acopy := copy_problem(st, apath, dep_ref or dep.deployment_id, "adapter"):
+                errs.append(acopy)
+                copies.append(acopy)
         need = rank.planned.weights + rank.planned.kv
         if probe.get("mem_available", 0) < need:
             errs.append(f"needs {need / 2**30:.2f} GiB free memory, has {probe.get('mem_available', 0) / 2**30:.2f} GiB")
@@ -117,7 +127,7 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
             errs.append(f"ports already in use: {', '.join(map(str, probe['ports_busy']))}")
         if not probe["runtime_dir"]["ok"]:
             errs.append(f"runtime dir {probe['runtime_dir']['path']} is not usable: {probe['runtime_dir'].get('error')}")
-        copy_only[h.name] = errs == [copy] if copy else False
+        copy_only[h.name] = bool(copies) and errs == copies
         if probe.get("ports_busy") and len(errs) == 1:
             busy_only[h.name] = {int(p) for p in probe["ports_busy"]}
         return errs

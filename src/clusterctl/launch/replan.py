@@ -34,6 +34,7 @@ from clusterctl.locks import Lock
 from clusterctl.plan.commands import fill_memory
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
+from clusterctl.plan.adapter import carried
 from clusterctl.plan.planner import make_deployment
 from clusterctl.plan.replan import derive, placement_diff
 
@@ -112,6 +113,8 @@ def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: 
                               path_map=ins.path_map)
         # the same hub snapshot keeps its repository and commit (and its name); another folder is another model
         new = with_hub(new, old.model.hub if ins.model_path == old.model.source_path else None)
+        if old.adapter is not None:  # the same adapter content, at the new nodes' paths
+            new = carried(old.adapter, new)
         new = record_manifest(state, new, ins.model_path)
         inputs = ins.to_json()
     named = _named(old, new)

@@ -35,7 +35,7 @@ from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_li
 from clusterctl.locks import Lock, deployment_lock_path
 from clusterctl.shared.deployment import Deployment
 from clusterctl.launch import fdlimit
-from clusterctl.launch.plannedmodel import planned_manifest
+from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.reaper import live_jobs, reap
 from clusterctl.launch.teardown import reports_dir
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
@@ -60,11 +60,12 @@ async def _launch(dep_ref: str, state, opts: LaunchOptions, *, log) -> Running:
     hs = handles(dep.rank_nodes(), opts.ssh, keeper_grace=opts.grace)
     warming = asyncio.ensure_future(warm(hs, dep))
     try:
-        manifest = None
+        manifest = adapter_manifest = None
         if opts.check_model:
             # in a thread: the event loop meanwhile drives the nodes' SSH handshakes
             await asyncio.to_thread(check_inputs_unchanged, dep)
             manifest = await asyncio.to_thread(planned_manifest, state, dep)
+            adapter_manifest = await asyncio.to_thread(planned_adapter_manifest, state, dep)
         key = state.keyring.signing_key()
         store = manifest_store(state, key)
         lock = Lock(deployment_lock_path(state, dep.deployment_id)).acquire(what=f"deployment {dep.deployment_id}")
@@ -82,7 +83,7 @@ async def _launch(dep_ref: str, state, opts: LaunchOptions, *, log) -> Running:
                        hint="clusterctl teardown it first")
         await asyncio.gather(warming, return_exceptions=True)
         return await _launch_locked(dep, dep_path, state, store, key, lock, opts, log, hs, manifest=manifest,
-                                    dep_ref=shlex.quote(dep_ref))
+                                    dep_ref=shlex.quote(dep_ref), adapter_manifest=adapter_manifest)
     except BaseException:
         warming.cancel()
         await close_all(hs)
@@ -102,7 +103,7 @@ def _check_connections(dep: Deployment, opts: LaunchOptions) -> None:
 
 
 async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: LaunchOptions, log, *, manifest,
-                           dep_ref) -> list[int]:
+                           dep_ref, adapter_manifest=None) -> list[int]:
     """Preflight with a fresh port block (world + 1 ports); another block when only ports are busy."""
     good, _ = store.all()
     avoid = {p for _, m in good for p in m.ports}
@@ -110,7 +111,7 @@ async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: Laun
         block = hostfile.choose_ports(len(dep.ranks) + 1, avoid)
         try:
             warnings = await preflight(dep, hs, port_requests(dep, block, opts.http_port), manifest=manifest,
-                                       verify=opts.verify_model, dep_ref=dep_ref)
+                                       verify=opts.verify_model, dep_ref=dep_ref, adapter_manifest=adapter_manifest)
         except PortsBusy as e:
             # a random block met ports in use (often short-lived client sockets): another block, unless the
             # operator fixed the HTTP port and that is the one taken
@@ -136,11 +137,12 @@ def _plan(dep: Deployment, state, opts: LaunchOptions, hs, block: list[int], add
 
 
 async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
-                         dep_ref: str | None = None) -> Running:
+                         dep_ref: str | None = None, adapter_manifest=None) -> Running:
     job_id, nonce = new_job_id(dep.deployment_id), new_nonce()
     try:
         addrs = await rank_addresses(dep)
-        block = await _preflight_ports(dep, hs, store, opts, log, manifest=manifest, dep_ref=dep_ref)
+        block = await _preflight_ports(dep, hs, store, opts, log, manifest=manifest, dep_ref=dep_ref,
+                                       adapter_manifest=adapter_manifest)
         plan = await asyncio.to_thread(_plan, dep, state, opts, hs, block, addrs, job_id, nonce)
     except BaseException:
         await close_all(hs)

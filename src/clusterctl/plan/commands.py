@@ -7,7 +7,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from clusterctl.errors import UsageError
-from clusterctl.shared.deployment import Deployment, PlanOptions
+from clusterctl.shared.deployment import Deployment, PlanOptions, with_identity
+from clusterctl.plan.adapter import inspect_adapter, refuse_tensor
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
@@ -46,10 +47,20 @@ def fill_memory(cluster, probe_remote=None):
     return cluster.model_copy(update={"nodes": nodes})
 
 
-def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, **options) -> Deployment:
+def plan_deployment(cluster_file: Path, model: Path, *, probe_remote=None, adapter: Path | None = None,
+                    **options) -> Deployment:
     """Read the inventory and the model, plan: the deployment, not yet signed or written (launch/plannedmodel.py's
-    ``plan_and_record`` records the model's manifest in it and writes it)."""
+    ``plan_and_record`` records the model's manifest in it and writes it). ``adapter``: a LoRA adapter folder."""
     opts = plan_options(**options)
     cluster = fill_memory(load_cluster(cluster_file), probe_remote)
     facts = inspect_model(model)
-    return make_deployment(cluster, facts, str(model.resolve()), opts)
+    dep = make_deployment(cluster, facts, str(model.resolve()), opts)
+    return dep if adapter is None else with_adapter(dep, adapter, model)
+
+
+def with_adapter(dep: Deployment, adapter: Path, model: Path) -> Deployment:
+    """``dep`` serving the LoRA adapter at ``adapter`` (checked against ``model``); its id names the adapter."""
+    refuse_tensor(dep)
+    nodes = {r.node: (dep.path_map[r.node], dep.node(r.node).is_local) for r in dep.ranks}
+    ref = inspect_adapter(adapter, model, dep.model.num_layers, nodes)
+    return with_identity(dep.model_copy(update={"adapter": ref}))

@@ -96,6 +96,9 @@ def load_shard(spec: RankSpec):
     if n != spec.num_layers:
         raise ConfigError(f"model at {path} has {n} layers, the contract says {spec.num_layers}")
     if spec.world_size > 1 and spec.parallel == "tensor":
+        if spec.adapter_path:
+            raise ConfigError("a LoRA adapter is served by pipeline ranks only (plan refuses --adapter with "
+                              "--parallel tensor)")
         if not callable(getattr(model, "shard", None)):
             raise ConfigError(f"model type {config.get('model_type')!r} cannot shard itself (no shard() in mlx-lm)")
         try:  # the real group comes later (attach_group): the split needs only rank and size
@@ -132,6 +135,11 @@ def load_shard(spec: RankSpec):
         from clusterctl.rank.stage import weight_name
 
         _check_weights_present(path, [weight_name(k) for k, _ in params], config)
+    if spec.adapter_path:
+        from clusterctl.rank.adapter import apply_adapter
+
+        apply_adapter(model, spec.num_layers, spec.adapter_path, spec.adapter_hash)
+        params = tree_flatten(model.parameters())
     if spec.parallel == "tensor":
         for _, v in params:  # one at a time: a shard is cut from its whole tensor, which is then freed
             mx.eval(v)

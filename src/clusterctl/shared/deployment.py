@@ -87,6 +87,18 @@ class ModelRef(BaseModel):
     hub: Optional[HubRef] = None
 
 
+class AdapterRef(BaseModel):
+    """A LoRA adapter (an ``mlx_lm.lora`` output folder) the ranks apply to the model (docs/architectures.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source_path: str  # the coordinator's copy, what sync sends
+    manifest_hash: str  # its content (adapters.safetensors + adapter_config.json): part of the identity
+    fine_tune_type: Literal["lora", "dora"] = "lora"
+    num_layers: int  # the model's last num_layers blocks are adapted
+    rank: int  # the LoRA rank
+    path_map: dict[str, str]  # node -> the adapter folder there (sync puts it there; launch checks it)
+
+
 class RankAssignment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int
@@ -169,6 +181,8 @@ class Deployment(BaseModel):
     # tokens of KV every rank keeps for reuse: what options.prompt_cache_gb holds on the rank with the most KV
     # bytes per token (0: no prompt cache)
     prompt_cache_tokens: int = 0
+    # a LoRA adapter every rank applies to its layers (None: the base model)
+    adapter: Optional[AdapterRef] = None
     # SHA-256 of the deployment's identity (``deployment_hash()``); the id is ``<cluster>-`` + its first 10 hex.
     # None in files planned before it (their id came from plan_hash: it is kept, never recomputed)
     deployment_hash: Optional[str] = None

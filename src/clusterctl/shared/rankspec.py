@@ -43,6 +43,9 @@ class RankSpec(BaseModel):
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
     parallel: Literal["pipeline", "tensor"] = "pipeline"  # tensor: every rank holds 1/N of every layer
     model_path: str
+    # a LoRA adapter folder (mlx_lm.lora's output) on this node, and its planned manifest hash (None: none)
+    adapter_path: Optional[str] = None
+    adapter_hash: Optional[str] = None
     start_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1)
     # every rank's layer count, in rank order: optional, and not in launch's contracts (a list of N per rank made

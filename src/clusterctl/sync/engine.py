@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +25,7 @@ from clusterctl.render import human_bytes
 from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
 from clusterctl.shared.copycheck import check_copy, needed_files
 from clusterctl.shared.modelmanifest import Manifest, build_manifest, HashCache
-from clusterctl.launch.plannedmodel import planned_manifest
+from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.hubmodel import hub_resolve_url
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync
 from clusterctl.locks import Lock
@@ -82,15 +82,19 @@ class SyncReport:
     reason: str
     nodes: list[NodeSync]
     dry_run: bool
+    adapter: "SyncReport | None" = None  # the deployment's LoRA adapter, synced after the model
 
     @property
     def ok(self) -> bool:
+        if self.adapter is not None and not self.adapter.ok:
+            return False
         if self.dry_run:
             return all(n.state != "unreachable" for n in self.nodes)
         return all(n.result == "ok" for n in self.nodes)
 
     def exit_code(self) -> int:
-        codes = {n.exit_code for n in self.nodes if n.exit_code}
+        every = self.nodes + (self.adapter.nodes if self.adapter is not None else [])
+        codes = {n.exit_code for n in every if n.exit_code}
         if not codes:
             return 0
         return codes.pop() if len(codes) == 1 else int(Exit.FAILED)
@@ -98,7 +102,8 @@ class SyncReport:
     def to_json(self) -> dict:
         return {"ok": self.ok, "deployment_id": self.deployment_id, "manifest_hash": self.manifest_hash,
                 "mode": self.mode, "source": self.source, "reason": self.reason, "dry_run": self.dry_run,
-                "nodes": [n.to_json() for n in self.nodes]}
+                "nodes": [n.to_json() for n in self.nodes],
+                **({"adapter": self.adapter.to_json()} if self.adapter is not None else {})}
 
 
 Emit = Callable[[dict], None]
@@ -115,11 +120,13 @@ def _unreachable(e: ClusterctlError) -> bool:
     return isinstance(e, (HostUnreachable, AuthRejected))
 
 
-async def survey(hs: dict[str, NodeHandle], dep, manifest: Manifest, *, verify: bool, emit: Emit) -> list[NodeSync]:
+async def survey(hs: dict[str, NodeHandle], dep, manifest: Manifest, *, verify: bool, emit: Emit,
+                 paths: dict[str, str] | None = None) -> list[NodeSync]:
+    """``paths``: where each node's copy is (None: the model's ``path_map``)."""
     sizes = {f.path: f.size for f in manifest.files}
 
     async def one(h: NodeHandle) -> NodeSync:
-        ns = NodeSync(h.name, dep.path_map[h.name])
+        ns = NodeSync(h.name, (paths or dep.path_map)[h.name])
         try:
             st = await node_status(h, manifest, ns.path, verify=verify)
         except ClusterctlError as e:
@@ -166,13 +173,16 @@ def local_copy_matches(folder: str, manifest: Manifest) -> str | None:
     return None
 
 
-def choose_source(dep, manifest: Manifest, nodes: list[NodeSync], opts: SyncOptions) -> Source:
+def choose_source(dep, manifest: Manifest, nodes: list[NodeSync], opts: SyncOptions,
+                  source_path: str | None = None) -> Source:
+    """``source_path``: the coordinator's copy (None: the model's)."""
     why_not = []
+    mine = source_path or dep.model.source_path
     if opts.mode in ("auto", "rsync"):
-        problem = local_copy_matches(dep.model.source_path, manifest)
+        problem = local_copy_matches(mine, manifest)
         if problem is None:
-            return Source("rsync", f"this machine:{dep.model.source_path}",
-                          "the coordinator's copy matches the planned manifest", folder=dep.model.source_path)
+            return Source("rsync", f"this machine:{mine}",
+                          "the coordinator's copy matches the planned manifest", folder=mine)
         why_not.append(problem)
         ok = [n for n in nodes if n.state == "ok"]
         if ok:
@@ -297,7 +307,13 @@ async def sync_deployment(state, dep_ref: str, opts: SyncOptions, emit: Emit = l
         nodes = [dep.node(r.node) for r in dep.ranks]
         hs = handles(nodes, opts.ssh)
         try:
-            return await _sync(state, dep, manifest, hs, opts, emit)
+            report = await _sync(state, dep, manifest, hs, opts, emit)
+            adapter = planned_adapter_manifest(state, dep)
+            if adapter is not None:  # small: always from the coordinator's copy (or a node's) over rsync
+                report.adapter = await _sync(state, dep, adapter, hs, replace(opts, mode="rsync", url=None),
+                                             lambda e: emit({**e, "what": "adapter"}),
+                                             paths=dep.adapter.path_map, source_path=dep.adapter.source_path)
+            return report
         finally:
             await close_all(hs)
     finally:
@@ -305,8 +321,8 @@ async def sync_deployment(state, dep_ref: str, opts: SyncOptions, emit: Emit = l
 
 
 async def _sync(state, dep, manifest: Manifest, hs: dict[str, NodeHandle], opts: SyncOptions,
-                emit: Emit) -> SyncReport:
-    nodes = await survey(hs, dep, manifest, verify=opts.verify, emit=emit)
+                emit: Emit, *, paths: dict[str, str] | None = None, source_path: str | None = None) -> SyncReport:
+    nodes = await survey(hs, dep, manifest, verify=opts.verify, emit=emit, paths=paths)
     todo = [n for n in nodes if n.state in ("missing", "partial", "stale")]
     for n in nodes:
         if n.state == "ok":
@@ -319,7 +335,7 @@ async def _sync(state, dep, manifest: Manifest, hs: dict[str, NodeHandle], opts:
                         nodes, opts.dry_run)
     if not todo:
         return report
-    src = choose_source(dep, manifest, nodes, opts)
+    src = choose_source(dep, manifest, nodes, opts, source_path)
     report.mode, report.source, report.reason = src.mode, src.describe, src.reason
     if opts.dry_run:
         for n in todo:

@@ -1,0 +1,44 @@
+"""Small LoRA adapters in mlx-lm's format (what ``mlx_lm.lora`` writes: ``adapters.safetensors`` with the LoRA
+layers' ``lora_a``/``lora_b`` under the model's own parameter names, and ``adapter_config.json``), made without
+training: mlx-lm's own ``linear_to_lora_layers`` on the model, then non-zero B matrices, so the adapted model's
+tokens differ from the base model's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def build_adapter(model_path: Path, out: Path, *, num_layers: int = 2, rank: int = 4, scale: float = 20.0,
+                  seed: int = 3) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    model, _ = load_model(Path(model_path), strict=False)  # header-only test models lack biases
+    model.freeze()
+    params = {"rank": rank, "dropout": 0.0, "scale": scale}
+    linear_to_lora_layers(model, num_layers, params)
+    mx.random.seed(seed)
+    weights = {k: (mx.random.normal(v.shape) * 0.05).astype(v.dtype) for k, v in
+               tree_flatten(model.trainable_parameters())}
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}))
+    return out
+
+
+def adapted_tokens(model: Path, adapter: Path, prompt: str, n: int) -> list[int]:
+    """One process, plain mlx-lm with the adapter: the greedy tokens ``stream_generate`` produces (EOS excluded)."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    m, tok = load(str(model), adapter_path=str(adapter))
+    out = []
+    for r in stream_generate(m, tok, prompt, max_tokens=n, sampler=make_sampler(0.0)):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
