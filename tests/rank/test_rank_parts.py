@@ -391,7 +391,7 @@ def test_lower_compute_renices_the_main_and_native_threads_not_python_threads():
 def test_prompt_groups_keep_padding_small_and_are_the_same_for_the_same_lengths():
     """Joining prompts are processed in groups padded to their longest: prompts the prompt cache covers whole
     (nothing left) go together, and one long prompt does not make three short ones pay its length."""
-    from clusterctl.rank.overlap import PAD_WASTE, prompt_groups
+    from clusterctl.rank.scheduler import PAD_WASTE, prompt_groups
 
     assert prompt_groups([]) == []
     assert prompt_groups([0, 0, 22, 0]) == [[0, 1, 3], [2]]
