@@ -147,6 +147,21 @@ def test_idle_followers_sleep_instead_of_spinning(cluster):
     assert max(use) < 0.3, use
 
 
+def test_an_idle_deployment_costs_almost_no_cpu(cluster):
+    """No request in flight: every rank blocks (no meetings on a short schedule, no accept loop that looks for a
+    shutdown 50 times a second), so all ranks together use a few thousandths of a core; a request is then served
+    at once (the rank that has it calls the others)."""
+    _complete(cluster, prompt="x", max_tokens=2, temperature=0)
+    procs = [psutil.Process(p.pid) for p in cluster.procs]
+    time.sleep(1.0)
+    before = sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+    t0 = time.monotonic()
+    time.sleep(10.0)
+    used = (sum(t.user + t.system for t in (p.cpu_times() for p in procs)) - before) / (time.monotonic() - t0)
+    assert used <= 0.02, f"{cluster.world} idle ranks used {used:.1%} of a core"
+    assert _complete(cluster, prompt="x", max_tokens=2, temperature=0)["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("split, who", [([6, 2], 0), ([1, 5, 2], 1)], ids=["2ranks-rank0", "3ranks-follower"])
 def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, split, who):
     # its own ranks: the module's `cluster` is shared by the other tests, in whatever order they run
