@@ -51,21 +51,21 @@ from mlx_lm.models.cache import make_prompt_cache
 path, n, chunks, reps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 model, tok = load(path)
 vocab = model.args.vocab_size
-out = {}
-for c in chunks:
-    times = []
-    for rep in range(reps + 1):
-        tokens = mx.array([[(7 * i + 13 * rep) % (vocab - 300) + 259 for i in range(n)]])
-        cache = make_prompt_cache(model)
-        t = time.perf_counter()
-        while tokens.shape[1]:
-            model(tokens[:, :c], cache=cache)
-            mx.eval([x.state for x in cache])
-            tokens = tokens[:, c:]
-        if rep:
-            times.append(time.perf_counter() - t)
-    out[c] = sorted(times)[len(times) // 2]
-print(json.dumps(out))
+def prefill(c, rep):
+    tokens = mx.array([[(7 * i + 13 * rep) % (vocab - 300) + 259 for i in range(n)]])
+    cache = make_prompt_cache(model)
+    t = time.perf_counter()
+    while tokens.shape[1]:
+        model(tokens[:, :c], cache=cache)
+        mx.eval([x.state for x in cache])
+        tokens = tokens[:, c:]
+    return time.perf_counter() - t
+prefill(256, 0)  # warm up
+times = {c: [] for c in chunks}
+for rep in range(reps):  # the sizes interleaved: the machine's load drifts alike for all
+    for c in chunks:
+        times[c].append(prefill(c, rep + 1))
+print(json.dumps({c: sorted(t)[len(t) // 2] for c, t in times.items()}))
 """
 
 
@@ -207,7 +207,7 @@ def main() -> int:
     ns.requests = ns.requests or (1 if ns.quick else 2)
     ns.prompt_tokens = ns.prompt_tokens or (1000 if ns.quick else 2000)
     ns.joins = ns.joins or (2 if ns.quick else 3)
-    ns.stream_tokens = ns.stream_tokens or (400 if ns.quick else 1000)
+    ns.stream_tokens = ns.stream_tokens or (250 if ns.quick else 1000)
     parts, arms = set(ns.parts.split(",")), ns.arms.split(",")
     from mlx_lm.utils import load_tokenizer
 
@@ -221,7 +221,7 @@ def main() -> int:
     base_src = base_src / "src"
 
     if "chunks" in parts:
-        chunks = [64, 128, 256, 512, 1024, 2048]
+        chunks = [128, 256, 512, 2048] if ns.quick else [64, 128, 256, 512, 1024, 2048]
         t = chunk_sweep(path, ns.prompt_tokens, chunks, 1 if ns.quick else 3)
         rows = [[str(c), fmt(t[c], " s"), fmt(ns.prompt_tokens / t[c], " tok/s", 0),
                  fmt(pipeline_estimate(t[c], ns.prompt_tokens, c, 2) / t[2048], "x"),
