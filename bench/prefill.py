@@ -201,6 +201,7 @@ def main() -> int:
     ap.add_argument("--joins", type=int, default=None, help="long prompts joining the streams (default 3)")
     ap.add_argument("--stream-tokens", type=int, default=None)
     ap.add_argument("--parts", default="chunks,ttft,gaps,idle")
+    ap.add_argument("--model", default="100m", help="100m (the bench preset) or 7m (overhead-bound)")
     ap.add_argument("--arms", default="one,base2,new2,new3")
     ns = ap.parse_args()
     ns.rounds = ns.rounds or 1 if ns.quick else ns.rounds or 2
@@ -211,9 +212,9 @@ def main() -> int:
     parts, arms = set(ns.parts.split(",")), ns.arms.split(",")
     from mlx_lm.utils import load_tokenizer
 
-    path = model("100m")
+    path = model(ns.model)
     tok = load_tokenizer(path)
-    say(f"bench/prefill.py: 100M bench model, {ns.prompt_tokens}-token prompts; {machine_note()}")
+    say(f"bench/prefill.py: {ns.model} model, {ns.prompt_tokens}-token prompts; {machine_note()}")
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
     base_src = work / "base"
     base_src.mkdir()
