@@ -15,8 +15,8 @@ Then the peak RSS of every rank (its marker's peak) next to what the plan reserv
 
 --open-loop SHARE: after the closed loop, each arm also takes open-loop traffic (as vLLM's benchmark_serving):
 requests arrive at random (Poisson, exponential gaps; the same seeded schedule for every arm) at SHARE (e.g. 0.8)
-of the closed-loop request rate that arm reached at the largest --clients, with a mix of prompt lengths (the
-short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
+of the request rate that arm reaches with the largest --clients closed-loop clients sending the same mix of prompt
+lengths (the short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
 throughput (requests/s and its ratio to the offered rate), time to first token p50/p99 (and the closed loop's
 p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first).
 
@@ -46,6 +46,35 @@ LONG_PROMPT = ("Summarise the following notes on serving a model across machines
                "through the stages; a join takes the next slot. " * 12)
 
 
+def mix_prompt(i: int) -> str:
+    """The open loop's mix of prompt lengths: the short chat prompts, and every fourth one a ~300-token prompt."""
+    return LONG_PROMPT + f" ({i})" if i % 4 == 3 else f"{PROMPTS[i % len(PROMPTS)]} ({i})"
+
+
+def closed_mix(base: str, clients: int, per_client: int, tokens: int) -> tuple[float, list[float]]:
+    """``clients`` closed-loop clients sending the open loop's prompt mix: (requests per second, every TTFT): the
+    capacity the open loop's rate is a share of, measured with the same prompts."""
+    import threading
+
+    got, lock = [], threading.Lock()
+
+    def client(c: int) -> None:
+        for j in range(per_client):
+            with contextlib.suppress(Exception):
+                st = stream_chat(base, mix_prompt(1000 + c * per_client + j), tokens)
+                with lock:
+                    got.append(st)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    wall = time.monotonic() - t0
+    return (len(got) / wall if wall > 0 else 0.0), [st.first for st in got]
+
+
 def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> dict:
     """``n`` streamed requests arriving at random (Poisson at ``rate`` per second), each from its own client; a
     mix of prompt lengths. Returns throughput, TTFT and TPOT samples."""
@@ -69,8 +98,7 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
     for i in range(n):
         at += rng.expovariate(rate)
         time.sleep(max(0.0, t0 + at - time.monotonic()))
-        prompt = LONG_PROMPT + f" ({i})" if i % 4 == 3 else f"{PROMPTS[i % len(PROMPTS)]} ({i})"
-        threads.append(threading.Thread(target=one, args=(prompt,), daemon=True))
+        threads.append(threading.Thread(target=one, args=(mix_prompt(i),), daemon=True))
         threads[-1].start()
     for t in threads:
         t.join(900)
@@ -162,10 +190,10 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
                 threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
             for c in clients:
                 r.loads[c] = concurrent_load(base, c, per_client, offset, tokens)
-            if share and r.loads.get(max(clients)) and r.loads[max(clients)][3]:
-                agg, _, _, done = r.loads[max(clients)]
-                rate = share * agg / med([st.tokens for _, st in done])  # closed-loop requests per second
-                r.open = open_loop(base, rate, n_open, tokens)
+            if share:
+                req_s, r.closed_ttft = closed_mix(base, max(clients), per_client, tokens)
+                if req_s > 0:
+                    r.open = open_loop(base, share * req_s, n_open, tokens)
             stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
             r.rss = [(rank, layers.get(rank), marker_peak(r.markers[rank]) if rank in r.markers else None)
@@ -245,7 +273,7 @@ def open_loop_report(by: dict, ns) -> None:
             continue
         ttft = [x for o in ol for x in o["ttft"]]
         tpot = [x for o in ol for x in o["tpot"]]
-        closed_p99 = med([pct(r.loads[c][1], 0.99) for r in rounds if c in r.loads])
+        closed_p99 = med([pct(r.closed_ttft, 0.99) for r in rounds if getattr(r, "closed_ttft", None)])
         offered, req_s = med([o["offered"] for o in ol]), med([o["req_s"] for o in ol])
         rows.append([a, fmt(offered, "", 2), fmt(req_s, "", 2), fmt(req_s / offered if offered else None, "x"),
                      fmt(pct(ttft, 0.5), "", 2), fmt(pct(ttft, 0.99), "", 2), fmt(closed_p99, "", 2),
