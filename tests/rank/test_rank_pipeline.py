@@ -174,7 +174,7 @@ def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, spli
 
 
 def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
-    """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 0.5 s):
+    """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 10 s):
     the rank that has the work calls the others to the next meeting over the peer-probe port. While both
     micro-batches are busy, overlapped ranks do not meet: short requests arriving one after another join and leave
     between two slots (a meeting would drain the pipeline), and every answer is still identical to one process.
