@@ -13,6 +13,13 @@ once, each sending --per-client requests one after another (distinct prompts, th
 tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
 Then the peak RSS of every rank (its marker's peak) next to what the plan reserved for it.
 
+--open-loop SHARE: after the closed loop, each arm also takes open-loop traffic (as vLLM's benchmark_serving):
+requests arrive at random (Poisson, exponential gaps; the same seeded schedule for every arm) at SHARE (e.g. 0.8)
+of the request rate that arm reaches with the largest --clients closed-loop clients sending the same mix of prompt
+lengths (the short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
+throughput (requests/s and its ratio to the offered rate), time to first token p50/p99 (and the closed loop's
+p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first).
+
 This machine's limit: one process timing a loop of MLX matmuls alone, then two such processes at once; the limit
 is how much more work two processes do together than one alone (2 x alone time / together time). A 2-rank
 pipeline can gain at most that over lockstep here; the overlap efficiency is the gain measured (over / lock)
@@ -33,6 +40,73 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat, table  # noqa: E402
 from serve import PROMPTS, Round, arm_clusterctl, arm_single, concurrent_load, marker_peak, pct, rotate  # noqa: E402
+
+LONG_PROMPT = ("Summarise the following notes on serving a model across machines in one paragraph. " +
+               "A pipeline splits the layers; each stage computes while the others do; a prompt's chunks flow "
+               "through the stages; a join takes the next slot. " * 12)
+
+
+def mix_prompt(i: int) -> str:
+    """The open loop's mix of prompt lengths: the short chat prompts, and every fourth one a ~300-token prompt."""
+    return LONG_PROMPT + f" ({i})" if i % 4 == 3 else f"{PROMPTS[i % len(PROMPTS)]} ({i})"
+
+
+def closed_mix(base: str, clients: int, per_client: int, tokens: int) -> tuple[float, list[float]]:
+    """``clients`` closed-loop clients sending the open loop's prompt mix: (requests per second, every TTFT): the
+    capacity the open loop's rate is a share of, measured with the same prompts."""
+    import threading
+
+    got, lock = [], threading.Lock()
+
+    def client(c: int) -> None:
+        for j in range(per_client):
+            with contextlib.suppress(Exception):
+                st = stream_chat(base, mix_prompt(1000 + c * per_client + j), tokens)
+                with lock:
+                    got.append(st)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    wall = time.monotonic() - t0
+    return (len(got) / wall if wall > 0 else 0.0), [st.first for st in got]
+
+
+def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> dict:
+    """``n`` streamed requests arriving at random (Poisson at ``rate`` per second), each from its own client; a
+    mix of prompt lengths. Returns throughput, TTFT and TPOT samples."""
+    import random
+    import threading
+
+    rng = random.Random(seed)
+    got, errors, lock = [], [0], threading.Lock()
+
+    def one(prompt: str) -> None:
+        try:
+            st = stream_chat(base, prompt, tokens)
+        except Exception:  # counted: a refused or broken request is a result too
+            with lock:
+                errors[0] += 1
+            return
+        with lock:
+            got.append((st, time.monotonic()))
+
+    threads, t0, at = [], time.monotonic(), 0.0
+    for i in range(n):
+        at += rng.expovariate(rate)
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        threads.append(threading.Thread(target=one, args=(mix_prompt(i),), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(900)
+    wall = max((end for _, end in got), default=time.monotonic()) - t0
+    return {"offered": rate, "done": len(got), "errors": errors[0], "req_s": len(got) / wall if wall > 0 else 0.0,
+            "tok_s": sum(st.tokens for st, _ in got) / wall if wall > 0 else 0.0,
+            "ttft": [st.first for st, _ in got],
+            "tpot": [(st.seconds - st.first) / (st.tokens - 1) for st, _ in got if st.tokens > 1]}
 
 ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap",
         "scrape": "overlap, /metrics scraped every 0.5 s"}
@@ -102,7 +176,8 @@ def metrics_update_cost(n: int = 2000) -> float:
     return (time.perf_counter() - t) / n
 
 
-def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int) -> Round:
+def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int, share: float = 0.0,
+            n_open: int = 24) -> Round:
     import threading
 
     r = Round(arm, "")
@@ -115,6 +190,10 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
                 threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
             for c in clients:
                 r.loads[c] = concurrent_load(base, c, per_client, offset, tokens)
+            if share:
+                req_s, r.closed_ttft = closed_mix(base, max(clients), per_client, tokens)
+                if req_s > 0:
+                    r.open = open_loop(base, share * req_s, n_open, tokens)
             stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
             r.rss = [(rank, layers.get(rank), marker_peak(r.markers[rank]) if rank in r.markers else None)
@@ -135,8 +214,8 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     tokens = ns.tokens or (32 if kind == "smollm2" else 64)
     rs: list[Round] = []
     for i in range(ns.rounds):
-        for arm in rotate(list(ARMS), i):
-            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7)
+        for arm in rotate([a for a in ARMS if not ns.arms or a in ns.arms.split(",")], i):
+            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests)
             rs.append(r)
             log(f"{kind} round {i + 1} {ARMS[arm]}: " + ", ".join(
                 f"{c} client(s) {fmt(v[0], ' tok/s', 1)}" for c, v in r.loads.items())
@@ -177,10 +256,34 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
         say(f"{arm}: layers " + ", ".join(f"rank {k} {v}" for k, v in sorted(split.items())) + "; peak RSS " + ", ".join(
             f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned[arm].get(k) or 0) / 2**20, ' MiB', 0)})"
             for k, v in sorted(peaks.items())))
+    if ns.open_loop:
+        open_loop_report(by, ns)
     for a in ARMS:
         for r in rs:
             if r.arm == a and r.error:
                 say(f"error in {a}: {r.error}")
+
+
+def open_loop_report(by: dict, ns) -> None:
+    c = max(ns.clients)
+    rows = []
+    for a, rounds in by.items():
+        ol = [r.open for r in rounds if getattr(r, "open", None)]
+        if not ol:
+            continue
+        ttft = [x for o in ol for x in o["ttft"]]
+        tpot = [x for o in ol for x in o["tpot"]]
+        closed_p99 = med([pct(r.closed_ttft, 0.99) for r in rounds if getattr(r, "closed_ttft", None)])
+        offered, req_s = med([o["offered"] for o in ol]), med([o["req_s"] for o in ol])
+        rows.append([a, fmt(offered, "", 2), fmt(req_s, "", 2), fmt(req_s / offered if offered else None, "x"),
+                     fmt(pct(ttft, 0.5), "", 2), fmt(pct(ttft, 0.99), "", 2), fmt(closed_p99, "", 2),
+                     fmt(pct(ttft, 0.99) / closed_p99 if closed_p99 else None, "x"),
+                     fmt(1e3 * pct(tpot, 0.5), "", 0) if tpot else "n/a", fmt(1e3 * pct(tpot, 0.99), "", 0) if tpot
+                     else "n/a", str(sum(o["errors"] for o in ol))])
+    say(f"\nopen loop: Poisson arrivals at {ns.open_loop:.0%} of each arm's closed-loop rate at {c} clients, "
+        f"{ns.open_requests} requests (every 4th a ~300-token prompt):")
+    say(table(rows, ["arm", "offered req/s", "served req/s", "served/offered", "TTFT p50 s", "TTFT p99 s",
+                     "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors"]))
 
 
 def main() -> int:
@@ -191,9 +294,14 @@ def main() -> int:
     ap.add_argument("--per-client", type=int, default=2, help="requests each client sends in turn")
     ap.add_argument("--rounds", type=int, help="rounds per arm (default 3; --quick 1)")
     ap.add_argument("--tokens", type=int, help="new tokens per request (default 64; smollm2 32)")
+    ap.add_argument("--open-loop", type=float, default=0.0, metavar="SHARE",
+                    help="also open-loop traffic at SHARE of the closed-loop rate (e.g. 0.8)")
+    ap.add_argument("--open-requests", type=int, help="requests in the open-loop run (default 24; --quick 12)")
+    ap.add_argument("--arms", help=f"comma list of arms (default all: {','.join(ARMS)})")
     ns = ap.parse_args()
     ns.clients = tuple(int(c) for c in ns.clients.split(","))
     ns.rounds = ns.rounds or (1 if ns.quick else 3)
+    ns.open_requests = ns.open_requests or (12 if ns.quick else 24)
     say(f"bench/overlap.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  clients={ns.clients} x "
         f"{ns.per_client}  rounds={ns.rounds}")
     alone, together, limit = machine_limit()

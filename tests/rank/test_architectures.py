@@ -22,8 +22,14 @@ def models():
     return {f: build(f, REPO / ".cache" / "arch-models" / f, tok) for f in FAMILIES}
 
 
-def _check(c, path):
-    """One request, then all of PROMPTS at once: each identical to one process serving it alone."""
+LONG = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(40))  # ~600 tokens: 3 prompt chunks
+
+
+def _check(c, path, *, long: bool = False):
+    """One request, then all of PROMPTS at once: each identical to one process serving it alone. ``long``: first a
+    prompt of several chunks (each family's caches fed chunk after chunk, as mlx-lm feeds them)."""
+    if long:
+        assert complete(c, LONG, 6)["token_ids"] == reference_tokens(path, LONG, 6)
     want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
     assert complete(c, PROMPTS[0], 10)["token_ids"] == want[PROMPTS[0]]
     got, errors = {}, []
@@ -50,7 +56,7 @@ def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
     facts = inspect_model(path)
     assert facts.pipeline == "stages", facts.pipeline_reason
     with RankCluster(tmp_path, path, [1, 3], tag=family[:6]).up() as c:  # rank 1 runs blocks 0-2, rank 0 the last one
-        _check(c, path)
+        _check(c, path, long=True)
 
 
 def test_a_hybrid_whose_first_state_layer_another_rank_runs_serves_like_one_process(models, tmp_path):

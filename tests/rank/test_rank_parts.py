@@ -279,8 +279,30 @@ def test_an_idle_wait_ends_early_for_local_work_and_calls_the_others_to_that_mee
     idle.wait(60, seq=7)
     assert time.monotonic() - t < 30  # not the scheduled 60 s
     assert calls == [7]  # the others are called to meeting 7
+    idle.met(7)
     idle.wait(0.01, seq=8)  # a plain timeout: nobody is called
     assert calls == [7]
+
+
+def test_a_call_is_sent_again_until_its_meeting_is_held():
+    """A wake-up call is a datagram: until the meeting it called is held, it goes out again (a lost one would
+    leave the caller spinning in the collective until the others' scheduled meeting, 10 s away)."""
+    from clusterctl.rank.schedule import CALL_AGAIN_S
+
+    calls = []
+    idle = IdleWait(call=calls.append)
+    idle.local()
+    idle.wait(60, seq=3)
+    deadline = time.monotonic() + 30
+    while len(calls) < 3:
+        assert time.monotonic() < deadline, calls
+        time.sleep(CALL_AGAIN_S / 2)
+    assert set(calls) == {3}
+    idle.met(3)
+    time.sleep(2 * CALL_AGAIN_S)
+    held = len(calls)
+    time.sleep(3 * CALL_AGAIN_S)
+    assert len(calls) == held  # the meeting was held: no more calls
 
 
 def test_an_idle_wait_ends_early_for_a_call_to_the_coming_meeting_only():
@@ -415,7 +437,7 @@ def test_lower_compute_renices_the_main_and_native_threads_not_python_threads():
 def test_prompt_groups_keep_padding_small_and_are_the_same_for_the_same_lengths():
     """Joining prompts are processed in groups padded to their longest: prompts the prompt cache covers whole
     (nothing left) go together, and one long prompt does not make three short ones pay its length."""
-    from clusterctl.rank.overlap import PAD_WASTE, prompt_groups
+    from clusterctl.rank.scheduler import PAD_WASTE, prompt_groups
 
     assert prompt_groups([]) == []
     assert prompt_groups([0, 0, 22, 0]) == [[0, 1, 3], [2]]

@@ -149,6 +149,21 @@ def test_idle_followers_sleep_instead_of_spinning(cluster):
     assert max(use) < 0.3, use
 
 
+def test_an_idle_deployment_costs_almost_no_cpu(cluster):
+    """No request in flight: every rank blocks (no meetings on a short schedule, no accept loop that looks for a
+    shutdown 50 times a second), so all ranks together use a few thousandths of a core; a request is then served
+    at once (the rank that has it calls the others)."""
+    _complete(cluster, prompt="x", max_tokens=2, temperature=0)
+    procs = [psutil.Process(p.pid) for p in cluster.procs]
+    time.sleep(1.0)
+    before = sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+    t0 = time.monotonic()
+    time.sleep(10.0)
+    used = (sum(t.user + t.system for t in (p.cpu_times() for p in procs)) - before) / (time.monotonic() - t0)
+    assert used <= 0.02, f"{cluster.world} idle ranks used {used:.1%} of a core"
+    assert _complete(cluster, prompt="x", max_tokens=2, temperature=0)["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("split, who", [([6, 2], 0), ([1, 5, 2], 1)], ids=["2ranks-rank0", "3ranks-follower"])
 def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, split, who):
     # its own ranks: the module's `cluster` is shared by the other tests, in whatever order they run
@@ -161,7 +176,7 @@ def test_a_stop_signal_to_one_rank_stops_all_ranks_cleanly(model, tmp_path, spli
 
 
 def test_idle_ranks_call_each_other_to_meetings(model, tmp_path):
-    """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 0.5 s):
+    """A request to an idle deployment, and a stop, do not wait for the idle schedule (a meeting every 10 s):
     the rank that has the work calls the others to the next meeting over the peer-probe port. While both
     micro-batches are busy, overlapped ranks do not meet: short requests arriving one after another join and leave
     between two slots (a meeting would drain the pipeline), and every answer is still identical to one process.
@@ -313,10 +328,11 @@ def test_requests_join_leave_and_disconnect_while_others_are_in_flight(cluster, 
 
 def test_the_lockstep_schedule_still_serves_identically(model, tmp_path):
     """--schedule lockstep: every step on every rank together (the old behaviour, kept for the benchmark and for
-    operators who want it)."""
+    operators who want it). A long prompt's chunks skip the final all_sum (their logits are never used) and flow
+    through the stages: the same tokens."""
     with RankCluster(tmp_path, model, [5, 3], overrides={"schedule": "lockstep"}, tag="lock") as c:
         c.up()
-        for p in PROMPTS:
+        for p in [*PROMPTS, LONG]:
             assert _complete(c, prompt=p, max_tokens=24, temperature=0, return_token_ids=True)["token_ids"] == \
                 reference_tokens(model, p, 24)
         assert "decode schedule lockstep" in c.logs(0)
@@ -389,3 +405,91 @@ def test_a_second_turn_reuses_the_first_turn_s_kv_and_answers_identically(cluste
         t.join(180)
     assert not errors, errors
     assert got == {p: reference_tokens(model, p, 12) for p in prompts}
+
+
+LONG = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))  # ~1,000 tokens: 4 chunks
+
+
+def test_a_long_prompt_in_chunks_is_token_identical_to_one_process(cluster, model):
+    """A prompt of several PREFILL_CHUNK chunks (their hidden states flow through the stages chunk by chunk), then
+    a second turn whose first part the prompt cache gives and whose chunked rest is computed: both as one
+    process computes them whole."""
+    from mlx_lm import load
+
+    from clusterctl.rank.scheduler import PREFILL_CHUNK
+
+    _, tok = load(str(model))
+    assert len(tok.encode(LONG)) > 3 * PREFILL_CHUNK
+    got = _complete(cluster, prompt=LONG, max_tokens=12, temperature=0, return_token_ids=True)["token_ids"]
+    assert got == reference_tokens(model, LONG, 12)
+    before = _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total")
+    second = tok.decode(tok.encode(LONG) + got) + "\n" + LONG.replace("x", "y")[:2500]
+    assert len(tok.encode(second)) - len(tok.encode(LONG)) > 2 * PREFILL_CHUNK
+    again = _complete(cluster, prompt=second, max_tokens=12, temperature=0, return_token_ids=True)["token_ids"]
+    assert again == reference_tokens(model, second, 12)
+    assert _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total") - before >= len(tok.encode(LONG))
+
+
+def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
+    """A stream decodes; two long prompts of different lengths join meanwhile. The prompts are processed a budget
+    per slot between the stream's steps (so the stream's tokens keep coming while they are: before, a joining
+    prompt held every stream for the whole prompt), and all three answers are those of one process."""
+    import threading
+
+    from mlx_lm import load
+
+    from clusterctl.rank.scheduler import DECODE_BUDGET
+
+    _, tok = load(str(model))
+    # prompts no other test sent: the prompt cache (on in this module) must not give them a prefix
+    other = LONG.replace("return", "yield")
+    short, longs = "import os\n", [other, other[: len(other) * 2 // 3].replace("x", "z")]
+    events: list[tuple[float, str]] = []  # (time, who): each text event of the stream; each long one's answer
+    lock = threading.Lock()
+    got, errors = {}, []
+
+    def stream():
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=300)
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "prompt": short, "max_tokens": 400, "temperature": 0, "return_token_ids": True, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"][0]
+            with lock:
+                events.append((time.monotonic(), "stream"))
+            if ch.get("finish_reason"):
+                got[short] = ch["token_ids"]
+        conn.close()
+
+    def long(p):
+        try:
+            got[p], (first, _) = _stream_ids(cluster, prompt=p, max_tokens=8, temperature=0, return_token_ids=True)
+            with lock:
+                events.append((first, p))
+        except Exception as e:
+            errors.append(repr(e))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while not events:
+        time.sleep(0.01)
+    sent = time.monotonic()
+    threads = [threading.Thread(target=long, args=(p,)) for p in longs]
+    for th in threads:
+        th.start()
+    for th in [*threads, t]:
+        th.join(300)
+    assert not errors, errors
+    first_long = min(when for when, who in events if who != "stream")
+    assert max(when for when, who in events if who == "stream") > first_long, "the stream ended first: make it longer"
+    during = sum(1 for when, who in events if who == "stream" and sent < when < first_long)
+    chunks = len(tok.encode(longs[1])) // DECODE_BUDGET
+    assert during >= chunks // 2, (during, chunks, sent, [(round(w - sent, 3), who[:5]) for w, who in events])  # whole prompts at once: 2 or 3 stream events in between
+    assert got[short] == reference_tokens(model, short, 400)
+    for p in longs:
+        assert got[p] == reference_tokens(model, p, 8), p

@@ -420,3 +420,37 @@ def test_without_announcing_a_grammar_request_joins_at_once():
     q.put(grammar_request("g"))
     ch = Scheduler(q).meeting(room=1)
     assert [r.id for r in ch.adds] == ["g"] and not ch.announces
+
+
+# -- prompts in chunks
+
+
+def test_with_no_row_decoding_a_slot_processes_every_prompt_whole():
+    assert sch.prefill_plan([(1, 2000), (3, 40)], decoding=False) == [2000, 40]
+
+
+def test_while_rows_decode_a_slot_processes_one_budget_of_prompt_tokens():
+    budget = sch.DECODE_BUDGET
+    assert sch.prefill_plan([(1, 2000)], decoding=True) == [budget]
+    assert sch.prefill_plan([(4, 2000)], decoding=True) == [budget // 4]
+    # what the first group leaves of the budget goes to the next, never more than a group has left
+    assert sch.prefill_plan([(1, 10), (1, 2000)], decoding=True) == [10, budget - 10]
+    plan = sch.prefill_plan([(2, 5), (4, 500), (1, 500)], decoding=True)
+    assert plan[0] == 5 and sum(r * c for (r, _), c in zip([(2, 5), (4, 500), (1, 500)], plan)) <= budget
+
+
+def test_a_group_wider_than_the_budget_still_progresses_one_column_a_slot():
+    wide = sch.DECODE_BUDGET + 8
+    assert sch.prefill_plan([(wide, 300), (1, 300)], decoding=True) == [1, 0]
+    assert sch.prefill_plan([(1, 0), (wide, 300)], decoding=True) == [0, 1]  # a group with nothing left
+
+
+def test_a_long_prompt_joining_decoding_rows_is_done_in_bounded_slots():
+    """Slot after slot, a 2,000-token prompt is processed a budget at a time and ends; the tokens add up."""
+    left, slots = 2000, 0
+    while left:
+        (take,) = sch.prefill_plan([(1, left)], decoding=True)
+        assert 0 < take <= sch.DECODE_BUDGET
+        left -= take
+        slots += 1
+    assert slots == -(-2000 // sch.DECODE_BUDGET)

@@ -20,6 +20,7 @@ from typing import Callable
 
 from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.logprobs import Entries
+from clusterctl.rank.scheduler import PREFILL_CHUNK
 
 
 class Batch:
@@ -27,7 +28,7 @@ class Batch:
 
     overlapped = False  # the lockstep schedule (overlap.py: the overlapped one)
 
-    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = 2048, pcache=None):
+    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = PREFILL_CHUNK, pcache=None):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 

@@ -53,6 +53,8 @@ import mlx.core as mx
 
 from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.sampling import RowSampler, sample_rows
+from clusterctl.rank.prefill import Prefill
+from clusterctl.rank.scheduler import prefill_plan, prompt_groups
 from clusterctl.rank.watchdog import PeerLost
 from clusterctl.rank.logprobs import Entries
 
@@ -114,7 +116,8 @@ class Hooks(Protocol):
 @dataclass
 class MicroBatch:
     rows: list[Row] = field(default_factory=list)
-    fresh: list[Row] = field(default_factory=list)  # joined at the last meeting: prompt first
+    fresh: list[Row] = field(default_factory=list)  # joined, prompt not processed yet (or not all of it)
+    prefill: list[Prefill] = field(default_factory=list)  # groups of ``fresh`` whose prompts are under way
     cache: list = field(default_factory=list)  # mlx-lm's per-layer batch caches of ``rows``
     inputs: mx.array | None = None  # first stage: each row's next input token (rows order)
     computed: int = 0  # rows in its last slot (the tokens rank 0 sends back for it)
@@ -123,34 +126,14 @@ class MicroBatch:
         return len(self.rows) + len(self.fresh)
 
 
-PAD_WASTE = 1.25  # a prompt group pads to at most this many times the tokens its prompts hold
-
-
-def prompt_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of prompts to process together, shortest first: a group grows while padding everything to its
-    longest costs at most PAD_WASTE times its tokens. The same lengths give the same groups on every rank."""
-    groups: list[list[int]] = []
-    held = 0
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * n <= PAD_WASTE * (held + n):
-            groups[-1].append(i)
-            held += n
-        else:
-            groups.append([i])
-            held = n
-    return groups
-
-
 class OverlapBatch:
     """The requests in flight on this rank, in micro-batches; the same rows on every rank."""
 
     overlapped = True
 
-    def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int,
-                 prefill_step: int = 2048, pcache=None):
+    def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int, pcache=None):
         self.model, self.tokenizer, self.group = model, tokenizer, group
-        self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.max_batch = max_batch
         self.rank, self.world = rank, world
         self.first, self.last = rank == world - 1, rank == 0
         self.mbs = [MicroBatch() for _ in range(world)]
@@ -212,6 +195,7 @@ class OverlapBatch:
             for i, r in enumerate(mb.fresh):
                 if r.id == rid:
                     del mb.fresh[i]
+                    self._forget_prompt(mb, r)
                     return self._result(r, finish)
             for i, r in enumerate(mb.rows):
                 if r.id == rid:
@@ -220,6 +204,16 @@ class OverlapBatch:
                     self._keep(mb, [j for j in range(len(mb.rows)) if j != i])
                     return self._result(r, finish)
         return None
+
+    @staticmethod
+    def _forget_prompt(mb: MicroBatch, r: Row) -> None:
+        """A row whose prompt is being processed leaves: its group goes on without it (its padded columns are
+        already laid out), or stops when no row of it is left."""
+        for p in mb.prefill:
+            if any(x is r for x in p.rows):
+                if p.forget(r.id):
+                    mb.prefill.remove(p)
+                return
 
     def _save(self, mb: MicroBatch, i: int) -> None:
         """Keep row ``i``'s KV in the prompt cache: its prompt and the tokens fed after it."""
@@ -341,38 +335,40 @@ class OverlapBatch:
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
-        step's input, as in mlx-lm) and merge their caches into the micro-batch's: in groups of similar length
-        (a batch pads every prompt to its longest, and on a CPU every padded token costs a real one; a prompt the
-        prompt cache covers whole has nothing left to process)."""
-        fresh, mb.fresh = mb.fresh, []
-        for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in fresh]):
-            rows = [fresh[i] for i in group]
-            self._prompt_group(mb, rows)
-            mb.rows.extend(rows)
-            if self.first:
-                last = mx.array([r.req.tokens[-1] for r in rows], dtype=mx.int32)
-                mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
+        step's input, as in mlx-lm), in groups of similar length (a batch pads every prompt to its longest, and on
+        a CPU every padded token costs a real one), each in chunks of PREFILL_CHUNK columns; a group that is done
+        joins the micro-batch's rows and caches. How much of it this slot processes is ``prefill_plan``'s: all of
+        it when no row decodes (its chunks flow through the stages like micro-batches), else a budget per slot,
+        so the running rows keep their pace while a long prompt joins (a prompt the prompt cache covers whole has
+        nothing left to process)."""
+        started = {id(r) for p in mb.prefill for r in p.rows}
+        new = [r for r in mb.fresh if id(r) not in started]
+        for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in new]):
+            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused))
+        plan = prefill_plan([(len(p.rows), p.left) for p in mb.prefill], any(m.rows for m in self.mbs))
+        for p, cols in zip(list(mb.prefill), plan):
+            p.advance(self.model, cols)
+            if not p.left:
+                mb.prefill.remove(p)
+                self._finish(mb, p)
 
     @staticmethod
     def _reused(r: Row) -> int:
         return r.req.cache_len if r.prefix is not None else 0
 
-    def _prompt_group(self, mb: MicroBatch, rows: list[Row]) -> None:
-        from mlx_lm.generate import PromptProcessingBatch, _extend_cache
-        from mlx_lm.models.cache import make_prompt_cache
+    def _finish(self, mb: MicroBatch, p: Prefill) -> None:
+        """A group's prompts are processed: its rows (those not dropped meanwhile) join the micro-batch's."""
+        from mlx_lm.generate import _extend_cache
 
-        reused = [self._reused(r) for r in rows]
-        batch = PromptProcessingBatch(self.model, list(range(len(rows))),
-                                      [r.prefix if r.prefix is not None else make_prompt_cache(self.model)
-                                       for r in rows],
-                                      tokens=[list(r.req.tokens[:n]) for r, n in zip(rows, reused)],
-                                      prefill_step_size=self.prefill_step)
-        for r in rows:
-            r.prefix = None
-        prompts = [list(r.req.tokens[n:-1]) for r, n in zip(rows, reused)]
-        if any(prompts):
-            batch.prompt(prompts)
-        mb.cache = _extend_cache(mb.cache, batch.prompt_cache)
+        rows = p.finish()
+        if not rows:
+            return
+        mb.cache = _extend_cache(mb.cache, p.cache)
+        mb.rows.extend(rows)
+        mb.fresh = [r for r in mb.fresh if all(r is not x for x in rows)]
+        if self.first:
+            last = mx.array([r.req.tokens[-1] for r in rows], dtype=mx.int32)
+            mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
 
     def _step(self, mb: MicroBatch, on_done) -> None:
         n = len(mb.rows)

@@ -321,3 +321,45 @@ class OverlapRun:
         self._polled = now
         if self.sched.poll_cancels():
             self._epoch_wait = set(live)  # its drops are decided for each micro-batch in turn: then it travels
+
+
+# -- prompts: in groups of similar length, in chunks (overlapped schedule; prefill.py)
+
+PAD_WASTE = 1.25  # a prompt group pads to at most this many times the tokens its prompts hold
+
+
+def prompt_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of prompts to process together, shortest first: a group grows while padding everything to its
+    longest costs at most PAD_WASTE times its tokens. The same lengths give the same groups on every rank."""
+    groups: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= PAD_WASTE * (held + n):
+            groups[-1].append(i)
+            held += n
+        else:
+            groups.append([i])
+            held = n
+    return groups
+
+
+PREFILL_CHUNK = 256  # a prompt's columns per forward pass: the unit that flows through the stages (docs/rank.md)
+DECODE_BUDGET = 64  # prompt tokens one slot may process while rows decode, so their gap between tokens stays short
+
+
+def prefill_plan(groups: list[tuple[int, int]], decoding: bool) -> list[int]:
+    """Columns of each prompt group (its rows, its columns left) to process in this slot, in order. With no row
+    decoding anywhere, all of them: the chunks of a prompt then flow through the stages within the slot (stage r
+    on chunk c while the stage before it computes chunk c + 1). While rows decode, about DECODE_BUDGET tokens, at
+    least one column of the first unfinished group, so a joining prompt always progresses and the running
+    streams wait for one budget per slot, not a whole prompt (vLLM's chunked prefill). Only data every rank holds
+    (the groups' shapes, whether the batch has rows) goes in, so every rank processes the same chunks."""
+    if not decoding:
+        return [left for _, left in groups]
+    out, budget = [], DECODE_BUDGET
+    for rows, left in groups:
+        take = min(left, max(budget // max(rows, 1), 0 if any(out) else 1))
+        out.append(take)
+        budget -= take * rows
+    return out

@@ -13,12 +13,13 @@ blocks changes, keeping its length (so a block's index, and the mask the model p
   on (``Send``, tied into that block's cache: a prompt chunk's logits are never evaluated, its caches are);
 - lockstep (``gather``): the model's last block (on every rank: real or ``Skip``) ends in ``Gather``, an all_sum
   in which only the last stage contributes, so every rank gets the final hidden state and computes the same
-  logits and the same token. Overlapped (overlap.py): no ``Gather``; only the last stage (rank 0) computes logits
+  logits and the same token (a decode step's; a prompt chunk's logits are never used, so it has no all_sum). Overlapped (overlap.py): no ``Gather``; only the last stage (rank 0) computes logits
   and samples, and sends the token ids on to the first stage.
 
 Stage order is mlx-lm's: rank ``world - 1`` runs the first blocks and rank 0 the last ones, so a deployment's
 layer ranges mean what they always meant. Messages on each link come in the same order on both ends by
-construction: per forward pass, one receive (from rank + 1), one send (to rank - 1), then one all_sum.
+construction: per forward pass, one receive (from rank + 1), one send (to rank - 1), then (lockstep, a decode
+step: every rank's input has one column, or every rank's has more) one all_sum.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class Gather(_Around):
 
     def __call__(self, x, *args, **kwargs):
         h = self.block(x, *args, **kwargs)
+        if x.shape[1] > 1:  # a prompt chunk (mlx-lm feeds a prompt's last token with the first step): its logits
+            return h  # are never evaluated, so no rank waits for the last stage and the chunks flow through
         if not self.last:
             h = mx.depends(mx.zeros(h.shape, h.dtype), h)
         return mx.distributed.all_sum(h, group=self._group)

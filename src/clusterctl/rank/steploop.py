@@ -214,6 +214,7 @@ class StepLoop:
                          f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
                          f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
         self.seq += 1
+        self.idle.met(self.seq - 1)
         self.report_load(head[HEADER_WORDS:-1])
         if self.leader:  # the compiles run in order on each rank: those announced first are done
             self.sched.compiled(announced - head[-1])
