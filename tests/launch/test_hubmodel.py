@@ -22,6 +22,8 @@ from hubserver import FakeHub
 from modelfiles import make_model
 from testports import free_port
 
+pytestmark = pytest.mark.slow  # each plan runs the CLI against a stand-in hub (seconds each)
+
 REPO_ID = "tiny-org/tiny-4bit"
 
 

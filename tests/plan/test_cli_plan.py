@@ -197,6 +197,7 @@ def test_schedule_and_prompt_cache_are_planned_and_shown(c3, model32, state):
     assert r.code == 2 and "auto, overlap, lockstep" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, message", [
     ("{{ ('x' * 300000000)|length }}", "a repeated str of 300,000,000 characters"),
     ("{{ (['ab'] * 30000000)|join }}", "a repeated list of"),

@@ -193,6 +193,7 @@ def _peak_mb():
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", [e.format(n=300000000) for e in EXPRESSIONS])
 def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
     """Each expression at 3e8: refused (400 prompt_budget_exceeded) before the value exists, fast."""

@@ -432,6 +432,7 @@ def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
     assert np.array_equal(np.array(mine.mask()), np.array(c.mask()))
 
 
+@pytest.mark.slow
 def test_a_schema_whose_shortest_answer_cannot_fit_max_tokens_is_refused_at_admission(compiler):
     """A shortest answer longer than max_tokens would be forced from its first token and then cut (invalid JSON
     after the compute): refused at admission with a typed kind, naming max_tokens. Not remembered: the same schema

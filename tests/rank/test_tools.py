@@ -597,6 +597,7 @@ def random_model(seed: int, vocab: int):
     return lambda _tokens: rng.gumbel(size=vocab) * 3  # argmax of these: a sample of a random model
 
 
+@pytest.mark.slow
 def test_a_json_answer_follows_the_reasoning_the_prompt_opened(toks):
     """A template whose generation prompt opens <think> (DeepSeek-R1, thinking Qwen3): the JSON comes after the
     reasoning, in ``content``, within max_tokens, and parses; the reasoning is closed early enough for it. The
@@ -623,6 +624,7 @@ def test_a_json_answer_follows_the_reasoning_the_prompt_opened(toks):
         jsonschema.validate(json.loads(reply.content), PICK["function"]["parameters"])
 
 
+@pytest.mark.slow
 def test_a_forced_call_follows_the_reasoning_the_prompt_opened(toks):
     """tool_choice required on that template: the reasoning ends in time, the call is made (tool_calls), never
     all tokens in reasoning_content with no call."""
@@ -636,6 +638,7 @@ def test_a_forced_call_follows_the_reasoning_the_prompt_opened(toks):
             jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
 
 
+@pytest.mark.slow
 def test_required_calls_finish_tool_calls_when_they_close(toks):
     """tool_choice required with parallel calls allowed: the answer ends with its calls (finish tool_calls), not
     with a further call the budget had to cut (finish length); a model's newline after a call does not commit it
@@ -680,6 +683,7 @@ def scripted(tok, tokens: list[int], strength: float = 50.0):
     return logits
 
 
+@pytest.mark.slow
 def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
     """tool_choice "none" on a template whose call marker is text of several tokens (SmolLM2's): a model set on
     calling never gets the marker out, however the tokens would spell it; under "auto" the same model calls."""
@@ -698,6 +702,7 @@ def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
         assert "<tool_call>" not in tok.decode(out) and not none.tool_calls and none.content, none
 
 
+@pytest.mark.slow
 def test_thinking_grammars_are_admitted_and_announced_alike(toks):
     """issue 41 items 1 and 5 together: a thinking template's grammars (the JSON after the reasoning the prompt
     opened, a forced call) are compiled at admission (compiler.py: off the step loop, probed, a roll-out bound in
