@@ -98,6 +98,36 @@ def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:
     return alive
 
 
+def heal_file(state: Path, cluster: str = "t") -> dict:
+    """The supervisor's state file of ``cluster`` (docs/heal.md), or {} while there is none (or it is mid-write)."""
+    try:
+        return json.loads((state / "heal" / f"{cluster}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(what: str, pred, timeout: float = 120.0, every: float = 0.1):
+    """``pred()``'s first true value, polled every ``every`` s; fails naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ask(endpoint: str) -> str:
+    """A 4-token greedy completion from ``endpoint`` (a rank 0 or a front), its text."""
+    import urllib.request
+
+    req = urllib.request.Request(endpoint + "/v1/completions", data=json.dumps(
+        {"prompt": "def main(argv):", "max_tokens": 4, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
 def launch_for_long_requests(tmp_path: Path, tiny: Path, env: dict, *, shared_runtime: bool = False,
                              ) -> tuple[str, str, int]:
     """A detached 2-rank launch planned for a 4096-token context: (deployment file, host, port)."""

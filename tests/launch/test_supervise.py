@@ -7,41 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from launchutil import cli, local_cluster, manifests, processes_with_nonce, start_cli, wait_line
+from launchutil import (ask, cli, heal_file, local_cluster, manifests, processes_with_nonce, start_cli, wait_for,
+                        wait_line)
 
 pytestmark = pytest.mark.slow
-
-
-def _heal_state(state: Path) -> dict:
-    try:
-        return json.loads((state / "heal" / "t.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _wait(what, pred, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ask(endpoint: str) -> str:
-    import urllib.request
-
-    req = urllib.request.Request(endpoint + "/v1/completions", data=json.dumps(
-        {"prompt": "def main(argv):", "max_tokens": 4, "temperature": 0}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["choices"][0]["text"]
 
 
 def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, env):
@@ -54,19 +27,19 @@ def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, 
     try:
         endpoint = wait_line(proc)
         [m0] = manifests(state)
-        original = _heal_state(state)
+        original = heal_file(state)
         assert original["state"] == "serving" and original["job"] == m0["job_id"] and original["heals"] == 0
         victim = next(r for r in m0["ranks"] if r["node"] == "a")
         os.kill(victim["pid"], signal.SIGKILL)
 
-        healed = _wait("the heal", lambda: (lambda d: d if d.get("heals") == 1 and d.get("state") == "serving"
+        healed = wait_for("the heal", lambda: (lambda d: d if d.get("heals") == 1 and d.get("state") == "serving"
                                             and d.get("job") not in (None, m0["job_id"]) else None)(
-            _heal_state(state)))
+            heal_file(state)))
         assert healed["lost_nodes"] == ["a"] and healed["deployment"] != original["deployment"]
         [m1] = manifests(state)
         assert [r["node"] for r in m1["ranks"]] == ["b"] and m1["endpoint"] == endpoint  # the same URL
         assert processes_with_nonce(m0["nonce"]) == []  # every rank of the lost job is gone
-        assert _ask(endpoint)
+        assert ask(endpoint)
         hist = json.loads(cli("history", str(original["deployment"]), "--json", env=env, check=True).stdout)
         [entry] = hist["clusters"][0]["entries"]
         assert entry["kind"] == "heal" and entry["from"] == original["deployment"] and "a leaves" in entry["changes"]
@@ -75,16 +48,16 @@ def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, 
         assert st["heal"][0]["heals"] == 1 and st["heal"][0]["original"] == original["deployment"]
         assert st["heal"][0]["state"] in ("serving", "healing") and st["heal"][0]["supervisor_alive"] is True
 
-        back = _wait("the rejoin", lambda: (lambda d: d if d.get("deployment") == original["deployment"]
+        back = wait_for("the rejoin", lambda: (lambda d: d if d.get("deployment") == original["deployment"]
                                             and d.get("state") == "serving" and d.get("job") else None)(
-            _heal_state(state)))
+            heal_file(state)))
         assert back["lost_nodes"] == [] and back["heals"] == 1
         [m2] = manifests(state)
         assert sorted(r["node"] for r in m2["ranks"]) == ["a", "b"] and m2["endpoint"] == endpoint
         hist = json.loads(cli("history", "--json", env=env, check=True).stdout)["clusters"][0]
         assert [e.get("kind") for e in hist["entries"]] == ["heal", "rejoin"] and hist["current"] == original[
             "deployment"]
-        assert _ask(endpoint)
+        assert ask(endpoint)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -93,4 +66,4 @@ def test_a_sigkilled_rank_heals_onto_the_node_left_then_rejoins(tmp_path, tiny, 
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 0, proc.stderr.read()
-    assert manifests(state) == [] and _heal_state(state)["state"] == "degraded"
+    assert manifests(state) == [] and heal_file(state)["state"] == "degraded"

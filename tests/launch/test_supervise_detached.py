@@ -15,37 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launchutil import cli, local_cluster, manifests, processes_with_nonce, start_cli, wait_gone, wait_line
+from launchutil import (ask, cli, heal_file, local_cluster, manifests, processes_with_nonce, start_cli, wait_for,
+                        wait_gone, wait_line)
 
 pytestmark = pytest.mark.slow
 POLICY = ("--heal-grace", "1", "--rejoin-after", "600", "--grace", "3", "--timeout", "120")
-
-
-def _heal(state: Path) -> dict:
-    try:
-        return json.loads((state / "heal" / "t.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _wait(what, pred, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ask(endpoint: str) -> str:
-    import urllib.request
-
-    req = urllib.request.Request(endpoint + "/v1/completions", data=json.dumps(
-        {"prompt": "def main(argv):", "max_tokens": 4, "temperature": 0}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["choices"][0]["text"]
 
 
 def _supervised(tmp_path: Path, tiny: Path, env: dict):
@@ -72,18 +46,18 @@ def test_rank0_sigkilled_heals_onto_rank1s_node_and_teardown_then_leaves_nothing
     try:
         [m0] = manifests(state)
         os.kill(next(r["pid"] for r in m0["ranks"] if r["rank"] == 0), signal.SIGKILL)
-        healed = _wait("the heal", lambda: (lambda d: d if d.get("heals") == 1 and d.get("state") == "serving"
-                                            and d.get("job") not in (None, m0["job_id"]) else None)(_heal(state)))
+        healed = wait_for("the heal", lambda: (lambda d: d if d.get("heals") == 1 and d.get("state") == "serving"
+                                            and d.get("job") not in (None, m0["job_id"]) else None)(heal_file(state)))
         assert healed["lost_nodes"] == ["a"], healed  # never every node blamed
         [m1] = manifests(state)
         assert [r["node"] for r in m1["ranks"]] == ["b"] and m1["endpoint"] == endpoint
-        assert processes_with_nonce(m0["nonce"]) == [] and _ask(endpoint)
+        assert processes_with_nonce(m0["nonce"]) == [] and ask(endpoint)
 
         p = cli("teardown", str(dep), env=env)
         assert p.returncode == 0, p.stderr
         assert f"supervisor of cluster t (pid {sup.pid})" in p.stderr
         assert sup.wait(timeout=10) == 0 and manifests(state) == [] and processes_with_nonce(m1["nonce"]) == []
-        assert _heal(state)["state"] == "degraded" and _heal(state)["job"] is None
+        assert heal_file(state)["state"] == "degraded" and heal_file(state)["job"] is None
     finally:
         _stop(sup, dep, env)
 
@@ -94,7 +68,7 @@ def test_teardown_during_a_heal_stops_the_supervisor_and_nothing_comes_back(tmp_
     try:
         [m0] = manifests(state)
         os.kill(next(r["pid"] for r in m0["ranks"] if r["rank"] == 1), signal.SIGKILL)
-        _wait("healing", lambda: _heal(state).get("state") == "healing", timeout=60)
+        wait_for("healing", lambda: heal_file(state).get("state") == "healing", timeout=60)
         p = cli("teardown", str(dep), env=env)
         assert p.returncode == 0, p.stderr
         assert "no launch" not in p.stderr and f"(pid {sup.pid})" in p.stderr
@@ -119,11 +93,11 @@ def test_a_supervisor_killed_mid_heal_is_succeeded_on_the_same_port(tmp_path, ti
         [m0] = manifests(state)
         frozen = next(r["pid"] for r in m0["ranks"] if r["rank"] == 1)
         os.kill(frozen, signal.SIGSTOP)
-        _wait("healing", lambda: _heal(state).get("state") == "healing", timeout=60)
+        wait_for("healing", lambda: heal_file(state).get("state") == "healing", timeout=60)
         time.sleep(2)
         sup.kill()  # SIGKILL 2 s into the heal
         sup.wait(timeout=10)
-        doc = _heal(state)
+        doc = heal_file(state)
         assert doc["state"] == "healing" and doc["http_port"] == int(endpoint.rsplit(":", 1)[1])
         st = json.loads(cli("status", "--json", env=env, check=True).stdout)
         assert st["heal"][0]["supervisor_alive"] is False
@@ -131,13 +105,13 @@ def test_a_supervisor_killed_mid_heal_is_succeeded_on_the_same_port(tmp_path, ti
         assert "supervisor dead, nothing serving" in cli("status", env=env).stderr
 
         second = start_cli("supervise", str(dep), *POLICY, env=env)
-        back = _wait("the finished heal", lambda: (lambda d: d if d.get("state") == "serving" and d.get("job")
+        back = wait_for("the finished heal", lambda: (lambda d: d if d.get("state") == "serving" and d.get("job")
                                                    and d.get("supervisor", {}).get("pid") == second.pid
-                                                   else None)(_heal(state)), timeout=180)
+                                                   else None)(heal_file(state)), timeout=180)
         assert back["lost_nodes"] == ["b"], back
         [m1] = manifests(state)
         assert [r["node"] for r in m1["ranks"]] == ["a"] and m1["endpoint"] == endpoint  # the same port
-        assert processes_with_nonce(m0["nonce"]) == [] and _ask(endpoint)
+        assert processes_with_nonce(m0["nonce"]) == [] and ask(endpoint)
     finally:
         if second is not None and second.poll() is None:
             second.kill()
