@@ -53,6 +53,10 @@ COST: dict[str, float] = {
     "tests/launch/test_tinymodel.py": 50,
     "tests/launch/test_serving_defaults.py": 50,
     "tests/rank/test_admission_parts.py": 50,
+    # new on 2026-12-06 (helpers' single-process runs on a loaded machine, scaled)
+    "tests/launch/test_hubmodel.py": 200,
+    "tests/launch/test_supervise_detached.py": 150,
+    "tests/rank/test_adapters.py": 120,
 }
 DEFAULT_PER_TEST = 0.5
 

@@ -60,12 +60,12 @@ def test_hostile_schemas_do_not_stall_another_stream(cluster):
     ones admitted end normally (no error after the compute).
 
     The machine these tests share is loaded by other work, so one stream's longest gap is mostly the machine's: a
-    round measures the victim alone (2 streams) and then attacked, and up to 3 rounds are run, each with new schema
-    names. One compile on a step loop (0.7-3 s for such a schema) stalls every round's victim: on the code this
+    round measures the victim alone (2 streams) and then attacked, and up to 5 rounds are run, each with new schema
+    names (3 rounds all failed once with a fault campaign running beside the suite: 2.2-3.3x). One compile on a step loop (0.7-3 s for such a schema) stalls every round's victim: on the code this
     replaced the attacked gaps were 0.6-1.6 s against 0.1-0.2 s alone."""
     post(cluster, {"prompt": PROMPT, "max_tokens": 2, "response_format": {"type": "json_object"}})  # warm
     rounds = []
-    for _ in range(3):
+    for _ in range(5):
         alone = max(max(victim_gaps(cluster)) for _ in range(2))
         worst = attacked(cluster)
         rounds.append(f"{worst * 1000:.0f} ms attacked, {alone * 1000:.0f} ms alone")
