@@ -205,9 +205,14 @@ def test_a_stop_stuck_behind_a_frozen_peer_ends_on_the_second_signal_or_the_alar
         finally:
             c.signal(1, signal.SIGCONT)
         # its peer is gone; MLX's ring may hang rather than raise: the exchange deadline or the peer-loss ladder
-        # (whichever comes first) ends it
-        assert c.wait_exit(1, 20) == 69
+        # (whichever comes first) ends it. Or rank 0's stop vote was already in rank 1's socket when rank 1 froze:
+        # rank 1 then reads it on SIGCONT and stops cleanly, as every rank does on a peer's stop (seen once in CI)
+        code = c.wait_exit(1, 20)
         m = c.marker(1)
+        if code == 0:
+            assert m.state == "stopping" and m.reason is None, m
+            return
+        assert code == 69, code
         assert (m.state == "failed" and "ring" in m.error) or (m.state == "lost" and "peer rank 0 lost" in m.error)
         assert m.reason is EndReason.PEER_LOST
 
