@@ -161,8 +161,8 @@ class Compiler:
         while True:
             # a thread cannot use more CPU than the wall time that passes: the earliest the budget can run out is
             # ``cpu_s - used`` from now. Waking no sooner keeps a waiter to a few wake-ups per compile (polling
-            # every 5 ms, 8 waiters at the control plane's priority took the GIL 1,600 times a second from the
-            # step loop, whose nice value is lower: a victim stream's gaps grew 1.5-3x on a loaded machine)
+            # every 5 ms, 8 waiters at the control plane's priority woke 1,600 times a second, each taking the GIL
+            # the step loop, at a lower priority, needs between its MLX calls)
             try:
                 return job.future.result(timeout=min(max(self.cpu_s - (used or 0.0), 0.005),
                                                      max(deadline - time.monotonic(), 0.005)))
