@@ -799,7 +799,7 @@ def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
 
     import test_heal_races as races
     from clusterctl.launch.fakecluster import SimulatedNode
-    from clusterctl.launch.faketransport import fake_nodes
+    from clusterctl.connect.faketransport import fake_nodes
 
     moments = []
     for k in range(5 if bed.quick else 25):

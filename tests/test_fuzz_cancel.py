@@ -225,7 +225,7 @@ class CancelMachine(RuleBasedStateMachine):
         """Run `cancel_job` once per plan (name, requests, wait, rank 0 responsive) in one event loop; with
         ``order``, concurrently with the writes in that order."""
         import clusterctl.launch.cancel as cancel_mod
-        from clusterctl.launch.nodes import SshOptions
+        from clusterctl.connect.nodes import SshOptions
 
         co = Coordinators(self)
         co.order, co.places = order, len(self.rds)

@@ -1,4 +1,4 @@
-"""Teardown, reap, cancel and status decisions against fake nodes (launch/faketransport.py): the real
+"""Teardown, reap, cancel and status decisions against fake nodes (connect/faketransport.py): the real
 coordinator code and the real op sessions, no sshd and no ranks, milliseconds per test."""
 
 import asyncio
@@ -9,9 +9,9 @@ import time
 import pytest
 
 from clusterctl.errors import Busy
-from clusterctl.launch.faketransport import NodeOpError, ScriptedOps, fake_nodes
+from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
 

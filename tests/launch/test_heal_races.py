@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.fakecluster import SimulatedNode
-from clusterctl.launch.faketransport import fake_nodes
+from clusterctl.connect.faketransport import fake_nodes
 from clusterctl.launch.heal import HealPolicy
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.supervise import Supervisor
@@ -188,7 +188,7 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
     import sys as _sys
 
     from clusterctl.launch import healstate
-    from clusterctl.launch.nodes import SshOptions
+    from clusterctl.connect.nodes import SshOptions
     from clusterctl.launch.reaper import reap
 
     state, first, clock = _supervised(tmp_path)
@@ -249,7 +249,7 @@ def test_with_every_node_lost_the_supervisor_probes_for_the_rejoin_instead_of_re
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
 
     def silent(req):
-        from clusterctl.launch.faketransport import NodeOpError
+        from clusterctl.connect.faketransport import NodeOpError
 
         raise NodeOpError("connection lost", "HostUnreachable")
 

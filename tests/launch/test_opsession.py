@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from clusterctl.errors import CannotWrite, MissingInput, RemoteCommandFailed
-from clusterctl.launch.nodes import NodeHandle
-from clusterctl.launch.nodes import make_transport
-from clusterctl.launch.localnode import LocalTransport
-from clusterctl.launch.transport import CommandTimedOut
+from clusterctl.connect.nodes import NodeHandle
+from clusterctl.connect.nodes import make_transport
+from clusterctl.connect.localnode import LocalTransport
+from clusterctl.connect.transport import CommandTimedOut
 from clusterctl.plan.inventory import Node
 
 PY = sys.executable

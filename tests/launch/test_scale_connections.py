@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from clusterctl.errors import ClusterctlError, HostUnreachable
-from clusterctl.launch import fdlimit
-from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.connect import fdlimit
+from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.plan.inventory import Node
 
 PY = sys.executable
@@ -74,7 +74,7 @@ def test_more_nodes_than_connections_run_in_waves_and_say_so_once(sshd, monkeypa
 
 @pytest.mark.slow
 def test_too_many_open_files_is_not_an_unreachable_node(sshd, monkeypatch):
-    from clusterctl.launch.sshnode import connect
+    from clusterctl.connect.sshnode import connect
 
     monkeypatch.setenv("USER", "root")  # getpass would open /etc/passwd, which fails first
 
@@ -105,7 +105,7 @@ def test_too_many_open_files_is_not_an_unreachable_node(sshd, monkeypatch):
 def test_known_hosts_is_parsed_once_for_every_connection(sshd, monkeypatch):
     import asyncssh.known_hosts
 
-    from clusterctl.launch import sshnode
+    from clusterctl.connect import sshnode
 
     monkeypatch.setattr(sshnode, "_KNOWN_HOSTS", {})
     loads = []

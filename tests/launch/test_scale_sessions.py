@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from clusterctl.launch.faketransport import ScriptedOps, fake_nodes
+from clusterctl.connect.faketransport import ScriptedOps, fake_nodes
 from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
 from clusterctl.state import StateDir
 
@@ -49,7 +49,7 @@ def test_status_watch_keeps_one_connection_per_node_between_refreshes(sshd, tmp_
 
 
 def test_status_watch_reopens_only_a_session_that_ended(tmp_path):
-    from clusterctl.launch.nodes import NodePool
+    from clusterctl.connect.nodes import NodePool
     from clusterctl.launch.status import status
 
     state = StateDir(tmp_path / "state")

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from clusterctl.errors import AuthRejected, ConfigError, Exit
-from clusterctl.launch import ssh_policy
-from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.connect import ssh_policy
+from clusterctl.connect.ssh_policy import SshTarget
 
 NASTY = "dir with space; $(touch {canary}) `touch {canary}` 'single' \"double\" \\back\nnewline"
 
@@ -187,8 +187,8 @@ def test_rsync_with_a_hostile_remote_path(sshd, tmp_path):
 NO_USER_PROBE = """
 import asyncio, json
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch import sshnode
-from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.connect import sshnode
+from clusterctl.connect.ssh_policy import SshTarget
 try:
     asyncio.run(sshnode.connect(SshTarget(host="127.0.0.1", port=9, user="deploy", connect_timeout=5)))
     print(json.dumps({"kind": "connected"}))

@@ -20,10 +20,10 @@ import pytest
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit, HostUnreachable, IntegrityError,
                                MissingInput, RemoteCommandFailed, UsageError)
 from clusterctl.node import keeper
-from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.nodes import make_transport
-from clusterctl.launch.localnode import LocalTransport
-from clusterctl.launch.transport import CommandTimedOut, Transport, shell_command_line
+from clusterctl.connect.ssh_policy import SshTarget
+from clusterctl.connect.nodes import make_transport
+from clusterctl.connect.localnode import LocalTransport
+from clusterctl.connect.transport import CommandTimedOut, Transport, shell_command_line
 
 from fixtures_ssh import free_port, keygen, public_key
 
@@ -428,8 +428,8 @@ def test_coordinator_closing_the_channel_stops_the_remote_group(sshd):
 
 DRIVER = r"""
 import asyncio, json, sys
-from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.nodes import make_transport
+from clusterctl.connect.ssh_policy import SshTarget
+from clusterctl.connect.nodes import make_transport
 
 async def main():
     t = make_transport("n", local=False, target=SshTarget.model_validate_json(sys.argv[1]), python=sys.executable,
@@ -465,8 +465,8 @@ def test_sigkill_of_the_coordinator_kills_the_remote_child(sshd):
 NETNS_DRIVER = r"""
 import asyncio, json, sys, time
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.nodes import make_transport
+from clusterctl.connect.ssh_policy import SshTarget
+from clusterctl.connect.nodes import make_transport
 
 def say(**kw):
     print(json.dumps(kw), flush=True)

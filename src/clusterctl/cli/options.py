@@ -282,7 +282,7 @@ AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
 
 
 def ssh_options(known_hosts: Path | None, accept_new: bool):
-    from clusterctl.launch.nodes import SshOptions
+    from clusterctl.connect.nodes import SshOptions
 
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
 

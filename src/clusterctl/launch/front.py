@@ -25,7 +25,7 @@ from clusterctl.launch.frontfollow import Follower, Rules, Target
 from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
 from clusterctl.launch.httpserver import Gone, Request, Server, error_doc
 from clusterctl.launch.manifest import now_iso, this_coordinator
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.connect.nodes import SshOptions
 from clusterctl.launch.upstream import Lost, NotSent, Pool, Response
 from clusterctl.state import StateDir
 

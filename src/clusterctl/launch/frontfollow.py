@@ -19,7 +19,7 @@ from clusterctl import history
 from clusterctl.atomic import strict_loads
 from clusterctl.launch.frontstate import cluster_of_deployment
 from clusterctl.launch.manifest import coordinator_alive, manifest_store
-from clusterctl.launch.nodes import close_all, handles
+from clusterctl.connect.nodes import close_all, handles
 from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind
 from clusterctl.shared.rankspec import parse_rank_spec
 from clusterctl.shared.signing import verify_signed

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.nodes import close_all, handles
+from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
 from clusterctl.launch.status import rank_state
 from clusterctl.shared.runtimefiles import followed_a_peer

@@ -23,7 +23,7 @@ from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.hubmodel import refetch, with_hub
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.manifest import manifest_store, now_iso
-from clusterctl.launch.nodes import close_all, handles
+from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem
 from clusterctl.launch.quiescence import refuse_activity

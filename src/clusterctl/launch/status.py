@@ -6,7 +6,7 @@ import asyncio
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.launch.manifest import coordinator_alive, job_ref, manifest_store
-from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
 from clusterctl.atomic import read_capped
 from clusterctl.launch.healstate import read_all

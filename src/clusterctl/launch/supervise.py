@@ -29,7 +29,7 @@ from clusterctl.launch import healstate
 from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
 from clusterctl.launch.healwatch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
 from clusterctl.launch.manifest import manifest_store, now_iso, this_coordinator
-from clusterctl.launch.nodes import close_all, handles
+from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, judge
 from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
 from clusterctl.launch.reaper import live_jobs

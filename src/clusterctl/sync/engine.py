@@ -22,7 +22,7 @@ from typing import Callable
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit, HostUnreachable, MissingInput,
                                UsageError)
 from clusterctl.render import human_bytes
-from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
+from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
 from clusterctl.shared.copycheck import check_copy, needed_files
 from clusterctl.shared.modelmanifest import Manifest, build_manifest, HashCache
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest

@@ -29,9 +29,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clusterctl.launch.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
+from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
-from clusterctl.launch import nodes
+from clusterctl.connect import nodes
 
 
 class NodeOpError(Exception):

@@ -24,9 +24,9 @@ warnings.filterwarnings("ignore", message="DSA is deprecated", category=Warning)
 import asyncssh  # noqa: E402
 
 from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
-from clusterctl.launch import fdlimit, ssh_policy
-from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
+from clusterctl.connect import fdlimit, ssh_policy
+from clusterctl.connect.ssh_policy import SshTarget
+from clusterctl.connect.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
                                          check_argv, keeper_argv, keeper_env, raise_for_status, shell_command_line,
                                          stop_all)
 

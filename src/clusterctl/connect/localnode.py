@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from clusterctl.atomic import atomic_write_bytes, read_capped
 from clusterctl.errors import IntegrityError, MissingInput, RemoteCommandFailed
-from clusterctl.launch.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
+from clusterctl.connect.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
                                          check_argv, keeper_argv, keeper_env, raise_for_status, stop_all)
 from clusterctl.node.keeper import kill_group_if_same
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, Exit, IntegrityError, MissingInput,
                                RemoteCommandFailed, UsageError, pydantic_line)
-from clusterctl.launch.localnode import LocalTransport
-from clusterctl.launch.transport import CommandTimedOut, Pipe, Transport
+from clusterctl.connect.localnode import LocalTransport
+from clusterctl.connect.transport import CommandTimedOut, Pipe, Transport
 from clusterctl.shared.nodespec import Node
-from clusterctl.launch import fdlimit
-from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.connect import fdlimit
+from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.node.nodeops import look_at_markers
 
 NODEOP_TIMEOUT = 120.0
@@ -69,7 +69,7 @@ def make_transport(node_name: str, *, local: bool, target, python: str, keeper_g
         return LocalTransport(node=node_name, python=python, keeper_grace=keeper_grace)
     if target is None:
         raise UsageError(f"node {node_name} is not local and has no ssh target")
-    from clusterctl.launch.sshnode import SshTransport  # asyncssh is imported only when a node needs it
+    from clusterctl.connect.sshnode import SshTransport  # asyncssh is imported only when a node needs it
 
     return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
 
