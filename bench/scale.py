@@ -51,7 +51,7 @@ from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, si
 from clusterctl.connect.faketransport import fake_nodes  # noqa: E402
 from clusterctl.launch.jobplan import LaunchOptions  # noqa: E402
 from clusterctl.connect.nodes import SshOptions  # noqa: E402
-from clusterctl.state import StateDir  # noqa: E402
+from clusterctl.statedir.state import StateDir  # noqa: E402
 
 SSH = SshOptions()
 TICK = 0.005

@@ -134,7 +134,7 @@ def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
 
 def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.launch.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
+    from clusterctl.statedir.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
     from clusterctl.shared.signing import sign_payload
 
     key, trusted = keys
@@ -261,8 +261,8 @@ def test_model_manifest(tmp_path):
 
 
 def test_replan_history(tmp_path):
-    from clusterctl import history
-    from clusterctl.state import StateDir
+    from clusterctl.statedir import history
+    from clusterctl.statedir.state import StateDir
 
     state = StateDir(tmp_path)
     (tmp_path / "history").mkdir()

@@ -10,10 +10,10 @@ import pytest
 
 from clusterctl.errors import Busy
 from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 SSH = SshOptions()
 NONCE = "ab" * 16

@@ -20,7 +20,7 @@ from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
 from clusterctl.shared.deployment import PlanOptions
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelfiles import make_model  # noqa: E402
@@ -187,7 +187,7 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
     import subprocess
     import sys as _sys
 
-    from clusterctl.launch import healstate
+    from clusterctl.statedir import healfile
     from clusterctl.connect.nodes import SshOptions
     from clusterctl.launch.reaper import reap
 
@@ -199,14 +199,14 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
     async def go():
         await first.take_over()
         job = await _die_mid_heal(first, clock, nodes)
-        path = healstate.path_of(state, "sim")
+        path = healfile.path_of(state, "sim")
         doc = json.loads(path.read_text())
         doc["supervisor"] = {**doc["supervisor"], "pid": int(gone[0]), "start_time": float(gone[1])}  # dead
         path.write_text(json.dumps(doc))
         report = await reap(state, SshOptions(), grace=1)
         assert [r["job_id"] for r in report.reaped] == [job], report.to_json()
         assert not any(n.running for n in nodes.values())  # rank 1 (alive, frozen) reaped too
-        after = healstate.read(path)
+        after = healfile.read(path)
         assert after["state"] == "degraded" and after["job"] is None and "died during a heal" in after["reason"]
 
     with fake_nodes(nodes):

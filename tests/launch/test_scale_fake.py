@@ -11,8 +11,8 @@ import pytest
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment
 from clusterctl.connect.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_nodes
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import ManifestStore
-from clusterctl.state import StateDir
+from clusterctl.statedir.manifest import ManifestStore
+from clusterctl.statedir.state import StateDir
 
 
 @pytest.fixture
@@ -21,7 +21,8 @@ def state(tmp_path):
 
 
 def run_launch(state, n: int, *, detach: bool, saves: list | None = None):
-    from clusterctl.launch import manifest, start
+    from clusterctl.statedir import manifest
+    from clusterctl.launch import start
 
     path = simulated_deployment(state, n)
     nodes = {f"n{i:04d}": SimulatedNode() for i in range(n)}

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from clusterctl.connect.faketransport import ScriptedOps, fake_nodes
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 PY = sys.executable
 DEAD = 2**22 + 12345  # no such process

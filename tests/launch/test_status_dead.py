@@ -10,7 +10,7 @@ import pytest
 from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.launch.status import rank_state, status
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 from test_fake_nodes import job as _job
 
 SSH = SshOptions()
@@ -18,7 +18,7 @@ SSH = SshOptions()
 
 def job(state: StateDir):
     """The fake nodes' job of two ranks (a, b), its manifest saying ready as a launched job's does."""
-    from clusterctl.launch.manifest import ManifestStore
+    from clusterctl.statedir.manifest import ManifestStore
 
     m = _job(state)
     m.state = "ready"

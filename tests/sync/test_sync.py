@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.connect.nodes import SshOptions
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 from clusterctl.sync.engine import SyncOptions, sync_deployment
 from clusterctl.shared.modelmanifest import build_manifest
 

@@ -16,7 +16,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
-from clusterctl import history as hist
+from clusterctl.statedir import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
 from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
                                        replan_given, unchanged)

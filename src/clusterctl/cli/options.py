@@ -117,7 +117,7 @@ def output_of(ctx: typer.Context) -> Output:
 
 
 def state_of(state_dir: Path | None):
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     return StateDir(state_dir).check_safe()
 
@@ -220,7 +220,7 @@ def complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
     files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""
     import glob
 
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     out: set[str] = set()
     try:

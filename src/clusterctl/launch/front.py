@@ -24,10 +24,10 @@ import time
 from clusterctl.launch.frontfollow import Follower, Rules, Target
 from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
 from clusterctl.launch.httpserver import Gone, Request, Server, error_doc
-from clusterctl.launch.manifest import now_iso, this_coordinator
+from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.launch.upstream import Lost, NotSent, Pool, Response
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
 HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked

@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 
 from clusterctl.errors import ClusterctlError, IntegrityError
-from clusterctl import history
+from clusterctl.statedir import history
 from clusterctl.atomic import strict_loads
 from clusterctl.launch.frontstate import cluster_of_deployment
-from clusterctl.launch.manifest import coordinator_alive, manifest_store
+from clusterctl.statedir.manifest import coordinator_alive, manifest_store
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind
 from clusterctl.shared.rankspec import parse_rank_spec

@@ -27,7 +27,7 @@ from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
 from clusterctl.launch.apikey import check_bind_host
-from clusterctl.launch.manifest import Coordinator, coordinator_alive, manifest_store
+from clusterctl.statedir.manifest import Coordinator, coordinator_alive, manifest_store
 from clusterctl.shared.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, IntegrityError, LaunchFailed, MissingInput, UsageError
 from clusterctl.shared.deployment import Deployment, decode, identity_changes
-from clusterctl import history
+from clusterctl.statedir import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.hubmodel import refetch, with_hub
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import manifest_store, now_iso
+from clusterctl.statedir.manifest import manifest_store, now_iso
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem

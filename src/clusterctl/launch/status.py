@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.manifest import coordinator_alive, job_ref, manifest_store
+from clusterctl.statedir.manifest import coordinator_alive, job_ref, manifest_store
 from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
 from clusterctl.atomic import read_capped
-from clusterctl.launch.healstate import read_all
+from clusterctl.statedir.healfile import read_all
 from clusterctl.shared.deployment import decode
 from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 

@@ -13,7 +13,7 @@ this module only acts):
            no request in flight (or after the drain deadline), back to the original deployment (kind
            ``rejoin``).
 
-The state goes to ``<state>/heal/<cluster>.json`` (launch/healstate.py) at every change.
+The state goes to ``<state>/heal/<cluster>.json`` (launch/healfile.py) at every change.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError, MissingInput
-from clusterctl.launch import healstate
+from clusterctl.statedir import healfile
 from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
 from clusterctl.launch.healwatch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
-from clusterctl.launch.manifest import manifest_store, now_iso, this_coordinator
+from clusterctl.statedir.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, judge
 from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
@@ -79,7 +79,7 @@ class Supervisor:
         state file it left, when it names the deployment that is current now; the HTTP host and port the
         cluster serves on (every relaunch binds them, whoever supervises); and a heal it did not finish (it
         died ``healing``): the nodes it was leaving out, so this one finishes the heal (``take_over``)."""
-        doc = healstate.read(healstate.path_of(self.state, self.cluster))
+        doc = healfile.read(healfile.path_of(self.state, self.cluster))
         if not doc or doc.get("cluster") != self.cluster:
             return
         port, host = doc.get("http_port"), doc.get("http_host")
@@ -178,7 +178,7 @@ class Supervisor:
         if not force and self._saved and self._saved[0] == key and now - self._saved[1] < SAVE_EVERY_S:
             return
         try:
-            healstate.write(self.state, self.cluster, doc)
+            healfile.write(self.state, self.cluster, doc)
         except (ClusterctlError, OSError) as e:
             self.log(f"warning: heal state not written: {e}")
             return

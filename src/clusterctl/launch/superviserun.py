@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from clusterctl.launch import healstate
+from clusterctl.statedir import healfile
 from clusterctl.launch.heal import HealPolicy
 from clusterctl.launch.supervise import Supervisor
 from clusterctl.launch.foreground import install_stop_signals
@@ -74,5 +74,5 @@ async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> 
     elif not o.quiet:
         o.line(m.endpoint)
         o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
-               f"{healstate.path_of(sup.state, sup.cluster)}; Ctrl-C to stop)")
+               f"{healfile.path_of(sup.state, sup.cluster)}; Ctrl-C to stop)")
     return True

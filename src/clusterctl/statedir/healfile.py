@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, dumps, read_json
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.manifest import Coordinator, coordinator_alive
+from clusterctl.statedir.manifest import Coordinator, coordinator_alive
 
 LIMIT = 64 << 10
 STATES = ("serving", "healing", "degraded")
