@@ -1,4 +1,4 @@
-"""The API keys file (launch/apikey.py): tenants and their keys, refused when unsafe or ambiguous."""
+"""The API keys file (front/apikey.py): tenants and their keys, refused when unsafe or ambiguous."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput
-from clusterctl.launch.apikey import api_keys_from_file
+from clusterctl.front.apikey import api_keys_from_file
 
 A, B = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""The front door (launch/front.py) on a real 2-rank local launch of the tiny model: forwarding with the official
+"""The front door (front/proxy.py) on a real 2-rank local launch of the tiny model: forwarding with the official
 `openai` client, keys and CORS at the front, a rank 0 lost mid-answer, 503 + Retry-After while nothing serves,
 the front following a new job at an unchanged URL, the heal supervisor's word, and bad --front values.
 

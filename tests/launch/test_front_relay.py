@@ -1,5 +1,5 @@
-"""The front's stream relay (launch/front.py `_stream`) between real sockets: a scripted rank 0 (test_upstream's
-`Scripted`) writes server-sent events cut at awkward places, the front's own server (launch/httpserver.py) relays
+"""The front's stream relay (front/proxy.py `_stream`) between real sockets: a scripted rank 0 (test_upstream's
+`Scripted`) writes server-sent events cut at awkward places, the front's own server (front/httpserver.py) relays
 them to a raw client: whole events only, in order, `[DONE]` at the end; a rank 0 cut mid-event gives the events
 before the cut, an error event and `[DONE]`, never half an event."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 from test_upstream import Scripted
 
-from clusterctl.launch.front import DONE, _stream
-from clusterctl.launch.httpserver import Server
-from clusterctl.launch.upstream import Pool
+from clusterctl.front.proxy import DONE, _stream
+from clusterctl.front.httpserver import Server
+from clusterctl.front.upstream import Pool
 
 EVENTS = [b'data: {"n": %d, "text": "%s"}\n\n' % (i, b"x" * (i * 37 % 200)) for i in range(50)]
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"

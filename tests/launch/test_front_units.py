@@ -7,8 +7,8 @@ from types import SimpleNamespace as N
 
 import pytest
 
-from clusterctl.launch.frontfollow import Rules, reachable
-from clusterctl.launch.frontstate import parse_front, read_heal, url_of
+from clusterctl.front.follow import Rules, reachable
+from clusterctl.front.records import parse_front, read_heal, url_of
 
 
 @pytest.mark.parametrize("value,want", [("127.0.0.1:8080", ("127.0.0.1", 8080)), ("[::1]:80", ("::1", 80)),

@@ -1,4 +1,4 @@
-"""The front's HTTP/1.1 server (launch/httpserver.py) on a real socket: keep-alive and pipelining in order,
+"""The front's HTTP/1.1 server (front/httpserver.py) on a real socket: keep-alive and pipelining in order,
 streams chunked or close-delimited, the server's own refusals in OpenAI's shape, Expect: 100-continue, HEAD, a
 client that leaves cancelling its handler, a failing handler, and the idle and slow-request bounds."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from clusterctl.launch import httpserver
-from clusterctl.launch.httpserver import Server
+from clusterctl.front import httpserver
+from clusterctl.front.httpserver import Server
 
 
 class Running:

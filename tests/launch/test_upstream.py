@@ -1,4 +1,4 @@
-"""The front's client to rank 0 (launch/upstream.py) against scripted servers on loopback: real sockets, answers
+"""The front's client to rank 0 (front/upstream.py) against scripted servers on loopback: real sockets, answers
 written byte for byte, so each way an answer can end (framed, chunked, with the connection, cut) is met."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from clusterctl.launch.upstream import HIGH_WATER, Lost, NotSent, Pool, address
+from clusterctl.front.upstream import HIGH_WATER, Lost, NotSent, Pool, address
 
 
 class Scripted:

@@ -125,7 +125,7 @@ def teardown(
     if not reports:
         o.info("nothing to tear down")
     if ok:
-        from clusterctl.launch.frontstate import stop_idle_auto_fronts
+        from clusterctl.front.records import stop_idle_auto_fronts
 
         for rec in stop_idle_auto_fronts(state_of(state_dir), grace=grace):
             o.info(f"front {rec.url} of cluster {rec.cluster}: stopped (its cluster has no job left)")

@@ -94,7 +94,7 @@ def number(lo: float, hi: float):
 
 def bind_host(value: str) -> str:
     """--host: an IP address or a host name to bind, checked when the command line is parsed."""
-    from clusterctl.launch.apikey import check_bind_host
+    from clusterctl.front.apikey import check_bind_host
 
     try:
         return check_bind_host(value)
@@ -190,13 +190,13 @@ AliasOpt = Annotated[Optional[list[str]], typer.Option(
 
 
 def api_key_of(env_name: str | None, no_key: bool) -> str | None:
-    from clusterctl.launch.apikey import api_key_from_env
+    from clusterctl.front.apikey import api_key_from_env
 
     return api_key_from_env(env_name, no_key=no_key)
 
 
 def api_keys_of(path: Path | None, default_key: str | None, no_key: bool) -> dict[str, str]:
-    from clusterctl.launch.apikey import api_keys_from_file
+    from clusterctl.front.apikey import api_keys_from_file
 
     if path is not None and no_key:
         raise UsageError("--api-keys-file and --no-api-key contradict each other: give one")
@@ -208,7 +208,7 @@ def set_access(opts, *, api_keys_file: Path | None, no_api_key: bool, cors_origi
     """Who may call the relaunched rank 0, for launch, replan and supervise alike: the API keys (the file's,
     else ``opts.api_key``), CORS origins and model aliases set on ``opts``, then the exposure checked (a key is
     needed off loopback). ``host``: the address checked when ``opts`` has none yet."""
-    from clusterctl.launch.apikey import check_exposure
+    from clusterctl.front.apikey import check_exposure
 
     opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
     opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
@@ -291,7 +291,7 @@ def ssh_options(known_hosts: Path | None, accept_new: bool):
 
 def front_address(value: str) -> str:
     """--front HOST:PORT, checked when the command line is parsed (exit 2); the value stays the text given."""
-    from clusterctl.launch.frontstate import parse_front
+    from clusterctl.front.records import parse_front
 
     try:
         parse_front(value)

@@ -11,7 +11,7 @@ from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_ma
 from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
 from clusterctl.shared.deployment import decode
-from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
+from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
 DOWN = ("dead", "lost", "failed")  # a job's ranks_down counts these

@@ -1,5 +1,5 @@
 """The supervisor's state file, ``<state>/heal/<cluster>.json``: written atomically by launch/supervise.py,
-read by ``status`` and by the front door (launch/front.py: its /health and /metrics).
+read by ``status`` and by the front door (front/proxy.py: its /health and /metrics).
 
     {"schema_version": 1, "state": "serving"|"healing"|"degraded", "reason": str|null, "since": ISO-8601 UTC,
      "heals": int, "degraded_seconds": float, "deployment": id, "job": id|null,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.statedir import history
 from clusterctl.atomic import strict_loads
-from clusterctl.launch.frontstate import cluster_of_deployment
+from clusterctl.front.records import cluster_of_deployment
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind

@@ -6,7 +6,7 @@ millisecond, aiohttp's client machinery (request and response objects, timers, t
 about two thirds of the front's own CPU time per request (bench/front.py, docs/dependencies.md). Here a request
 is one write of its head and body, and the answer is parsed in place as it is read.
 
-Two failures are told apart, because only one of them makes resending safe (launch/front.py):
+Two failures are told apart, because only one of them makes resending safe (front/proxy.py):
 
 - ``NotSent``: rank 0 was never reached (the connection refused, or not made in ``CONNECT_S``);
 - ``Lost``: the connection broke (or rank 0's answer did not parse) after the request was written: it may have

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
-from clusterctl.launch.apikey import check_bind_host
+from clusterctl.front.apikey import check_bind_host
 from clusterctl.statedir.manifest import Coordinator, coordinator_alive, manifest_store
 from clusterctl.shared.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
@@ -184,7 +184,7 @@ def _supervisor_alive(sup: dict) -> bool:
 
 def front_argv(state, cluster: str, host: str, port: int, *, linger: float, auto: bool,
                known_hosts: Path | None = None, accept_new: bool = False) -> list[str]:
-    argv = [sys.executable, "-m", "clusterctl.launch.front", "--state-dir", str(state.root), "--cluster", cluster,
+    argv = [sys.executable, "-m", "clusterctl.front.proxy", "--state-dir", str(state.root), "--cluster", cluster,
             "--host", host, "--port", str(port), "--linger", f"{linger:g}"]
     if auto:
         argv.append("--auto")

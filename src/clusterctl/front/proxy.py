@@ -1,13 +1,13 @@
 """The front door: one stable address that forwards the OpenAI API to the cluster's current rank 0.
 
-``python -m clusterctl.launch.front --state-dir S --cluster C --host H --port P`` (what ``clusterctl front`` and
-``launch --front`` run) listens on H:P for as long as it lives, independent of any job: launch/frontfollow.py
+``python -m clusterctl.front.proxy --state-dir S --cluster C --host H --port P`` (what ``clusterctl front`` and
+``launch --front`` run) listens on H:P for as long as it lives, independent of any job: front/follow.py
 tells it which job is current (a replan, a heal or a new launch switches it without a restart). Every route but
 its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under ``/upstream/health`` and
 ``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
 origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
 ``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
-any byte was sent). The server is launch/httpserver.py, rank 0 is reached through launch/upstream.py (both on
+any byte was sent). The server is front/httpserver.py, rank 0 is reached through front/upstream.py (both on
 httptools, docs/dependencies.md). docs/front.md.
 """
 
@@ -21,12 +21,12 @@ import signal
 import sys
 import time
 
-from clusterctl.launch.frontfollow import Follower, Rules, Target
-from clusterctl.launch.frontstate import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
-from clusterctl.launch.httpserver import Gone, Request, Server, error_doc
+from clusterctl.front.follow import Follower, Rules, Target
+from clusterctl.front.records import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
+from clusterctl.front.httpserver import Gone, Request, Server, error_doc
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
-from clusterctl.launch.upstream import Lost, NotSent, Pool, Response
+from clusterctl.front.upstream import Lost, NotSent, Pool, Response
 from clusterctl.statedir.state import StateDir
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(prog="python -m clusterctl.launch.front")
+    ap = argparse.ArgumentParser(prog="python -m clusterctl.front.proxy")
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--host", required=True)
