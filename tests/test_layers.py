@@ -30,7 +30,7 @@ HEAVY = {"mlx", "mlx_lm", "numpy", "transformers", "asyncssh", "aiohttp", "jinja
 MAX_DEFERRED = 60
 # The CLI imports a command's code (the coordinator's packages) when that command runs: every invocation, cron's
 # `reap` each minute and `--help` included, would otherwise load all of it (0.21 s -> 0.50 s per start); the base modules too where they load pydantic (names).
-COMMAND_CODE = {"launch", "sync", "plan", "shared", "connect", "demo", "ggufimport", "ggufcheck", "gguftokenizer", "tinymodel", "state"}
+COMMAND_CODE = {"launch", "sync", "plan", "shared", "connect", "statedir", "front", "supervise", "demo", "ggufimport", "ggufcheck", "gguftokenizer", "tinymodel", "state"}
 # What each package may import of clusterctl (besides itself and the base modules).
 ALLOWED = {
     "shared": set(),

@@ -1,11 +1,11 @@
-"""The heal policy (launch/heal.py), pure: grace, the budget and its backoff, flapping links, rejoin stability,
+"""The heal policy (supervise/policy.py), pure: grace, the budget and its backoff, flapping links, rejoin stability,
 the phase clock and whom a loss blames. Driven by a simulated clock: hours of policy in milliseconds."""
 
 from __future__ import annotations
 
 import pytest
 
-from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
+from clusterctl.supervise.policy import Book, HealPolicy, culprits, state_doc
 
 
 def test_a_blip_shorter_than_the_grace_is_no_loss():

@@ -1,4 +1,4 @@
-"""Whom a loss blames, when a rank exits at every moment around it: the supervisor's own loop (launch/supervise.py)
+"""Whom a loss blames, when a rank exits at every moment around it: the supervisor's own loop (supervise/loop.py)
 over simulated nodes (launch/fakecluster.py: the real launch, look, teardown, replan and relaunch code, in
 milliseconds) on a clock the test turns. Rank 0 is SIGKILLed; rank 1 follows it out (exit 69, its marker's typed
 reason ``peer_lost``) before, at or after the supervisor's looks; the heal must land on rank 1's node each time."""
@@ -13,9 +13,9 @@ import pytest
 
 from clusterctl.launch.fakecluster import SimulatedNode
 from clusterctl.connect.faketransport import fake_nodes
-from clusterctl.launch.heal import HealPolicy
+from clusterctl.supervise.policy import HealPolicy
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.supervise import Supervisor
+from clusterctl.supervise.loop import Supervisor
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment

@@ -133,9 +133,9 @@ def teardown(
 
 
 async def _launched(o, state, deployment: str, opts, detach: bool, policy) -> int:
-    """The launch in the foreground (or detached), or under the supervisor with --heal (launch/supervise.py)."""
+    """The launch in the foreground (or detached), or under the supervisor with --heal (supervise/loop.py)."""
     if policy is not None:
-        from clusterctl.launch.superviserun import run_supervised
+        from clusterctl.supervise.run import run_supervised
 
         return await run_supervised(o, state, deployment, opts, policy, take_over=False)
     from clusterctl.launch.foreground import run_foreground

@@ -306,7 +306,7 @@ FrontOpt = Annotated[Optional[str], typer.Option(
     callback=lambda v: None if v is None else front_address(v), metavar="HOST:PORT")]
 
 
-# the supervisor's policy (launch --heal, supervise; launch/heal.py, docs/heal.md); None: the policy's default
+# the supervisor's policy (launch --heal, supervise; supervise/policy.py, docs/heal.md); None: the policy's default
 HealGraceOpt = Annotated[Optional[float], typer.Option(
     "--heal-grace", help="Seconds a rank or node must stay down before it is healed (default 5).",
     parser=number(0, 3600), metavar="SECONDS")]
@@ -328,8 +328,8 @@ RejoinDrainOpt = Annotated[Optional[float], typer.Option(
 
 def heal_policy(grace: float | None = None, max_heals: int | None = None, window: float | None = None,
                 backoff: float | None = None, rejoin_after: float | None = None, drain: float | None = None):
-    """The policy from the flags given (None: launch/heal.py's default)."""
-    from clusterctl.launch.heal import HealPolicy
+    """The policy from the flags given (None: supervise/policy.py's default)."""
+    from clusterctl.supervise.policy import HealPolicy
 
     given = {k: v for k, v in (("grace_s", grace), ("max_heals", max_heals), ("window_s", window),
                                ("backoff_s", backoff), ("rejoin_after_s", rejoin_after), ("drain_s", drain))

@@ -239,7 +239,7 @@ class _NothingStaged:
 
 
 def record(state, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
-    """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (launch/supervise.py)."""
+    """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (supervise/loop.py)."""
 
     history.append(state, p.old.cluster, {
         "applied_at": now_iso(), "from": p.old.deployment_id, "from_hash": p.old.plan_hash,

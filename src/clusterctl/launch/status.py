@@ -132,7 +132,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
     heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
     for h in heal:
         h["condition"] = heal_condition(h, jobs, probe_nodes)
-    for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
+    for j in jobs:  # the supervisor's state (supervise/loop.py) on the job it supervises
         j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
     fronts = annotate_jobs(state, jobs)
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal,

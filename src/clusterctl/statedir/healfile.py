@@ -1,4 +1,4 @@
-"""The supervisor's state file, ``<state>/heal/<cluster>.json``: written atomically by launch/supervise.py,
+"""The supervisor's state file, ``<state>/heal/<cluster>.json``: written atomically by supervise/loop.py,
 read by ``status`` and by the front door (front/proxy.py: its /health and /metrics).
 
     {"schema_version": 1, "state": "serving"|"healing"|"degraded", "reason": str|null, "since": ISO-8601 UTC,

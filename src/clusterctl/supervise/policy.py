@@ -1,6 +1,6 @@
 """Self-healing, the pure part: when to heal, when not to (flapping), when to go back. No I/O, no clock of its
 own: every call takes ``now`` (seconds of one monotonic clock), so the tests drive it through hours in
-microseconds. The loop that acts on these answers is launch/supervise.py (docs/heal.md).
+microseconds. The loop that acts on these answers is supervise/loop.py (docs/heal.md).
 
     grace      something (a rank, a node) must stay down this long before it is a loss; a blip is not.
     budget     at most ``max_heals`` plan changes (heals and rejoins) in any ``window_s``, and after each one

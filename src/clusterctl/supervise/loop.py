@@ -2,7 +2,7 @@
 
 Every ``POLL_S`` it looks at the job's ranks as ``status`` does (each rank's marker and its process,
 identity-checked, on its node; a foreground rank's keeper) with a short timeout per node. A rank that is not up
-(dead, stale, failed, stopping, its node unreachable) for the policy's grace is a loss (launch/heal.py decides;
+(dead, stale, failed, stopping, its node unreachable) for the policy's grace is a loss (supervise/policy.py decides;
 this module only acts):
 
   heal     every rank torn down verified (launch/teardown.py), the nodes to blame left out, the nodes that
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError, MissingInput
 from clusterctl.statedir import healfile
-from clusterctl.launch.heal import Book, HealPolicy, culprits, state_doc
-from clusterctl.launch.healwatch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
+from clusterctl.supervise.policy import Book, HealPolicy, culprits, state_doc
+from clusterctl.supervise.watch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
 from clusterctl.statedir.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, judge

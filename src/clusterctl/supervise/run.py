@@ -1,4 +1,4 @@
-"""The supervised run of a command: ``launch --heal`` and ``supervise`` (cli), around launch/supervise.py's
+"""The supervised run of a command: ``launch --heal`` and ``supervise`` (cli), around supervise/loop.py's
 Supervisor: the first job (launched or taken over), ready said once, the loop until a stop, and what a stop
 leaves (docs/heal.md)."""
 
@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 
 from clusterctl.statedir import healfile
-from clusterctl.launch.heal import HealPolicy
-from clusterctl.launch.supervise import Supervisor
+from clusterctl.supervise.policy import HealPolicy
+from clusterctl.supervise.loop import Supervisor
 from clusterctl.launch.foreground import install_stop_signals
 from clusterctl.locks import Lock
 

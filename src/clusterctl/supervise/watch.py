@@ -1,5 +1,5 @@
-"""What the supervisor (launch/supervise.py) sees: one look at a job's ranks on their nodes (each rank's marker
-and its process, identity-checked, as ``status`` does), each rank's record for the policy (launch/heal.py:
+"""What the supervisor (supervise/loop.py) sees: one look at a job's ranks on their nodes (each rank's marker
+and its process, identity-checked, as ``status`` does), each rank's record for the policy (supervise/policy.py:
 ``culprits``: up or why not, and whether it only followed a lost peer), and a probe of nodes that may serve.
 Every node answers within LOOK_TIMEOUT or counts as not answering: a cut link must not stall the loop."""
 
