@@ -246,7 +246,7 @@ def test_cancel_file_and_ack(tmp_path):
 
 def test_model_manifest(tmp_path):
     from clusterctl.atomic import read_json
-    from clusterctl.shared.modelmanifest import FileHash, check_manifest, manifest_hash
+    from clusterctl.modelfiles.manifest import FileHash, check_manifest, manifest_hash
 
     files = [FileHash(path="config.json", size=10, sha256="a" * 64),
              FileHash(path="model.safetensors", size=99, sha256="b" * 64)]
@@ -309,9 +309,9 @@ def test_safetensors_header(tmp_path):
 def tokenizer():
     from mlx_lm.utils import load_tokenizer
 
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
-    return load_tokenizer(tinymodel.build(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model-test"))
+    return load_tokenizer(tiny.build(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model-test"))
 
 
 def test_request_bodies(tokenizer):

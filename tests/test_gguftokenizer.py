@@ -1,4 +1,4 @@
-"""clusterctl.gguftokenizer: tokenizers rebuilt from GGUF metadata (the byte-level BPE of SmolLM2 is tested on
+"""clusterctl.gguf.tokenizer: tokenizers rebuilt from GGUF metadata (the byte-level BPE of SmolLM2 is tested on
 the real file in test_ggufimport.py)."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.gguftokenizer import build_tokenizer
+from clusterctl.gguf.tokenizer import build_tokenizer
 from gguffiles import tiny_vocab
 
 PIECES = ["he", "ll", "▁he", "llo", "▁hello", "or", "▁w", "▁wor", "ld", "▁world"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl import tinymodel
+from clusterctl.modelfiles import tiny
 from clusterctl.errors import ConfigError
 
 from rankharness import reference_tokens, tiny_model_path
@@ -26,26 +26,26 @@ def _digests(path: Path) -> dict[str, bytes]:
 
 
 def test_same_parameters_give_the_same_bytes_and_another_seed_does_not(tmp_path):
-    a = tinymodel.build(tmp_path / "a", **SMALL)
-    b = tinymodel.build(tmp_path / "b", **SMALL)
-    c = tinymodel.build(tmp_path / "c", **SMALL, seed=1)
+    a = tiny.build(tmp_path / "a", **SMALL)
+    b = tiny.build(tmp_path / "b", **SMALL)
+    c = tiny.build(tmp_path / "c", **SMALL, seed=1)
     da, db, dc = _digests(a), _digests(b), _digests(c)
     assert set(da) >= {"config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-                       "tokenizer_config.json", tinymodel.PARAMS_FILE}
+                       "tokenizer_config.json", tiny.PARAMS_FILE}
     assert da == db
     assert da["model.safetensors"] != dc["model.safetensors"]
     assert da["tokenizer.json"] == dc["tokenizer.json"]  # the tokenizer does not depend on the seed
 
 
 def test_reuse_is_idempotent_and_other_parameters_are_refused(tmp_path):
-    p = tinymodel.build(tmp_path / "m", **SMALL)
+    p = tiny.build(tmp_path / "m", **SMALL)
     st = (p / "model.safetensors").stat()
-    assert tinymodel.build(tmp_path / "m", **SMALL) == p
+    assert tiny.build(tmp_path / "m", **SMALL) == p
     again = (p / "model.safetensors").stat()
     assert (again.st_ino, again.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # reused, not rebuilt
     with pytest.raises(ConfigError, match="other parameters"):
-        tinymodel.build(tmp_path / "m", **{**SMALL, "layers": 3})
-    tinymodel.build(tmp_path / "m", **{**SMALL, "layers": 3}, overwrite=True)
+        tiny.build(tmp_path / "m", **{**SMALL, "layers": 3})
+    tiny.build(tmp_path / "m", **{**SMALL, "layers": 3}, overwrite=True)
     assert json.loads((p / "config.json").read_text())["num_hidden_layers"] == 3
     assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
 
@@ -55,24 +55,24 @@ def test_a_foreign_folder_is_never_touched(tmp_path):
     d.mkdir()
     (d / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="not a tiny model"):
-        tinymodel.build(d, **SMALL, overwrite=True)
+        tiny.build(d, **SMALL, overwrite=True)
     assert (d / "notes.txt").read_text() == "keep me"
 
 
 def test_a_damaged_model_is_rebuilt_only_on_request(tmp_path):
-    p = tinymodel.build(tmp_path / "m", **SMALL)
+    p = tiny.build(tmp_path / "m", **SMALL)
     with open(p / "model.safetensors", "r+b") as f:
         f.truncate(100)
     with pytest.raises(ConfigError):
-        tinymodel.build(p, **SMALL)
-    tinymodel.build(p, **SMALL, overwrite=True)
-    assert _digests(p) == _digests(tinymodel.build(tmp_path / "fresh", **SMALL))
+        tiny.build(p, **SMALL)
+    tiny.build(p, **SMALL, overwrite=True)
+    assert _digests(p) == _digests(tiny.build(tmp_path / "fresh", **SMALL))
 
 
 def test_a_killed_build_leaves_no_model_and_the_next_build_cleans_up(tmp_path):
     target = tmp_path / "big"
     code = ("import sys; from clusterctl import tinymodel; "
-            "tinymodel.build(sys.argv[1], layers=8, hidden=512, heads=8, kv_heads=4, vocab=1024)")
+            "tiny.build(sys.argv[1], layers=8, hidden=512, heads=8, kv_heads=4, vocab=1024)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(target)])
     deadline = time.monotonic() + 60
     try:
@@ -85,7 +85,7 @@ def test_a_killed_build_leaves_no_model_and_the_next_build_cleans_up(tmp_path):
     finally:
         proc.wait(10)
     assert not target.exists()
-    tinymodel.build(target, **SMALL)
+    tiny.build(target, **SMALL)
     assert (target / "model.safetensors").is_file()
     assert [d.name for d in tmp_path.iterdir()] == ["big"]
 
@@ -104,7 +104,7 @@ def test_loads_with_mlx_lm_untied_and_greedy_output_varies():
 
 
 def test_bench_preset_is_about_100m_parameters():
-    p = tinymodel.BENCH_100M
+    p = tiny.BENCH_100M
     head = p["hidden"] // p["heads"]
     per_layer = (p["hidden"] * head * (2 * p["heads"] + 2 * p["kv_heads"]) + 3 * p["hidden"] * p["intermediate"])
     total = p["layers"] * per_layer + 2 * p["vocab"] * p["hidden"]

@@ -1,4 +1,4 @@
-"""One reader of a model folder's weight files (shared/modelfiles.py) for the planner, the rank, the node's
+"""One reader of a model folder's weight files (modelfiles/folder.py) for the planner, the rank, the node's
 preflight and the PLE reader: the index is optional, as for mlx-lm; when present it names plain files only."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from clusterctl.errors import IntegrityError, MissingInput  # noqa: E402
 from clusterctl.node.modelops import model_check  # noqa: E402
 from clusterctl.ple.errors import CorruptTensorFile  # noqa: E402
 from clusterctl.ple.safetensors import read_index  # noqa: E402
-from clusterctl.shared.modelfiles import INDEX_NAME, weight_files  # noqa: E402
+from clusterctl.modelfiles.folder import INDEX_NAME, weight_files  # noqa: E402
 
 
 def _with_tokenizer(m: Path) -> Path:

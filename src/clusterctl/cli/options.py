@@ -158,7 +158,7 @@ def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=
             raise UsageError("--chat-template-args: want a JSON object")
         out["chat_template_args"] = args
     if "chat_template" in out:
-        from clusterctl.ggufcheck import check_template
+        from clusterctl.gguf.check import check_template
 
         check_template(out["chat_template"], f"--chat-template {chat_template}", out.get("chat_template_args"))
     return out

@@ -19,7 +19,7 @@ from typing import Callable
 
 from clusterctl.connect import ssh_policy
 from clusterctl.connect.ssh_policy import SshTarget
-from clusterctl.shared.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
+from clusterctl.modelfiles.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
 
 PARTIAL_DIR = ".rsync-partial"
 

@@ -22,7 +22,7 @@ from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.plan.model import MAX_LAYERS, MAX_SIZE  # so an import never writes a folder plan refuses
 
 if TYPE_CHECKING:
-    from clusterctl.gguf import Header
+    from clusterctl.gguf.reader import Header
 
 MIN_CONTEXT = 64  # tokens: a chat template and one short question take about 30
 MAX_CONTEXT = 1 << 24  # as plan's --context

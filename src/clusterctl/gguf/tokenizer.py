@@ -14,7 +14,7 @@ USER_DEFINED ones plain added tokens (matched whole).
 
 Nothing is trusted: every list has the type and length it must have before it is used, a SentencePiece piece
 is at most MAX_PIECE characters (recovering merges costs the square of a piece's length), and the chat template
-must parse (clusterctl.ggufcheck).
+must parse (clusterctl.gguf.check).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.ggufcheck import check_template
+from clusterctl.gguf.check import check_template
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 MAX_PIECE = 256  # characters of a SentencePiece piece that merges (SentencePiece's own default limit is 16)

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from clusterctl.atomic import fsync_dir
-from clusterctl.shared.modelmanifest import CHUNK, Manifest
+from clusterctl.modelfiles.manifest import CHUNK, Manifest
 
 PARTIAL_DIR = ".clusterctl-partial"
 

@@ -299,10 +299,10 @@ def parameter_count(path: str | os.PathLike) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m clusterctl.tinymodel PATH [--bench]``: build a model and print its path."""
+    """``python -m clusterctl.modelfiles.tiny PATH [--bench]``: build a model and print its path."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m clusterctl.tinymodel")
+    ap = argparse.ArgumentParser(prog="python -m clusterctl.modelfiles.tiny")
     ap.add_argument("path")
     ap.add_argument("--bench", action="store_true", help="the ≈100M-parameter preset")
     ap.add_argument("--layers", type=int)

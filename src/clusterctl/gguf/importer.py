@@ -8,7 +8,7 @@ What is converted (docs/models.md):
   modules that differ from the default, which mlx-lm's loader honours (``False`` for an unquantized one).
 - GGUF stores the q/k rows of each head permuted for interleaved RoPE; the rows stay as they are and
   config.json says ``rope_traditional: true``, which rotates the same pairs. Exact, and nothing to un-permute.
-- the tokenizer is rebuilt from the metadata (clusterctl.gguftokenizer), the chat template copied.
+- the tokenizer is rebuilt from the metadata (clusterctl.gguf.tokenizer), the chat template copied.
 
 Anything else (another architecture, K-quants and other types, a damaged file) is refused before anything is
 written. The folder is built beside DEST and renamed into place; ``clusterctl-import.json`` in it records the
@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict
 
 from clusterctl.atomic import clean_stale_folders, dumps, fsync_dir, read_json
 from clusterctl.errors import CannotWrite, ClusterctlError, ConfigError, IntegrityError, MissingInput
-from clusterctl.gguf import read_header
-from clusterctl.ggufplan import ImportPlan, plan_import
-from clusterctl.shared.modelmanifest import Found, HashCache, hash_files
+from clusterctl.gguf.reader import read_header
+from clusterctl.gguf.plan import ImportPlan, plan_import
+from clusterctl.modelfiles.manifest import Found, HashCache, hash_files
 
 IMPORTER_VERSION = 1
 RECORD_FILE = "clusterctl-import.json"

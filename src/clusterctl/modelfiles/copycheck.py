@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.modelmanifest import Found, HashCache, Manifest, hash_files, scan
+from clusterctl.modelfiles.manifest import Found, HashCache, Manifest, hash_files, scan
 
 
 def check_copy(expected: Manifest, folder: str, *, verify: bool = False, cache: HashCache | None = None,

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, Exit
-from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.launch.plannedmodel import plan_and_record
 from clusterctl.launch.start import launch
 from clusterctl.launch.status import status
 from clusterctl.render import deployment_table, status_table
 from clusterctl.shared.runtimefiles import parse_marker
-from clusterctl.tinymodel import build
+from clusterctl.modelfiles.tiny import build
 
 DEMO_CLUSTER = """\
 # Written by `clusterctl demo`: two local nodes on this machine. The memory split (2 : 6 GiB) makes the

@@ -1,6 +1,6 @@
 """What a llama-family GGUF file becomes before a byte is written: every check that can be made from its header
 (architecture, tensor types, counts and shapes, RoPE), and the config.json, tensor renames, quantization block and
-tokenizer of the import (``plan_import``). ggufimport.py writes the folder from it."""
+tokenizer of the import (``plan_import``). gguf/importer.py writes the folder from it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.gguf import Header, TensorInfo
-from clusterctl.ggufcheck import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE, MIN_CONTEXT, RMS_EPS,
+from clusterctl.gguf.reader import Header, TensorInfo
+from clusterctl.gguf.check import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE, MIN_CONTEXT, RMS_EPS,
                                   ROPE_FACTOR, ROPE_THETA, check_tensors, f32, meta)
-from clusterctl.gguftokenizer import build_tokenizer
+from clusterctl.gguf.tokenizer import build_tokenizer
 
 GROUP_SIZE = 32
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
