@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clusterctl.gguf.reader import importer
+from clusterctl.gguf import importer
 from clusterctl.errors import CannotWrite, ConfigError, Exit, IntegrityError, MissingInput
 from clusterctl.gguf.reader import read_header
 from clusterctl.gguf.tokenizer import BYTE_SPELLING
