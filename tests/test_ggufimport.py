@@ -331,7 +331,7 @@ def _tmpfs(path: Path, opts: str):
 def test_full_disk_leaves_nothing(tmp_path, monkeypatch, precheck):
     src, _, _ = tiny_llama(tmp_path / "big.gguf", hidden=256, inter=512)  # 6 MB of F32
     if not precheck:  # let the weights' write itself run out of space
-        monkeypatch.setattr(ggufimport, "_free_bytes", lambda folder: 1 << 40)
+        monkeypatch.setattr(importer, "_free_bytes", lambda folder: 1 << 40)
     with _tmpfs(tmp_path / "small", "size=1m") as mnt:
         with pytest.raises(CannotWrite) as e:
             import_gguf(src, mnt / "model")

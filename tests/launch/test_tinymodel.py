@@ -71,7 +71,7 @@ def test_a_damaged_model_is_rebuilt_only_on_request(tmp_path):
 
 def test_a_killed_build_leaves_no_model_and_the_next_build_cleans_up(tmp_path):
     target = tmp_path / "big"
-    code = ("import sys; from clusterctl import tinymodel; "
+    code = ("import sys; from clusterctl.modelfiles import tiny; "
             "tiny.build(sys.argv[1], layers=8, hidden=512, heads=8, kv_heads=4, vocab=1024)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(target)])
     deadline = time.monotonic() + 60
