@@ -4,7 +4,7 @@
 implement GGUF's Q4_0, Q4_1 and Q8_0 blocks the way llama.cpp's reference code does; ``tiny_llama`` builds a
 random llama in Hugging Face layout and its GGUF form (q/k rows permuted as llama.cpp's converter does), so an
 import can be compared with the original. ``count_fields`` lists where a file keeps each of its counts and
-lengths, for the fuzzer (tests/test_fuzz_gguf.py) to lie in.
+lengths, for the fuzzer (tests/gguf/test_fuzz_gguf.py) to lie in.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def _supported(h: Header, path: Path) -> Counter:
         raise ConfigError(f"{path} is a {arch!r} model; only llama-architecture GGUFs (Llama, Mistral, SmolLM, "
                           f"TinyLlama ...) can be imported")
     f64 = next((k for k, t in h.value_types.items() if FLOAT64 in t), None)
-    if f64 is not None:  # found by tests/test_fuzz_gguf.py: mx.load ends the process (SIGSEGV) on such a file
+    if f64 is not None:  # found by tests/gguf/test_fuzz_gguf.py: mx.load ends the process (SIGSEGV) on such a file
         raise ConfigError(f"{path}: metadata {f64} is a FLOAT64 value, which mlx's GGUF loader cannot read",
                           hint="write it as FLOAT32 (what llama.cpp's converters write)")
     if md.get("llama.expert_count"):

@@ -88,7 +88,7 @@ def test_refusals(extra, error, text):
      "rendering a sample conversation, the chat template would make a repeated list"),
 ])
 def test_lists_of_the_wrong_kind_are_refused(extra, error, text):
-    """Found by tests/test_fuzz_gguf.py: these reached Python errors (exit 70) or a bare tokenizers exception."""
+    """Found by tests/gguf/test_fuzz_gguf.py: these reached Python errors (exit 70) or a bare tokenizers exception."""
     with pytest.raises(error) as e:
         build_tokenizer(_byte_level_md(**extra), "x.gguf")
     assert text in e.value.message
