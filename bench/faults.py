@@ -693,7 +693,7 @@ def replan_matrix(bed: Bed, rng: random.Random, i: int) -> str:
 
 
 def gguf_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
-    """GGUF numeric metadata and counts through `model import` (tests/test_fuzz_gguf.py), with a random seed."""
+    """GGUF numeric metadata and counts through `model import` (tests/gguf/test_fuzz_gguf.py), with a random seed."""
     from test_fuzz_gguf import fuzz_gguf
 
     seed = rng.randrange(10**9)
@@ -791,7 +791,7 @@ def _heal_trial(case_name: str):
 
 
 def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
-    """The supervisor's own loop over simulated nodes (tests/launch/test_heal_races.py's bed: the real look,
+    """The supervisor's own loop over simulated nodes (tests/supervise/test_heal_races.py's bed: the real look,
     teardown, replan and relaunch code on a clock the trial turns): rank 0 SIGKILLed, rank 1 following it out at
     a random moment from 0 to 14 s (before, at, after the grace and the stale period) with one of the words a
     follower writes, or never; 25 moments per trial."""
@@ -799,7 +799,7 @@ def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
 
     import test_heal_races as races
     from clusterctl.launch.fakecluster import SimulatedNode
-    from clusterctl.launch.faketransport import fake_nodes
+    from clusterctl.connect.faketransport import fake_nodes
 
     moments = []
     for k in range(5 if bed.quick else 25):

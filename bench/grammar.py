@@ -77,12 +77,12 @@ def rf(schema) -> dict:
 
 def model_path(kind: str) -> Path:
     if kind == "smollm2":
-        from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+        from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
 
         return Path(import_gguf(smollm2_gguf_path(), REPO / ".cache" / "smollm2").dest)
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
-    return Path(tinymodel.build(REPO / ".cache" / "tiny-model-test"))
+    return Path(tiny.build(REPO / ".cache" / "tiny-model-test"))
 
 
 def ms(x: float) -> str:

@@ -46,12 +46,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from clusterctl.launch import fdlimit  # noqa: E402
+from clusterctl.connect import fdlimit  # noqa: E402
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment  # noqa: E402
-from clusterctl.launch.faketransport import fake_nodes  # noqa: E402
+from clusterctl.connect.faketransport import fake_nodes  # noqa: E402
 from clusterctl.launch.jobplan import LaunchOptions  # noqa: E402
-from clusterctl.launch.nodes import SshOptions  # noqa: E402
-from clusterctl.state import StateDir  # noqa: E402
+from clusterctl.connect.nodes import SshOptions  # noqa: E402
+from clusterctl.statedir.state import StateDir  # noqa: E402
 
 SSH = SshOptions()
 TICK = 0.005
@@ -167,7 +167,7 @@ async def _session(process) -> None:
 async def connect_rows(count: int, nofile: int, folder: Path) -> list[dict]:
     import asyncssh
 
-    from clusterctl.launch.nodes import close_all, handles
+    from clusterctl.connect.nodes import close_all, handles
     from clusterctl.plan.inventory import Node
 
     host_key, client_key = asyncssh.generate_private_key("ssh-ed25519"), asyncssh.generate_private_key("ssh-ed25519")

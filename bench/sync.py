@@ -133,7 +133,7 @@ def bench_big_cached(root: Path, gib: int) -> list[list[str]]:
 
 
 def bench_sync(root: Path, size_mb: int, rounds: int) -> list[list[str]]:
-    from clusterctl.launch import ssh_policy
+    from clusterctl.connect import ssh_policy
 
     nodes = SshNodes.start(root / "sshd", 1)
     try:

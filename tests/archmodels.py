@@ -96,7 +96,7 @@ def build(family: str, folder: Path, tokenizer_from: Path | None, *, layers: int
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import save_config, save_model
 
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
 
     folder = Path(folder)
     config = config_of(family, layers)
@@ -286,7 +286,7 @@ def build_released(name: str, folder: Path, tokenizer_from: Path | None, *, seed
     from mlx.utils import tree_flatten, tree_map
 
     from clusterctl.atomic import atomic_write_json
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
 
     folder = Path(folder)
     config = RELEASED[name]
@@ -325,7 +325,7 @@ def write_deepseek_v3_fp8_headers(folder: Path) -> Path:
 
     from mlx.utils import tree_flatten
 
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
     from modelfiles import write_safetensors
 
     config = DEEPSEEK_V3_FP8

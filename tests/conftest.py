@@ -1,8 +1,14 @@
 """Shared fixtures for the whole suite. The real-sshd and network-namespace fixtures live in fixtures_ssh.py."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# the rank harness and the launch tests' helpers (tests/launch/rankharness.py, launchutil.py) serve tests of every
+# folder (tests/ mirrors src/: connect/, front/, supervise/, rank/ start ranks too)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "launch"))
 
 # Never the network: a fuzzed `plan --model` that reads as a hub name (`0/0`) must not reach huggingface.co. Set
 # before anything imports huggingface_hub (it reads the variable once); the hub tests give their processes a
@@ -17,6 +23,20 @@ from slowguard import (pytest_collection_modifyitems, pytest_configure, pytest_r
                        pytest_runtest_protocol)  # (the `slow` mark, enforced: docs/testing.md; registered by import)
 from xdistsched import pytest_testnodedown, pytest_xdist_make_scheduler  # noqa: F401
 # (hooks of parallel runs, scripts/test; registered by import)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny random-weight model the launch, connect, front and supervise tests serve."""
+    from rankharness import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture
+def env(tmp_path):
+    """The CLI's environment for one test: its own state dir (keys, deployments, launch manifests)."""
+    return {"CLUSTERCTL_STATE_DIR": str(tmp_path / "state")}
 
 
 def pytest_terminal_summary(terminalreporter):

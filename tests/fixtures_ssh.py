@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl.launch.ssh_policy import SshTarget
+from clusterctl.connect.ssh_policy import SshTarget
 from slowguard import require_slow
 from testports import free_port  # noqa: F401  (this worker's own ports; test_transport takes it from here)
 

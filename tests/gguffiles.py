@@ -4,7 +4,7 @@
 implement GGUF's Q4_0, Q4_1 and Q8_0 blocks the way llama.cpp's reference code does; ``tiny_llama`` builds a
 random llama in Hugging Face layout and its GGUF form (q/k rows permuted as llama.cpp's converter does), so an
 import can be compared with the original. ``count_fields`` lists where a file keeps each of its counts and
-lengths, for the fuzzer (tests/test_fuzz_gguf.py) to lie in.
+lengths, for the fuzzer (tests/gguf/test_fuzz_gguf.py) to lie in.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from clusterctl.gguftokenizer import BYTE_SPELLING
+from clusterctl.gguf.tokenizer import BYTE_SPELLING
 
 GGML = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # bytes per block of 32 (K: 256)

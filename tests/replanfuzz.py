@@ -68,13 +68,13 @@ class World:
         return r
 
     def load(self, ref: str):
-        from clusterctl.state import StateDir
+        from clusterctl.statedir.state import StateDir
 
         return StateDir(self.state).load_deployment(ref)[1].deployment
 
     def history(self) -> list[dict]:
-        from clusterctl import history
-        from clusterctl.state import StateDir
+        from clusterctl.statedir import history
+        from clusterctl.statedir.state import StateDir
 
         return history.entries(StateDir(self.state), "fz")
 

@@ -134,7 +134,7 @@ def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
 
 def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.launch.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
+    from clusterctl.statedir.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
     from clusterctl.shared.signing import sign_payload
 
     key, trusted = keys
@@ -246,7 +246,7 @@ def test_cancel_file_and_ack(tmp_path):
 
 def test_model_manifest(tmp_path):
     from clusterctl.atomic import read_json
-    from clusterctl.shared.modelmanifest import FileHash, check_manifest, manifest_hash
+    from clusterctl.modelfiles.manifest import FileHash, check_manifest, manifest_hash
 
     files = [FileHash(path="config.json", size=10, sha256="a" * 64),
              FileHash(path="model.safetensors", size=99, sha256="b" * 64)]
@@ -261,8 +261,8 @@ def test_model_manifest(tmp_path):
 
 
 def test_replan_history(tmp_path):
-    from clusterctl import history
-    from clusterctl.state import StateDir
+    from clusterctl.statedir import history
+    from clusterctl.statedir.state import StateDir
 
     state = StateDir(tmp_path)
     (tmp_path / "history").mkdir()
@@ -309,9 +309,9 @@ def test_safetensors_header(tmp_path):
 def tokenizer():
     from mlx_lm.utils import load_tokenizer
 
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
-    return load_tokenizer(tinymodel.build(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model-test"))
+    return load_tokenizer(tiny.build(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model-test"))
 
 
 def test_request_bodies(tokenizer):

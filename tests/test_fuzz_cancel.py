@@ -140,7 +140,7 @@ class CancelMachine(RuleBasedStateMachine):
     @initialize(world=st.sampled_from([1, 2]), two_nodes=st.booleans())
     def setup(self, world, two_nodes):
         from clusterctl.shared.cancelfile import CancelWatch, write_ack
-        from clusterctl.launch.manifest import LaunchManifest, RankRecord, this_coordinator
+        from clusterctl.statedir.manifest import LaunchManifest, RankRecord, this_coordinator
         from clusterctl.rank.steploop import StepLoop
         from clusterctl.shared.rankspec import RankSpec
         from clusterctl.shared.nodespec import Node
@@ -225,7 +225,7 @@ class CancelMachine(RuleBasedStateMachine):
         """Run `cancel_job` once per plan (name, requests, wait, rank 0 responsive) in one event loop; with
         ``order``, concurrently with the writes in that order."""
         import clusterctl.launch.cancel as cancel_mod
-        from clusterctl.launch.nodes import SshOptions
+        from clusterctl.connect.nodes import SshOptions
 
         co = Coordinators(self)
         co.order, co.places = order, len(self.rds)

@@ -294,10 +294,10 @@ def world(tmp_path_factory):
         mp.delenv("CLUSTERCTL_LAUNCHER_LEASE", raising=False)
         mp.delenv("CLUSTERCTL_API_KEY", raising=False)
         mp.setattr("clusterctl.launch.start.launch", fake_launch)
-        mp.setattr("clusterctl.tinymodel.build", fake_build)
-        mp.setattr("clusterctl.demo.run_demo", fake_demo)
-        mp.setattr("clusterctl.launch.front.serve", fake_front)
-        mp.setattr("clusterctl.launch.frontstate.spawn_front", fake_spawn)
+        mp.setattr("clusterctl.modelfiles.tiny.build", fake_build)
+        mp.setattr("clusterctl.launch.demo.run_demo", fake_demo)
+        mp.setattr("clusterctl.front.proxy.serve", fake_front)
+        mp.setattr("clusterctl.front.records.spawn_front", fake_spawn)
         cache_typer_command(mp)
         yield w
 

@@ -61,7 +61,7 @@ class Box:
     """tmp/box/s1/s2/s3/s4/{state,run-a,run-b}: an id with up to four '..' that did escape stays in the box."""
 
     def __init__(self, root: Path):
-        from clusterctl.state import StateDir
+        from clusterctl.statedir.state import StateDir
 
         self.box = root / "box"
         self.base = self.box / "s1" / "s2" / "s3" / "s4"
@@ -155,7 +155,7 @@ def parse_deployment(box, deployment, field, ident) -> dict:
 
 
 def parse_manifest(box, deployment, field, ident) -> dict:
-    from clusterctl.launch.manifest import KIND, ManifestStore
+    from clusterctl.statedir.manifest import KIND, ManifestStore
     from clusterctl.shared.signing import sign_payload
 
     doc = _manifest_doc(**{field: ident})
@@ -165,7 +165,7 @@ def parse_manifest(box, deployment, field, ident) -> dict:
 
 
 def _manifest_doc(job_id="j1", deployment_id="d1") -> dict:
-    from clusterctl.launch.manifest import this_coordinator
+    from clusterctl.statedir.manifest import this_coordinator
 
     return {"schema_version": 1, "type": "launch-manifest", "job_id": job_id, "deployment_id": deployment_id,
             "plan_hash": "h", "deployment_file": "/d.json", "created_at": "t", "nonce": "n",
@@ -266,9 +266,9 @@ def job_of(deployment_id: str) -> str:
 
 def derived_paths(box: Box, ids: dict) -> list[tuple[str, Path, Path]]:
     """(what, path, the folder it must be in) for every file the code names after these ids."""
-    from clusterctl import history
+    from clusterctl.statedir import history
     from clusterctl.shared.runtimefiles import ack_path, cancel_path
-    from clusterctl.launch.manifest import ManifestStore
+    from clusterctl.statedir.manifest import ManifestStore
     from clusterctl.launch.teardown import reports_dir
 
     st_ = box.state
@@ -317,9 +317,9 @@ def path_problems(what: str, path: Path, folder: Path) -> list[str]:
 
 def write_everything(box: Box, ids: dict, deployment) -> None:
     """The real writers, with ids that passed path_problems: each may only write where it should."""
-    from clusterctl import history
+    from clusterctl.statedir import history
     from clusterctl.shared.runtimefiles import cancel_here, write_ack
-    from clusterctl.launch.manifest import LaunchManifest, ManifestStore
+    from clusterctl.statedir.manifest import LaunchManifest, ManifestStore
     from clusterctl.launch.teardown import TeardownReport, save_report
     from clusterctl.locks import Lock
 
@@ -352,7 +352,7 @@ def made_ids_read_back(box: Box, ids: dict) -> list[str]:
     the markers: each of those parsers must take it, or the job could not be read back (reap, teardown, status)."""
     from pydantic import ValidationError
 
-    from clusterctl.launch.manifest import LaunchManifest
+    from clusterctl.statedir.manifest import LaunchManifest
     from clusterctl.shared.runtimefiles import Marker
     from clusterctl.shared.rankspec import RankSpec
 

@@ -47,7 +47,7 @@ ALIAS_LIMITS = [-1, 2**63, "12", None]  # an alias goes through the same check a
 def declared_limits() -> list[int]:
     """The bounds the model reader declares (its modules' MAX_* / MIN_* integers), and one past each."""
     import clusterctl.plan.model as model
-    import clusterctl.shared.modelfiles as files
+    import clusterctl.modelfiles.folder as files
 
     out = []
     for name, v in sorted({**vars(files), **vars(model)}.items()):

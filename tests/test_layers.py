@@ -30,14 +30,15 @@ HEAVY = {"mlx", "mlx_lm", "numpy", "transformers", "asyncssh", "aiohttp", "jinja
 MAX_DEFERRED = 60
 # The CLI imports a command's code (the coordinator's packages) when that command runs: every invocation, cron's
 # `reap` each minute and `--help` included, would otherwise load all of it (0.21 s -> 0.50 s per start); the base modules too where they load pydantic (names).
-COMMAND_CODE = {"launch", "sync", "plan", "shared", "demo", "ggufimport", "ggufcheck", "gguftokenizer", "tinymodel", "state"}
+COMMAND_CODE = {"launch", "sync", "plan", "shared", "connect", "statedir", "front", "supervise", "gguf", "modelfiles"}
 # What each package may import of clusterctl (besides itself and the base modules).
 ALLOWED = {
     "shared": set(),
-    "plan": {"shared"},
-    "ple": {"shared"},
-    "node": {"shared"},
-    "rank": {"shared", "ple"},
+    "modelfiles": {"shared"},
+    "plan": {"shared", "modelfiles"},
+    "ple": {"shared", "modelfiles"},
+    "node": {"shared", "modelfiles"},
+    "rank": {"shared", "modelfiles", "ple"},
 }
 # Third-party modules node-side code may import: psutil; mlx only inside the probe that reports whether this
 # node's mlx can use the planned backend; pydantic and platformdirs through shared.
@@ -100,7 +101,7 @@ def graph(top_only: bool) -> dict[str, set[str]]:
 
 
 def package(module: str) -> str:
-    """clusterctl.rank.api -> rank; clusterctl.errors -> the base; clusterctl.demo -> demo (a top-level module)."""
+    """clusterctl.rank.api -> rank; clusterctl.errors -> the base; clusterctl.launch.demo -> demo (a top-level module)."""
     if module in BASE:
         return "base"
     parts = module.split(".")

@@ -10,7 +10,7 @@ import pytest
 
 from clusterctl.atomic import open_regular, read_capped
 from clusterctl.errors import IntegrityError, MissingInput
-from clusterctl.gguf import read_header
+from clusterctl.gguf.reader import read_header
 from clusterctl.ple.errors import CorruptTensorFile, TensorNotFound
 from clusterctl.ple.shard import ShardFile
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import psutil
 
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
 from clusterctl.node.procs import boot_id
 from clusterctl.plan.inventory import Node
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 from diskutil import fill_disk  # noqa: F401  (the disk-full tests and bench/faults.py take it from here)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -197,9 +197,9 @@ TINY_MODEL_DIR = REPO / ".cache" / "tiny-model-test"
 
 
 def tiny_model_path() -> Path:
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
-    return tinymodel.build(TINY_MODEL_DIR)
+    return tiny.build(TINY_MODEL_DIR)
 
 
 def reference_tokens(model_path: Path, prompt: str, max_tokens: int, *, temperature: float = 0.0,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.hubmodel import parse_hub_name
-from clusterctl.shared.modelmanifest import build_manifest
+from clusterctl.modelfiles.manifest import build_manifest
 from hubserver import FakeHub
 from modelfiles import make_model
 from testports import free_port
@@ -230,7 +230,7 @@ def test_replan_keeps_the_hub_reference(tmp_path, hub, model):
 
 
 def test_a_hub_cache_snapshot_is_a_model_folder_but_links_elsewhere_are_not(tmp_path, model):
-    from clusterctl.shared.modelmanifest import ManifestRefused
+    from clusterctl.modelfiles.manifest import ManifestRefused
 
     repo = tmp_path / "hub" / "models--o--m"
     snap = repo / "snapshots" / ("a" * 40)
@@ -334,7 +334,7 @@ def test_rank_0_is_told_the_repository_as_the_served_name(tmp_path, model):
 def test_a_hub_model_serves_under_its_repository_name(tmp_path, hub):
     import urllib.request
 
-    from clusterctl.tinymodel import build
+    from clusterctl.modelfiles.tiny import build
 
     tiny = build(tmp_path / "tiny")
     hub.add(REPO_ID, tiny)

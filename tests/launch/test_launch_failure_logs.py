@@ -152,8 +152,8 @@ def test_printable_escapes_what_a_terminal_would_act_on():
 def _run_of(tmp_path: Path, python: str, log_path: str, marker_path: str | None = None):
     """A failed launch as keep_logs sees it: one detached rank 0 on node a (a real LocalTransport running
     ``python``) with its marker at ``marker_path``, and rank 1 that never started."""
-    from clusterctl.launch.nodes import NodeHandle
-    from clusterctl.launch.localnode import LocalTransport
+    from clusterctl.connect.nodes import NodeHandle
+    from clusterctl.connect.localnode import LocalTransport
     from clusterctl.plan.inventory import Node
 
     recs = [SimpleNamespace(rank=0, node="a", pid=4242, log_path=log_path, marker_path=marker_path),

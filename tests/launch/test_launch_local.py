@@ -435,7 +435,7 @@ def test_a_port_block_in_use_is_replaced_by_another(tmp_path, tiny, env, monkeyp
 
     from clusterctl.launch import hostfile, start
     from clusterctl.launch.jobplan import LaunchOptions
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     dep = plan(tmp_path, tiny, env)
     real = hostfile.choose_ports

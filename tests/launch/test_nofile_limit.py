@@ -15,7 +15,7 @@ from launchutil import local_cluster
 PROBE = """
 import json, resource, sys
 from clusterctl import cli
-from clusterctl.launch.fdlimit import raise_nofile
+from clusterctl.connect.fdlimit import raise_nofile
 raise_nofile()
 before = resource.getrlimit(resource.RLIMIT_NOFILE)
 try:

@@ -56,7 +56,7 @@ def _verify_id(path: Path, env: dict) -> str:
 
 
 def _load(path: Path, env: dict):
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     return StateDir(env["CLUSTERCTL_STATE_DIR"]).load_deployment(str(path))[1].deployment
 

@@ -9,10 +9,10 @@ import warnings
 import pytest
 
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment
-from clusterctl.launch.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_nodes
+from clusterctl.connect.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_nodes
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import ManifestStore
-from clusterctl.state import StateDir
+from clusterctl.statedir.manifest import ManifestStore
+from clusterctl.statedir.state import StateDir
 
 
 @pytest.fixture
@@ -21,7 +21,8 @@ def state(tmp_path):
 
 
 def run_launch(state, n: int, *, detach: bool, saves: list | None = None):
-    from clusterctl.launch import manifest, start
+    from clusterctl.statedir import manifest
+    from clusterctl.launch import start
 
     path = simulated_deployment(state, n)
     nodes = {f"n{i:04d}": SimulatedNode() for i in range(n)}
@@ -128,7 +129,7 @@ def test_a_cancelled_readline_leaves_no_pending_task():
 def test_a_fan_out_starts_at_most_a_burst_of_operations_per_loop_turn():
     from collections import Counter
 
-    from clusterctl.launch.nodes import Pacer
+    from clusterctl.connect.nodes import Pacer
 
     async def go():
         pacer, turn, passed = Pacer(), [0], []
@@ -181,7 +182,7 @@ def test_names_of_nodes_without_ips_are_looked_up_concurrently_off_the_loop(stat
 
 def test_a_foreground_launch_that_cannot_hold_a_connection_per_node_is_refused_up_front(state, monkeypatch):
     from clusterctl.errors import ConfigError
-    from clusterctl.launch import fdlimit
+    from clusterctl.connect import fdlimit
 
     monkeypatch.setattr(fdlimit, "SLOTS", fdlimit.ConnectionSlots(limit=2))
     with pytest.raises(ConfigError, match="foreground launch keeps one connection per node open: 3 nodes") as e:

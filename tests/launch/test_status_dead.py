@@ -1,16 +1,16 @@
 """`status` shows a rank that died without a word as dead (its process gone, identity-checked on its node) or lost
 (its heartbeat stale), whatever its marker and the job's manifest still say; and the tables fit narrow terminals.
-Against fake nodes (launch/faketransport.py: the real coordinator code and op sessions) and real Rich rendering;
+Against fake nodes (connect/faketransport.py: the real coordinator code and op sessions) and real Rich rendering;
 the same against real ranks in test_status_watch.py."""
 
 import asyncio
 
 import pytest
 
-from clusterctl.launch.faketransport import NodeOpError, ScriptedOps, fake_nodes
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
+from clusterctl.connect.nodes import SshOptions
 from clusterctl.launch.status import rank_state, status
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 from test_fake_nodes import job as _job
 
 SSH = SshOptions()
@@ -18,7 +18,7 @@ SSH = SshOptions()
 
 def job(state: StateDir):
     """The fake nodes' job of two ranks (a, b), its manifest saying ready as a launched job's does."""
-    from clusterctl.launch.manifest import ManifestStore
+    from clusterctl.statedir.manifest import ManifestStore
 
     m = _job(state)
     m.state = "ready"

@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
 from clusterctl.node.procs import Identity, boot_id, status_of, stop
 from clusterctl.plan.inventory import Node
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 from launchutil import IGNORE_TERM, cli, ident, make_job, spawn  # noqa: F401
 
 @pytest.fixture

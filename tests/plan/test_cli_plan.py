@@ -162,7 +162,7 @@ def test_local_node_without_memory_gb_reads_this_machine(tmp_path, model32, stat
 
 
 def test_plan_records_the_model_manifest(c3, model32, state):
-    from clusterctl.shared.modelmanifest import build_manifest, load_manifest
+    from clusterctl.modelfiles.manifest import build_manifest, load_manifest
 
     r = run("plan", "-c", str(c3), "-m", str(model32), "--json")
     assert r.code == 0, r.stderr

@@ -11,7 +11,7 @@ from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
 from clusterctl.shared.signing import Keyring, sign_payload, verify_signed
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 from modelfiles import make_model
 

@@ -14,7 +14,7 @@ from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
 from clusterctl.plan.replan import derive, placement_diff
 from clusterctl.shared.signing import Keyring, sign_payload
-from clusterctl.state import StateDir
+from clusterctl.statedir.state import StateDir
 
 from cliutil import run
 from modelfiles import make_model

@@ -49,7 +49,7 @@ def test_a_signed_deployment_with_a_path_for_a_cluster_name_is_refused(signed, s
 def test_manifests_contracts_and_markers_refuse_path_ids(bad):
     from pydantic import ValidationError
 
-    from clusterctl.launch.manifest import LaunchManifest
+    from clusterctl.statedir.manifest import LaunchManifest
     from clusterctl.shared.runtimefiles import Marker
     from clusterctl.shared.rankspec import RankSpec
 

@@ -74,7 +74,7 @@ def measured_bytes(config: dict, n: int = N, decoded: int = 2) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
 
     mx.random.seed(0)
     model = build_lazy(config)
@@ -158,7 +158,7 @@ def _saved(folder, config: dict, dtype: str, norm_dtype: str | None = None):
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import save_model
 
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
 
     mx.random.seed(0)
     model = build_lazy(config)

@@ -188,7 +188,7 @@ def test_an_fp8_checkpoint_plans_as_mlx_lm_loads_it(tmp_path):
     from archmodels import DEEPSEEK_V3_FP8, write_deepseek_v3_fp8_headers
     from mlx.utils import tree_flatten
 
-    from clusterctl.shared.archs import build_lazy, kept_tensors
+    from clusterctl.modelfiles.archs import build_lazy, kept_tensors
     from clusterctl.plan.model import read_safetensors_header
 
     path = write_deepseek_v3_fp8_headers(tmp_path / "v3")

@@ -1,13 +1,9 @@
-"""The rank's tests share the launch tests' helpers (rankharness, launchutil) in tests/launch."""
+"""The rank's tests share the launch tests' helpers (rankharness, launchutil) in tests/launch (on the path:
+tests/conftest.py)."""
 
-import sys
-from pathlib import Path
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-
-import pytest  # noqa: E402
-
-from rankharness import RankCluster, tiny_model_path  # noqa: E402
+from rankharness import RankCluster, tiny_model_path
 
 # The 2-rank clusters of the API tests (test_api, test_rank_admission, test_conformance), one per decode schedule,
 # started once for the session: what they configure is what every one of those tests may rely on.

@@ -23,7 +23,7 @@ def adapted(tmp_path_factory):
 def test_two_pipeline_ranks_serve_an_adapter_like_one_mlx_lm_process(adapted, schedule, tmp_path):
     """The adapter covers the last 6 of the model's 8 blocks: rank 0 holds blocks 4-7, rank 1 blocks 0-3, so each
     rank maps "the last num_layers" onto its own slice (rank 1 adapts blocks 2 and 3 only)."""
-    from clusterctl.shared.modelmanifest import build_manifest
+    from clusterctl.modelfiles.manifest import build_manifest
 
     model, adapter = adapted
     want = {p: adapted_tokens(model, adapter, p, 12) for p in PROMPTS}
@@ -48,7 +48,7 @@ def adapted_quantized(tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_adapter_on_a_quantized_model_serves_like_one_mlx_lm_process(adapted_quantized, tmp_path):
-    from clusterctl.shared.modelmanifest import build_manifest
+    from clusterctl.modelfiles.manifest import build_manifest
 
     model, adapter = adapted_quantized
     want = adapted_tokens(model, adapter, PROMPTS[0], 12)
@@ -60,7 +60,7 @@ def test_an_adapter_on_a_quantized_model_serves_like_one_mlx_lm_process(adapted_
 
 @pytest.mark.slow
 def test_a_rank_refuses_an_adapter_changed_after_plan_in_one_line(adapted, tmp_path):
-    from clusterctl.shared.modelmanifest import build_manifest
+    from clusterctl.modelfiles.manifest import build_manifest
 
     model, adapter = adapted
     planned = build_manifest(adapter).manifest_hash

@@ -95,7 +95,7 @@ def test_a_split_mlx_lms_own_pipeline_refuses_ends_the_rank_in_one_line(tmp_path
 
 
 def _shardable(family: str) -> bool:
-    from clusterctl.shared.archs import capability
+    from clusterctl.modelfiles.archs import capability
 
     return capability(config_of(family), 4).shard
 

@@ -137,7 +137,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+    from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
     from mlx_lm import load
 
     model, tok = load(str(import_gguf(smollm2_gguf_path(), REPO / ".cache" / "smollm2").dest))

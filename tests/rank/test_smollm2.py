@@ -14,7 +14,7 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from clusterctl.ggufimport import import_gguf, smollm2_gguf_path
+    from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
 
     return import_gguf(smollm2_gguf_path(), REPO / ".cache" / "smollm2").dest
 

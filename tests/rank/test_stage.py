@@ -39,7 +39,7 @@ def test_a_skipped_state_layer_keeps_the_mask_bookkeeping_of_its_cache(monkeypat
     import mlx.core as mx
 
     from clusterctl.rank.stage import Skip, split_blocks
-    from clusterctl.shared.archs import build_lazy
+    from clusterctl.modelfiles.archs import build_lazy
 
     mx.random.seed(0)
     whole = build_lazy(config_of("bailing_hybrid"))

@@ -12,8 +12,8 @@ import pytest
 
 from cliutil import run
 from clusterctl.errors import Exit, IntegrityError, MissingInput
-from clusterctl.shared.copycheck import check_copy, needed_files
-from clusterctl.shared.modelmanifest import (HashCache, ManifestRefused, build_manifest, check_manifest, load_manifest,
+from clusterctl.modelfiles.copycheck import check_copy, needed_files
+from clusterctl.modelfiles.manifest import (HashCache, ManifestRefused, build_manifest, check_manifest, load_manifest,
                                       save_manifest)
 
 
@@ -145,7 +145,7 @@ def test_tampered_manifest_is_refused_and_stored_ones_are_rechecked(tmp_path):
         check_manifest(doc)
     doc = m.model_dump(mode="json")
     doc["files"].append({"path": "../etc/passwd", "size": 1, "sha256": "0" * 64})
-    from clusterctl.shared.modelmanifest import FileHash, manifest_hash
+    from clusterctl.modelfiles.manifest import FileHash, manifest_hash
 
     doc["manifest_hash"] = manifest_hash([FileHash(**f) for f in doc["files"]])
     with pytest.raises(IntegrityError, match="unsafe path"):

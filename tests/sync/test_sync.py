@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl.launch.nodes import SshOptions
-from clusterctl.state import StateDir
+from clusterctl.connect.nodes import SshOptions
+from clusterctl.statedir.state import StateDir
 from clusterctl.sync.engine import SyncOptions, sync_deployment
-from clusterctl.shared.modelmanifest import build_manifest
+from clusterctl.modelfiles.manifest import build_manifest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +33,9 @@ TINY = REPO / ".cache" / "tiny-model-test"
 
 @pytest.fixture(scope="session")
 def tiny() -> Path:
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
-    return tinymodel.build(TINY)
+    return tiny.build(TINY)
 
 
 @pytest.fixture(scope="session")

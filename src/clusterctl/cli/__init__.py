@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    from clusterctl.launch.fdlimit import raise_nofile
+    from clusterctl.connect.fdlimit import raise_nofile
 
     raise_nofile()  # one connection per node: a shell's soft limit (256 on macOS) is too low for big clusters
     # set from argv too, so that even a usage error gives a JSON document when one was asked for

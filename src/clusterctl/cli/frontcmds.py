@@ -32,7 +32,7 @@ def front(
     """The front door: one stable address that forwards the OpenAI API to the cluster's current rank 0, across
     replans and heals (docs/front.md)."""
     o = output(ctx, json, quiet)
-    from clusterctl.launch import frontstate as fs
+    from clusterctl.front import records as fs
 
     state = state_of(state_dir)
     if address is not None:
@@ -75,7 +75,7 @@ def front(
         return
     import asyncio
 
-    from clusterctl.launch.front import serve
+    from clusterctl.front.proxy import serve
 
     for rec in fs.live_fronts(state):
         if (rec.bind_host, rec.port) == (host, port):
@@ -102,7 +102,7 @@ def front_for(o, state, front: str | None, cluster_of, known_hosts, accept_new):
     rank starts (so a port in use ends the command with nothing started). Returns its record if started here."""
     if front is None:
         return None
-    from clusterctl.launch.frontstate import ensure_front, parse_front
+    from clusterctl.front.records import ensure_front, parse_front
 
     host, port = parse_front(front)
     cluster = cluster_of()
@@ -113,6 +113,6 @@ def front_for(o, state, front: str | None, cluster_of, known_hosts, accept_new):
 
 def stop_started(state, rec) -> None:
     if rec is not None:
-        from clusterctl.launch.frontstate import stop_front
+        from clusterctl.front.records import stop_front
 
         stop_front(state, rec, grace=5)

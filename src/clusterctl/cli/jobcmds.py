@@ -16,7 +16,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
-from clusterctl import history as hist
+from clusterctl.statedir import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
 from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
                                        replan_given, unchanged)
@@ -125,7 +125,7 @@ def teardown(
     if not reports:
         o.info("nothing to tear down")
     if ok:
-        from clusterctl.launch.frontstate import stop_idle_auto_fronts
+        from clusterctl.front.records import stop_idle_auto_fronts
 
         for rec in stop_idle_auto_fronts(state_of(state_dir), grace=grace):
             o.info(f"front {rec.url} of cluster {rec.cluster}: stopped (its cluster has no job left)")
@@ -133,9 +133,9 @@ def teardown(
 
 
 async def _launched(o, state, deployment: str, opts, detach: bool, policy) -> int:
-    """The launch in the foreground (or detached), or under the supervisor with --heal (launch/supervise.py)."""
+    """The launch in the foreground (or detached), or under the supervisor with --heal (supervise/loop.py)."""
     if policy is not None:
-        from clusterctl.launch.superviserun import run_supervised
+        from clusterctl.supervise.run import run_supervised
 
         return await run_supervised(o, state, deployment, opts, policy, take_over=False)
     from clusterctl.launch.foreground import run_foreground

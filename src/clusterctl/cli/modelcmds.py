@@ -25,7 +25,7 @@ def manifest(
 ) -> None:
     """Every file of a model folder with its size and SHA-256, and the manifest hash (docs/sync.md)."""
     o = output(ctx, json, quiet)
-    from clusterctl.shared.modelmanifest import HashCache, build_manifest
+    from clusterctl.modelfiles.manifest import HashCache, build_manifest
 
     cache = HashCache()
     m = build_manifest(folder, cache=cache, use_cache=not no_cache)
@@ -109,17 +109,17 @@ def model_tiny(
 ) -> None:
     """Build a small random-weight qwen2 model with a locally trained tokenizer (no downloads)."""
     o = output(ctx, json, quiet)
-    from clusterctl import tinymodel
+    from clusterctl.modelfiles import tiny
 
     if preset is not None:
-        presets = {"bench": tinymodel.BENCH_100M}
+        presets = {"bench": tiny.BENCH_100M}
         if preset not in presets:
             raise UsageError(f"--preset: {preset!r} is not valid (choose from {', '.join(presets) or 'none'})")
         kw = dict(presets[preset])
     else:
         kw = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
-    built = tinymodel.build(path, seed=seed, overwrite=overwrite, **kw)
-    params = tinymodel.parameter_count(built)
+    built = tiny.build(path, seed=seed, overwrite=overwrite, **kw)
+    params = tiny.parameter_count(built)
     if o.json:
         o.data({"path": str(built), "parameters": params})
     else:
@@ -137,8 +137,8 @@ def model_import(
 ) -> None:
     """Turn a GGUF file into a model folder that clusterctl and mlx-lm serve (docs/models.md)."""
     o = output(ctx, json, quiet)
-    from clusterctl.ggufcheck import terminal_text
-    from clusterctl.ggufimport import import_gguf
+    from clusterctl.gguf.check import terminal_text
+    from clusterctl.gguf.importer import import_gguf
 
     res = import_gguf(source, dest, overwrite=overwrite)
     if o.json:
@@ -168,7 +168,7 @@ def demo(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.demo import run_demo
+    from clusterctl.launch.demo import run_demo
 
     state = state_of(state_dir)
     res = asyncio.run(run_demo(state, workdir or state.root / "demo", prompt=prompt, max_tokens=max_tokens, out=o,

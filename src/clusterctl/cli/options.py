@@ -94,7 +94,7 @@ def number(lo: float, hi: float):
 
 def bind_host(value: str) -> str:
     """--host: an IP address or a host name to bind, checked when the command line is parsed."""
-    from clusterctl.launch.apikey import check_bind_host
+    from clusterctl.front.apikey import check_bind_host
 
     try:
         return check_bind_host(value)
@@ -117,7 +117,7 @@ def output_of(ctx: typer.Context) -> Output:
 
 
 def state_of(state_dir: Path | None):
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     return StateDir(state_dir).check_safe()
 
@@ -158,7 +158,7 @@ def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=
             raise UsageError("--chat-template-args: want a JSON object")
         out["chat_template_args"] = args
     if "chat_template" in out:
-        from clusterctl.ggufcheck import check_template
+        from clusterctl.gguf.check import check_template
 
         check_template(out["chat_template"], f"--chat-template {chat_template}", out.get("chat_template_args"))
     return out
@@ -190,13 +190,13 @@ AliasOpt = Annotated[Optional[list[str]], typer.Option(
 
 
 def api_key_of(env_name: str | None, no_key: bool) -> str | None:
-    from clusterctl.launch.apikey import api_key_from_env
+    from clusterctl.front.apikey import api_key_from_env
 
     return api_key_from_env(env_name, no_key=no_key)
 
 
 def api_keys_of(path: Path | None, default_key: str | None, no_key: bool) -> dict[str, str]:
-    from clusterctl.launch.apikey import api_keys_from_file
+    from clusterctl.front.apikey import api_keys_from_file
 
     if path is not None and no_key:
         raise UsageError("--api-keys-file and --no-api-key contradict each other: give one")
@@ -208,7 +208,7 @@ def set_access(opts, *, api_keys_file: Path | None, no_api_key: bool, cors_origi
     """Who may call the relaunched rank 0, for launch, replan and supervise alike: the API keys (the file's,
     else ``opts.api_key``), CORS origins and model aliases set on ``opts``, then the exposure checked (a key is
     needed off loopback). ``host``: the address checked when ``opts`` has none yet."""
-    from clusterctl.launch.apikey import check_exposure
+    from clusterctl.front.apikey import check_exposure
 
     opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
     opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
@@ -220,7 +220,7 @@ def complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
     files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""
     import glob
 
-    from clusterctl.state import StateDir
+    from clusterctl.statedir.state import StateDir
 
     out: set[str] = set()
     try:
@@ -282,7 +282,7 @@ AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
 
 
 def ssh_options(known_hosts: Path | None, accept_new: bool):
-    from clusterctl.launch.nodes import SshOptions
+    from clusterctl.connect.nodes import SshOptions
 
     return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
 
@@ -291,7 +291,7 @@ def ssh_options(known_hosts: Path | None, accept_new: bool):
 
 def front_address(value: str) -> str:
     """--front HOST:PORT, checked when the command line is parsed (exit 2); the value stays the text given."""
-    from clusterctl.launch.frontstate import parse_front
+    from clusterctl.front.records import parse_front
 
     try:
         parse_front(value)
@@ -306,7 +306,7 @@ FrontOpt = Annotated[Optional[str], typer.Option(
     callback=lambda v: None if v is None else front_address(v), metavar="HOST:PORT")]
 
 
-# the supervisor's policy (launch --heal, supervise; launch/heal.py, docs/heal.md); None: the policy's default
+# the supervisor's policy (launch --heal, supervise; supervise/policy.py, docs/heal.md); None: the policy's default
 HealGraceOpt = Annotated[Optional[float], typer.Option(
     "--heal-grace", help="Seconds a rank or node must stay down before it is healed (default 5).",
     parser=number(0, 3600), metavar="SECONDS")]
@@ -328,8 +328,8 @@ RejoinDrainOpt = Annotated[Optional[float], typer.Option(
 
 def heal_policy(grace: float | None = None, max_heals: int | None = None, window: float | None = None,
                 backoff: float | None = None, rejoin_after: float | None = None, drain: float | None = None):
-    """The policy from the flags given (None: launch/heal.py's default)."""
-    from clusterctl.launch.heal import HealPolicy
+    """The policy from the flags given (None: supervise/policy.py's default)."""
+    from clusterctl.supervise.policy import HealPolicy
 
     given = {k: v for k, v in (("grace_s", grace), ("max_heals", max_heals), ("window_s", window),
                                ("backoff_s", backoff), ("rejoin_after_s", rejoin_after), ("drain_s", drain))

@@ -64,7 +64,7 @@ def plan(
 
     probe_remote = None
     if probe:
-        from clusterctl.launch.nodes import probe_memory
+        from clusterctl.connect.nodes import probe_memory
 
         def probe_remote(nodes):
             return probe_memory(nodes, ssh_options(known_hosts, accept_new_host_keys))

@@ -49,7 +49,7 @@ def supervise(
     import asyncio
 
     from clusterctl.launch.jobplan import LaunchOptions
-    from clusterctl.launch.superviserun import run_supervised
+    from clusterctl.supervise.run import run_supervised
 
     policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain)
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=True, http_host=host or "", seed=seed,

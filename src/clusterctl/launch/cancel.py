@@ -12,8 +12,8 @@ import json
 import time
 
 from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
-from clusterctl.launch.manifest import job_ref, manifest_store
-from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.statedir.manifest import job_ref, manifest_store
+from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.shared.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
                                             ack_path, cancel_path, new_cancel_nonce as new_nonce, next_epoch)
 

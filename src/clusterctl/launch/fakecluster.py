@@ -1,4 +1,4 @@
-"""A healthy fake node, for the fake transport (launch/faketransport.py): a whole launch, status, teardown, reap or
+"""A healthy fake node, for the fake transport (connect/faketransport.py): a whole launch, status, teardown, reap or
 cancel runs against it with the real coordinator code, in milliseconds, at any node count (bench/scale.py).
 
 ``SimulatedNode`` answers every node operation the coordinator sends as a healthy node would: preflight's probe
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterctl.launch.faketransport import ScriptedOps
+from clusterctl.connect.faketransport import ScriptedOps
 from clusterctl.launch.jobplan import LaunchOptions, contract_payload, mlx_view, plan_job, rank_addresses
 from clusterctl.launch.preflight import coordinator_versions as mine
 from clusterctl.plan.inventory import parse_cluster

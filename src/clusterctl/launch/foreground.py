@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore
 from clusterctl.shared.runtimefiles import Lease, encode_lease
-from clusterctl.launch.nodes import NodeHandle, close_all
+from clusterctl.connect.nodes import NodeHandle, close_all
 from clusterctl.launch.teardown import TeardownReport, reports_dir, teardown_job
-from clusterctl.launch.transport import StartedProcess
+from clusterctl.connect.transport import StartedProcess
 from clusterctl.locks import Lock
 from clusterctl.launch.ranklogs import keep_logs, last_lines
 

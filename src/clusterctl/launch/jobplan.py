@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from clusterctl.launch import hostfile
 from clusterctl.shared import runtimefiles as rf
-from clusterctl.launch.manifest import RankRecord
-from clusterctl.launch.nodes import SshOptions
+from clusterctl.statedir.manifest import RankRecord
+from clusterctl.connect.nodes import SshOptions
 from clusterctl.shared.rankspec import RankSpec, parse_rank_spec
 from clusterctl.launch.teardown import DEFAULT_GRACE
 from clusterctl.shared.deployment import Deployment

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterctl.errors import IntegrityError, MissingInput
-from clusterctl.shared.modelmanifest import HashCache, Manifest, build_manifest, load_manifest, save_manifest
+from clusterctl.modelfiles.manifest import HashCache, Manifest, build_manifest, load_manifest, save_manifest
 from clusterctl.plan.commands import plan_deployment
 from clusterctl.launch.hubmodel import resolve_model, with_hub
 

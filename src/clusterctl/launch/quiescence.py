@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import SshOptions, close_all, handles
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 

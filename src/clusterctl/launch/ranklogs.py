@@ -16,7 +16,7 @@ from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, LaunchFailed
 from clusterctl.atomic import atomic_write_bytes, atomic_write_json
-from clusterctl.launch.transport import TAIL_BYTES
+from clusterctl.connect.transport import TAIL_BYTES
 from clusterctl.shared import runtimefiles as rf
 
 KEEP_BYTES = 4 << 20  # the last 4 MiB of each rank's log

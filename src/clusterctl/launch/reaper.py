@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.launch.manifest import coordinator_alive, manifest_store
-from clusterctl.launch.nodes import NodePool, SshOptions, close_all, handles
+from clusterctl.statedir.manifest import coordinator_alive, manifest_store
+from clusterctl.connect.nodes import NodePool, SshOptions, close_all, handles
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, IntegrityError, LaunchFailed, MissingInput, UsageError
 from clusterctl.shared.deployment import Deployment, decode, identity_changes
-from clusterctl import history
+from clusterctl.statedir import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.hubmodel import refetch, with_hub
 from clusterctl.launch.jobplan import LaunchOptions
-from clusterctl.launch.manifest import manifest_store, now_iso
-from clusterctl.launch.nodes import close_all, handles
+from clusterctl.statedir.manifest import manifest_store, now_iso
+from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem
 from clusterctl.launch.quiescence import refuse_activity
@@ -239,7 +239,7 @@ class _NothingStaged:
 
 
 def record(state, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
-    """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (launch/supervise.py)."""
+    """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (supervise/loop.py)."""
 
     history.append(state, p.old.cluster, {
         "applied_at": now_iso(), "from": p.old.deployment_id, "from_hash": p.old.plan_hash,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.launch.manifest import coordinator_alive, job_ref, manifest_store
-from clusterctl.launch.nodes import SshOptions, close_all, handles
+from clusterctl.statedir.manifest import coordinator_alive, job_ref, manifest_store
+from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
 from clusterctl.atomic import read_capped
-from clusterctl.launch.healstate import read_all
+from clusterctl.statedir.healfile import read_all
 from clusterctl.shared.deployment import decode
-from clusterctl.launch.frontstate import annotate_jobs  # the front door of each job's cluster (docs/front.md)
+from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
 DOWN = ("dead", "lost", "failed")  # a job's ranks_down counts these
@@ -132,7 +132,7 @@ async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str |
     heal = _heal_states(state, ref, {j["deployment_id"] for j in jobs})
     for h in heal:
         h["condition"] = heal_condition(h, jobs, probe_nodes)
-    for j in jobs:  # the supervisor's state (launch/supervise.py) on the job it supervises
+    for j in jobs:  # the supervisor's state (supervise/loop.py) on the job it supervises
         j["heal"] = next((h for h in heal if h.get("job") == j["job_id"]), None)
     fronts = annotate_jobs(state, jobs)
     return {"jobs": jobs, "malformed": [{"manifest": str(p), "error": e} for p, e in bad], "heal": heal,

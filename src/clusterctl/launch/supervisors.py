@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.launch import healstate
-from clusterctl.launch.manifest import Coordinator, manifest_store, now_iso
+from clusterctl.statedir import healfile
+from clusterctl.statedir.manifest import Coordinator, manifest_store, now_iso
 from clusterctl.locks import Lock
 from clusterctl.node.procs import Identity, signal_process
 
@@ -72,7 +72,7 @@ async def hold_supervisors(state, ref: str | None, *, log=lambda msg: None,
     cluster = _cluster_of(state, ref) if ref is not None else None
     held: list[Held] = []
     try:
-        for doc in healstate.read_all(state):
+        for doc in healfile.read_all(state):
             if _matches(doc, ref, cluster) and isinstance(doc.get("cluster"), str):
                 held.append(await _hold(state, doc, log, timeout))
         _refuse_starting(state, ref, cluster, {h.cluster for h in held})
@@ -103,7 +103,7 @@ async def _hold(state, doc: dict, log, timeout: float) -> Held:
     while time.monotonic() < deadline:  # until its lock is free: the kernel drops it as the process ends
         with contextlib.suppress(Busy):
             lock.acquire()
-            return Held(c, healstate.read(healstate.path_of(state, c)) or doc, lock, sup.pid)
+            return Held(c, healfile.read(healfile.path_of(state, c)) or doc, lock, sup.pid)
         await asyncio.sleep(0.1)  # never time.sleep: the caller's node sessions run on this loop
     raise Busy(f"the supervisor of cluster {c} (pid {sup.pid}) did not stop within {timeout:g} s", hint=how)
 
@@ -151,14 +151,14 @@ def say_stopped(state, doc: dict, reason: str) -> None:
     out.pop("supervisor_alive", None)
     out.pop("condition", None)
     with contextlib.suppress(ClusterctlError, OSError):
-        healstate.write(state, doc["cluster"], out)
+        healfile.write(state, doc["cluster"], out)
 
 
 def dead_heals(state) -> list[tuple[dict, Lock]]:
     """The heals whose supervisor died in them (state ``healing``, its process gone here), each with its
     cluster's supervision lock, held: no successor starts while the caller (``reap``) rolls it back."""
     out = []
-    for doc in healstate.read_all(state):
+    for doc in healfile.read_all(state):
         if doc.get("state") != "healing" or doc.get("supervisor_alive") is not False \
                 or not isinstance(doc.get("cluster"), str):
             continue

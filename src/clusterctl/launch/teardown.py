@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
-from clusterctl.launch.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref, manifest_store
-from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles
+from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref, manifest_store
+from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
 from clusterctl.launch.supervisors import hold_supervisors, release

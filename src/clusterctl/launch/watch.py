@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Callable
 
-from clusterctl.launch.nodes import NodePool
+from clusterctl.connect.nodes import NodePool
 from clusterctl.launch.status import status
 
 

@@ -7,15 +7,15 @@ import os
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.copycheck import check_copy, free_bytes, local_rsync
-from clusterctl.shared.download import fetch_files
-from clusterctl.shared.modelfiles import weight_files
-from clusterctl.shared.modelmanifest import HashCache, check_manifest
+from clusterctl.modelfiles.copycheck import check_copy, free_bytes, local_rsync
+from clusterctl.node.download import fetch_files
+from clusterctl.modelfiles.folder import weight_files
+from clusterctl.modelfiles.manifest import HashCache, check_manifest
 
 
 def model_check(path: str) -> dict:
     """Is ``path`` a model folder this node can serve from: config.json, the weight files (those the index names,
-    or every *.safetensors without one: shared/modelfiles.py) and a tokenizer."""
+    or every *.safetensors without one: modelfiles/folder.py) and a tokenizer."""
     p = Path(path)
     if not p.is_dir():
         return {"ok": False, "error": f"model folder {path} does not exist"}
@@ -45,7 +45,7 @@ def copy_state(manifest: dict, path: str, verify: bool) -> dict:
 
 
 def op_model_status(req: dict) -> dict:
-    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.shared.copycheck)."""
+    """Compare the model copy at ``path`` with the manifest ``manifest`` (clusterctl.modelfiles.copycheck)."""
 
     expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
     out = check_copy(expected, req["path"], verify=bool(req.get("verify")), cache=HashCache(),
@@ -78,7 +78,7 @@ def op_model_prepare(req: dict) -> dict:
 
 
 def op_fetch(req: dict) -> dict:
-    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.shared.download)."""
+    """Download manifest files from an HTTP mirror into ``path`` (clusterctl.node.download)."""
 
     expected = check_manifest(req["manifest"], "manifest sent by the coordinator")
     return fetch_files(req["url"], req["path"], expected, req["files"], timeout=float(req.get("timeout", 60)))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput, UsageError
 from clusterctl.shared.deployment import AdapterRef, Deployment, with_identity
-from clusterctl.shared.modelfiles import read_safetensors_header, weight_files
-from clusterctl.shared.modelmanifest import HashCache, build_manifest
+from clusterctl.modelfiles.folder import read_safetensors_header, weight_files
+from clusterctl.modelfiles.manifest import HashCache, build_manifest
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"

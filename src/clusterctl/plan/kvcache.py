@@ -16,7 +16,7 @@ from clusterctl.errors import ConfigError
 from clusterctl.plan.configfields import MAX_LAYERS, MAX_SIZE, TORCH_DTYPE_BYTES
 from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg
 from clusterctl.shared.deployment import KvLayer
-from clusterctl.shared.modelfiles import text_config
+from clusterctl.modelfiles.folder import text_config
 
 # mlx-lm's MODEL_REMAPPING entries that matter here (mlx_lm/utils.py; tests/plan/test_kv.py checks they agree)
 KV_REMAP = {"mistral": "llama", "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3", "iquestcoder": "llama",

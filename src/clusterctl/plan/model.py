@@ -24,8 +24,8 @@ from clusterctl.plan.configfields import MAX_LAYERS, MAX_SIZE  # noqa: F401  (gg
 from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg, positive as _positive
 from clusterctl.plan.kvcache import FLOAT_BYTES, kv_dtype_bytes, kv_layers
 from clusterctl.shared.deployment import KvLayer
-from clusterctl.shared.modelfiles import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
-from clusterctl.shared.archs import batching, capability, kept_tensors
+from clusterctl.modelfiles.folder import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
+from clusterctl.modelfiles.archs import batching, capability, kept_tensors
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
@@ -64,7 +64,7 @@ class ModelFacts(BaseModel):
     kv_dtype_bytes: int
     facts_hash: str  # sha256 over config.json and every safetensors header: changes when the weights change
     files: list[str]
-    # how it splits over ranks (shared/archs.py): None when not looked at (inspect_model(classify=False))
+    # how it splits over ranks (modelfiles/archs.py): None when not looked at (inspect_model(classify=False))
     model_class: str | None = None
     pipeline: str | None = None  # archs.STAGES | archs.MLX_PIPELINE | None (refused: pipeline_reason)
     pipeline_reason: str | None = None
@@ -231,7 +231,7 @@ def _bytes_by_layer(sizes: dict[str, int], num_layers: int, folder: Path) -> tup
 
 def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
     """The facts of a model folder. ``classify``: also find how it splits over ranks and whether mlx-lm batches
-    it (shared/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
+    it (modelfiles/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
     checkpoint is found the same way either way (``archs.kept_tensors``, the loader's own ``sanitize``), so the
     plan and the launch's re-check of it apply the same rules."""
     folder = Path(folder)

@@ -15,7 +15,7 @@ from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, prompt_cache_tokens, r
 from clusterctl.plan.inventory import Cluster
 from clusterctl.shared.nodespec import Node
 from clusterctl.plan.model import KvLayer, ModelFacts
-from clusterctl.shared.archs import STAGES
+from clusterctl.modelfiles.archs import STAGES
 
 
 def _weights(nodes: list[Node], allocation: str) -> list[Fraction]:

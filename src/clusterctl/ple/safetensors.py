@@ -1,6 +1,6 @@
 """Safetensors headers and sharded indexes, read tolerantly but bounds-checked.
 
-The header is parsed by the one parser of the format (shared/modelfiles.py ``parse_safetensors_header``) under the
+The header is parsed by the one parser of the format (modelfiles/folder.py ``parse_safetensors_header``) under the
 reader's policy: unknown keys are ignored and unknown dtypes are kept (listed, not gatherable); anything that would
 make us read outside the file, or a byte count that does not match the shape, is a CorruptTensorFile (a
 TruncatedTensorFile when the file is shorter than its header says).
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.ple.errors import CorruptTensorFile, TensorNotFound, TruncatedTensorFile
-from clusterctl.shared.modelfiles import INDEX_NAME, read_weight_map  # noqa: F401
-from clusterctl.shared.modelfiles import HeaderPolicy, parse_safetensors_header
+from clusterctl.modelfiles.folder import INDEX_NAME, read_weight_map  # noqa: F401
+from clusterctl.modelfiles.folder import HeaderPolicy, parse_safetensors_header
 
 # storage dtype -> (bytes per element, numpy dtype string that keeps the stored bytes as they are)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -78,7 +78,7 @@ def parse_header(fd: int, path: str, size: int) -> tuple[dict[str, TensorEntry],
 
 
 def read_index(path: Path) -> dict[str, str]:
-    """``weight_map`` of a ``model.safetensors.index.json`` (shared/modelfiles.py), in the reader's errors."""
+    """``weight_map`` of a ``model.safetensors.index.json`` (modelfiles/folder.py), in the reader's errors."""
     try:
         return read_weight_map(path)
     except MissingInput as e:

@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from clusterctl.errors import ConfigError
 from clusterctl.rank.stage import Skip, _Around, weight_name
-from clusterctl.shared.archs import text_model
-from clusterctl.shared.modelmanifest import build_manifest
+from clusterctl.modelfiles.archs import text_model
+from clusterctl.modelfiles.manifest import build_manifest
 
 _ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from clusterctl.rank.wire import ApiError
 from clusterctl.shared.chattemplate import (BUDGET_S, BoundedEnvironment, BudgetExceeded, TemplateTooLarge,
                                             template_budget)
-from clusterctl.shared.modelfiles import text_config
+from clusterctl.modelfiles.folder import text_config
 
 PREPARE_BUDGET_S = BUDGET_S  # chat template and tokenizer time a request may take
 MIN_TOKEN_BYTES = 16  # the byte cap's floor per token (a tokenizer whose vocabulary cannot be read)

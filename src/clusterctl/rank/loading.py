@@ -4,7 +4,7 @@ Nothing here imports mlx at module level: the environment must be final before m
 
 Loading: mlx-lm's ``load_model(lazy=True, strict=False)`` maps every tensor lazily; the stage code
 (stage.py) replaces the blocks other ranks run with weightless ``Skip`` blocks (mlx-lm's own ``pipeline()``
-for the models with state caches whose class has one: shared/archs.py ``split_method``);
+for the models with state caches whose class has one: modelfiles/archs.py ``split_method``);
 ``mx.eval(model.parameters())`` then reads only what is left (our blocks plus embedding, final norm and head),
 so peak RSS follows this rank's share. The split needs no group yet (group.py ``GroupStandIn``), so we load
 BEFORE joining the ring (a slow node's load can't time out a fast node's connect, which gives up after ~31 s)
@@ -20,8 +20,8 @@ from clusterctl.errors import ConfigError
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, RankSpec
 from clusterctl.rank.group import GroupStandIn
 from clusterctl.rank.offload import install, refuse_tied_head
-from clusterctl.shared.archs import MLX_PIPELINE, STAGES, cache_kinds, kept_tensors, split_method, text_model
-from clusterctl.shared.modelfiles import read_safetensors_header, weight_files
+from clusterctl.modelfiles.archs import MLX_PIPELINE, STAGES, cache_kinds, kept_tensors, split_method, text_model
+from clusterctl.modelfiles.folder import read_safetensors_header, weight_files
 
 
 def rank_environment(spec: RankSpec, environ: dict[str, str]) -> dict[str, str]:
@@ -106,7 +106,7 @@ def load_shard(spec: RankSpec):
         except (ValueError, AssertionError) as e:
             raise ConfigError(f"cannot shard the model over {spec.world_size} ranks: {e}") from None
     elif spec.world_size > 1:
-        method = split_method(model)  # the decision plan took (shared/archs.py)
+        method = split_method(model)  # the decision plan took (modelfiles/archs.py)
         if method == STAGES:
             from clusterctl.rank.stage import split_blocks
 

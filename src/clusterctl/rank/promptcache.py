@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.archs import cache_kinds
+from clusterctl.modelfiles.archs import cache_kinds
 
 MIN_REUSE = 8
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from clusterctl.shared.archs import text_model
+from clusterctl.modelfiles.archs import text_model
 
 _PLAIN = (bool, int, float, str, type(None))
 

@@ -22,9 +22,9 @@ from typing import Callable
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit, HostUnreachable, MissingInput,
                                UsageError)
 from clusterctl.render import human_bytes
-from clusterctl.launch.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
-from clusterctl.shared.copycheck import check_copy, needed_files
-from clusterctl.shared.modelmanifest import Manifest, build_manifest, HashCache
+from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
+from clusterctl.modelfiles.copycheck import check_copy, needed_files
+from clusterctl.modelfiles.manifest import Manifest, build_manifest, HashCache
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.hubmodel import hub_resolve_url
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync

@@ -17,9 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
-from clusterctl.launch import ssh_policy
-from clusterctl.launch.ssh_policy import SshTarget
-from clusterctl.shared.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
+from clusterctl.connect import ssh_policy
+from clusterctl.connect.ssh_policy import SshTarget
+from clusterctl.modelfiles.copycheck import local_rsync  # noqa: F401  (one probe for both sides of a sync)
 
 PARTIAL_DIR = ".rsync-partial"
 

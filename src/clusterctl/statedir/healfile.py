@@ -1,0 +1,62 @@
+"""The supervisor's state file, ``<state>/heal/<cluster>.json``: written atomically by supervise/loop.py,
+read by ``status`` and by the front door (front/proxy.py: its /health and /metrics).
+
+    {"schema_version": 1, "state": "serving"|"healing"|"degraded", "reason": str|null, "since": ISO-8601 UTC,
+     "heals": int, "degraded_seconds": float, "deployment": id, "job": id|null,
+     "cluster", "original", "lost_nodes", "http_host", "http_port", "leaving_out": [node]|null,
+     "supervisor": {host, pid, start_time, boot_id}, "updated_at"}
+
+Fields are only ever added. A reader tolerates a missing, truncated or foreign file (None, never a traceback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clusterctl.atomic import atomic_write_bytes, dumps, read_json
+from clusterctl.errors import ClusterctlError
+from clusterctl.statedir.manifest import Coordinator, coordinator_alive
+
+LIMIT = 64 << 10
+STATES = ("serving", "healing", "degraded")
+
+
+def path_of(state, cluster: str) -> Path:
+    return state.root / "heal" / f"{cluster}.json"
+
+
+def write(state, cluster: str, doc: dict) -> None:
+    atomic_write_bytes(path_of(state, cluster), dumps(doc))
+
+
+def read(path: Path) -> dict | None:
+    """One state file, or None when it is missing or not one."""
+    try:
+        doc = read_json(path, limit=LIMIT, what="heal state")
+    except (ClusterctlError, OSError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("state") not in STATES or not isinstance(doc.get("deployment"), str):
+        return None
+    return doc
+
+
+def read_all(state) -> list[dict]:
+    """Every cluster's supervisor state, each with ``supervisor_alive`` (its process still runs here)."""
+    folder = state.root / "heal"
+    out = []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        doc = read(p)
+        if doc is not None:
+            doc["supervisor_alive"] = _alive(doc.get("supervisor"))
+            out.append(doc)
+    return out
+
+
+def _alive(sup) -> bool | None:
+    """The supervisor's process identity (pid and start time, boot id) checked on this machine."""
+    from pydantic import ValidationError
+
+    try:
+        return coordinator_alive(Coordinator.model_validate(sup)) if isinstance(sup, dict) else None
+    except ValidationError:
+        return None

@@ -1,0 +1,78 @@
+"""The supervised run of a command: ``launch --heal`` and ``supervise`` (cli), around supervise/loop.py's
+Supervisor: the first job (launched or taken over), ready said once, the loop until a stop, and what a stop
+leaves (docs/heal.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from clusterctl.statedir import healfile
+from clusterctl.supervise.policy import HealPolicy
+from clusterctl.supervise.loop import Supervisor
+from clusterctl.launch.foreground import install_stop_signals
+from clusterctl.locks import Lock
+
+
+async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
+    """``launch --heal`` (``take_over`` False: launched here in the foreground; a stop tears it down verified)
+    and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
+    the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
+    code."""
+
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
+                     event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
+    lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
+    try:
+        if not await _started(o, sup, stop, take_over):
+            return 130
+        stop.clear()
+        await sup.run(stop)
+        if take_over:
+            o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
+            return 0
+        ok = await sup.stop_job()
+        await sup.retry_leftovers()  # a lost job whose node did not answer, if it answers now
+        ok = ok and not sup.leftovers
+        sup.phase("degraded", "stopped: the supervisor ended (launch --heal)")
+        (o.info if ok else o.error)("every rank confirmed gone" if ok else "teardown could not confirm every rank "
+                                    "gone (see the lines above)")
+        return 0 if ok else 1
+    finally:
+        lock.release()
+
+
+async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> bool:
+    """The first job (taken over or launched), or False when a stop came first (what started was stopped)."""
+    async def first() -> None:
+        if take_over:
+            await sup.take_over()
+        else:
+            sup.job = await sup.launch(sup.ref)
+
+    starting = asyncio.ensure_future(first())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        o.error("interrupted; everything it started was stopped")
+        return False
+    starting.result()
+    if sup.job is None:  # supervise: the launch failed; the loop heals
+        return True
+    m = sup.job.manifest
+    sup.phase("serving")
+    sup.save(force=True)
+    if o.json:
+        o.event("ready", {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint,
+                          "heal": sup.doc()})
+    elif not o.quiet:
+        o.line(m.endpoint)
+        o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
+               f"{healfile.path_of(sup.state, sup.cluster)}; Ctrl-C to stop)")
+    return True

@@ -1,0 +1,95 @@
+"""What the supervisor (supervise/loop.py) sees: one look at a job's ranks on their nodes (each rank's marker
+and its process, identity-checked, as ``status`` does), each rank's record for the policy (supervise/policy.py:
+``culprits``: up or why not, and whether it only followed a lost peer), and a probe of nodes that may serve.
+Every node answers within LOOK_TIMEOUT or counts as not answering: a cut link must not stall the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from clusterctl.errors import ClusterctlError
+from clusterctl.connect.nodes import close_all, handles
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
+from clusterctl.launch.status import rank_state
+from clusterctl.shared.runtimefiles import followed_a_peer
+
+LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
+UP = ("loading", "ready", "serving")
+FOLLOWER_EXIT = 69  # a foreground rank's keeper: its rank left because a peer, its lease or its parent was lost
+
+
+async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
+    """Job ``m``'s markers (rank -> {"marker", "age"} or {"error"}) and processes (rank -> alive/dead/...) over
+    the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer)."""
+    markers: dict[int, dict] = {}
+    procs: dict[int, str] = {}
+    by_node: dict[str, list] = {}
+    for r in m.ranks:
+        by_node.setdefault(r.node, []).append(r)
+
+    async def one(node: str, recs: list) -> None:
+        h = hs[node]
+        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
+                    "boot_id": r.boot_id} for r in recs if r.pid]
+
+        async def alive_op() -> dict:
+            return await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
+
+        try:
+            ans, alive = await asyncio.gather(
+                h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id}, timeout=LOOK_TIMEOUT),
+                alive_op())
+        except ClusterctlError as e:
+            markers.update({r.rank: {"error": e.message} for r in recs})
+            unreachable[node] = True
+            return
+        unreachable[node] = False
+        for x in ans.get("markers", []):
+            doc = x.get("marker") or {}
+            if isinstance(doc.get("rank"), int) and doc.get("node") == node:
+                markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+        st = alive.get("status") if isinstance(alive, dict) else None
+        if isinstance(st, list) and len(st) == len(targets):
+            procs.update({r.rank: str(s) for r, s in zip([r for r in recs if r.pid], st)})
+
+    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
+    return markers, procs
+
+
+def rank_record(r, info: dict, process: str | None, running=None) -> dict:
+    """One rank as the policy takes it: ``state`` (``up`` or why not), ``follower`` (it only followed a lost
+    peer: its marker's typed reason or its ladder's ``lost``, or its keeper's exit 69 in the foreground,
+    whatever its process does now), ``silent_s`` (a frozen rank's heartbeat age)."""
+    mk = clean_marker(info.get("marker") or {})
+    age = info.get("age")
+    st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
+    follower = followed_a_peer(mk.get("state"), mk.get("reason"))
+    if running is not None and running.exited(r.rank):
+        st = "exited"
+        follower = follower or running.procs[r.rank].returncode == FOLLOWER_EXIT
+    return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
+            "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
+
+
+async def probe_nodes(dep, names: list[str], ssh) -> dict[str, bool]:
+    """Each node of ``dep``: does it answer a probe (on a session of its own) with its runtime dir usable and
+    the deployment's model folder there?"""
+    hs = handles([dep.node(n) for n in names], ssh)
+
+    async def one(n: str) -> bool:
+        try:
+            ans = await hs[n].op("probe", {"model_path": dep.path_map.get(n),
+                                            "runtime_dir": hs[n].runtime_dir}, timeout=LOOK_TIMEOUT)
+        except ClusterctlError:
+            return False
+        return bool(ans.get("model", {}).get("ok")) and bool(ans.get("runtime_dir", {}).get("ok"))
+
+    try:
+        ok = await asyncio.wait_for(asyncio.gather(*(one(n) for n in names)), LOOK_TIMEOUT + 5)
+    except asyncio.TimeoutError:
+        ok = [False] * len(names)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(close_all(hs), LOOK_TIMEOUT)
+    return dict(zip(names, ok))
