@@ -1,11 +1,13 @@
 """echo and prompt log-probabilities (promptlogprobs.py): each schedule's prompt chunks scored as one mlx-lm
 process scores the same tokens (one forward pass, float32 log-softmax), within 2e-3; the prompt cache never gives a
-scored request its prefix; the API's echo (text, the legacy logprobs object, max_tokens 0)."""
+scored request its prefix; the API's echo (text, the legacy logprobs object, max_tokens 0); and lm-evaluation-harness's
+``local-completions`` loglikelihood end to end against a 2-rank deployment."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 
 import pytest
 
@@ -188,3 +190,68 @@ def test_echo_on_tensor_parallel_ranks_recomputes_a_prompt_the_cache_holds(tmp_p
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the cache is on and would give it
         out = _check_scoring(c, tokens)
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+# -- lm-evaluation-harness
+
+
+TASK = """task: clusterctl_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+DOCS = [
+    {"question": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"], "answer": 0},
+    {"question": "import os\nprint(os.path.", "choices": ["join('a', 'b'))", "basename(__file__))"], "answer": 1},
+    {"question": "for i in range(10):\n    if i", "choices": [" > 3: break", " == 2: pass", ": print(i)"],
+     "answer": 2},
+]
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_gives_the_loglikelihoods_of_one_mlx_lm_process(shared_clusters, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    c = shared_clusters("overlap")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tasks / "tiny_mc.yaml").write_text(TASK.format(data=tasks / "docs.jsonl"))
+    model_dir = tiny_model_path()
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=30)
+    conn.request("GET", "/v1/models")
+    served = json.loads(conn.getresponse().read())["data"][0]["id"]
+    conn.close()
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={c.url}/v1/completions,model={served},tokenizer_backend=huggingface,"
+                   f"tokenizer={model_dir},num_concurrent=1,max_retries=1,timeout=120",
+        tasks=["clusterctl_tiny_mc"], log_samples=True, bootstrap_iters=0,  # no stderr resampling: seconds saved
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False))  # its own task only, not ~10k
+    samples = results["samples"]["clusterctl_tiny_mc"]
+    assert len(samples) == len(DOCS)
+    _, tok = _loaded(str(model_dir))
+    checked = 0
+    for s in samples:
+        for (context, continuation), resp in zip(s["arguments"], s["resps"]):
+            ll = resp[0][0]
+            whole = tok.encode(context + continuation)  # lm-eval's split of the pair (TemplateLM._encode_pair)
+            ctx = tok.encode(context)
+            want = sum(_reference(whole)[len(ctx):])
+            assert math.isfinite(ll) and abs(ll - want) <= TOL, (context, continuation, ll, want)
+            checked += 1
+    assert checked == sum(len(d["choices"]) for d in DOCS)
+    assert 0.0 <= results["results"]["clusterctl_tiny_mc"]["acc,none"] <= 1.0
