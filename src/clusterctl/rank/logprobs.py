@@ -75,6 +75,6 @@ def completion_shape(entries: list[dict], start: int = 0) -> dict:
         offsets.append(at)
         at += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top_logprobs"] is None else {a["token"]: a["logprob"] for a in e["top_logprobs"]}
-                             for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None
+                             else {a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}

@@ -56,7 +56,9 @@ def refuse_unsupported(body: dict, honoured: tuple[str, ...] = ()) -> None:
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "only n=1 is supported", param="n")
     for name, fine in UNSUPPORTED.items():
-        if name in body and name not in honoured and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
+        if name in honoured:
+            continue
+        if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
