@@ -55,7 +55,10 @@ class PromptScorer:
         chosen = mx.take_along_axis(lp, targets, axis=-1)[:, 0]
         if self.top <= 0:
             return start, chosen, None, None
-        idx = mx.argpartition(-lp, kth=self.top - 1, axis=-1)[:, : self.top]
+        if self.top == 1:  # lm-eval's ask: the argmax alone (no partition of the vocabulary)
+            idx = mx.argmax(lp, axis=-1, keepdims=True)
+        else:
+            idx = mx.argpartition(-lp, kth=self.top - 1, axis=-1)[:, : self.top]
         return start, chosen, idx, mx.take_along_axis(lp, idx, axis=-1)
 
     def report(self, start: int, chosen: mx.array, idx, vals) -> None:
