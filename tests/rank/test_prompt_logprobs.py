@@ -49,6 +49,7 @@ def test_the_lockstep_batch_scores_every_prompt_token_as_one_mlx_lm_process(toke
     from clusterctl.rank.generation import GenRequest
 
     model, tok = _loaded(str(tiny_model_path()))
+    tokens = tokens[:20]  # 3 chunks of 7
     batch = Batch(model, tok, max_batch=4, prefill_step=7)  # several chunks per prompt
     got: dict[str, list] = {"a": [], "b": [], "c": []}
     for rid, n, k in (("a", len(tokens), 2), ("b", 11, -1), ("c", 9, 0)):
@@ -75,6 +76,7 @@ def test_the_overlapped_prompt_chunks_score_every_prompt_token_as_one_mlx_lm_pro
     from clusterctl.rank.promptlogprobs import PromptScorer
 
     model, tok = _loaded(str(tiny_model_path()))
+    tokens = tokens[:20]
     monkeypatch.setattr(prefill, "PREFILL_CHUNK", 4)
     lengths, got, rows = [len(tokens), 6, 13], [[], [], []], []
     for i, n in enumerate(lengths):
