@@ -181,6 +181,18 @@ def test_echo_scores_the_prompt_on_both_schedules(cluster, tokens):
     _, tok = _loaded(str(tiny_model_path()))
     assert text == tok.decode(tokens[:12])
     _close(scored, _reference(tokens[:12]))
+    # several at once (lm-eval's num_concurrent), prompts of different lengths in one batch; a 2-token prompt's
+    # chunk is one column wide (lockstep: it ends in the Gather's all_sum, which every rank must then evaluate)
+    from concurrent.futures import ThreadPoolExecutor
+
+    lengths = [2, 5, len(tokens), 17]
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        outs = list(pool.map(lambda n: _post(cluster, {"prompt": tokens[:n], "echo": True, "logprobs": 1,
+                                                       "max_tokens": 1, "temperature": 0}), lengths))
+    for n, out in zip(lengths, outs):
+        lp = out["choices"][0]["logprobs"]["token_logprobs"]
+        _close(lp[:n], _reference(tokens[:n]))
+        assert len(lp) == n + 1  # the generated token last (an EOS too): what lm-eval drops
 
 
 @pytest.mark.slow
