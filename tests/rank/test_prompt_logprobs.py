@@ -152,6 +152,8 @@ def _post(c: RankCluster, body: dict, *, stream: bool = False):
 
 def _check_scoring(c: RankCluster, tokens: list[int]) -> dict:
     """max_tokens 0: the prompt alone, scored; then echo with a completion: prompt entries, then generated ones."""
+    alone = _post(c, {"prompt": tokens[:2], "echo": True, "logprobs": 1, "max_tokens": 0})  # a one-column chunk
+    _close(alone["choices"][0]["logprobs"]["token_logprobs"], _reference(tokens[:2]))
     want = _reference(tokens)
     out = _post(c, {"prompt": tokens, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0})
     ch = out["choices"][0]

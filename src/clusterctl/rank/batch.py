@@ -46,7 +46,9 @@ class Batch:
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
         self.produced = 0  # tokens generated (EOS included)
         self.scorers: dict[int, PromptScorer] = {}  # by generator uid: requests whose prompt is scored
-        tap_prompt_batch(self.gen, self.scorers)
+        from clusterctl.rank.stage import is_split
+
+        tap_prompt_batch(self.gen, self.scorers, pipeline=is_split(model))
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -6,10 +6,10 @@ Where they are computed: the prompt's chunks already run through the model on ev
 overlapped one, mlx-lm's ``PromptProcessingBatch`` on the lockstep one), and their logits are built and dropped
 (only the caches are evaluated). Rank 0 runs the model's last blocks and its head (pipeline), or all of them
 (tensor), so the chunk's logits are rank 0's own: nothing new travels. Which ranks evaluate them: a graph the
-caches do not need may hold collectives (tensor parallel: the last block's all_sum; lockstep: the Gather of a
-one-column chunk), so on the lockstep schedule every rank evaluates the same scoring graph at the same point
-(every rank knows the request asks: ``GenRequest.prompt_logprobs``), and only rank 0 reports; on the overlapped
-one only rank 0 (the last stage; its chunks end in no collective).
+caches do not need may hold collectives (tensor parallel: the last block's all_sum; a lockstep pipeline: the
+Gather of a one-column chunk), so on the lockstep schedule every rank evaluates the same scoring graph at the same
+point (every rank knows the request asks: ``GenRequest.prompt_logprobs``) wherever it holds one, and only rank 0
+reports; on the overlapped one only rank 0 (the last stage; its chunks end in no collective).
 
 The values: the log-softmax of a position's logits in float32 (logsumexp in float32, whatever the model's dtype),
 before any logits processor (bias, penalties, grammar: those shape sampling, not the prompt's likelihood), as one
@@ -96,19 +96,22 @@ def score(logits: mx.array, rows: list[RowChunk]) -> None:
         scorer.report(*p)
 
 
-def tap_prompt_batch(gen, scorers: dict[int, PromptScorer]) -> None:
+def tap_prompt_batch(gen, scorers: dict[int, PromptScorer], *, pipeline: bool = False) -> None:
     """Score the lockstep schedule's prompt chunks: mlx-lm's ``BatchGenerator`` processes them in its one
     ``PromptProcessingBatch`` (``_prompt_batch``, made once and changed in place), whose ``prompt`` runs the model
     on each row's next columns and drops the logits. Its ``prompt`` is wrapped on that object (the copies it
     splits off for generation are made without it): before, each row's first position (the tokens its cache
     holds) and its columns; during, the model's outputs kept; after, the asking rows scored (``scorers``, by the
-    generator's uid). No row asking: mlx-lm's own call, untouched."""
+    generator's uid). No row asking: mlx-lm's own call, untouched. ``pipeline`` (a split model): a rank that
+    reports nothing (not rank 0) evaluates only a one-column chunk, the one whose graph ends in the Gather's
+    all_sum (stage.py); a wider chunk's head on a stage that is not the last would be work for nothing."""
     pb = gen._prompt_batch
     original = pb.prompt
 
     def prompt(tokens):
         rows = [(scorers.get(uid), len(pb.tokens[i]), len(t)) for i, (uid, t) in enumerate(zip(pb.uids, tokens))]
-        if not any(s is not None for s, _, _ in rows):
+        asking = [s for s, _, _ in rows if s is not None]
+        if not asking or (pipeline and max(map(len, tokens)) > 1 and all(s.emit is None for s in asking)):
             return original(tokens)
         model, outs = pb.model, []
 
