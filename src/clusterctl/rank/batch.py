@@ -20,6 +20,7 @@ from typing import Callable
 
 from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.logprobs import Entries
+from clusterctl.rank.promptlogprobs import PromptScorer, tap_prompt_batch
 from clusterctl.rank.scheduler import PREFILL_CHUNK
 
 
@@ -44,6 +45,10 @@ class Batch:
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
         self.produced = 0  # tokens generated (EOS included)
+        self.scorers: dict[int, PromptScorer] = {}  # by generator uid: requests whose prompt is scored
+        from clusterctl.rank.stage import is_split
+
+        tap_prompt_batch(self.gen, self.scorers, pipeline=is_split(model))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -84,6 +89,9 @@ class Batch:
                 guard=guard, emit_lp=emit_lp, procs=own)
         if emit_lp is not None and req.logprobs >= 0:
             s.lp = Entries(self.tokenizer, req.logprobs)
+        if req.prompt_logprobs >= 0:  # every rank evaluates (promptlogprobs.py); rank 0 reports
+            entries = Entries(self.tokenizer, req.prompt_logprobs) if emit_lp is not None else None
+            self.scorers[uid] = PromptScorer(req.tokens, req.prompt_logprobs, entries, emit_lp)
         self.seqs[uid] = s
         self.by_id[req.id] = s
 
@@ -97,6 +105,7 @@ class Batch:
 
     def _forget(self, s: Seq) -> None:
         self.gen.remove([s.uid])
+        self.scorers.pop(s.uid, None)
         del self.seqs[s.uid]
         del self.by_id[s.req.id]
 
@@ -118,7 +127,7 @@ class Batch:
                 done.append((s.req.id, s.so_far("error", s.guard.failed)))
                 continue
             eos = finish == "stop" and r.token in self.eos  # the generator stopped on an EOS token
-            if s.lp is not None and not eos:
+            if s.lp is not None and (not eos or s.lists_eos):
                 s.emit_lp(s.lp.entry(int(r.token), s.lp.pending(r.logprobs)))
             finish = s.feed(int(r.token), eos=eos, otherwise=finish)
             if finish is None:
@@ -132,6 +141,7 @@ class Batch:
                 self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took, partition=s.req.partition)
             del self.seqs[s.uid]
             del self.by_id[s.req.id]
+            self.scorers.pop(s.uid, None)
             done.append((s.req.id, s.result(finish)))
         return done
 

@@ -34,6 +34,9 @@ class GenRequest:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     logprobs: int = -1  # rank 0 reports each token's log-probability and this many alternatives (-1: none)
+    # echo with logprobs: every prompt token's log-probability and this many alternatives too (-1: none); every rank
+    # reads it (the lockstep ranks evaluate the scoring graph together: promptlogprobs.py); never from the cache
+    prompt_logprobs: int = -1
     # structured output (grammar.py): {"response_format": {...}}, or {"lark": "..."} (a forced tool call, text without
     # the call marker under tool_choice "none"), with the response_format beside it when it is the JSON after reasoning
     grammar: Optional[dict] = None
@@ -115,6 +118,12 @@ class Seq:
     lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
     emit_lp: Callable[[dict], None] | None = None
     procs: list = field(default_factory=list)  # its logits processors (a grammar among them: closed_by_budget)
+
+    @property
+    def lists_eos(self) -> bool:
+        """An echoed prompt's entries end with the answer's last token, an EOS too (OpenAI's legacy API lists its
+        <|endoftext|>): lm-evaluation-harness drops that last entry (``[ctxlen:-1]``) whatever it is."""
+        return self.req.prompt_logprobs >= 0
 
     def out(self, s: str) -> None:
         if s:

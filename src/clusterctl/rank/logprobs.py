@@ -34,7 +34,8 @@ class Entries:
             t = self._text[tid] = self.tokenizer.decode([tid])
         return t
 
-    def _one(self, tid: int, lp: float) -> dict:
+    def one(self, tid: int, lp: float) -> dict:
+        """The entry of token ``tid`` with log-probability ``lp`` (no alternatives)."""
         t = self._token(tid)
         return {"id": tid, "token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
 
@@ -51,14 +52,14 @@ class Entries:
 
     def entry(self, token: int, pending) -> dict:
         row, top = pending
-        e = self._one(token, row[token].item())
+        e = self.one(token, row[token].item())
         alts = []
         if top is not None:
             idx, vals = top
             # a forbidden token (-inf: the grammar's mask; about -1e9: a ban, openai.BANNED) is no alternative
             alts = sorted(((i, v) for i, v in zip(idx.tolist(), vals.tolist()) if v >= FLOOR),
                           key=lambda p: -p[1])
-        e["top_logprobs"] = [self._one(i, v) for i, v in alts]
+        e["top_logprobs"] = [self.one(i, v) for i, v in alts]
         return e
 
 
@@ -67,11 +68,13 @@ def chat_shape(entries: list[dict]) -> dict:
 
 
 def completion_shape(entries: list[dict], start: int = 0) -> dict:
-    """The legacy /v1/completions shape; ``start``: the text offset of the first entry's token."""
+    """The legacy /v1/completions shape; ``start``: the text offset of the first entry's token. An echoed prompt's
+    first token has no logprob and no alternatives (null, promptlogprobs.py)."""
     offsets, at = [], start
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None
+                             else {a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}

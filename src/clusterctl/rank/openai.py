@@ -9,7 +9,7 @@ import json
 import secrets
 import threading
 
-from clusterctl.rank.requestqueue import ApiRequest
+from clusterctl.rank.requestqueue import ApiRequest, Echo
 from clusterctl.rank.generation import GenRequest
 from clusterctl.rank.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.shared.rankspec import RankSpec
@@ -50,11 +50,14 @@ def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
     return {"response_format": response_format} if lark is None else {"lark": lark, "response_format": response_format}
 
 
-def refuse_unsupported(body: dict) -> None:
-    """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored."""
+def refuse_unsupported(body: dict, honoured: tuple[str, ...] = ()) -> None:
+    """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored;
+    ``honoured``: the ones this route answers (completions: echo)."""
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "only n=1 is supported", param="n")
     for name, fine in UNSUPPORTED.items():
+        if name in honoured:
+            continue
         if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
     modalities = body.get("modalities")
@@ -112,8 +115,9 @@ class RequestBuilder:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def _common(self, body: dict, b: CompletionBody | ChatBody, tenant: str | None = None) -> dict:
-        refuse_unsupported(body)
+    def _common(self, body: dict, b: CompletionBody | ChatBody, tenant: str | None = None,
+                honoured: tuple[str, ...] = ()) -> dict:
+        refuse_unsupported(body, honoured)
         d = self.spec.serving  # the operator's defaults, else OpenAI's
         asked = b.max_completion_tokens if isinstance(b, ChatBody) and b.max_completion_tokens is not None \
             else b.max_tokens
@@ -185,7 +189,15 @@ class RequestBuilder:
                 raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        params = self._common(body, b, tenant)
+        score_only = b.max_tokens == 0
+        if score_only and not b.echo:
+            raise ApiError(400, "max_tokens 0 makes nothing: it is for echo: true (score the prompt)",
+                           param="max_tokens")
+        if score_only:  # one token is made inside and dropped (Echo): every request ends in a step of the batch
+            b = b.model_copy(update={"max_tokens": 1})
+        params = self._common(body, b, tenant, honoured=("echo",))
+        # echo with logprobs: the prompt's tokens are scored too (promptlogprobs.py), as many alternatives each
+        params["prompt_logprobs"] = params["logprobs"] if b.echo else -1
         for name in ("chat_template_kwargs", "tools", "tool_choice"):
             if body.get(name) is not None:
                 raise ApiError(400, f"{name} is for /v1/chat/completions", param=name)
@@ -196,6 +208,7 @@ class RequestBuilder:
         elif any(t < 0 or t >= self.limits.vocab for t in prompt):
             raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         rid = "cmpl-" + secrets.token_hex(12)
+        api_req = None
 
         def prepare(tokenizer) -> GenRequest:
             if isinstance(prompt, str):
@@ -203,9 +216,13 @@ class RequestBuilder:
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
+            if b.echo:
+                text = prompt if isinstance(prompt, str) else tokenizer.decode(tokens)
+                api_req.echo = Echo(text=text, score_only=score_only)
             return self._request(rid, tokens, params, tokenizer)
 
-        return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream))
+        api_req = ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream))
+        return api_req
 
     def chat(self, body: dict, tenant: str | None = None) -> ApiRequest:
         """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked

@@ -57,6 +57,7 @@ from clusterctl.rank.prefill import Prefill
 from clusterctl.rank.scheduler import prefill_plan, prompt_groups
 from clusterctl.rank.watchdog import PeerLost
 from clusterctl.rank.logprobs import Entries
+from clusterctl.rank.promptlogprobs import PromptScorer
 
 END, MEET = 1, 2  # a control's flags: the micro-batch's run ends here; a rank asks rank 0 for a meeting
 CONTROL_WORDS = 4  # flags, the changes' length in bytes, the cancel epoch, the check word
@@ -73,6 +74,7 @@ class Row:
     done: bool = False  # rank 0: answered; its row is computed and ignored until the next meeting
     prefix: list | None = None  # the prompt cache's KV of the prompt's first req.cache_len tokens
     sampled: list[int] = field(default_factory=list)  # rank 0: every token sampled for it (its KV's tail)
+    scorer: PromptScorer | None = None  # rank 0: its prompt's log-probabilities, as its chunks go by (prefill.py)
 
     @property
     def id(self) -> str:
@@ -186,6 +188,9 @@ class OverlapBatch:
             row.seq.procs = row.sampler.procs
             if emit_lp is not None and req.logprobs >= 0:
                 row.seq.lp = Entries(self.tokenizer, req.logprobs)
+            if emit_lp is not None and req.prompt_logprobs >= 0:  # the last stage alone: its chunks end in no
+                row.scorer = PromptScorer(req.tokens, req.prompt_logprobs,  # collective (promptlogprobs.py)
+                                          Entries(self.tokenizer, req.prompt_logprobs), emit_lp)
         self.mbs[into].fresh.append(row)
 
     def drop(self, rid: str, finish: str, *, save: bool = False) -> GenResult | None:
@@ -389,7 +394,7 @@ class OverlapBatch:
             r.sampler.took(t)
             r.sampled.append(t)
             if not r.done:
-                if i in lps and t not in self.eos and not r.sampler.failed:
+                if i in lps and (t not in self.eos or r.seq.lists_eos) and not r.sampler.failed:
                     r.seq.emit_lp(r.seq.lp.entry(t, lps[i]))
                 self._feed(r, t, on_done)
 

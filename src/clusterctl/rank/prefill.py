@@ -15,18 +15,22 @@ from typing import Callable
 
 import mlx.core as mx
 
+from clusterctl.rank.promptlogprobs import RowChunk, score
 from clusterctl.rank.scheduler import PREFILL_CHUNK
 
 
 @dataclass
 class Prefill:
-    """A group of prompts under way; ``rows`` are overlap.py's rows (``req``, ``prefix``, ``id``)."""
+    """A group of prompts under way; ``rows`` are overlap.py's rows (``req``, ``prefix``, ``id``, ``scorer``)."""
 
     rows: list
     cache: list  # mlx-lm's batch caches of the group (the prompt cache's prefixes merged in)
     tokens: mx.array | None  # the prompts' columns not processed yet, right-padded (None: none left)
     padded: bool  # the prompts differ in length: the caches roll the padding to the left when done
     gone: set[str] = field(default_factory=set)  # rows dropped meanwhile (cancelled): left out when done
+    starts: list[int] = field(default_factory=list)  # each row's first position here (the cache gave the others)
+    lengths: list[int] = field(default_factory=list)  # each row's columns here (the rest of its row is padding)
+    done: int = 0  # columns processed
 
     @property
     def left(self) -> int:
@@ -53,15 +57,19 @@ class Prefill:
             if max(padding) > 0:
                 for c in cache:
                     c.prepare(lengths=lengths, right_padding=padding)
-        return cls(rows=rows, cache=cache, tokens=tokens, padded=max(padding) > 0)
+        return cls(rows=rows, cache=cache, tokens=tokens, padded=max(padding) > 0, starts=skip, lengths=lengths)
 
     def advance(self, model, cols: int) -> None:
         """Up to ``cols`` more columns, PREFILL_CHUNK per forward pass (only the caches are evaluated: a chunk's
-        logits never are)."""
+        logits are not, unless a row asks for its prompt's log-probabilities: promptlogprobs.py)."""
         while cols > 0 and self.left:
             n = min(PREFILL_CHUNK, cols, self.left)
-            model(self.tokens[:, :n], cache=self.cache)
+            logits = model(self.tokens[:, :n], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            if any(r.scorer is not None for r in self.rows):
+                score(logits, [RowChunk(r.scorer, start + self.done, max(0, min(n, length - self.done)))
+                               for r, start, length in zip(self.rows, self.starts, self.lengths)])
+            self.done += n
             mx.clear_cache()
             self.tokens = self.tokens[:, n:] if n < self.left else None
             cols -= n

@@ -13,6 +13,16 @@ from typing import Any, Callable
 
 from clusterctl.rank.generation import GenRequest
 
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' ``echo: true``: the answer's text starts with the prompt's (the string given, else its token
+    ids decoded); ``score_only`` (max_tokens 0): the prompt is scored and nothing is made (one token is, inside,
+    then dropped: a request always ends in a step of the batch)."""
+
+    text: str
+    score_only: bool = False
+
+
 @dataclass
 class ApiRequest:
     """One HTTP request waiting for, or in, generation. ``prepare`` (template and tokenizer) runs on its HTTP
@@ -27,6 +37,7 @@ class ApiRequest:
     cached_tokens: int = 0  # prompt tokens the prompt cache gave it (usage.prompt_tokens_details.cached_tokens)
     splitter: Any = None  # chat: splitter.OutputSplitter (content, reasoning, tool calls out of the text)
     grammar: Any = None  # its grammar's constraint, compiled at admission (compiler.py): the step loop takes it
+    echo: Echo | None = None  # completions' echo: true (set when it is prepared: the prompt's text)
     created: int = field(default_factory=lambda: int(time.time()))
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

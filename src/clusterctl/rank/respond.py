@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from clusterctl.rank.requestqueue import ApiRequest
 from clusterctl.rank.metrics import outcome_of
@@ -60,6 +60,13 @@ def serve(api, h, kind: str) -> None:
         api.active.remove(api_req.id)
 
 
+def scored_only(r: GenResult) -> GenResult:
+    """A max_tokens 0 request's result: the token made inside dropped, finished by its length (as OpenAI's legacy
+    API and vLLM answer); an error or a cancel stays what it is."""
+    finish = "length" if r.finish_reason in ("stop", "length") else r.finish_reason
+    return replace(r, tokens=[], text="", finish_reason=finish)
+
+
 def usage(r: GenResult) -> Usage:
     return Usage.of(r.prompt_tokens, len(r.tokens), r.cached_tokens)
 
@@ -75,6 +82,11 @@ class Answer:
         self.wants_lp = api_req.req is not None and api_req.req.logprobs >= 0
         self.lps: list[dict] = []  # entries not yet written (a stream) or all of them (one document)
         self.text_at = 0  # characters of text written so far (the legacy shape's text_offset)
+        self.echo = api_req.echo  # completions' echo: the prompt's text, then its entries, come first
+        req = api_req.req
+        self.prompt_entries = len(req.tokens) if req is not None and req.prompt_logprobs >= 0 else 0
+        self.prompt_lps: list[dict] = []  # the prompt's entries (they all come before any generated token's)
+        self.echoed = False  # a stream: the prompt's text went out (in its first chunk)
 
     def write(self) -> None:
         if self.api_req.stream:
@@ -108,8 +120,15 @@ class Answer:
                 continue
             self._quiet_since = time.monotonic()
             if event[0] == "logprob":
-                self.lps.append(event[1])
+                if len(self.prompt_lps) < self.prompt_entries:
+                    self.prompt_lps.append(event[1])
+                elif not (self.echo and self.echo.score_only):
+                    self.lps.append(event[1])
                 continue
+            if event[0] == "text" and self.echo and self.echo.score_only:
+                continue  # the token made inside a max_tokens 0 request is dropped (Echo)
+            if event[0] == "done" and self.echo and self.echo.score_only:
+                event = ("done", scored_only(event[1]))
             if event[0] == "text" and api_req.first_token_at is None:
                 api_req.first_token_at = time.monotonic()
                 self.api.metrics.first_token(api_req.first_token_at - api_req.arrived_at)
@@ -177,7 +196,8 @@ class Answer:
         if self.chat:
             choice = ChatChoice(message=reply.message(), logprobs=self._take_lps(), finish_reason=finish, **extra)
         else:
-            choice = TextChoice(text=result.text, logprobs=self._take_lps(), finish_reason=finish, **extra)
+            text = result.text if self.echo is None else self.echo.text + result.text
+            choice = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **extra)
         self.h.json(200, self._answer([choice], usage=usage(result)))
         self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
 
@@ -186,7 +206,8 @@ class Answer:
 
         if not self.wants_lp:
             return None
-        entries, self.lps = self.lps, []
+        entries, self.lps = self.prompt_lps + self.lps, []
+        self.prompt_lps = []
         return chat_shape(entries) if self.chat else completion_shape(entries, self.text_at)
 
     def _answer(self, choices: list, stream: bool = False, **usage) -> dict:
@@ -208,6 +229,8 @@ class Answer:
                           **(extra or {}))
         else:
             text = (delta or {}).get("content") or ""
+            if self.echo is not None and not self.echoed:
+                text, self.echoed = self.echo.text + text, True
             c = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **(extra or {}))
             self.text_at += len(text)
         self.h.sse(self._answer([c], stream=True, **({"usage": None} if self.shape.include_usage else {})))

@@ -206,8 +206,9 @@ class Scheduler:
         return out
 
     def _cache_hit(self, req: GenRequest) -> None:
-        """The prompt cache's decision for a request about to join (none: its whole prompt is processed)."""
-        hit = self.lookup(req) if self.lookup is not None else None
+        """The prompt cache's decision for a request about to join (none: its whole prompt is processed). A request
+        asking its prompt's log-probabilities takes no prefix: the cache holds KV, not the logits it came from."""
+        hit = self.lookup(req) if self.lookup is not None and req.prompt_logprobs < 0 else None
         req.cache_from, req.cache_len = hit if hit is not None else (None, 0)
 
     def meeting(self, room: int, ended: list[str] = (), *, wait: float = 0.0) -> BatchChanges:

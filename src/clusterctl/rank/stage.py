@@ -10,7 +10,8 @@ blocks changes, keeping its length (so a block's index, and the mask the model p
   a rotating window's position) is exactly what it would be, and masks built from any block's cache are right;
   a skipped state layer moves its cache's padding and lengths on (``keep_state_bookkeeping``);
 - this stage's first block receives the hidden state from the previous stage (``Recv``), its last block sends it
-  on (``Send``, tied into that block's cache: a prompt chunk's logits are never evaluated, its caches are);
+  on (``Send``, tied into that block's cache: a prompt chunk's logits are not evaluated, its caches are;
+  promptlogprobs.py evaluates them on the last stage for a request that scores its prompt);
 - lockstep (``gather``): the model's last block (on every rank: real or ``Skip``) ends in ``Gather``, an all_sum
   in which only the last stage contributes, so every rank gets the final hidden state and computes the same
   logits and the same token (a decode step's; a prompt chunk's logits are never used, so it has no all_sum). Overlapped (overlap.py): no ``Gather``; only the last stage (rank 0) computes logits

@@ -82,10 +82,13 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    """/v1/completions. ``logprobs`` is the legacy integer: that many alternatives per token."""
+    """/v1/completions. ``logprobs`` is the legacy integer: that many alternatives per token (with ``echo``, per
+    prompt token too)."""
 
     prompt: Any = None  # a string or token ids (RequestBuilder.completion)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
+    echo: Optional[bool] = None  # the prompt's text (and, with logprobs, its tokens' log-probabilities) first
+    max_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS)  # 0: with echo, score the prompt only
 
 
 class ChatBody(_Common):
