@@ -7,6 +7,7 @@ from types import SimpleNamespace as N
 
 import pytest
 
+from clusterctl.statedir.state import StateDir
 from clusterctl.front.follow import Rules, reachable
 from clusterctl.front.records import parse_front, read_heal, url_of
 
@@ -42,7 +43,7 @@ def test_reachable():
 
 
 def test_read_heal_is_tolerant(tmp_path):
-    state = N(root=tmp_path)
+    state = StateDir(tmp_path)
     p = tmp_path / "heal" / "c.json"
     assert read_heal(state, "c") is None
     p.parent.mkdir()

@@ -119,6 +119,20 @@ def test_a_state_dir_other_users_could_write_into_is_refused(tmp_path, how):
     assert sorted(str(p) for p, _ in _walk(state)) == before  # nothing written into it
 
 
+@pytest.mark.parametrize("folder", ["heal", "fronts", "reports"])
+def test_the_supervisors_and_front_doors_folders_are_checked_as_the_rest(tmp_path, folder):
+    """A heal file status believes, a front record status reports, a report: the state dir's one owner
+    (statedir/state.py) checks their folders as it checks the deployments' (issue 43: built ad hoc before)."""
+    state = tmp_path / "state"
+    (state / folder).mkdir(parents=True, mode=0o700)
+    state.chmod(0o700)
+    (state / folder).chmod(0o777)
+    p = cli("status", "--json", env={"CLUSTERCTL_STATE_DIR": str(state)})
+    assert p.returncode == 78, (p.returncode, p.stderr)
+    [line] = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert str(state / folder) in line and "other users may write into it" in line, line
+
+
 def test_a_runtime_dir_other_users_could_write_into_fails_preflight(tmp_path, tiny, env):
     dep = _plan(tmp_path, tiny, env)
     (tmp_path / "run-b").mkdir(mode=0o700)

@@ -27,6 +27,8 @@ from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
 from clusterctl.front.apikey import check_bind_host
+from clusterctl.statedir import healfile
+from clusterctl.statedir.state import StateDir
 from clusterctl.statedir.manifest import Coordinator, coordinator_alive, manifest_store
 from clusterctl.shared.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
@@ -85,12 +87,12 @@ def _slug(host: str, port: int) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in host) + f"_{port}"
 
 
-def record_path(state, host: str, port: int) -> Path:
-    return state.root / "fronts" / f"{_slug(host, port)}.json"
+def record_path(state: StateDir, host: str, port: int) -> Path:
+    return state.fronts / f"{_slug(host, port)}.json"
 
 
-def log_path(state, host: str, port: int) -> Path:
-    return state.root / "fronts" / f"{_slug(host, port)}.log"
+def log_path(state: StateDir, host: str, port: int) -> Path:
+    return state.fronts / f"{_slug(host, port)}.log"
 
 
 # ---- records ------------------------------------------------------------------------------------------------------
@@ -109,8 +111,8 @@ def read_record(path: Path) -> FrontRecord | None:
         return None
 
 
-def records(state) -> list[tuple[Path, FrontRecord]]:
-    folder = state.root / "fronts"
+def records(state: StateDir) -> list[tuple[Path, FrontRecord]]:
+    folder = state.fronts
     try:
         paths = sorted(folder.glob("*.json"))
     except OSError:
@@ -156,8 +158,8 @@ def remove_record(path: Path, rec: FrontRecord | None = None) -> None:
 
 # ---- the heal supervisor's word -----------------------------------------------------------------------------------
 
-def heal_path(state, cluster: str) -> Path:
-    return state.root / "heal" / f"{cluster}.json"
+def heal_path(state: StateDir, cluster: str) -> Path:
+    return healfile.path_of(state, cluster)
 
 
 def read_heal(state, cluster: str) -> HealState | None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from clusterctl.errors import Busy, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref, manifest_store
+from clusterctl.statedir.state import StateDir
 from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
@@ -71,8 +73,8 @@ class TeardownReport:
 
 
 
-def reports_dir(store: ManifestStore):
-    return store.folder.parent / "reports"
+def reports_dir(store: ManifestStore) -> Path:
+    return StateDir(store.folder.parent).reports
 
 
 def save_report(store: ManifestStore, report: TeardownReport) -> None:

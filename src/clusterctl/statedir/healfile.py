@@ -16,16 +16,17 @@ from pathlib import Path
 from clusterctl.atomic import atomic_write_bytes, dumps, read_json
 from clusterctl.errors import ClusterctlError
 from clusterctl.statedir.manifest import Coordinator, coordinator_alive
+from clusterctl.statedir.state import StateDir
 
 LIMIT = 64 << 10
 STATES = ("serving", "healing", "degraded")
 
 
-def path_of(state, cluster: str) -> Path:
-    return state.root / "heal" / f"{cluster}.json"
+def path_of(state: StateDir, cluster: str) -> Path:
+    return state.heal / f"{cluster}.json"
 
 
-def write(state, cluster: str, doc: dict) -> None:
+def write(state: StateDir, cluster: str, doc: dict) -> None:
     atomic_write_bytes(path_of(state, cluster), dumps(doc))
 
 
@@ -40,9 +41,9 @@ def read(path: Path) -> dict | None:
     return doc
 
 
-def read_all(state) -> list[dict]:
+def read_all(state: StateDir) -> list[dict]:
     """Every cluster's supervisor state, each with ``supervisor_alive`` (its process still runs here)."""
-    folder = state.root / "heal"
+    folder = state.heal
     out = []
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         doc = read(p)

@@ -34,6 +34,11 @@ def default_state_dir() -> Path:
     return Path(user_state_dir("clusterctl", appauthor=False))
 
 
+# every folder of a state dir: all checked by ``check_safe`` (anyone who may write into one can plant what a
+# command would act on: a key, a deployment, a manifest reap reaps, a heal file status believes, a front record)
+FOLDERS = ("keys", "deployments", "launches", "locks", "history", "manifests", "heal", "fronts", "reports")
+
+
 class StateDir:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root else default_state_dir()
@@ -43,8 +48,7 @@ class StateDir:
         write there can plant a signing key, a deployment or a launch manifest that reap would act on."""
         import stat
 
-        for p in (self.root, *(self.root / d for d in ("keys", "deployments", "launches", "locks", "history",
-                                                       "manifests"))):
+        for p in (self.root, *(self.root / d for d in FOLDERS)):
             try:
                 st = os.lstat(p)
             except FileNotFoundError:
@@ -77,6 +81,21 @@ class StateDir:
     @property
     def locks(self) -> Path:
         return self.root / "locks"
+
+    @property
+    def heal(self) -> Path:
+        """The heal supervisors' state files (statedir/healfile.py)."""
+        return self.root / "heal"
+
+    @property
+    def fronts(self) -> Path:
+        """The front doors' records and logs (front/records.py)."""
+        return self.root / "fronts"
+
+    @property
+    def reports(self) -> Path:
+        """Teardown reports and a failed launch's rank logs (launch/teardown.py, launch/ranklogs.py)."""
+        return self.root / "reports"
 
     def is_deployment_file(self, path: Path) -> bool:
         """A file of the state dir's deployments/ folder (the only files a load may move aside)."""
