@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,3 +43,19 @@ def test_two_pipeline_ranks_store_quantized_kv_like_one_mlx_lm_process(schedule,
         if start == 0:  # the prompt cache keeps the quantized KV; the same prompt reuses it and answers the same
             tokens, cached = _cached(c, PROMPTS[1], 20)
             assert cached > 0 and tokens == want[PROMPTS[1]]
+            # decoded together (rows of different lengths in one quantized batch cache): each its own tokens
+            fresh = ["import os\n", "while True:"]
+            alone = {p: reference_tokens(model, p, 20, **kv) for p in fresh}
+            with ThreadPoolExecutor(len(fresh)) as pool:
+                together = dict(zip(fresh, pool.map(lambda p: complete(c, p, 20)["token_ids"], fresh)))
+            assert together == alone
+
+
+@pytest.mark.slow
+def test_two_tensor_ranks_store_quantized_kv_like_one_mlx_lm_process(tmp_path):
+    """Tensor parallel: each rank quantizes the keys and values of its own heads."""
+    model = tiny_model_path()
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    want = {p: reference_tokens(model, p, 20, **kv) for p in PROMPTS}
+    with RankCluster(tmp_path, model, [8, 8], tag="kvqtp", tensor=True, overrides=kv).up() as c:
+        assert {p: complete(c, p, 20)["token_ids"] for p in PROMPTS} == want
