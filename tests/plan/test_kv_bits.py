@@ -176,3 +176,15 @@ def test_replan_keeps_or_changes_the_setting(facts):
     assert off.options.kv_bits is None and off.given["kv_bits"] == "off"
     assert derive(q, options={"kv_bits": 4}).options.kv_bits == 4
     json.dumps(off.to_json())
+
+
+def test_replan_flags_give_only_what_was_given_and_0_turns_it_off():
+    from clusterctl.cli.options import kv_options
+    from clusterctl.errors import UsageError
+
+    assert kv_options(None, None, None, replan=True) == {}
+    assert kv_options(0, None, None, replan=True) == {"kv_bits": None}
+    assert kv_options(None, 32, 100, replan=True) == {"kv_group_size": 32, "quantized_kv_start": 100}
+    assert kv_options(4, None, None) == {"kv_bits": 4}
+    with pytest.raises(UsageError):
+        kv_options(None, 32, None)  # plan: a group size without --kv-bits
