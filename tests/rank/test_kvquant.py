@@ -41,3 +41,37 @@ def test_a_late_joiner_and_the_running_rows_keep_their_own_tokens(bits, group):
             if r.token not in tok.eos_token_ids:
                 got[r.uid].append(r.token)
     assert [got[u] for u in uids] == want
+
+
+QUANTIZABLE = ["llama", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "granite", "qwen3_moe", "glm4_moe"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", QUANTIZABLE)
+def test_every_family_the_plan_admits_decodes_in_a_batch_like_mlx_lm_alone(family):
+    """The families of the test matrix whose caches mlx-lm quantizes (random weights, heads of 64): two prompts
+    of different lengths decoded together, each with the tokens ``generate_step`` gives it alone."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    from archmodels import config_of
+    from clusterctl.rank.kvquant import quantize_kv
+    from clusterctl.shared.archs import build_lazy
+
+    mx.random.seed(0)
+    model = build_lazy({**config_of(family), "hidden_size": 256, "head_dim": 64})
+    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))  # tokens that vary
+    mx.eval(model.parameters())
+    prompts = [[5, 17, 99, 3, 250, 1000, 42], [7, 8, 9]]
+    want = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=10, kv_bits=4, kv_group_size=64,
+                                         quantized_kv_start=0)] for p in prompts]
+    full = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=10)] for p in prompts]
+    quantize_kv(model, 4, 64, 0)
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
+    uids = list(gen.insert(prompts, max_tokens=[10, 10]))
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    while out := gen.next_generated():
+        for r in out:
+            got[r.uid].append(r.token)
+    assert [got[u] for u in uids] == want, (family, full)
