@@ -133,5 +133,5 @@ def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
                          f"+ headroom {gib(b['headroom'])} + prompt cache {gib(b['prompt_cache'])}) but has "
                          f"{gib(b['usable'])} usable")
     raise DoesNotFit("the model does not fit: " + "; ".join(parts), nodes=bad,
-                     hint="add memory_gb, use more nodes, a smaller --context/--batch/--prompt-cache-gb, or "
-                          "--allocation proportional")
+                     hint="add memory_gb, use more nodes, a smaller --context/--batch/--prompt-cache-gb, "
+                          "--allocation proportional, or a quantized KV cache (--kv-bits 4|8)")
