@@ -154,7 +154,8 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
 
     def needs_for(off: bool, batch: int | None = None, context: int | None = None, quant: bool = True):
         return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes),
-                           context=context or options.context, batch=batch or options.batch or 1, headroom_gb=options.headroom_gb, embedding_offload=off,
+                           context=context or options.context, batch=batch or options.batch or 1,
+                           headroom_gb=options.headroom_gb, embedding_offload=off,
                            prompt_cache_gb=options.prompt_cache_gb or 0.0, quant=options if quant else None)
                 for s, e in ranges]
 
