@@ -114,7 +114,8 @@ def deployment_table(dep) -> Any:
                         f"{dep.parallel}/{dep.allocation}  {dep.schedule or 'overlap'}  batch {dep.batch_slots}"
                         + (f" of {dep.slots} slots that fit" if dep.slots is not None else "")
                         + f" x {dep.options.context} tokens"
-                        + (f"  prompt cache {dep.prompt_cache_tokens} tokens" if dep.prompt_cache_tokens else "")),
+                        + (f"  prompt cache {dep.prompt_cache_tokens} tokens" if dep.prompt_cache_tokens else "")
+                        + kv_bits_note(dep)),
               title_justify="left", box=None, pad_edge=False)
     for col in ("RANK", "NODE", "HOST", "LAYERS", "RANGE", "WEIGHTS", "KV", "USED", "USABLE", "MODEL PATH"):
         t.add_column(col, justify="right" if col in ("RANK", "LAYERS", "WEIGHTS", "KV", "USED", "USABLE") else "left")
@@ -123,6 +124,19 @@ def deployment_table(dep) -> Any:
                   human_bytes(r.planned.weights), human_bytes(r.planned.kv), human_bytes(r.planned.total),
                   human_bytes(r.usable_bytes), esc(dep.path_map.get(r.node, "")))
     return t
+
+
+def kv_bits_note(dep) -> str:
+    """plan --kv-bits in the table's title: the setting, and the context it lets fit (and without it)."""
+    o = dep.options
+    if o.kv_bits is None:
+        return ""
+    note = f"\nKV cache {o.kv_bits}-bit (groups of {o.kv_group_size}, from token {o.quantized_kv_start})"
+    fit = dep.kv_fit
+    if fit is not None and fit.max_context is not None:
+        note += (f": up to {fit.max_context} tokens per sequence fit at batch {dep.batch_slots}, "
+                 f"{fit.max_context_full} in full precision")
+    return note
 
 
 def _age(seconds: float | None) -> str:

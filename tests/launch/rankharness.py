@@ -203,8 +203,9 @@ def tiny_model_path() -> Path:
 
 
 def reference_tokens(model_path: Path, prompt: str, max_tokens: int, *, temperature: float = 0.0,
-                     seed: int = 0) -> list[int]:
-    """One process, plain mlx-lm: the tokens ``mlx_lm.stream_generate`` produces (EOS excluded)."""
+                     seed: int = 0, **generate) -> list[int]:
+    """One process, plain mlx-lm: the tokens ``mlx_lm.stream_generate`` produces (EOS excluded); ``generate``:
+    more of its arguments (kv_bits, kv_group_size, quantized_kv_start)."""
     import mlx.core as mx
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -212,7 +213,8 @@ def reference_tokens(model_path: Path, prompt: str, max_tokens: int, *, temperat
     model, tok = _loaded(str(model_path))
     mx.random.seed(seed)
     out = []
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temperature)):
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temperature),
+                             **generate):
         if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
             break
         out.append(r.token)

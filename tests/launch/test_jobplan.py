@@ -94,3 +94,18 @@ def test_ports_and_the_fixed_http_port(tmp_path):
 def test_job_ids():
     assert re.fullmatch(r"d-\d{14}-[0-9a-f]{6}", new_job_id("d"))
     assert new_job_id("d", token="abc123").endswith("-abc123")
+
+
+def test_every_rank_contract_carries_the_kv_cache_setting(tmp_path):
+    """plan --kv-bits reaches every rank through its contract (what rank/kvquant.py quantizes by)."""
+    cluster = parse_cluster({"cluster": {"name": "lab"}, "node": [
+        {"name": n, "memory_gb": 64, "host": f"10.0.0.{i + 1}", "ips": [f"10.0.0.{i + 1}"], "model_path": "/models/m"}
+        for i, n in enumerate("ab")]})
+    facts = inspect_model(make_model(tmp_path / "m", layers=8, hidden=256))
+    dep = make_deployment(cluster, facts, "/models/m", PlanOptions(kv_bits=8, kv_group_size=32,
+                                                                   quantized_kv_start=100), now=NOW)
+    for r in job(dep).ranks:
+        spec = RankSpec.model_validate(contract_payload(r.spec))
+        assert (spec.kv_bits, spec.kv_group_size, spec.quantized_kv_start) == (8, 32, 100)
+    plain = job(deployment(tmp_path / "plain", 2)).ranks[0].spec
+    assert plain.kv_bits is None and "kv_bits" not in contract_payload(plain)

@@ -16,6 +16,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
+from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt, kv_options
 from clusterctl.statedir import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
 from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
@@ -160,6 +161,7 @@ def replan(
     batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
     prompt_cache_gb: ReplanPromptCacheOpt = None,
     headroom_gb: ReplanHeadroomOpt = None,
+    kv_bits: KvBitsOpt = None, kv_group_size: KvGroupSizeOpt = None, quantized_kv_start: QuantizedKvStartOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -199,15 +201,14 @@ def replan(
 
     if detach and foreground:
         raise UsageError("--detach and --foreground contradict each other: give one")
-    state = state_of(state_dir)
-    ssh = ssh_options(known_hosts, accept_new_host_keys)
-    serving = serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template, chat_template_args)
-    given = replan_given(serving, allocation=allocation, backend=backend, parallel=parallel, schedule=schedule,
+    state, ssh = state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys)
+    given = replan_given(serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template, chat_template_args),
+                         kv_options(kv_bits, kv_group_size, quantized_kv_start, replan=True),
+                         allocation=allocation, backend=backend, parallel=parallel, schedule=schedule,
                          context=context, batch=batch, prompt_cache_gb=prompt_cache_gb, headroom_gb=headroom_gb)
     node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
                    path_map=parse_path_map(path_map), to=to)
-
     p.jobs = asyncio.run(rp.live_jobs_of(state, p, ssh))
     doc = p.to_json()
     preview(o, p)

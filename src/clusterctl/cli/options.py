@@ -123,6 +123,30 @@ def state_of(state_dir: Path | None):
 
 
 # rank 0's defaults for what a request leaves out (plan and replan; docs/api.md)
+# plan/replan --kv-bits: the KV cache stored quantized (plan/kvquant.py); the values are checked by PlanOptions
+KvBitsOpt = Annotated[Optional[int], typer.Option(
+    "--kv-bits", help="Store the KV cache quantized to 4 or 8 bits (mlx-lm's QuantizedKVCache): longer contexts "
+    "fit, attention is slightly less exact. Replan: 0 turns it off.", metavar="4|8")]
+KvGroupSizeOpt = Annotated[Optional[int], typer.Option(
+    "--kv-group-size", help="With --kv-bits: numbers per quantization scale and bias, 32 | 64 | 128 (default 64).",
+    metavar="G")]
+QuantizedKvStartOpt = Annotated[Optional[int], typer.Option(
+    "--quantized-kv-start", help="With --kv-bits: a sequence's cache is quantized once it holds this many tokens "
+    "(default 5000, mlx-lm's).", min=0, max=1 << 26, metavar="T")]
+
+
+def kv_options(kv_bits: int | None, kv_group_size: int | None, quantized_kv_start: int | None, *,
+               replan: bool = False) -> dict:
+    """The --kv-* flags given, as PlanOptions fields (replan: only those given; --kv-bits 0 turns it off)."""
+    if not replan and kv_bits is None and (kv_group_size is not None or quantized_kv_start is not None):
+        raise UsageError("--kv-group-size and --quantized-kv-start need --kv-bits 4 or 8")
+    out = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
+    out = {k: v for k, v in out.items() if v is not None}
+    if replan and out.get("kv_bits") == 0:
+        out["kv_bits"] = None
+    return out
+
+
 TemperatureOpt = Annotated[Optional[float], typer.Option(
     "--temperature", help="Default sampling temperature (OpenAI's: 1).", parser=number(0, 2), metavar="T")]
 TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Default top_p.", parser=number(0, 1), metavar="P")]

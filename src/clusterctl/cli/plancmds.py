@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt, ChatTemplateOpt, ClusterOpt,
-                                    JsonOpt, MaxTokensOpt, MinPOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt,
-                                    TopPOpt, app, complete_targets, number, output, serving_of, ssh_options,
-                                    state_of)
+                                    JsonOpt, KvBitsOpt, KvGroupSizeOpt, MaxTokensOpt, MinPOpt, QuantizedKvStartOpt,
+                                    QuietOpt, StateOpt, TemperatureOpt, TopKOpt, TopPOpt, app, complete_targets,
+                                    kv_options, number, output, serving_of, ssh_options, state_of)
 from clusterctl.render import deployment_table
 
 
@@ -43,6 +43,9 @@ def plan(
                                                    metavar="GIB")] = 0.25,
     adapter: Annotated[Optional[Path], typer.Option("--adapter", help="A LoRA adapter folder (mlx_lm.lora's "
                                                     "output) every rank applies to its layers.")] = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    quantized_kv_start: QuantizedKvStartOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -73,6 +76,7 @@ def plan(
                                 context=context, batch=batch, headroom_gb=headroom_gb, out=out, state=state_of(state_dir),
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
                                  prompt_cache_gb=prompt_cache_gb, progress=o.progress, adapter=adapter,
+                                **kv_options(kv_bits, kv_group_size, quantized_kv_start),
                                 serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
                                                    chat_template_args) or None)
     for w in dep.warnings:

@@ -35,10 +35,10 @@ def parse_path_map(text: str | None) -> dict[str, str] | None:
     return out
 
 
-def replan_given(serving: dict, **options) -> dict:
+def replan_given(serving: dict, kv: dict | None = None, **options) -> dict:
     """The options replan was given (the others come from the current deployment); ``serving`` is merged over
-    the current deployment's defaults."""
-    given = {k: v for k, v in options.items() if v is not None}
+    the current deployment's defaults; ``kv``: the --kv-* flags given (options.kv_options: kv_bits None is off)."""
+    given = {k: v for k, v in options.items() if v is not None} | (kv or {})
     if serving:
         given["serving"] = serving
     return given

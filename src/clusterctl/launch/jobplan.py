@@ -206,6 +206,8 @@ def plan_job(dep: Deployment, opts: LaunchOptions, *, block: list[int], runtime_
                "model_path": dep.path_map[r.node],
                **({"adapter_path": dep.adapter.path_map[r.node], "adapter_hash": dep.adapter.manifest_hash}
                   if dep.adapter is not None else {}),
+               **({"kv_bits": dep.options.kv_bits, "kv_group_size": dep.options.kv_group_size,
+                   "quantized_kv_start": dep.options.quantized_kv_start} if dep.options.kv_bits else {}),
                "start_layer": r.start_layer, "end_layer": r.end_layer,
                "num_layers": dep.model.num_layers, "hostfile": rec.hostfile_path,
                "http_host": opts.http_host, "http_port": http_port if r.rank == 0 else None,

@@ -22,7 +22,7 @@ def plan_options(**kw) -> PlanOptions:
         field = str(err["loc"][0]) if err["loc"] else "option"
         choices = {"allocation": "auto, balanced, proportional, speed, work", "backend": "auto, ring, jaccl, mpi",
                    "parallel": "auto, pipeline, tensor", "embedding_offload": "off, on, auto",
-                   "schedule": "auto, overlap, lockstep"}
+                   "schedule": "auto, overlap, lockstep", "kv_bits": "4, 8", "kv_group_size": "32, 64, 128"}
         extra = f" (choose from {choices[field]})" if field in choices else ""
         raise UsageError(f"--{field.replace('_', '-')}: {kw.get(field)!r} is not valid{extra}") from None
 

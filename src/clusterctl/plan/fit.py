@@ -12,8 +12,10 @@ usable(node) = memory_gb x 2^30 x usable_fraction
 from __future__ import annotations
 
 from clusterctl.errors import DoesNotFit
+from clusterctl.plan.kvquant import quantized_layer
 from clusterctl.plan.model import ModelFacts
 from clusterctl.shared.deployment import KvLayer, RankBytes  # noqa: F401  (RankBytes: a record of the deployment file)
+from clusterctl.shared.deployment import PlanOptions
 from clusterctl.shared.nodespec import GIB, Node
 
 DEFAULT_HEADROOM_GB = 0.5
@@ -32,17 +34,29 @@ def kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int = 1) ->
     return -(-sharded * batch // world) + whole * batch
 
 
+def planned_kv_bytes(layers: list[KvLayer], context: int, batch: int, world: int, dtype_bytes: int,
+                     quant: PlanOptions | None) -> int:
+    """``kv_bytes``, with plan --kv-bits (``quant.kv_bits``): a sequence is stored in full precision until it
+    holds quantized_kv_start tokens, quantized whole from then on (plan/kvquant.py): the larger of the two."""
+    if quant is None or quant.kv_bits is None:
+        return kv_bytes(layers, context, batch, world)
+    full = kv_bytes(layers, min(context, quant.quantized_kv_start), batch, world)
+    if context < quant.quantized_kv_start:
+        return full
+    return max(full, kv_bytes([quantized_layer(k, quant, dtype_bytes) for k in layers], context, batch, world))
+
+
 def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world: int,
                context: int, batch: int, headroom_gb: float, embedding_offload: bool = False,
-               prompt_cache_gb: float = 0.0) -> RankBytes:
+               prompt_cache_gb: float = 0.0, quant: PlanOptions | None = None) -> RankBytes:
     # With embedding offload the token embedding stays on SSD (read row by row by clusterctl.ple).
     shared = facts.shared_bytes - (facts.embed_bytes if embedding_offload else 0)
     if parallel == "tensor":
         weights = -(-sum(facts.layer_bytes) // world) + shared
-        kv = kv_bytes(facts.kv_layer_list(), context, batch, world)
+        kv = planned_kv_bytes(facts.kv_layer_list(), context, batch, world, facts.kv_dtype_bytes, quant)
     else:
         weights = sum(facts.layer_bytes[start:end]) + shared
-        kv = kv_bytes(facts.kv_layer_list()[start:end], context, batch)
+        kv = planned_kv_bytes(facts.kv_layer_list()[start:end], context, batch, 1, facts.kv_dtype_bytes, quant)
     headroom = int(headroom_gb * GIB)
     cache = int(prompt_cache_gb * GIB)
     return RankBytes(weights=weights, kv=kv, headroom=headroom, prompt_cache=cache,
@@ -50,13 +64,16 @@ def rank_bytes(facts: ModelFacts, start: int, end: int, *, parallel: str, world:
 
 
 def prompt_cache_tokens(facts: ModelFacts, ranges: list[tuple[int, int]], *, parallel: str,
-                        reserve: int) -> int:
+                        reserve: int, quant: PlanOptions | None = None) -> int:
     """Tokens of KV the prompt cache may hold: what ``reserve`` bytes keep on the rank whose layers (or heads)
-    cost the most per token."""
+    cost the most per token (quantized when every entry is: plan --kv-bits from the first token on)."""
     world = len(ranges)
     worst = 0
+    every = quant is not None and quant.kv_bits is not None and quant.quantized_kv_start == 0
     for s, e in ranges:
         layers = facts.kv_layer_list() if parallel == "tensor" else facts.kv_layer_list()[s:e]
+        if every:
+            layers = [quantized_layer(k, quant, facts.kv_dtype_bytes) for k in layers]
         worst = max(worst, kv_bytes(layers, 1, 1, world if parallel == "tensor" else 1))
     if reserve <= 0 or worst <= 0:
         return 0
@@ -75,6 +92,22 @@ def slots_that_fit(nodes: list[Node], one_slot: list[RankBytes]) -> int | None:
         n = room // need.kv if need.kv > 0 else 1 << 20
         best = n if best is None else min(best, n)
     return max(0, best if best is not None else 0)
+
+
+def longest_context(nodes: list[Node], needs_at, most: int = 1 << 26) -> int | None:
+    """The longest context per sequence (at most ``most``) for which every rank's ``needs_at(context)`` fits its
+    node (0: not even one token); None when a node's memory is unknown. Needs grow with the context."""
+    if any(n.usable_bytes is None for n in nodes):
+        return None
+
+    def fits(c: int) -> bool:
+        return all(need.total <= n.usable_bytes for n, need in zip(nodes, needs_at(c)))
+
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def gib(n: int | None) -> str:
@@ -101,5 +134,5 @@ def check_fit(nodes: list[Node], needs: list[RankBytes]) -> None:
                          f"+ headroom {gib(b['headroom'])} + prompt cache {gib(b['prompt_cache'])}) but has "
                          f"{gib(b['usable'])} usable")
     raise DoesNotFit("the model does not fit: " + "; ".join(parts), nodes=bad,
-                     hint="add memory_gb, use more nodes, a smaller --context/--batch/--prompt-cache-gb, or "
-                          "--allocation proportional")
+                     hint="add memory_gb, use more nodes, a smaller --context/--batch/--prompt-cache-gb, "
+                          "--allocation proportional, or a quantized KV cache (--kv-bits 4|8)")

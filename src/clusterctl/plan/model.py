@@ -25,7 +25,8 @@ from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg, posit
 from clusterctl.plan.kvcache import FLOAT_BYTES, kv_dtype_bytes, kv_layers
 from clusterctl.shared.deployment import KvLayer
 from clusterctl.modelfiles.folder import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
-from clusterctl.modelfiles.archs import batching, capability, kept_tensors
+from clusterctl.modelfiles.archs import batching, build_lazy, capability, kept_tensors
+from clusterctl.plan.kvquant import class_blocker
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.(weight|scales|biases)$")
@@ -71,6 +72,8 @@ class ModelFacts(BaseModel):
     shardable: bool | None = None  # mlx-lm's class can shard itself (tensor parallel); None: not looked at
     batchable: bool | None = None  # mlx-lm decodes several requests of it together (tried: archs.batching)
     batch_reason: str | None = None
+    # why mlx-lm cannot quantize the caches its class makes (plan/kvquant.py); None: it can, or not looked at
+    kv_quant_reason: str | None = None
     notes: list[str] = []  # what the plan should tell the operator about the checkpoint
     intermediate_size: int = 0
     kv_layers: list[KvLayer] = Field(default_factory=list)  # one per layer; empty: the uniform legacy estimate
@@ -229,6 +232,14 @@ def _bytes_by_layer(sizes: dict[str, int], num_layers: int, folder: Path) -> tup
     return layer_bytes, shared, embed
 
 
+def _kv_quant_reason(config: dict) -> str | None:
+    try:
+        model = build_lazy(config)
+    except Exception:  # noqa: BLE001  (capability() reports why the class cannot be built)
+        return None
+    return class_blocker(model)
+
+
 def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelFacts:
     """The facts of a model folder. ``classify``: also find how it splits over ranks and whether mlx-lm batches
     it (modelfiles/archs.py); a launch re-checking a planned deployment skips that. What the ranks hold of the
@@ -282,10 +293,12 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
     if classify:
         cap = capability(config, num_layers)  # the top-level config: what mlx-lm's loader resolves
         batchable, batch_reason = batching(config)
+        kv_quant_reason = _kv_quant_reason(config)
     return ModelFacts(
         model_class=cap.model_class if cap else None, pipeline=cap.pipeline if cap else None,
         pipeline_reason=cap.reason if cap else None, shardable=cap.shard if cap else None,
         batchable=batchable if cap else None, batch_reason=batch_reason if cap else None, notes=notes,
+        kv_quant_reason=kv_quant_reason if cap else None,
         intermediate_size=int(_int_cfg(text, folder, "intermediate_size", "ffn_dim", default=0) or 0),
         name=str(_cfg(config, "_name_or_path", default="") or folder.name),
         model_type=str(_cfg(text, "model_type", default="unknown")),

@@ -9,9 +9,11 @@ from clusterctl.errors import ConfigError
 from clusterctl.plan import allocate
 from clusterctl.plan.backend import all_links_fast, choose_backend
 from clusterctl.shared.deployment import (
-    Deployment, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash, with_identity,
+    Deployment, KvFit, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash, with_identity,
 )
-from clusterctl.plan.fit import DEFAULT_BATCH, check_fit, prompt_cache_tokens, rank_bytes, slots_that_fit
+from clusterctl.plan.fit import (DEFAULT_BATCH, check_fit, longest_context, prompt_cache_tokens, rank_bytes,
+                                 slots_that_fit)
+from clusterctl.plan.kvquant import refuse as refuse_kv_bits
 from clusterctl.plan.inventory import Cluster
 from clusterctl.shared.nodespec import Node
 from clusterctl.plan.model import KvLayer, ModelFacts
@@ -148,10 +150,13 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         ranges = [(0, facts.num_layers)] * len(nodes)
     else:
         ranges = allocate.layer_ranges(counts)
-    def needs_for(off: bool, batch: int | None = None):
-        return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes), context=options.context,
-                           batch=batch or options.batch or 1, headroom_gb=options.headroom_gb, embedding_offload=off,
-                           prompt_cache_gb=options.prompt_cache_gb or 0.0)
+    refuse_kv_bits(facts.model_type, facts.kv_layer_list(), facts.head_dim, facts.kv_quant_reason, options)
+
+    def needs_for(off: bool, batch: int | None = None, context: int | None = None, quant: bool = True):
+        return [rank_bytes(facts, s, e, parallel=options.parallel, world=len(nodes),
+                           context=context or options.context, batch=batch or options.batch or 1,
+                           headroom_gb=options.headroom_gb, embedding_offload=off,
+                           prompt_cache_gb=options.prompt_cache_gb or 0.0, quant=options if quant else None)
                 for s, e in ranges]
 
     offload = _resolve_offload(options.embedding_offload, facts, nodes, needs_for, warnings)
@@ -168,16 +173,7 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
     ranks = [RankAssignment(rank=i, node=n.name, host=n.host, ips=n.ips, start_layer=s, end_layer=e, layers=e - s,
                             planned=need, usable_bytes=n.usable_bytes)
              for i, (n, (s, e), need) in enumerate(zip(nodes, ranges, needs))]
-    pm = {}
-    for n in nodes:
-        p = (path_map or {}).get(n.name) or n.model_path or (model_path if n.is_local else None)
-        if not p:
-            raise ConfigError(f"node {n.name} has no model_path (its copy of the model)",
-                              hint="set model_path for every remote node in cluster.toml")
-        if not p.startswith("/") or "\x00" in p or "\n" in p:
-            # such a file would not load (deployment._check_consistent): refuse it before writing
-            raise ConfigError(f"node {n.name}: model path {p!r} is not an absolute path")
-        pm[n.name] = p
+    pm = _path_map(nodes, path_map, model_path)
     h = plan_hash(facts.facts_hash, facts.num_layers, nodes, [(r.node, r.start_layer, r.end_layer) for r in ranks],
                   backend, options.parallel)
     created = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -196,8 +192,33 @@ def make_deployment(cluster: Cluster, facts: ModelFacts, model_path: str, option
         placement=placement_signature(ranks), plan_hash=h, warnings=warnings, embedding_offload=offload,
         slots=slots, batch=batch, schedule=schedule, schedule_reason=schedule_why,
         prompt_cache_tokens=prompt_cache_tokens(facts, ranges, parallel=options.parallel,
-                                                reserve=needs[0].prompt_cache),
+                                                reserve=needs[0].prompt_cache, quant=options),
+        kv_fit=_kv_fit(nodes, options, lambda c, q: needs_for(offload, batch, c, q)),
     ))
+
+
+def _path_map(nodes: list[Node], path_map: dict[str, str] | None, model_path: str) -> dict[str, str]:
+    """Each node's copy of the model: the path_map's, else its model_path, else (a local node) the one planned."""
+    pm = {}
+    for n in nodes:
+        p = (path_map or {}).get(n.name) or n.model_path or (model_path if n.is_local else None)
+        if not p:
+            raise ConfigError(f"node {n.name} has no model_path (its copy of the model)",
+                              hint="set model_path for every remote node in cluster.toml")
+        if not p.startswith("/") or "\x00" in p or "\n" in p:
+            # such a file would not load (deployment._check_consistent): refuse it before writing
+            raise ConfigError(f"node {n.name}: model path {p!r} is not an absolute path")
+        pm[n.name] = p
+    return pm
+
+
+def _kv_fit(nodes: list[Node], options: PlanOptions, needs_at) -> KvFit | None:
+    """What plan --kv-bits buys: the context that fits every rank with the KV cache quantized, and without
+    (``needs_at(context, quantized)``: each rank's bytes)."""
+    if options.kv_bits is None:
+        return None
+    return KvFit(max_context=longest_context(nodes, lambda c: needs_at(c, True)),
+                 max_context_full=longest_context(nodes, lambda c: needs_at(c, False)))
 
 
 def replan_same_inputs(dep: Deployment, facts: ModelFacts) -> Deployment:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import ConfigError, UsageError
 from clusterctl.shared.deployment import Deployment, PlanOptions, identity_changes
+from clusterctl.plan.commands import plan_options
 from clusterctl.plan.inventory import Cluster
 
 OPTION_FIELDS = ("allocation", "backend", "parallel", "context", "batch", "headroom_gb", "embedding_offload",
-                 "schedule", "prompt_cache_gb", "serving")
+                 "schedule", "prompt_cache_gb", "serving", "kv_bits", "kv_group_size", "quantized_kv_start")
 
 
 @dataclass
@@ -44,6 +45,10 @@ def _show(v) -> str:
     if isinstance(v, list):
         return ",".join(map(str, v))
     return "auto" if v is None else str(v)
+
+
+def _show_option(k: str, v) -> str:
+    return "off" if k == "kv_bits" and v is None else _show(v)
 
 
 def _chosen_nodes(old: Deployment, pool: Cluster, cluster: Cluster | None, nodes: list[str] | None,
@@ -107,14 +112,11 @@ def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] 
             given[k] = _show(options[k])
         elif k in options:
             opts[k] = options[k]
-            given[k] = _show(options[k])
+            given[k] = _show_option(k, options[k])
         else:
             opts[k] = getattr(old.options, k)
-            derived[k] = _show(opts[k])
-    try:
-        plan_opts = PlanOptions(**opts)
-    except ValueError as e:
-        raise UsageError(f"replan options: {e}") from None
+            derived[k] = _show_option(k, opts[k])
+    plan_opts = plan_options(**opts)  # a bad value: one line naming its flag
     if path_map is not None:
         unknown = sorted(set(path_map) - {n.name for n in out_nodes})
         if unknown:
@@ -175,10 +177,10 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
         if x != y:
             other.append({"field": what, "before": x, "after": y})
     for k in ("allocation", "backend", "parallel", "batch", "headroom_gb", "embedding_offload", "schedule",
-              "prompt_cache_gb", "serving"):  # as given (what a later replan derives from); context is listed above
+              "prompt_cache_gb", "serving", "kv_bits", "kv_group_size", "quantized_kv_start"):  # as given (what a later replan derives from); context is listed above
         x, y = getattr(old.options, k), getattr(new.options, k)
         if x != y:
-            other.append({"field": f"options.{k}", "before": _show(x), "after": _show(y)})
+            other.append({"field": f"options.{k}", "before": _show_option(k, x), "after": _show_option(k, y)})
     # the same deployment (same identity, so the same id): nothing that runs changes
     fields = identity_changes(old, new)
     return {"plan_hash_before": old.plan_hash, "plan_hash_after": new.plan_hash,

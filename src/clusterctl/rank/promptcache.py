@@ -46,10 +46,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def prefix_copy(cache, n: int):
-    """A new KVCache holding the first ``n`` tokens of ``cache`` (the entry itself is never changed)."""
-    from mlx_lm.models.cache import KVCache
+    """A new cache of the same class holding the first ``n`` tokens of ``cache`` (the entry itself is never
+    changed); a quantized entry (plan --kv-bits, rank/kvquant.py) stays quantized."""
+    from mlx_lm.models.cache import QuantizedKVCache
 
-    c = KVCache()
+    if isinstance(cache, QuantizedKVCache):
+        c = type(cache)(group_size=cache.group_size, bits=cache.bits)
+        if cache.keys is not None:
+            c.keys = [x[..., :n, :] for x in cache.keys]
+            c.values = [x[..., :n, :] for x in cache.values]
+            c.offset = n
+        return c
+    c = type(cache)()
     if cache.keys is not None:
         c.keys = cache.keys[..., :n, :]
         c.values = cache.values[..., :n, :]

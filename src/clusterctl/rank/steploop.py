@@ -102,6 +102,11 @@ class StepLoop:
         self.load = LoadWords(spec.rank, self.world)
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
+        # plan --kv-bits: every cache made from here on is stored quantized (after reusable() read the cache kinds)
+        if spec.kv_bits is not None:
+            from clusterctl.rank.kvquant import quantize_kv  # mlx-lm's cache classes: only when asked for
+
+            quantize_kv(model, spec.kv_bits, spec.kv_group_size, spec.quantized_kv_start)
         self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
         # the other ranks' grammar compiles, off this loop (compiler.py); rank 0's are the API's, made at admission
         self.compiler = None if self.leader else Compiler(tokenizer)

@@ -99,6 +99,15 @@ class AdapterRef(BaseModel):
     path_map: dict[str, str]  # node -> the adapter folder there (sync puts it there; launch checks it)
 
 
+class KvFit(BaseModel):
+    """What plan --kv-bits buys: the longest context per sequence every rank fits with the planned batch, the KV
+    cache quantized and in full precision (None: a node's memory is not known)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_context: Optional[int] = None
+    max_context_full: Optional[int] = None
+
+
 class RankAssignment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int
@@ -147,6 +156,11 @@ class PlanOptions(BaseModel):
     prompt_cache_gb: Optional[float] = Field(default=None, ge=0, le=1 << 20)
     # rank 0's defaults for what a request leaves out (None: a file from before them, OpenAI's defaults)
     serving: Optional[ServingDefaults] = None
+    # the KV cache stored quantized (mlx-lm's QuantizedKVCache: affine, kv_group_size numbers per scale and bias)
+    # once a sequence holds quantized_kv_start tokens; None: full precision (and every file from before it)
+    kv_bits: Optional[Literal[4, 8]] = None
+    kv_group_size: Literal[32, 64, 128] = 64
+    quantized_kv_start: int = Field(default=5000, ge=0, le=1 << 26)  # mlx-lm's default (generate and server)
 
 
 class Deployment(BaseModel):
@@ -183,6 +197,8 @@ class Deployment(BaseModel):
     prompt_cache_tokens: int = 0
     # a LoRA adapter every rank applies to its layers (None: the base model)
     adapter: Optional[AdapterRef] = None
+    # plan --kv-bits: the context that fits with the KV cache quantized and without (None: full precision)
+    kv_fit: Optional[KvFit] = None
     # SHA-256 of the deployment's identity (``deployment_hash()``); the id is ``<cluster>-`` + its first 10 hex.
     # None in files planned before it (their id came from plan_hash: it is kept, never recomputed)
     deployment_hash: Optional[str] = None

@@ -46,6 +46,10 @@ class RankSpec(BaseModel):
     # a LoRA adapter folder (mlx_lm.lora's output) on this node, and its planned manifest hash (None: none)
     adapter_path: Optional[str] = None
     adapter_hash: Optional[str] = None
+    # the KV cache stored quantized once a sequence holds quantized_kv_start tokens (None: full precision)
+    kv_bits: Optional[Literal[4, 8]] = None
+    kv_group_size: Literal[32, 64, 128] = 64
+    quantized_kv_start: int = Field(default=5000, ge=0)
     start_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1)
     # every rank's layer count, in rank order: optional, and not in launch's contracts (a list of N per rank made
