@@ -710,7 +710,7 @@ def request_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     from mlx_lm.utils import load_tokenizer
     from rankharness import RankCluster
 
-    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.api.admission import limits_for
 
     seed, schedule = rng.randrange(10**9), rng.choice(["overlap", "lockstep"])
     d, _ = bed.fresh("requests")
@@ -737,7 +737,7 @@ def constrained_fuzz(bed: Bed, rng: random.Random, i: int) -> str:
     from rankharness import RankCluster
     from toolmodels import tool_model
 
-    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.api.admission import limits_for
 
     seed, schedule = rng.randrange(10**9), rng.choice(["overlap", "lockstep"])
     d, _ = bed.fresh("constrained")

@@ -3,7 +3,7 @@
 1. The context that fits a fixed node with and without --kv-bits 4 / 8 (pure plan computation, ``kv_fit``):
    a 7B-class model (28 layers, 4 KV heads of 128, bfloat16 cache, 4-bit weights) on two 16 GB nodes.
 2. Decode tokens/s with the cache in full precision, 8-bit and 4-bit, through the code the ranks run (mlx-lm's
-   BatchGenerator on the caches rank/kvquant.py makes), one process, the 7M model, arms in rotating rounds.
+   BatchGenerator on the caches rank/engine/kvquant.py makes), one process, the 7M model, arms in rotating rounds.
 3. What quantizing does to the answers: SmolLM2-135M-Instruct's mean log-likelihood of a text (the repository's
    docs) and the share of positions whose greedy token stays the same, the cache quantized after the first
    256 tokens (quantized_kv_start 0 with a first chunk of 256), against full precision.
@@ -54,7 +54,7 @@ def decode_rate(path, bits: int | None, prompt: int, rows: int, steps: int) -> f
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from clusterctl.rank.kvquant import quantize_kv
+    from clusterctl.rank.engine.kvquant import quantize_kv
 
     m, tok = load(str(path))
     quantize_kv(m, bits, 64, 0)

@@ -316,13 +316,13 @@ def tokenizer():
 
 def test_request_bodies(tokenizer):
     """Any JSON body: an ApiRequest whose prepare() yields a request within the context, or a 4xx ApiError."""
-    from clusterctl.rank.openai import ApiError, RequestBuilder
+    from clusterctl.rank.api.openai import ApiError, RequestBuilder
     from clusterctl.shared.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
                     marker_path="/r/m", gate_path="/r/g")
-    from clusterctl.rank.admission import Limits, Preparer
+    from clusterctl.rank.api.admission import Limits, Preparer
 
     builder = RequestBuilder(spec, Limits(context=512, model_context=4096, vocab=len(tokenizer.get_vocab()),
                                           token_bytes=82))
@@ -366,10 +366,10 @@ def test_constrained_chat_bodies_on_a_thinking_template(tmp_path_factory):
     import toolmodels
     from mlx_lm.tokenizer_utils import load
 
-    from clusterctl.rank import tools as T
-    from clusterctl.rank.admission import Limits, Preparer
-    from clusterctl.rank.compiler import Compiler, GrammarRefused
-    from clusterctl.rank.openai import ApiError, RequestBuilder
+    from clusterctl.rank.api import tools as T
+    from clusterctl.rank.api.admission import Limits, Preparer
+    from clusterctl.rank.engine.compiler import Compiler, GrammarRefused
+    from clusterctl.rank.api.openai import ApiError, RequestBuilder
     from clusterctl.shared.rankspec import RankSpec
 
     tok = load(toolmodels.write_tokenizer(tmp_path_factory.mktemp("thinktok") / "t"))

@@ -6,9 +6,9 @@ meetings, and files going bad in between — checked against one invariant:
 
 The pieces are the product's own, without SSH: the coordinator is ``clusterctl.launch.cancel.cancel_job`` on a
 real (unsigned, not saved) launch manifest whose nodes are local (``LocalTransport``: real files in temp runtime
-dirs); rank 0 is a real ``StepLoop`` (rank/steploop.py) with a real ``CancelWatch`` and the ack writer the rank
+dirs); rank 0 is a real ``StepLoop`` (rank/engine/steploop.py) with a real ``CancelWatch`` and the ack writer the rank
 runtime gives it (``write_ack``), driven one step at a time: ``apply_cancels`` is what rank 0 does at a meeting
-before anything else (its scheduler, rank/scheduler.py, polls the cancel watch first), ``ack(epoch)`` is what every
+before anything else (its scheduler, rank/engine/scheduler.py, polls the cancel watch first), ``ack(epoch)`` is what every
 rank does with the epoch a meeting hands round: "one meeting of rank 0's cancel handling" without a model, a ring
 or a thread.
 
@@ -139,9 +139,9 @@ class CancelMachine(RuleBasedStateMachine):
 
     @initialize(world=st.sampled_from([1, 2]), two_nodes=st.booleans())
     def setup(self, world, two_nodes):
-        from clusterctl.shared.cancelfile import CancelWatch, write_ack
+        from clusterctl.rank.cancelfile import CancelWatch, write_ack
         from clusterctl.statedir.manifest import LaunchManifest, RankRecord, this_coordinator
-        from clusterctl.rank.steploop import StepLoop
+        from clusterctl.rank.engine.steploop import StepLoop
         from clusterctl.shared.rankspec import RankSpec
         from clusterctl.shared.nodespec import Node
 

@@ -468,7 +468,7 @@ def test_random_ids(box, deployment, source):
 def test_a_cancel_file_of_another_id_is_never_applied_and_writes_nothing(box):
     """Rank 0's watch of its cancel file: a file whose ids are hostile names another job: ignored (logged once),
     and nothing is written anywhere."""
-    from clusterctl.shared.cancelfile import CancelWatch, cancel_path
+    from clusterctl.rank.cancelfile import CancelWatch, cancel_path
 
     rd = box.runs[1]
     t = [0.0]

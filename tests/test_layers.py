@@ -101,7 +101,7 @@ def graph(top_only: bool) -> dict[str, set[str]]:
 
 
 def package(module: str) -> str:
-    """clusterctl.rank.api -> rank; clusterctl.errors -> the base; clusterctl.launch.demo -> demo (a top-level module)."""
+    """clusterctl.rank.api.service -> rank; clusterctl.errors -> the base; clusterctl.render -> render (top level)."""
     if module in BASE:
         return "base"
     parts = module.split(".")
@@ -266,5 +266,5 @@ def test_every_import_inside_a_function_has_a_reason_and_there_are_few():
 def test_the_checker_sees_imports_inside_functions():
     """The rules above read function bodies: an import of the coordinator hidden in a rank function is found."""
     hidden = "import os\n\ndef f():\n    from clusterctl.launch import start\n    from . import wire\n"
-    found = {(n, top) for node, names, top in import_nodes(PKG / "rank" / "api.py", hidden) for n in names}
-    assert found == {("os", True), ("clusterctl.launch.start", False), ("clusterctl.rank.wire", False)}
+    found = {(n, top) for node, names, top in import_nodes(PKG / "rank" / "api" / "service.py", hidden) for n in names}
+    assert found == {("os", True), ("clusterctl.launch.start", False), ("clusterctl.rank.api.wire", False)}

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.cancelfile import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelWatch, ack_path, cancel_here,
+from clusterctl.rank.cancelfile import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelWatch, ack_path, cancel_here,
                                           cancel_path, read_ack, read_cancel, write_ack)
 
 

@@ -97,7 +97,7 @@ def test_job_ids():
 
 
 def test_every_rank_contract_carries_the_kv_cache_setting(tmp_path):
-    """plan --kv-bits reaches every rank through its contract (what rank/kvquant.py quantizes by)."""
+    """plan --kv-bits reaches every rank through its contract (what rank/engine/kvquant.py quantizes by)."""
     cluster = parse_cluster({"cluster": {"name": "lab"}, "node": [
         {"name": n, "memory_gb": 64, "host": f"10.0.0.{i + 1}", "ips": [f"10.0.0.{i + 1}"], "model_path": "/models/m"}
         for i, n in enumerate("ab")]})

@@ -23,7 +23,7 @@ def loaded():
 
 
 def _req(rid: str, tokens: list[int], **kw):
-    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.engine.generation import GenRequest
 
     return GenRequest(id=rid, tokens=tokens, max_tokens=kw.pop("max_tokens", 6), **kw)
 
@@ -41,7 +41,7 @@ def _run(batch, ids: set[str]) -> dict:
 def test_a_row_whose_sampler_raises_fails_alone_in_the_lockstep_batch(loaded):
     """top_k past the vocabulary reaches the batch (admission would have dropped it): mlx-lm's top-k raises as
     the step is built; that request ends with an error, its neighbour gets the tokens it gets alone."""
-    from clusterctl.rank.batch import Batch
+    from clusterctl.rank.engine.batch import Batch
 
     model, tok = loaded
     tokens = tok.encode(PROMPT)
@@ -72,7 +72,7 @@ def test_a_row_whose_sampler_raises_fails_alone_in_the_lockstep_batch(loaded):
 def test_the_overlapped_sampler_falls_back_and_says_why():
     import mlx.core as mx
 
-    from clusterctl.rank.sampling import RowSampler
+    from clusterctl.rank.engine.sampling import RowSampler
 
     s = RowSampler(_req("r", [1, 2], temperature=0.5, top_k=500, seed=3))
     logits = mx.array([[0.0] * 99 + [5.0]])
@@ -95,8 +95,8 @@ def _tokenizer_with_template(tmp_path, template: str):
 
 
 def _builder(tok, context=4096):
-    from clusterctl.rank.admission import limits_for
-    from clusterctl.rank.openai import RequestBuilder
+    from clusterctl.rank.api.admission import limits_for
+    from clusterctl.rank.api.openai import RequestBuilder
     from clusterctl.shared.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
@@ -108,8 +108,8 @@ def _builder(tok, context=4096):
 
 @pytest.mark.slow
 def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
-    from clusterctl.rank.admission import Preparer
-    from clusterctl.rank.openai import ApiError
+    from clusterctl.rank.api.admission import Preparer
+    from clusterctl.rank.api.openai import ApiError
 
     slow = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -131,7 +131,7 @@ def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
-    from clusterctl.rank.openai import ApiError
+    from clusterctl.rank.api.openai import ApiError
 
     _, tok = loaded
     b = _builder(tok, context=64)
@@ -197,8 +197,8 @@ def _peak_mb():
 @pytest.mark.parametrize("template", [e.format(n=300000000) for e in EXPRESSIONS])
 def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
     """Each expression at 3e8: refused (400 prompt_budget_exceeded) before the value exists, fast."""
-    from clusterctl.rank.admission import Preparer
-    from clusterctl.rank.openai import ApiError
+    from clusterctl.rank.api.admission import Preparer
+    from clusterctl.rank.api.openai import ApiError
 
     tok = _tokenizer_with_template(tmp_path, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -215,8 +215,8 @@ def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
     """Templates of random shape (seeded): each renders, or is refused with a 4xx, in about its budget."""
     import random
 
-    from clusterctl.rank.admission import Preparer
-    from clusterctl.rank.openai import ApiError
+    from clusterctl.rank.api.admission import Preparer
+    from clusterctl.rank.api.openai import ApiError
 
     rng = random.Random(30)
     outcomes = {"rendered": 0, "refused": 0}

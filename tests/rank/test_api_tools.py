@@ -213,7 +213,7 @@ def test_fuzzed_constrained_requests_on_a_thinking_template(cluster, folder):
     usable as the request shaped it (bench/faults.py runs the plain fuzzer with a random seed)."""
     import admissionfuzz
 
-    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.api.admission import limits_for
     from mlx_lm.utils import load_tokenizer
 
     limits = limits_for(json.loads((folder / "config.json").read_text()), load_tokenizer(folder), None)

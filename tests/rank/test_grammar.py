@@ -1,4 +1,4 @@
-"""Structured output (rank/grammar.py): every answer parses and validates, over 26 schemas and json_object
+"""Structured output (rank/engine/grammar.py): every answer parses and validates, over 26 schemas and json_object
 decoded in one batch by mlx-lm's own model with the masks applied per row; greedy and sampled rows; budgets that
 end mid-object.
 
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from clusterctl.rank.grammar import GrammarFactory, apply_masks
+from clusterctl.rank.engine.grammar import GrammarFactory, apply_masks
 from rankharness import REPO, tiny_model_path
 
 
@@ -234,8 +234,8 @@ def test_a_tight_budget_still_closes_the_answer(tiny):
     _check([("a", None, schema)] * 2, answers)
     assert all(r.closed_by_budget for r in rows)
     # what the client hears: finish "length" (max_tokens ended the answer; it still parses), as the ranks report
-    from clusterctl.rank.generation import GenRequest, Seq, StopMatcher
-    from clusterctl.rank.sampling import GrammarMask
+    from clusterctl.rank.engine.generation import GenRequest, Seq, StopMatcher
+    from clusterctl.rank.engine.sampling import GrammarMask
 
     req = GenRequest(id="r", tokens=prompt, max_tokens=24)
     for procs, finish in (([GrammarMask(rows[0])], "length"), ([], "stop")):
@@ -332,8 +332,8 @@ def strict_json(text: str):
 def test_logprobs_under_a_grammar_are_finite_and_list_no_forbidden_token(tiny):
     """A grammar's mask leaves -inf on every token it forbids: an entry's alternatives are only allowed tokens and
     every value is finite (OpenAI's floor, -9999.0), at every step of a constrained answer."""
-    from clusterctl.rank.logprobs import Entries
-    from clusterctl.rank.sampling import GrammarMask
+    from clusterctl.rank.engine.logprobs import Entries
+    from clusterctl.rank.engine.sampling import GrammarMask
 
     model, tok, factory = tiny
     proc = GrammarMask(factory.compile(js({"enum": ["yes", "no"]}), max_tokens=8))
@@ -359,7 +359,7 @@ def test_logprobs_under_a_grammar_are_finite_and_list_no_forbidden_token(tiny):
 
 def test_a_forbidden_chosen_token_reads_as_the_floor():
     """The chosen token's value is clamped too (a sampler that fell back to the argmax of a fully masked row)."""
-    from clusterctl.rank.logprobs import FLOOR, Entries
+    from clusterctl.rank.engine.logprobs import FLOOR, Entries
 
     class Tok:
         def decode(self, ids):
@@ -384,7 +384,7 @@ HOSTILE = {
 
 @pytest.fixture(scope="module")
 def compiler(smollm2):
-    from clusterctl.rank.compiler import Compiler
+    from clusterctl.rank.engine.compiler import Compiler
 
     _model, tok, _f = smollm2
     c = Compiler(tok)
@@ -398,8 +398,8 @@ def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
     """Refused before any compute, with a typed reason; a second time at once (remembered)."""
     import time
 
-    from clusterctl.rank.compiler import GrammarRefused, Refusal
-    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.engine.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.engine.generation import GenRequest
 
     def req():
         return GenRequest(id="r", tokens=[1], max_tokens=64, grammar={"response_format": js(HOSTILE[name])})
@@ -418,8 +418,8 @@ def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
 def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
     """What admission accepts comes back compiled (the step loop uses it as is) with a roll-out bound in masks that
     every rank applies alike; a rank that compiles it on announcement makes the same constraint."""
-    from clusterctl.rank.compiler import Compiler
-    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.engine.compiler import Compiler
+    from clusterctl.rank.engine.generation import GenRequest
 
     req = GenRequest(id="r", tokens=[1], max_tokens=40, grammar={"response_format": js(PERSON)})
     c = compiler.admit(req)
@@ -437,8 +437,8 @@ def test_a_schema_whose_shortest_answer_cannot_fit_max_tokens_is_refused_at_admi
     """A shortest answer longer than max_tokens would be forced from its first token and then cut (invalid JSON
     after the compute): refused at admission with a typed kind, naming max_tokens. Not remembered: the same schema
     with a budget it fits is admitted."""
-    from clusterctl.rank.compiler import GrammarRefused, Refusal
-    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.engine.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.engine.generation import GenRequest
 
     def req(n):
         return GenRequest(id="r", tokens=[1], max_tokens=n, grammar={"response_format": js(PERSON)})

@@ -1,4 +1,4 @@
-"""plan --kv-bits on real ranks: every rank stores its KV cache quantized (rank/kvquant.py), and 2 pipeline
+"""plan --kv-bits on real ranks: every rank stores its KV cache quantized (rank/engine/kvquant.py), and 2 pipeline
 ranks answer greedy requests with the tokens of one mlx-lm process generating with the same kv_bits,
 kv_group_size and quantized_kv_start, on both schedules; a prompt the prompt cache gives back (quantized) answers
 the same again."""

@@ -1,4 +1,4 @@
-"""rank/kvquant.py in one process: mlx-lm's BatchGenerator on the quantizing batch caches gives each request the
+"""rank/engine/kvquant.py in one process: mlx-lm's BatchGenerator on the quantizing batch caches gives each request the
 tokens of one mlx-lm process generating alone with the same kv settings, a request joining a batch that is
 already quantized included (the joining group is quantized as it joins, as its own cache would be after its
 prompt)."""
@@ -16,7 +16,7 @@ def test_a_late_joiner_and_the_running_rows_keep_their_own_tokens(bits, group):
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from clusterctl.rank.kvquant import quantize_kv
+    from clusterctl.rank.engine.kvquant import quantize_kv
 
     path = tiny_model_path()
     kv = {"kv_bits": bits, "kv_group_size": group, "quantized_kv_start": 0}
@@ -56,7 +56,7 @@ def test_every_family_the_plan_admits_decodes_in_a_batch_like_mlx_lm_alone(famil
     from mlx_lm.generate import BatchGenerator, generate_step
 
     from archmodels import config_of
-    from clusterctl.rank.kvquant import quantize_kv
+    from clusterctl.rank.engine.kvquant import quantize_kv
     from clusterctl.modelfiles.archs import build_lazy
 
     mx.random.seed(0)

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterctl.shared.cancelfile import cancel_here
+from clusterctl.rank.cancelfile import cancel_here
 from clusterctl.rank.metrics import LADDER_STAGES, OPEN_ENV, OUTCOMES, Metrics
 from rankharness import RankCluster, tiny_model_path
 
@@ -196,8 +196,8 @@ def test_a_cancel_file_is_acked_and_counted(rank):
 # ---- in-process: the Metrics object and the open switch
 
 def _api(tmp_path, monkeypatch, open_env: str | None):
-    from clusterctl.rank.api import Api
-    from clusterctl.rank.requestqueue import RequestQueue
+    from clusterctl.rank.api.service import Api
+    from clusterctl.rank.engine.requestqueue import RequestQueue
     from clusterctl.shared.rankspec import parse_rank_spec
 
     if open_env is None:

@@ -45,8 +45,8 @@ def tokens():
 
 
 def test_the_lockstep_batch_scores_every_prompt_token_as_one_mlx_lm_process(tokens):
-    from clusterctl.rank.batch import Batch
-    from clusterctl.rank.generation import GenRequest
+    from clusterctl.rank.engine.batch import Batch
+    from clusterctl.rank.engine.generation import GenRequest
 
     model, tok = _loaded(str(tiny_model_path()))
     tokens = tokens[:20]  # 3 chunks of 7
@@ -69,11 +69,11 @@ def test_the_lockstep_batch_scores_every_prompt_token_as_one_mlx_lm_process(toke
 
 
 def test_the_overlapped_prompt_chunks_score_every_prompt_token_as_one_mlx_lm_process(tokens, monkeypatch):
-    import clusterctl.rank.prefill as prefill
-    from clusterctl.rank.generation import GenRequest
-    from clusterctl.rank.logprobs import Entries
-    from clusterctl.rank.overlap import Row
-    from clusterctl.rank.promptlogprobs import PromptScorer
+    import clusterctl.rank.engine.prefill as prefill
+    from clusterctl.rank.engine.generation import GenRequest
+    from clusterctl.rank.engine.logprobs import Entries
+    from clusterctl.rank.engine.overlap import Row
+    from clusterctl.rank.engine.promptlogprobs import PromptScorer
 
     model, tok = _loaded(str(tiny_model_path()))
     tokens = tokens[:20]
@@ -95,8 +95,8 @@ def test_the_overlapped_prompt_chunks_score_every_prompt_token_as_one_mlx_lm_pro
 
 
 def test_a_request_scoring_its_prompt_takes_no_prefix_from_the_prompt_cache():
-    from clusterctl.rank.generation import GenRequest
-    from clusterctl.rank.scheduler import Scheduler
+    from clusterctl.rank.engine.generation import GenRequest
+    from clusterctl.rank.engine.scheduler import Scheduler
 
     sched = Scheduler(None, lookup=lambda req: (3, 40))
     plain, scored = (GenRequest(id=i, tokens=list(range(50)), max_tokens=1, prompt_logprobs=k)
@@ -108,9 +108,9 @@ def test_a_request_scoring_its_prompt_takes_no_prefix_from_the_prompt_cache():
 
 
 def test_echo_is_answered_on_completions_and_refused_where_it_means_nothing(tokens):
-    from clusterctl.rank.admission import limits_for
-    from clusterctl.rank.openai import RequestBuilder
-    from clusterctl.rank.wire import ApiError
+    from clusterctl.rank.api.admission import limits_for
+    from clusterctl.rank.api.openai import RequestBuilder
+    from clusterctl.rank.api.wire import ApiError
     from clusterctl.shared.rankspec import RankSpec
 
     _, tok = _loaded(str(tiny_model_path()))

@@ -1,4 +1,4 @@
-"""The prompt cache's bookkeeping (rank/promptcache.py): ids in save order, least recently used first out,
+"""The prompt cache's bookkeeping (rank/engine/promptcache.py): ids in save order, least recently used first out,
 a token budget, the longest shared prefix, never the whole prompt, replacement of an entry reused whole."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.promptcache import MIN_REUSE, PromptCache, common_prefix, prefix_copy
+from clusterctl.rank.engine.promptcache import MIN_REUSE, PromptCache, common_prefix, prefix_copy
 
 
 def kv(n: int, layers: int = 2) -> list[KVCache]:

@@ -218,7 +218,7 @@ def test_fuzzed_requests_get_a_200_within_the_context_or_a_clean_4xx_and_end_no_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import admissionfuzz
 
-    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.api.admission import limits_for
     from mlx_lm.utils import load_tokenizer
 
     limits = limits_for(json.loads((cluster.model_path / "config.json").read_text()),

@@ -11,14 +11,14 @@ import time
 import pytest
 
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
+from clusterctl.rank.markers import (Lease, Marker, MarkerMissing, MarkerWriter, read_lease, read_marker,
                                        write_lease, write_marker)
-from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
-from clusterctl.rank.loading import rank_environment
+from clusterctl.rank.engine.generation import GenRequest, GenResult, Seq, StopMatcher
+from clusterctl.rank.engine.loading import rank_environment
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.shared.rankspec import layer_range, parse_rank_spec
-from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
-from clusterctl.rank.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
+from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.engine.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
 
 
@@ -113,7 +113,7 @@ def test_the_rank_loads_no_mlx_before_its_environment_is_final():
     import subprocess
     import sys
 
-    code = ("import sys, clusterctl.rank.runtime, clusterctl.rank.loading, clusterctl.rank.group; "
+    code = ("import sys, clusterctl.rank.runtime, clusterctl.rank.engine.loading, clusterctl.rank.engine.group; "
             "print(sorted(m for m in ('mlx', 'mlx_lm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -287,7 +287,7 @@ def test_an_idle_wait_ends_early_for_local_work_and_calls_the_others_to_that_mee
 def test_a_call_is_sent_again_until_its_meeting_is_held():
     """A wake-up call is a datagram: until the meeting it called is held, it goes out again (a lost one would
     leave the caller spinning in the collective until the others' scheduled meeting, 10 s away)."""
-    from clusterctl.rank.schedule import CALL_AGAIN_S
+    from clusterctl.rank.engine.schedule import CALL_AGAIN_S
 
     calls = []
     idle = IdleWait(call=calls.append)
@@ -437,7 +437,7 @@ def test_lower_compute_renices_the_main_and_native_threads_not_python_threads():
 def test_prompt_groups_keep_padding_small_and_are_the_same_for_the_same_lengths():
     """Joining prompts are processed in groups padded to their longest: prompts the prompt cache covers whole
     (nothing left) go together, and one long prompt does not make three short ones pay its length."""
-    from clusterctl.rank.scheduler import PAD_WASTE, prompt_groups
+    from clusterctl.rank.engine.scheduler import PAD_WASTE, prompt_groups
 
     assert prompt_groups([]) == []
     assert prompt_groups([0, 0, 22, 0]) == [[0, 1, 3], [2]]

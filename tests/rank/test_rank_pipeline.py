@@ -416,7 +416,7 @@ def test_a_long_prompt_in_chunks_is_token_identical_to_one_process(cluster, mode
     process computes them whole."""
     from mlx_lm import load
 
-    from clusterctl.rank.scheduler import PREFILL_CHUNK
+    from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
 
     _, tok = load(str(model))
     assert len(tok.encode(LONG)) > 3 * PREFILL_CHUNK
@@ -438,7 +438,7 @@ def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
 
     from mlx_lm import load
 
-    from clusterctl.rank.scheduler import DECODE_BUDGET
+    from clusterctl.rank.engine.scheduler import DECODE_BUDGET
 
     _, tok = load(str(model))
     # prompts no other test sent: the prompt cache (on in this module) must not give them a prefix

@@ -1,4 +1,4 @@
-"""The step loop's decisions (rank/scheduler.py), without MLX: joins and their fairness, a burst spread over the
+"""The step loop's decisions (rank/engine/scheduler.py), without MLX: joins and their fairness, a burst spread over the
 micro-batches, cancels at every point of a request's life, the cancel epochs' one rule, and the batch changes'
 encoder and decoder. Every test runs in milliseconds."""
 
@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from clusterctl.errors import ClusterctlError, IntegrityError
-from clusterctl.rank import scheduler as sch
-from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
-from clusterctl.rank.generation import GenRequest
-from clusterctl.rank.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count, place
-from clusterctl.shared.cancelfile import CancelWatch
+from clusterctl.rank.engine import scheduler as sch
+from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.engine.generation import GenRequest
+from clusterctl.rank.engine.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count, place
+from clusterctl.rank.cancelfile import CancelWatch
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
                                            epoch_is_new, next_epoch)
 
@@ -56,7 +56,7 @@ class Cancels:
 def test_the_scheduler_loads_no_mlx_nor_numpy():
     import subprocess  # a fresh interpreter: this one may have loaded MLX for other tests
 
-    code = ("import sys, clusterctl.rank.scheduler; "
+    code = ("import sys, clusterctl.rank.engine.scheduler; "
             "print(sorted(m for m in ('mlx', 'numpy', 'mlx_lm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -341,7 +341,7 @@ class FakeBatch:
         self.rows[req.id] = emit
 
     def drop(self, rid: str, finish: str, *, save: bool = False):
-        from clusterctl.rank.generation import GenResult
+        from clusterctl.rank.engine.generation import GenResult
 
         return GenResult([], "", finish, 1) if self.rows.pop(rid, None) is not None else None
 
@@ -349,7 +349,7 @@ class FakeBatch:
 def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_path):
     import threading
 
-    from clusterctl.rank.steploop import StepLoop
+    from clusterctl.rank.engine.steploop import StepLoop
     from clusterctl.shared.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",

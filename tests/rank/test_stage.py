@@ -1,4 +1,4 @@
-"""The stage blocks (rank/stage.py) in one process: what a block another rank runs keeps of its cache."""
+"""The stage blocks (rank/engine/stage.py) in one process: what a block another rank runs keeps of its cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def _prefill_masks(model, monkeypatch) -> list:
     """The state layers' masks the model builds while mlx-lm processes three prompts of different lengths
     together (right-padded) in chunks of 16 tokens (the way overlap.py hands a group of prompts to mlx-lm's
     PromptProcessingBatch, with a 2,048-token step); then each row's caches as a finished row's are handed back
-    (what rank/batch.py and overlap.py ask for when a request ends)."""
+    (what rank/engine/batch.py and overlap.py ask for when a request ends)."""
     import mlx.core as mx
     import mlx_lm.models.bailing_moe_v3 as arch
     from mlx_lm.generate import PromptProcessingBatch
@@ -38,7 +38,7 @@ def test_a_skipped_state_layer_keeps_the_mask_bookkeeping_of_its_cache(monkeypat
     prompt chunk: the masks are the ones the whole model builds, and a finished row's caches can be handed back."""
     import mlx.core as mx
 
-    from clusterctl.rank.stage import Skip, split_blocks
+    from clusterctl.rank.engine.stage import Skip, split_blocks
     from clusterctl.modelfiles.archs import build_lazy
 
     mx.random.seed(0)

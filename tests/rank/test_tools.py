@@ -1,4 +1,4 @@
-"""Tool calls and reasoning text (rank/tools.py, rank/splitter.py) with real tokenizers: the tiny model's, with
+"""Tool calls and reasoning text (rank/api/tools.py, rank/api/splitter.py) with real tokenizers: the tiny model's, with
 tool-call and think markers made tokens and Qwen-style templates (tests/toolmodels.py), loaded by mlx-lm as a rank
 loads them."""
 
@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 import toolmodels
 
-from clusterctl.rank import splitter as S
-from clusterctl.rank import tools as T
-from clusterctl.rank.generation import StopMatcher
+from clusterctl.rank.api import splitter as S
+from clusterctl.rank.api import tools as T
+from clusterctl.rank.engine.generation import StopMatcher
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -541,8 +541,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 def _builder(tok):
     import json as _json
 
-    from clusterctl.rank.admission import limits_for
-    from clusterctl.rank.openai import RequestBuilder
+    from clusterctl.rank.api.admission import limits_for
+    from clusterctl.rank.api.openai import RequestBuilder
     from clusterctl.shared.rankspec import RankSpec
     from rankharness import tiny_model_path
 
@@ -557,7 +557,7 @@ def answer(tok, body: dict, model) -> tuple[S.Reply, list[int]]:
     end of a row (EOS, a complete answer, max_tokens; a budget-closed answer reports "length") and its splitter."""
     import numpy as np
 
-    from clusterctl.rank.grammar import GrammarFactory
+    from clusterctl.rank.engine.grammar import GrammarFactory
 
     api_req = _builder(tok).chat(body)
     req = api_req.prepare(tok)
@@ -710,9 +710,9 @@ def test_thinking_grammars_are_admitted_and_announced_alike(toks):
     answer (opening with </think>: the roll-out closes the reasoning first), the same bound, the same first mask."""
     import numpy as np
 
-    from clusterctl.rank.compiler import Compiler, GrammarRefused, Refusal
-    from clusterctl.rank.generation import GenRequest
-    from clusterctl.rank.grammar import json_schema
+    from clusterctl.rank.engine.compiler import Compiler, GrammarRefused, Refusal
+    from clusterctl.rank.engine.generation import GenRequest
+    from clusterctl.rank.engine.grammar import json_schema
 
     tok = toks["json"]
     rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {

@@ -31,7 +31,7 @@ from clusterctl.statedir.state import StateDir
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
 HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
-MAX_BODY = 4 << 20  # rank 0's own bound (rank/handler.py): a larger body is refused here the same way
+MAX_BODY = 4 << 20  # rank 0's own bound (rank/api/handler.py): a larger body is refused here the same way
 RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "server", "expect"}  # rank 0's Date is kept

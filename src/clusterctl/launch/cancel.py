@@ -1,4 +1,4 @@
-"""`clusterctl cancel`: cancel requests on a running deployment through cancel files (shared/cancelfile.py).
+"""`clusterctl cancel`: cancel requests on a running deployment through cancel files (rank/cancelfile.py).
 
 The coordinator reads the job's cancel files and acks on its nodes, writes a cancel file with a larger epoch and a
 fresh nonce on every node, and with ``wait`` reads the ranks' acks until each one has applied that cancel. Nothing

@@ -7,7 +7,7 @@ built lazily here (MLX arrays are unevaluated until used, so no weights are made
   (``model.model``, ``language_model.model``, ``language_model``, ...);
 - its caches (``make_cache()``, else one KVCache per block): clusterctl's own stage code serves any model whose
   caches are key/value caches, plain or rotating (sliding window), because a block another rank runs keeps its
-  cache's bookkeeping with zero-width keys (rank/stage.py);
+  cache's bookkeeping with zero-width keys (rank/engine/stage.py);
 - a model that also has state caches (``ArraysCache``: linear attention, state-space layers) is split by
   mlx-lm's own ``pipeline()`` where its class has one (qwen3_next, qwen3_5, bailing_hybrid), else by the stage
   code, whose skipped state layers keep their cache's padding and lengths (bailing_moe_v3); anything else (caches
@@ -22,7 +22,7 @@ import sys
 
 from dataclasses import dataclass
 
-STAGES = "stages"  # clusterctl's stage code (rank/stage.py)
+STAGES = "stages"  # clusterctl's stage code (rank/engine/stage.py)
 MLX_PIPELINE = "mlx-lm"  # mlx-lm's own pipeline() (hybrid models it supports)
 
 
@@ -104,7 +104,7 @@ def cache_kinds(model) -> list[str]:
 
 
 KV_CACHES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
-STATE_CACHES = {"ArraysCache"}  # a fixed state per sequence; rank/stage.py keeps a skipped one's bookkeeping
+STATE_CACHES = {"ArraysCache"}  # a fixed state per sequence; rank/engine/stage.py keeps a skipped one's bookkeeping
 
 
 def split_method(model) -> str | None:

@@ -4,7 +4,7 @@ What is checked here (from ``adapter_config.json`` and the safetensors headers, 
 plan time in one line, not at every rank's load): both files present, a LoRA or DoRA adapter (a full fine-tune is
 a new model: plan that folder instead), ``num_layers`` within the model, every tensor an adapter leaf
 (``lora_a``, ``lora_b``, DoRA's ``m``) of a block the adapter covers, on a linear the model has, with that
-linear's dimensions. The ranks check again what they load (rank/adapter.py), and that the folder is the one
+linear's dimensions. The ranks check again what they load (rank/engine/adapter.py), and that the folder is the one
 planned (its manifest hash).
 """
 

@@ -3,7 +3,7 @@
 mlx-lm's ``QuantizedKVCache`` keeps, per cached number, ``bits`` bits packed in uint32 words, and per group of
 ``group_size`` numbers along the head dimension a scale and a bias in the keys' dtype (``mx.quantize``, affine).
 A sequence's cache turns quantized whole once it holds ``quantized_kv_start`` tokens (mlx-lm's
-``maybe_quantize_kv_cache``; rank/kvquant.py does the same on every rank), so over its life a sequence of C tokens
+``maybe_quantize_kv_cache``; rank/engine/kvquant.py does the same on every rank), so over its life a sequence of C tokens
 holds at most max(the full-precision cache of min(C, start) tokens, the quantized cache of C tokens).
 
 Only caches mlx-lm can quantize qualify: every layer a plain ``KVCache`` of keys and values per head (the

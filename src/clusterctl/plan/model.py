@@ -273,7 +273,7 @@ def inspect_model(folder: str | os.PathLike, *, classify: bool = True) -> ModelF
         digest.update(f"\0{path.name}\0".encode() + raw)
         raw_tensors.update({name: (t["dtype"], t["shape"]) for name, t in tensors.items()})
     # what the ranks will hold is what mlx-lm's loader keeps (its sanitize: experts stacked, MTP layers and
-    # other modalities dropped); the ranks check their weights against the same function (rank/loading.py)
+    # other modalities dropped); the ranks check their weights against the same function (rank/engine/loading.py)
     kept = kept_tensors(config, raw_tensors)
     shapes = kept if kept is not None else raw_tensors
     sizes = {n: math.prod(shape) * DTYPE_BYTES[dtype] for n, (dtype, shape) in shapes.items()}

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from clusterctl.rank.group import join_group, verify_group
+from clusterctl.rank.engine.group import join_group, verify_group
 from clusterctl.rank.peerprobe import Responder, announce_joining, job_token, parse_addr
 from clusterctl.shared.rankspec import RankSpec
 

@@ -25,20 +25,20 @@ from pathlib import Path
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
 from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
-from clusterctl.rank.admission import limits_for, use_template
-from clusterctl.rank.api import Api
-from clusterctl.rank.group import attach_group
-from clusterctl.rank.requestqueue import ActiveSet, RequestQueue
+from clusterctl.rank.api.admission import limits_for, use_template
+from clusterctl.rank.api.service import Api
+from clusterctl.rank.engine.group import attach_group
+from clusterctl.rank.engine.requestqueue import ActiveSet, RequestQueue
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
-from clusterctl.rank.loading import apply_environment, load_shard, rank_environment
+from clusterctl.rank.engine.loading import apply_environment, load_shard, rank_environment
 from clusterctl.rank.priority import lower_compute
 from clusterctl.rank.ringjoin import join_ring, ring_addresses
-from clusterctl.rank.schedule import IdleWait
-from clusterctl.rank.steploop import StepLoop
+from clusterctl.rank.engine.schedule import IdleWait
+from clusterctl.rank.engine.steploop import StepLoop
 from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, end_reason, peer_loss
-from clusterctl.rank.wire import ApiError
-from clusterctl.shared.cancelfile import CancelWatch, cancel_here, write_ack
-from clusterctl.shared.markers import MarkerWriter
+from clusterctl.rank.api.wire import ApiError
+from clusterctl.rank.cancelfile import CancelWatch, cancel_here, write_ack
+from clusterctl.rank.markers import MarkerWriter
 from clusterctl.shared.runtimefiles import EndReason
 from clusterctl.shared.contract import load_rank_contract  # provided by the launcher side
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.shared.runtimefiles import KEEPER_PID_ENV, EndReason
-from clusterctl.shared.markers import read_lease
+from clusterctl.rank.markers import read_lease
 
 
 class PeerLost(ClusterctlError):

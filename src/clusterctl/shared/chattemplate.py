@@ -31,12 +31,12 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Characters (or list items) of one value a template makes. A request body is at most 4 MiB (rank/handler.py), so
+# Characters (or list items) of one value a template makes. A request body is at most 4 MiB (rank/api/handler.py), so
 # whatever a real template derives from one (its messages as JSON, escaped) fits with room.
 MAX_VALUE = 1 << 24
 MAX_INT_BITS = 1 << 16  # an integer past this many bits is no chat template's (and prints past Python's 4300 digits)
 MAX_INDENT = 16  # tojson's indent
-BUDGET_S = 10.0  # rank 0's time budget for preparing one request (rank/admission.py)
+BUDGET_S = 10.0  # rank 0's time budget for preparing one request (rank/api/admission.py)
 TEMPLATE_FILE = "<template>"  # the file name of Jinja's code compiled from a string (transformers' templates)
 
 _DIGITS = re.compile(r"\d+")
@@ -46,7 +46,7 @@ _SERIALIZING = {"string", "pprint", "list", "sum", "urlencode", "xmlattr", "esca
 
 class TemplateTooLarge(Exception):
     """A template step would make a value past the cap. Not a jinja2 TemplateError: those are a request's
-    messages refused by its template (rank/tools.py), this is the template's own excess."""
+    messages refused by its template (rank/api/tools.py), this is the template's own excess."""
 
     def __init__(self, what: str, size: int, message: str | None = None):
         self.message = message or (f"the chat template would make {what} of {size:,} characters or items "

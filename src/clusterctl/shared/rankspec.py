@@ -98,10 +98,10 @@ class RankSpec(BaseModel):
     # the nice value of the rank's compute threads, below its HTTP and control threads (rank/priority.py)
     compute_nice: int = Field(default=10, ge=0, le=19)
     cancel_checks: bool = True
-    # pipeline decode: "overlap" keeps one micro-batch per stage in flight (rank/overlap.py), "lockstep"
+    # pipeline decode: "overlap" keeps one micro-batch per stage in flight (rank/engine/overlap.py), "lockstep"
     # runs every step on every rank together; overlap applies to a split pipeline of 2+ ranks, else lockstep
     schedule: Literal["lockstep", "overlap"] = "overlap"
-    # the prompt cache (rank/promptcache.py): tokens of KV every rank keeps for reuse (0: off)
+    # the prompt cache (rank/engine/promptcache.py): tokens of KV every rank keeps for reuse (0: off)
     prompt_cache_tokens: int = Field(default=0, ge=0, le=1 << 26)
     # rank 0: the most tokens (prompt + completion) one request may hold: the plan's per-slot context, for which
     # every rank reserved KV (None: the model's own max_position_embeddings, a contract from before)

@@ -18,9 +18,9 @@ from typing import Callable
 
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
-from clusterctl.rank.generation import GenRequest, GenResult
-from clusterctl.rank.group import MAX_PAYLOAD
+from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.engine.generation import GenRequest, GenResult
+from clusterctl.rank.engine.group import MAX_PAYLOAD
 from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
 
 _KEYS = {"add", "drop", "fin", "ann"}

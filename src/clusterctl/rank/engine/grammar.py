@@ -72,8 +72,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from clusterctl.rank.compiler import GrammarRefused, Refusal
-from clusterctl.rank.rollout import TokenTables, think_ids, way_out
+from clusterctl.rank.engine.compiler import GrammarRefused, Refusal
+from clusterctl.rank.engine.rollout import TokenTables, think_ids, way_out
 
 MAX_SCHEMA_BYTES = 64 * 1024
 # the lexer's fuel at compile (llguidance's default: 1,000,000). A compile's cost grows faster than its fuel: 1,000

@@ -12,7 +12,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 from clusterctl.rank.metrics import outcome_of
-from clusterctl.rank.wire import ApiError
+from clusterctl.rank.api.wire import ApiError
 
 MAX_BODY = 4 << 20
 UNAUTHORIZED = ApiError(401, "invalid or missing API key", code="invalid_api_key")
@@ -206,7 +206,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def make_handler(api):
     """The handler class of ``api``'s server."""
-    from clusterctl.rank import routes  # routes imports this module (UNAUTHORIZED)
+    from clusterctl.rank.api import routes  # routes imports this module (UNAUTHORIZED)
 
     # a client that sends (or reads) nothing for this long loses its connection: a slow or stalled client can
     # hold a thread, never the server

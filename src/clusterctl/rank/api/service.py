@@ -13,14 +13,14 @@ import time
 from http.server import ThreadingHTTPServer
 
 from clusterctl.errors import ConfigError
-from clusterctl.rank.handler import make_handler
-from clusterctl.rank.requestqueue import ActiveSet, ApiRequest, RequestQueue
+from clusterctl.rank.api.handler import make_handler
+from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, RequestQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
-from clusterctl.rank.openai import ApiError, RequestBuilder
-from clusterctl.rank.generation import GenResult
+from clusterctl.rank.api.openai import ApiError, RequestBuilder
+from clusterctl.rank.engine.generation import GenResult
 from clusterctl.shared.rankspec import RankSpec
-from clusterctl.rank.admission import Preparer
-from clusterctl.rank.compiler import Compiler, GrammarRefused, Refusal
+from clusterctl.rank.api.admission import Preparer
+from clusterctl.rank.engine.compiler import Compiler, GrammarRefused, Refusal
 
 COSTLY = (Refusal.COMPILE_COST, Refusal.MASK_COST, Refusal.PARSER_LIMIT)  # refused for what they would cost the ranks
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from clusterctl.rank.generation import GenRequest
+from clusterctl.rank.engine.generation import GenRequest
 
 COMPILE_CPU_S = 0.25  # a grammar's compile may take this much CPU at admission (2,000 properties: 0.7-3 s)
 MASK_CPU_S = 0.05  # ... and each of its first masks this much (a recursive $ref with required: 0.1-0.14 s)
@@ -100,7 +100,7 @@ class Compiler:
             self._made = Future()
 
         def make():
-            from clusterctl.rank.grammar import GrammarFactory
+            from clusterctl.rank.engine.grammar import GrammarFactory
 
             try:
                 f = GrammarFactory(self.tokenizer)
@@ -315,6 +315,6 @@ def _walk(f: "grammar.GrammarFactory", m, what: str, lengths) -> list[float]:
 
 def rollout_steps(mask_s: float) -> int:
     """A roll-out's bound in masks for a grammar whose masks take ``mask_s``: ROLLOUT_S of them."""
-    from clusterctl.rank.grammar import ROLLOUT_STEPS  # (heavy: mlx)
+    from clusterctl.rank.engine.grammar import ROLLOUT_STEPS  # (heavy: mlx)
 
     return max(MIN_ROLLOUT_STEPS, min(ROLLOUT_STEPS, int(ROLLOUT_S / max(mask_s, 1e-6))))

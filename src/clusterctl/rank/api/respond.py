@@ -9,12 +9,12 @@ import queue
 import time
 from dataclasses import dataclass, replace
 
-from clusterctl.rank.requestqueue import ApiRequest
+from clusterctl.rank.engine.requestqueue import ApiRequest
 from clusterctl.rank.metrics import outcome_of
-from clusterctl.rank.generation import GenResult
-from clusterctl.rank.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
-from clusterctl.rank.logprobs import chat_shape, completion_shape
-from clusterctl.rank.splitter import Event, Reply, delta
+from clusterctl.rank.engine.generation import GenResult
+from clusterctl.rank.api.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
+from clusterctl.rank.engine.logprobs import chat_shape, completion_shape
+from clusterctl.rank.api.splitter import Event, Reply, delta
 
 CLIENT_POLL_S = 0.25  # how often a waiting HTTP thread checks that its client is still there
 KEEPALIVE_S = 1.0  # a stream's comment line while no token comes (queued, or its prompt being processed)

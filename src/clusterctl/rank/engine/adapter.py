@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from clusterctl.errors import ConfigError
-from clusterctl.rank.stage import Skip, _Around, weight_name
+from clusterctl.rank.engine.stage import Skip, _Around, weight_name
 from clusterctl.modelfiles.archs import text_model
 from clusterctl.modelfiles.manifest import build_manifest
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from clusterctl.rank.logprobs import FLOOR, Entries
+from clusterctl.rank.engine.logprobs import FLOOR, Entries
 
 
 class PromptScorer:

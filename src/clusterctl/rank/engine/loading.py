@@ -18,8 +18,8 @@ from pathlib import Path
 
 from clusterctl.errors import ConfigError
 from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, RankSpec
-from clusterctl.rank.group import GroupStandIn
-from clusterctl.rank.offload import install, refuse_tied_head
+from clusterctl.rank.engine.group import GroupStandIn
+from clusterctl.rank.engine.offload import install, refuse_tied_head
 from clusterctl.modelfiles.archs import MLX_PIPELINE, STAGES, cache_kinds, kept_tensors, split_method, text_model
 from clusterctl.modelfiles.folder import read_safetensors_header, weight_files
 
@@ -108,7 +108,7 @@ def load_shard(spec: RankSpec):
     elif spec.world_size > 1:
         method = split_method(model)  # the decision plan took (modelfiles/archs.py)
         if method == STAGES:
-            from clusterctl.rank.stage import split_blocks
+            from clusterctl.rank.engine.stage import split_blocks
 
             split_blocks(model, spec.rank, spec.world_size, spec.start_layer, spec.end_layer,
                          gather=not spec.overlapped)
@@ -132,11 +132,11 @@ def load_shard(spec: RankSpec):
             inner.embed_tokens = _shape_only_embedding(w.shape[1], w.dtype)
     params = tree_flatten(model.parameters())
     if spec.world_size > 1:
-        from clusterctl.rank.stage import weight_name
+        from clusterctl.rank.engine.stage import weight_name
 
         _check_weights_present(path, [weight_name(k) for k, _ in params], config)
     if spec.adapter_path:
-        from clusterctl.rank.adapter import apply_adapter
+        from clusterctl.rank.engine.adapter import apply_adapter
 
         apply_adapter(model, spec.num_layers, spec.adapter_path, spec.adapter_hash)
         params = tree_flatten(model.parameters())

@@ -163,7 +163,7 @@ class Seq:
             else:
                 self.out(self.stops.flush())
         if finish == "stop" and self.procs and not self.stopped_by_text:
-            from clusterctl.rank.sampling import closed_by_budget
+            from clusterctl.rank.engine.sampling import closed_by_budget
 
             if closed_by_budget(self.procs):
                 finish = "length"

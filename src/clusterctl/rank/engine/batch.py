@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
-from clusterctl.rank.logprobs import Entries
-from clusterctl.rank.promptlogprobs import PromptScorer, tap_prompt_batch
-from clusterctl.rank.scheduler import PREFILL_CHUNK
+from clusterctl.rank.engine.generation import GenRequest, GenResult, Seq, StopMatcher
+from clusterctl.rank.engine.logprobs import Entries
+from clusterctl.rank.engine.promptlogprobs import PromptScorer, tap_prompt_batch
+from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
 
 
 class Batch:
@@ -46,7 +46,7 @@ class Batch:
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
         self.produced = 0  # tokens generated (EOS included)
         self.scorers: dict[int, PromptScorer] = {}  # by generator uid: requests whose prompt is scored
-        from clusterctl.rank.stage import is_split
+        from clusterctl.rank.engine.stage import is_split
 
         tap_prompt_batch(self.gen, self.scorers, pipeline=is_split(model))
 
@@ -69,7 +69,7 @@ class Batch:
         """``grammar``: the request's compiled constraint (compiler.py; sampling.processors)."""
         from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
-        from clusterctl.rank.sampling import Guard, processors
+        from clusterctl.rank.engine.sampling import Guard, processors
 
         if req.id in self.by_id:
             raise ValueError(f"request {req.id} is already in the batch")

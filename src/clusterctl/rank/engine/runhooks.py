@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from clusterctl.rank.overlap import END, MEET, Control
-from clusterctl.rank.scheduler import BatchChanges, OverlapRun
+from clusterctl.rank.engine.overlap import END, MEET, Control
+from clusterctl.rank.engine.scheduler import BatchChanges, OverlapRun
 
 
 class RunHooks:

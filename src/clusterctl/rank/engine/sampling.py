@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from clusterctl.rank.generation import GenRequest
-from clusterctl.rank.grammar import ROLLOUT_SECONDS
+from clusterctl.rank.engine.generation import GenRequest
+from clusterctl.rank.engine.grammar import ROLLOUT_SECONDS
 
 
 class GrammarMask:

@@ -47,7 +47,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def prefix_copy(cache, n: int):
     """A new cache of the same class holding the first ``n`` tokens of ``cache`` (the entry itself is never
-    changed); a quantized entry (plan --kv-bits, rank/kvquant.py) stays quantized."""
+    changed); a quantized entry (plan --kv-bits, rank/engine/kvquant.py) stays quantized."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     if isinstance(cache, QuantizedKVCache):

@@ -15,8 +15,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from clusterctl.rank.promptlogprobs import RowChunk, score
-from clusterctl.rank.scheduler import PREFILL_CHUNK
+from clusterctl.rank.engine.promptlogprobs import RowChunk, score
+from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
 
 
 @dataclass

@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from clusterctl.rank.splitter import OutputSplitter
+from clusterctl.rank.api.splitter import OutputSplitter
 
 # apply_chat_template's own parameters: a request's chat_template_kwargs must not reach them (a per-request
 # template, tokenize=True, ...), nor the arguments clusterctl sets

@@ -9,11 +9,11 @@ import json
 import secrets
 import threading
 
-from clusterctl.rank.requestqueue import ApiRequest, Echo
-from clusterctl.rank.generation import GenRequest
-from clusterctl.rank.wire import ApiError, ChatBody, CompletionBody, parse
+from clusterctl.rank.engine.requestqueue import ApiRequest, Echo
+from clusterctl.rank.engine.generation import GenRequest
+from clusterctl.rank.api.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.shared.rankspec import RankSpec
-from clusterctl.rank import tools as tl
+from clusterctl.rank.api import tools as tl
 
 BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
 # fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
@@ -41,7 +41,7 @@ def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
     alone."""
     if not tokenizer.has_thinking:
         return {"response_format": response_format}
-    from clusterctl.rank.grammar import json_schema  # grammar.py loads MLX and numpy; this module neither
+    from clusterctl.rank.engine.grammar import json_schema  # grammar.py loads MLX and numpy; this module neither
 
     try:
         lark = tl.reasoned_json(tokenizer, json_schema(response_format), tl.initial_state(tokenizer, tokens))

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from clusterctl.rank.wire import ApiError
+from clusterctl.rank.api.wire import ApiError
 from clusterctl.shared.chattemplate import (BUDGET_S, BoundedEnvironment, BudgetExceeded, TemplateTooLarge,
                                             template_budget)
 from clusterctl.modelfiles.folder import text_config

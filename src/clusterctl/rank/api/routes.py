@@ -7,9 +7,9 @@ unauthenticated caller learns nothing, not even which routes exist."""
 
 from __future__ import annotations
 
-from clusterctl.rank.handler import UNAUTHORIZED
-from clusterctl.rank.wire import ApiError
-from clusterctl.rank.respond import serve
+from clusterctl.rank.api.handler import UNAUTHORIZED
+from clusterctl.rank.api.wire import ApiError
+from clusterctl.rank.api.respond import serve
 
 
 def health(api, h) -> None:

@@ -11,18 +11,18 @@ import time
 from typing import Callable
 
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.requestqueue import ActiveSet, ApiRequest, RequestQueue
-from clusterctl.rank.wire import ApiError
-from clusterctl.rank.generation import GenResult
-from clusterctl.rank.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
-from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
+from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, RequestQueue
+from clusterctl.rank.api.wire import ApiError
+from clusterctl.rank.engine.generation import GenResult
+from clusterctl.rank.engine.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
+from clusterctl.rank.engine.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
-from clusterctl.rank.batch import Batch
-from clusterctl.rank.compiler import Compiler
+from clusterctl.rank.engine.batch import Batch
+from clusterctl.rank.engine.compiler import Compiler
 from clusterctl.rank.metrics import Recent
-from clusterctl.rank.promptcache import PromptCache, reusable
-from clusterctl.rank.scheduler import BatchChanges, Scheduler, cancelled, place
+from clusterctl.rank.engine.promptcache import PromptCache, reusable
+from clusterctl.rank.engine.scheduler import BatchChanges, Scheduler, cancelled, place
 
 KIND_IDLE, KIND_REQUEST = 0, 1
 HELD_MEET_S = 0.01  # idle, with requests announced (their grammars compiling on the ranks): meet this often
@@ -104,7 +104,7 @@ class StepLoop:
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
         # plan --kv-bits: every cache made from here on is stored quantized (after reusable() read the cache kinds)
         if spec.kv_bits is not None:
-            from clusterctl.rank.kvquant import quantize_kv  # mlx-lm's cache classes: only when asked for
+            from clusterctl.rank.engine.kvquant import quantize_kv  # mlx-lm's cache classes: only when asked for
 
             quantize_kv(model, spec.kv_bits, spec.kv_group_size, spec.quantized_kv_start)
         self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
@@ -135,10 +135,10 @@ class StepLoop:
 
     def _new_batch(self):
         """Lockstep (batch.py) or, for a pipeline split by our stage code, overlapped (overlap.py)."""
-        from clusterctl.rank.stage import is_split
+        from clusterctl.rank.engine.stage import is_split
 
         if self.spec.overlapped and is_split(self.model):
-            from clusterctl.rank.overlap import OverlapBatch
+            from clusterctl.rank.engine.overlap import OverlapBatch
 
             return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
                                 max_batch=self.spec.max_batch, pcache=self.pcache)
@@ -351,7 +351,7 @@ class StepLoop:
     def _run(self) -> None:
         """Overlapped: slots of every micro-batch until rank 0 wants a meeting; requests join and leave in
         between (runhooks.py); rank 0 answers each request as it finishes."""
-        from clusterctl.rank.runhooks import RunHooks
+        from clusterctl.rank.engine.runhooks import RunHooks
 
         hooks = RunHooks(self)
         try:

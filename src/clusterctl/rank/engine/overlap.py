@@ -51,13 +51,13 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from clusterctl.rank.generation import GenRequest, GenResult, Seq, StopMatcher
-from clusterctl.rank.sampling import RowSampler, sample_rows
-from clusterctl.rank.prefill import Prefill
-from clusterctl.rank.scheduler import prefill_plan, prompt_groups
+from clusterctl.rank.engine.generation import GenRequest, GenResult, Seq, StopMatcher
+from clusterctl.rank.engine.sampling import RowSampler, sample_rows
+from clusterctl.rank.engine.prefill import Prefill
+from clusterctl.rank.engine.scheduler import prefill_plan, prompt_groups
 from clusterctl.rank.watchdog import PeerLost
-from clusterctl.rank.logprobs import Entries
-from clusterctl.rank.promptlogprobs import PromptScorer
+from clusterctl.rank.engine.logprobs import Entries
+from clusterctl.rank.engine.promptlogprobs import PromptScorer
 
 END, MEET = 1, 2  # a control's flags: the micro-batch's run ends here; a rank asks rank 0 for a meeting
 CONTROL_WORDS = 4  # flags, the changes' length in bytes, the cancel epoch, the check word

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clusterctl.rank.generation import GenRequest
+from clusterctl.rank.engine.generation import GenRequest
 
 @dataclass(frozen=True)
 class Echo:
