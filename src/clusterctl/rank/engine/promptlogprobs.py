@@ -23,11 +23,12 @@ Entries are logprobs.py's, handed to rank 0's HTTP thread one per prompt token b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import mlx.core as mx
+from typing import TYPE_CHECKING, Callable
 
 from clusterctl.rank.engine.logprobs import FLOOR, Entries
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
 class PromptScorer:
@@ -48,6 +49,7 @@ class PromptScorer:
     def pending(self, logits: mx.array, start: int) -> tuple:
         """The lazy arrays of one row's chunk: ``logits`` (positions, vocab) of input positions ``start``...,
         scoring the tokens after each."""
+        import mlx.core as mx  # (the rank loads mlx once its environment is final: runtime.py)
         n = logits.shape[0]
         x = logits.astype(mx.float32)
         lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
@@ -87,6 +89,7 @@ class RowChunk:
 
 def score(logits: mx.array, rows: list[RowChunk]) -> None:
     """Every asking row's part of a chunk's logits (batch, columns, vocab): built, evaluated at once, reported."""
+    import mlx.core as mx  # (the rank loads mlx once its environment is final: runtime.py)
     work = [(r.scorer, r.scorer.pending(logits[i, : r.count], r.start)) for i, r in enumerate(rows)
             if r.scorer is not None and r.count > 0]
     if not work:
@@ -109,6 +112,8 @@ def tap_prompt_batch(gen, scorers: dict[int, PromptScorer], *, pipeline: bool = 
     original = pb.prompt
 
     def prompt(tokens):
+        import mlx.core as mx  # (the rank loads mlx once its environment is final: runtime.py)
+
         rows = [(scorers.get(uid), len(pb.tokens[i]), len(t)) for i, (uid, t) in enumerate(zip(pb.uids, tokens))]
         asking = [s for s, _, _ in rows if s is not None]
         if not asking or (pipeline and max(map(len, tokens)) > 1 and all(s.emit is None for s in asking)):
