@@ -355,6 +355,7 @@ class StepLoop:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
         hooks.flush()
+        hooks.ended()
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
