@@ -151,8 +151,9 @@ def test_idle_followers_sleep_instead_of_spinning(cluster):
 
 def test_an_idle_deployment_costs_almost_no_cpu(cluster):
     """No request in flight: every rank blocks (no meetings on a short schedule, no accept loop that looks for a
-    shutdown 50 times a second), so all ranks together use a few thousandths of a core; a request is then served
-    at once (the rank that has it calls the others)."""
+    shutdown 50 times a second, a heartbeat a second, a watchdog that wakes once a second, rank 0's cancel file
+    looked at four times a second after the first seconds), so all ranks together use under 1 % of a core (issue
+    42's bound); a request is then served at once (the rank that has it calls the others)."""
     _complete(cluster, prompt="x", max_tokens=2, temperature=0)
     procs = [psutil.Process(p.pid) for p in cluster.procs]
     time.sleep(1.0)
@@ -160,7 +161,10 @@ def test_an_idle_deployment_costs_almost_no_cpu(cluster):
     t0 = time.monotonic()
     time.sleep(10.0)
     used = (sum(t.user + t.system for t in (p.cpu_times() for p in procs)) - before) / (time.monotonic() - t0)
-    assert used <= 0.02, f"{cluster.world} idle ranks used {used:.1%} of a core"
+    # 2 ranks: issue 42's 1 % (0.5-0.7 % measured beside a load average of 13-18); 3 ranks on these 2 cores probe
+    # more peers (0.7-1.1 % there); the code before the idle work: 3.6 % and 9.0 %
+    bound = 0.01 if cluster.world == 2 else 0.015
+    assert used <= bound, f"{cluster.world} idle ranks used {used:.2%} of a core"
     assert _complete(cluster, prompt="x", max_tokens=2, temperature=0)["finish_reason"] == "length"
 
 
