@@ -18,7 +18,9 @@ requests arrive at random (Poisson, exponential gaps; the same seeded schedule f
 of the request rate that arm reaches with the largest --clients closed-loop clients sending the same mix of prompt
 lengths (the short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
 throughput (requests/s and its ratio to the offered rate), time to first token p50/p99 (and the closed loop's
-p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first).
+p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first), and
+for clusterctl the overlapped runs that ended meanwhile (each a drained pipeline and a meeting: a run ends when
+nothing is left in flight, never for an arrival) and the parked micro-batches a join revived, from rank 0's /metrics.
 
 This machine's limit: one process timing a loop of MLX matmuls alone, then two such processes at once; the limit
 is how much more work two processes do together than one alone (2 x alone time / together time). A 2-rank
@@ -75,9 +77,31 @@ def closed_mix(base: str, clients: int, per_client: int, tokens: int) -> tuple[f
     return (len(got) / wall if wall > 0 else 0.0), [st.first for st in got]
 
 
+def run_counts(base: str) -> tuple[float, float] | None:
+    """clusterctl's overlapped runs ended so far (each one a drained pipeline and a meeting) and parked micro-batches
+    revived by a join, from rank 0's /metrics; None where there is no such metric (mlx_lm.server, older code)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except Exception:  # a server without /metrics
+        return None
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            got[s.name] = got.get(s.name, 0.0) + s.value
+    if "clusterctl_overlap_runs_ended_total" not in got:
+        return None
+    return got["clusterctl_overlap_runs_ended_total"], got.get("clusterctl_overlap_revivals_total", 0.0)
+
+
 def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> dict:
     """``n`` streamed requests arriving at random (Poisson at ``rate`` per second), each from its own client; a
-    mix of prompt lengths. Returns throughput, TTFT and TPOT samples."""
+    mix of prompt lengths. Returns throughput, TTFT and TPOT samples, and (clusterctl) the runs ended and the
+    micro-batches revived meanwhile."""
     import random
     import threading
 
@@ -94,6 +118,7 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
         with lock:
             got.append((st, time.monotonic()))
 
+    counts0 = run_counts(base)
     threads, t0, at = [], time.monotonic(), 0.0
     for i in range(n):
         at += rng.expovariate(rate)
@@ -103,7 +128,11 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
     for t in threads:
         t.join(900)
     wall = max((end for _, end in got), default=time.monotonic()) - t0
+    time.sleep(0.5)  # the last run ends a slot after the last answer
+    counts1 = run_counts(base)
+    runs = [b - a for a, b in zip(counts0, counts1)] if counts0 and counts1 else None
     return {"offered": rate, "done": len(got), "errors": errors[0], "req_s": len(got) / wall if wall > 0 else 0.0,
+            "runs": runs,
             "tok_s": sum(st.tokens for st, _ in got) / wall if wall > 0 else 0.0,
             "ttft": [st.first for st, _ in got],
             "tpot": [(st.seconds - st.first) / (st.tokens - 1) for st, _ in got if st.tokens > 1]}
@@ -279,11 +308,14 @@ def open_loop_report(by: dict, ns) -> None:
                      fmt(pct(ttft, 0.5), "", 2), fmt(pct(ttft, 0.99), "", 2), fmt(closed_p99, "", 2),
                      fmt(pct(ttft, 0.99) / closed_p99 if closed_p99 else None, "x"),
                      fmt(1e3 * pct(tpot, 0.5), "", 0) if tpot else "n/a", fmt(1e3 * pct(tpot, 0.99), "", 0) if tpot
-                     else "n/a", str(sum(o["errors"] for o in ol))])
+                     else "n/a", str(sum(o["errors"] for o in ol)),
+                     "/".join(f"{sum(o['runs'][i] for o in ol):g}" for i in (0, 1))
+                     if all(o.get("runs") for o in ol) else "n/a"])
     say(f"\nopen loop: Poisson arrivals at {ns.open_loop:.0%} of each arm's closed-loop rate at {c} clients, "
         f"{ns.open_requests} requests (every 4th a ~300-token prompt):")
     say(table(rows, ["arm", "offered req/s", "served req/s", "served/offered", "TTFT p50 s", "TTFT p99 s",
-                     "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors"]))
+                     "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors",
+                     "runs ended/revivals"]))
 
 
 def main() -> int:
