@@ -330,15 +330,19 @@ def main() -> int:
                     help="also open-loop traffic at SHARE of the closed-loop rate (e.g. 0.8)")
     ap.add_argument("--open-requests", type=int, help="requests in the open-loop run (default 24; --quick 12)")
     ap.add_argument("--arms", help=f"comma list of arms (default all: {','.join(ARMS)})")
+    ap.add_argument("--no-limit", action="store_true",
+                    help="skip measuring the machine's limit (minutes on a loaded machine; efficiency then n/a)")
     ns = ap.parse_args()
     ns.clients = tuple(int(c) for c in ns.clients.split(","))
     ns.rounds = ns.rounds or (1 if ns.quick else 3)
     ns.open_requests = ns.open_requests or (12 if ns.quick else 24)
     say(f"bench/overlap.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  clients={ns.clients} x "
         f"{ns.per_client}  rounds={ns.rounds}")
-    alone, together, limit = machine_limit()
-    say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
-        f"two processes do {limit:.2f}x the work of one")
+    limit = None
+    if not ns.no_limit:
+        alone, together, limit = machine_limit()
+        say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
+            f"two processes do {limit:.2f}x the work of one")
     say(f"metrics work per request (counters and histograms the API moves): "
         f"{metrics_update_cost() * 1e6:.1f} us")
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
