@@ -15,9 +15,11 @@ Parts:
             new3    3 local ranks of this tree
   gaps    2 streams decode (greedy, --stream-tokens each) while --joins long prompts join one after another: the
           gaps between the streams' tokens from the first join to the last answer, p50 / p99 / max, base2 vs new2.
-  idle    every rank's CPU over 10 s with no request in flight (3 s after the last answer), base2 vs new2.
+  idle    every rank's CPU (utime + stime) over --idle-seconds (10) with no request in flight (3 s after the last
+          answer), base2 vs new2.
 The rank arms are started by the rank test harness (tests/launch/rankharness.py: unsigned specs, the overlapped
-schedule, no launcher), the base arm with PYTHONPATH pointing at `git archive 23e3c7f src`.
+schedule, no launcher), the base arm with PYTHONPATH pointing at `git archive BASE src` (--base, 23e3c7f: the code
+before this issue).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def gaps(base: str, tok, ns, seed: int) -> list[float]:
     return [b - a for ts in times for a, b in zip(ts, ts[1:]) if t0 <= a and b <= t1]
 
 
-def idle_cpu(pids: list[int], seconds: float = 10.0) -> float:
+def idle_cpu(pids: list[int], seconds: float) -> float:
     from _common import cpu_seconds
 
     time.sleep(3.0)
@@ -203,6 +205,8 @@ def main() -> int:
     ap.add_argument("--parts", default="chunks,ttft,gaps,idle")
     ap.add_argument("--model", default="100m", help="100m (the bench preset) or 7m (overhead-bound)")
     ap.add_argument("--arms", default="one,base2,new2,new3")
+    ap.add_argument("--base", default=BASE_COMMIT, help=f"the commit of the base arms (default {BASE_COMMIT})")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle part measures")
     ns = ap.parse_args()
     ns.rounds = ns.rounds or 1 if ns.quick else ns.rounds or 2
     ns.requests = ns.requests or (1 if ns.quick else 2)
@@ -214,11 +218,11 @@ def main() -> int:
 
     path = model(ns.model)
     tok = load_tokenizer(path)
-    say(f"bench/prefill.py: {ns.model} model, {ns.prompt_tokens}-token prompts; {machine_note()}")
+    say(f"bench/prefill.py {time.strftime('%Y-%m-%d %H:%M')}: {ns.model} model, {ns.prompt_tokens}-token prompts; {machine_note()}")
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
     base_src = work / "base"
     base_src.mkdir()
-    subprocess.run(f"git -C {HERE.parent} archive {BASE_COMMIT} src | tar -x -C {base_src}", shell=True, check=True)
+    subprocess.run(f"git -C {HERE.parent} archive {ns.base} src | tar -x -C {base_src}", shell=True, check=True)
     base_src = base_src / "src"
 
     if "chunks" in parts:
@@ -245,7 +249,7 @@ def main() -> int:
                 if "gaps" in parts and a in ("base2", "new2"):
                     gap.setdefault(a, []).extend(gaps(base, tok, ns, 5000 + 100 * rnd))
                 if "idle" in parts and a in ("base2", "new2") and rnd == 0:
-                    idle[a] = idle_cpu(pids)
+                    idle[a] = idle_cpu(pids, ns.idle_seconds)
 
     if "ttft" in parts:
         one = med(ttft.get("one") or [])
@@ -259,7 +263,8 @@ def main() -> int:
         say(f"\n2 streams' gaps between tokens while {ns.joins} prompts of {ns.prompt_tokens} tokens join:")
         say(table(rows, ["arm", "gaps", "p50", "p99", "max", "p99/p50"]))
     if idle:
-        say("\nidle CPU of all ranks together (10 s, no request in flight), % of one core:")
+        say(f"\nidle CPU of all ranks together ({ns.idle_seconds:g} s, no request in flight; base2 = {ns.base}), "
+            "% of one core:")
         say(table([[a, fmt(v * 100, " %")] for a, v in idle.items()], ["arm", "CPU"]))
     say(f"\n{machine_note()}")
     return 0
