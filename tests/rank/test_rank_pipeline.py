@@ -162,7 +162,7 @@ def test_an_idle_deployment_costs_almost_no_cpu(cluster):
     time.sleep(10.0)
     used = (sum(t.user + t.system for t in (p.cpu_times() for p in procs)) - before) / (time.monotonic() - t0)
     # 2 ranks: issue 42's 1 % (0.5-0.7 % measured beside a load average of 13-18); 3 ranks on these 2 cores probe
-    # more peers (0.7-1.1 % there); the code before the idle work: 3.6 % and 9.0 %
+    # more peers (1.1 % in one run there, above 1 % in another); the code before the idle work: 3.6 % and 9.0 %
     bound = 0.01 if cluster.world == 2 else 0.015
     assert used <= bound, f"{cluster.world} idle ranks used {used:.2%} of a core"
     assert _complete(cluster, prompt="x", max_tokens=2, temperature=0)["finish_reason"] == "length"
