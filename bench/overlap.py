@@ -8,6 +8,10 @@ Arms (one arm's processes alive at a time; the order rotates every round; median
   lock  clusterctl       2 local ranks, `plan --schedule lockstep` (every step on every rank; auto = balanced split)
   over  clusterctl       the same 2 ranks, `plan --schedule overlap` (a micro-batch per stage in flight; the default
                          `--allocation auto` then splits by work: rank 0 also runs the head)
+  b     mlx-lm           the anchor: mlx-lm's own distributed server, 2 local ranks (`mlx.launch --backend ring -n 2
+                         -- python -m mlx_lm.server --pipeline`); the tiny models are qwen2-class, which has
+                         mlx-lm's pipeline(). Skipped with a printed reason without mlx.launch or for SmolLM2 (llama:
+                         no pipeline() in mlx-lm). Not in the default arms: ask for it with --arms.
 Per arm and round: launch, a warm-up request, then for each C in --clients: C streaming greedy chat clients at
 once, each sending --per-client requests one after another (distinct prompts, the same for every arm): aggregate
 tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
@@ -40,8 +44,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat, table  # noqa: E402
-from serve import PROMPTS, Round, arm_clusterctl, arm_single, concurrent_load, marker_peak, pct, rotate  # noqa: E402
+from _common import (MLX_LAUNCH, PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat,  # noqa: E402
+                     table)
+from serve import (PROMPTS, Round, arm_clusterctl, arm_mlx_launch, arm_single, concurrent_load, marker_peak,  # noqa: E402
+                   pct, rotate)
 
 LONG_PROMPT = ("Summarise the following notes on serving a model across machines in one paragraph. " +
                "A pipeline splits the layers; each stage computes while the others do; a prompt's chunks flow "
@@ -138,7 +144,9 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
             "tpot": [(st.seconds - st.first) / (st.tokens - 1) for st, _ in got if st.tokens > 1]}
 
 ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap",
-        "scrape": "overlap, /metrics scraped every 0.5 s"}
+        "scrape": "overlap, /metrics scraped every 0.5 s", "b": "mlx-lm's distributed server, 2 ranks (--pipeline)"}
+DEFAULT_ARMS = ("a", "lock", "over", "scrape")
+GREEDY_CHECK = (PROMPTS[0], 24)  # every arm's greedy answer to this, compared with one process's
 
 _MATMUL = """
 import sys, time
@@ -215,6 +223,7 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
         with ctx(r) as (_t0, base, pids, layers, _all):
             r.rss = [(rank, layers.get(rank), None) for rank in sorted(pids)]  # the split; peaks below
             stream_chat(base, PROMPTS[-1], 4)  # warm-up
+            r.greedy = stream_chat(base, *GREEDY_CHECK).text
             if arm == "scrape":
                 threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
             for c in clients:
@@ -239,11 +248,16 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     deps = {s: plan(workdir, env, path, f"{kind}-{s}", "--schedule", s) for s in ("lockstep", "overlap")}
     ctxs = {"a": lambda r: arm_single(path, r), "lock": lambda r: arm_clusterctl(deps["lockstep"], env, r),
             "over": lambda r: arm_clusterctl(deps["overlap"], env, r),
-            "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r)}
+            "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r),
+            "b": lambda r: arm_mlx_launch(path, r, workdir)}
     tokens = ns.tokens or (32 if kind == "smollm2" else 64)
+    wanted = [a for a in ARMS if (a in ns.arms.split(",") if ns.arms else a in DEFAULT_ARMS)]
+    if "b" in wanted and (why := anchor_unavailable(kind)):
+        say(f"{kind}: the anchor arm (b) is skipped: {why}")
+        wanted.remove("b")
     rs: list[Round] = []
     for i in range(ns.rounds):
-        for arm in rotate([a for a in ARMS if not ns.arms or a in ns.arms.split(",")], i):
+        for arm in rotate(wanted, i):
             r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests)
             rs.append(r)
             log(f"{kind} round {i + 1} {ARMS[arm]}: " + ", ".join(
@@ -285,12 +299,40 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
         say(f"{arm}: layers " + ", ".join(f"rank {k} {v}" for k, v in sorted(split.items())) + "; peak RSS " + ", ".join(
             f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned[arm].get(k) or 0) / 2**20, ' MiB', 0)})"
             for k, v in sorted(peaks.items())))
+    if by.get("b"):
+        anchor_report(by, ns)
     if ns.open_loop:
         open_loop_report(by, ns)
     for a in ARMS:
         for r in rs:
             if r.arm == a and r.error:
                 say(f"error in {a}: {r.error}")
+
+
+def anchor_unavailable(kind: str) -> str | None:
+    """Why mlx-lm's own distributed server cannot be the anchor here (None: it can)."""
+    if not Path(MLX_LAUNCH).exists():
+        return f"{MLX_LAUNCH} is not installed"
+    if kind == "smollm2":
+        return "SmolLM2 is a llama-class model, and mlx-lm's llama has no pipeline()"
+    return None
+
+
+def anchor_report(by: dict, ns) -> None:
+    """clusterctl's overlapped arm against mlx-lm's distributed server (the anchor), and each arm's greedy text
+    against one process's."""
+    def agg(a: str, c: int):
+        return med([r.loads[c][0] for r in by.get(a, []) if c in r.loads])
+
+    rows = [[str(c), fmt(agg("b", c), "", 1), fmt(agg("over", c), "", 1),
+             fmt(agg("over", c) / agg("b", c) if agg("over", c) and agg("b", c) else None, "x")] for c in ns.clients]
+    say("\nthe anchor: mlx-lm's distributed server (mlx.launch --backend ring -n 2, mlx_lm.server --pipeline):")
+    say(table(rows, ["clients", "b tok/s", "over tok/s", "over/b"]))
+    one = next((r.greedy for r in by.get("a", []) if getattr(r, "greedy", None) is not None), None)
+    for a in ("b", "over"):
+        texts = {r.greedy for r in by.get(a, []) if getattr(r, "greedy", None) is not None}
+        same = "n/a (no one-process arm)" if one is None else ("yes" if texts == {one} else f"NO: {texts!r} vs {one!r}")
+        say(f"{a}: greedy text of {GREEDY_CHECK[1]} tokens identical to one process: {same}")
 
 
 def open_loop_report(by: dict, ns) -> None:
@@ -329,7 +371,7 @@ def main() -> int:
     ap.add_argument("--open-loop", type=float, default=0.0, metavar="SHARE",
                     help="also open-loop traffic at SHARE of the closed-loop rate (e.g. 0.8)")
     ap.add_argument("--open-requests", type=int, help="requests in the open-loop run (default 24; --quick 12)")
-    ap.add_argument("--arms", help=f"comma list of arms (default all: {','.join(ARMS)})")
+    ap.add_argument("--arms", help=f"comma list of arms (default {','.join(DEFAULT_ARMS)}; also b, the anchor)")
     ap.add_argument("--no-limit", action="store_true",
                     help="skip measuring the machine's limit (minutes on a loaded machine; efficiency then n/a)")
     ns = ap.parse_args()

@@ -13,6 +13,9 @@ Parts:
             base2   2 local ranks of commit 23e3c7f (before this issue: a prompt whole, one stage after the other)
             new2    2 local ranks of this tree (its chunks flow through the stages)
             new3    3 local ranks of this tree
+            mlx2    the anchor: mlx-lm's own distributed server on 2 local ranks (`mlx.launch --backend ring -n 2 --
+                    python -m mlx_lm.server --pipeline`; the tiny models are qwen2-class); not in the default arms,
+                    skipped with a printed reason without mlx.launch
   gaps    2 streams decode (greedy, --stream-tokens each) while --joins long prompts join one after another: the
           gaps between the streams' tokens from the first join to the last answer, p50 / p99 / max, base2 vs new2.
   idle    every rank's CPU (utime + stime) over --idle-seconds (10) with no request in flight (3 s after the last
@@ -39,8 +42,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "launch"))
-from _common import PY, fmt, machine_note, med, model, say, table  # noqa: E402
-from serve import Round, arm_single  # noqa: E402
+from _common import MLX_LAUNCH, PY, fmt, machine_note, med, model, say, table  # noqa: E402
+from serve import Round, arm_mlx_launch, arm_single  # noqa: E402
 
 BASE_COMMIT = "23e3c7f"
 SPLITS = {2: [4, 4], 3: [2, 3, 3]}  # the bench model's 8 blocks; rank 0 also runs the head
@@ -151,6 +154,10 @@ def arm(name: str, path: Path, work: Path, base_src: Path):
         with arm_single(path, Round(arm="one", model="100m")) as (_, base, pids, _layers, _all):
             yield base, list(pids.values())
         return
+    if name == "mlx2":
+        with arm_mlx_launch(path, Round(arm="mlx2", model="100m"), work) as (_, base, pids, _layers, _all):
+            yield base, list(pids.values())
+        return
     world = int(name[-1])
     with ranks(path, world, work, base_src if name.startswith("base") else None) as got:
         yield got
@@ -214,6 +221,9 @@ def main() -> int:
     ns.joins = ns.joins or (2 if ns.quick else 3)
     ns.stream_tokens = ns.stream_tokens or (250 if ns.quick else 1000)
     parts, arms = set(ns.parts.split(",")), ns.arms.split(",")
+    if "mlx2" in arms and not Path(MLX_LAUNCH).exists():
+        say(f"the anchor arm (mlx2) is skipped: {MLX_LAUNCH} is not installed")
+        arms.remove("mlx2")
     from mlx_lm.utils import load_tokenizer
 
     path = model(ns.model)
