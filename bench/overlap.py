@@ -214,7 +214,7 @@ def metrics_update_cost(n: int = 2000) -> float:
 
 
 def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int, share: float = 0.0,
-            n_open: int = 24) -> Round:
+            n_open: int = 24, rate: float | None = None) -> Round:
     import threading
 
     r = Round(arm, "")
@@ -231,7 +231,7 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
             if share:
                 req_s, r.closed_ttft = closed_mix(base, max(clients), per_client, tokens)
                 if req_s > 0:
-                    r.open = open_loop(base, share * req_s, n_open, tokens)
+                    r.open = open_loop(base, rate or share * req_s, n_open, tokens)
             stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
             r.rss = [(rank, layers.get(rank), marker_peak(r.markers[rank]) if rank in r.markers else None)
@@ -258,7 +258,8 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     rs: list[Round] = []
     for i in range(ns.rounds):
         for arm in rotate(wanted, i):
-            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests)
+            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests,
+                        ns.open_rate)
             rs.append(r)
             log(f"{kind} round {i + 1} {ARMS[arm]}: " + ", ".join(
                 f"{c} client(s) {fmt(v[0], ' tok/s', 1)}" for c, v in r.loads.items())
@@ -353,7 +354,8 @@ def open_loop_report(by: dict, ns) -> None:
                      else "n/a", str(sum(o["errors"] for o in ol)),
                      "/".join(f"{sum(o['runs'][i] for o in ol):g}" for i in (0, 1))
                      if all(o.get("runs") for o in ol) else "n/a"])
-    say(f"\nopen loop: Poisson arrivals at {ns.open_loop:.0%} of each arm's closed-loop rate at {c} clients, "
+    at = f"{ns.open_rate:g} req/s" if ns.open_rate else f"{ns.open_loop:.0%} of each arm's closed-loop rate"
+    say(f"\nopen loop: Poisson arrivals at {at} at {c} clients, "
         f"{ns.open_requests} requests (every 4th a ~300-token prompt):")
     say(table(rows, ["arm", "offered req/s", "served req/s", "served/offered", "TTFT p50 s", "TTFT p99 s",
                      "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors",
@@ -370,6 +372,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, help="new tokens per request (default 64; smollm2 32)")
     ap.add_argument("--open-loop", type=float, default=0.0, metavar="SHARE",
                     help="also open-loop traffic at SHARE of the closed-loop rate (e.g. 0.8)")
+    ap.add_argument("--open-rate", type=float, metavar="REQ_S",
+                    help="with --open-loop: arrivals at this fixed rate instead (the same for every arm and run, "
+                         "to compare code before and after at one load)")
     ap.add_argument("--open-requests", type=int, help="requests in the open-loop run (default 24; --quick 12)")
     ap.add_argument("--arms", help=f"comma list of arms (default {','.join(DEFAULT_ARMS)}; also b, the anchor)")
     ap.add_argument("--no-limit", action="store_true",
