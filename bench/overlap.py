@@ -8,6 +8,10 @@ Arms (one arm's processes alive at a time; the order rotates every round; median
   lock  clusterctl       2 local ranks, `plan --schedule lockstep` (every step on every rank; auto = balanced split)
   over  clusterctl       the same 2 ranks, `plan --schedule overlap` (a micro-batch per stage in flight; the default
                          `--allocation auto` then splits by work: rank 0 also runs the head)
+  b     mlx-lm           the anchor: mlx-lm's own distributed server, 2 local ranks (`mlx.launch --backend ring -n 2
+                         -- python -m mlx_lm.server --pipeline`); the tiny models are qwen2-class, which has
+                         mlx-lm's pipeline(). Skipped with a printed reason without mlx.launch or for SmolLM2 (llama:
+                         no pipeline() in mlx-lm). Not in the default arms: ask for it with --arms.
 Per arm and round: launch, a warm-up request, then for each C in --clients: C streaming greedy chat clients at
 once, each sending --per-client requests one after another (distinct prompts, the same for every arm): aggregate
 tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
@@ -18,7 +22,9 @@ requests arrive at random (Poisson, exponential gaps; the same seeded schedule f
 of the request rate that arm reaches with the largest --clients closed-loop clients sending the same mix of prompt
 lengths (the short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
 throughput (requests/s and its ratio to the offered rate), time to first token p50/p99 (and the closed loop's
-p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first).
+p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first), and
+for clusterctl the overlapped runs that ended meanwhile (each a drained pipeline and a meeting: a run ends when
+nothing is left in flight, never for an arrival) and the parked micro-batches a join revived, from rank 0's /metrics.
 
 This machine's limit: one process timing a loop of MLX matmuls alone, then two such processes at once; the limit
 is how much more work two processes do together than one alone (2 x alone time / together time). A 2-rank
@@ -38,8 +44,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat, table  # noqa: E402
-from serve import PROMPTS, Round, arm_clusterctl, arm_single, concurrent_load, marker_peak, pct, rotate  # noqa: E402
+from _common import (MLX_LAUNCH, PY, check, clusterctl, fmt, log, machine_note, med, model, say, stream_chat,  # noqa: E402
+                     table)
+from serve import (PROMPTS, Round, arm_clusterctl, arm_mlx_launch, arm_single, concurrent_load, marker_peak,  # noqa: E402
+                   pct, rotate)
 
 LONG_PROMPT = ("Summarise the following notes on serving a model across machines in one paragraph. " +
                "A pipeline splits the layers; each stage computes while the others do; a prompt's chunks flow "
@@ -75,9 +83,31 @@ def closed_mix(base: str, clients: int, per_client: int, tokens: int) -> tuple[f
     return (len(got) / wall if wall > 0 else 0.0), [st.first for st in got]
 
 
+def run_counts(base: str) -> tuple[float, float] | None:
+    """clusterctl's overlapped runs ended so far (each one a drained pipeline and a meeting) and parked micro-batches
+    revived by a join, from rank 0's /metrics; None where there is no such metric (mlx_lm.server, older code)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except Exception:  # a server without /metrics
+        return None
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            got[s.name] = got.get(s.name, 0.0) + s.value
+    if "clusterctl_overlap_runs_ended_total" not in got:
+        return None
+    return got["clusterctl_overlap_runs_ended_total"], got.get("clusterctl_overlap_revivals_total", 0.0)
+
+
 def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> dict:
     """``n`` streamed requests arriving at random (Poisson at ``rate`` per second), each from its own client; a
-    mix of prompt lengths. Returns throughput, TTFT and TPOT samples."""
+    mix of prompt lengths. Returns throughput, TTFT and TPOT samples, and (clusterctl) the runs ended and the
+    micro-batches revived meanwhile."""
     import random
     import threading
 
@@ -94,6 +124,7 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
         with lock:
             got.append((st, time.monotonic()))
 
+    counts0 = run_counts(base)
     threads, t0, at = [], time.monotonic(), 0.0
     for i in range(n):
         at += rng.expovariate(rate)
@@ -103,13 +134,19 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
     for t in threads:
         t.join(900)
     wall = max((end for _, end in got), default=time.monotonic()) - t0
+    time.sleep(0.5)  # the last run ends a slot after the last answer
+    counts1 = run_counts(base)
+    runs = [b - a for a, b in zip(counts0, counts1)] if counts0 and counts1 else None
     return {"offered": rate, "done": len(got), "errors": errors[0], "req_s": len(got) / wall if wall > 0 else 0.0,
+            "runs": runs,
             "tok_s": sum(st.tokens for st, _ in got) / wall if wall > 0 else 0.0,
             "ttft": [st.first for st, _ in got],
             "tpot": [(st.seconds - st.first) / (st.tokens - 1) for st, _ in got if st.tokens > 1]}
 
 ARMS = {"a": "mlx_lm.server (1 process)", "lock": "clusterctl 2 ranks, lockstep", "over": "clusterctl 2 ranks, overlap",
-        "scrape": "overlap, /metrics scraped every 0.5 s"}
+        "scrape": "overlap, /metrics scraped every 0.5 s", "b": "mlx-lm's distributed server, 2 ranks (--pipeline)"}
+DEFAULT_ARMS = ("a", "lock", "over", "scrape")
+GREEDY_CHECK = (PROMPTS[0], 24)  # every arm's greedy answer to this, compared with one process's
 
 _MATMUL = """
 import sys, time
@@ -177,7 +214,7 @@ def metrics_update_cost(n: int = 2000) -> float:
 
 
 def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: int, offset: int, share: float = 0.0,
-            n_open: int = 24) -> Round:
+            n_open: int = 24, rate: float | None = None) -> Round:
     import threading
 
     r = Round(arm, "")
@@ -186,6 +223,7 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
         with ctx(r) as (_t0, base, pids, layers, _all):
             r.rss = [(rank, layers.get(rank), None) for rank in sorted(pids)]  # the split; peaks below
             stream_chat(base, PROMPTS[-1], 4)  # warm-up
+            r.greedy = stream_chat(base, *GREEDY_CHECK).text
             if arm == "scrape":
                 threading.Thread(target=scraper, args=(base, stop), daemon=True).start()
             for c in clients:
@@ -193,7 +231,7 @@ def run_arm(arm: str, ctx, clients: tuple[int, ...], per_client: int, tokens: in
             if share:
                 req_s, r.closed_ttft = closed_mix(base, max(clients), per_client, tokens)
                 if req_s > 0:
-                    r.open = open_loop(base, share * req_s, n_open, tokens)
+                    r.open = open_loop(base, rate or share * req_s, n_open, tokens)
             stop.set()
             time.sleep(1.2)  # the marker heartbeat carries the peak
             r.rss = [(rank, layers.get(rank), marker_peak(r.markers[rank]) if rank in r.markers else None)
@@ -210,12 +248,18 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
     deps = {s: plan(workdir, env, path, f"{kind}-{s}", "--schedule", s) for s in ("lockstep", "overlap")}
     ctxs = {"a": lambda r: arm_single(path, r), "lock": lambda r: arm_clusterctl(deps["lockstep"], env, r),
             "over": lambda r: arm_clusterctl(deps["overlap"], env, r),
-            "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r)}
+            "scrape": lambda r: arm_clusterctl(deps["overlap"], env, r),
+            "b": lambda r: arm_mlx_launch(path, r, workdir)}
     tokens = ns.tokens or (32 if kind == "smollm2" else 64)
+    wanted = [a for a in ARMS if (a in ns.arms.split(",") if ns.arms else a in DEFAULT_ARMS)]
+    if "b" in wanted and (why := anchor_unavailable(kind)):
+        say(f"{kind}: the anchor arm (b) is skipped: {why}")
+        wanted.remove("b")
     rs: list[Round] = []
     for i in range(ns.rounds):
-        for arm in rotate([a for a in ARMS if not ns.arms or a in ns.arms.split(",")], i):
-            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests)
+        for arm in rotate(wanted, i):
+            r = run_arm(arm, ctxs[arm], ns.clients, ns.per_client, tokens, i * 7, ns.open_loop, ns.open_requests,
+                        ns.open_rate)
             rs.append(r)
             log(f"{kind} round {i + 1} {ARMS[arm]}: " + ", ".join(
                 f"{c} client(s) {fmt(v[0], ' tok/s', 1)}" for c, v in r.loads.items())
@@ -256,12 +300,40 @@ def bench_model(kind: str, workdir: Path, ns, limit: float | None) -> None:
         say(f"{arm}: layers " + ", ".join(f"rank {k} {v}" for k, v in sorted(split.items())) + "; peak RSS " + ", ".join(
             f"rank {k} {fmt(v / 2**20, ' MiB', 0)} (plan reserves {fmt((planned[arm].get(k) or 0) / 2**20, ' MiB', 0)})"
             for k, v in sorted(peaks.items())))
+    if by.get("b"):
+        anchor_report(by, ns)
     if ns.open_loop:
         open_loop_report(by, ns)
     for a in ARMS:
         for r in rs:
             if r.arm == a and r.error:
                 say(f"error in {a}: {r.error}")
+
+
+def anchor_unavailable(kind: str) -> str | None:
+    """Why mlx-lm's own distributed server cannot be the anchor here (None: it can)."""
+    if not Path(MLX_LAUNCH).exists():
+        return f"{MLX_LAUNCH} is not installed"
+    if kind == "smollm2":
+        return "SmolLM2 is a llama-class model, and mlx-lm's llama has no pipeline()"
+    return None
+
+
+def anchor_report(by: dict, ns) -> None:
+    """clusterctl's overlapped arm against mlx-lm's distributed server (the anchor), and each arm's greedy text
+    against one process's."""
+    def agg(a: str, c: int):
+        return med([r.loads[c][0] for r in by.get(a, []) if c in r.loads])
+
+    rows = [[str(c), fmt(agg("b", c), "", 1), fmt(agg("over", c), "", 1),
+             fmt(agg("over", c) / agg("b", c) if agg("over", c) and agg("b", c) else None, "x")] for c in ns.clients]
+    say("\nthe anchor: mlx-lm's distributed server (mlx.launch --backend ring -n 2, mlx_lm.server --pipeline):")
+    say(table(rows, ["clients", "b tok/s", "over tok/s", "over/b"]))
+    one = next((r.greedy for r in by.get("a", []) if getattr(r, "greedy", None) is not None), None)
+    for a in ("b", "over"):
+        texts = {r.greedy for r in by.get(a, []) if getattr(r, "greedy", None) is not None}
+        same = "n/a (no one-process arm)" if one is None else ("yes" if texts == {one} else f"NO: {texts!r} vs {one!r}")
+        say(f"{a}: greedy text of {GREEDY_CHECK[1]} tokens identical to one process: {same}")
 
 
 def open_loop_report(by: dict, ns) -> None:
@@ -279,11 +351,15 @@ def open_loop_report(by: dict, ns) -> None:
                      fmt(pct(ttft, 0.5), "", 2), fmt(pct(ttft, 0.99), "", 2), fmt(closed_p99, "", 2),
                      fmt(pct(ttft, 0.99) / closed_p99 if closed_p99 else None, "x"),
                      fmt(1e3 * pct(tpot, 0.5), "", 0) if tpot else "n/a", fmt(1e3 * pct(tpot, 0.99), "", 0) if tpot
-                     else "n/a", str(sum(o["errors"] for o in ol))])
-    say(f"\nopen loop: Poisson arrivals at {ns.open_loop:.0%} of each arm's closed-loop rate at {c} clients, "
+                     else "n/a", str(sum(o["errors"] for o in ol)),
+                     "/".join(f"{sum(o['runs'][i] for o in ol):g}" for i in (0, 1))
+                     if all(o.get("runs") for o in ol) else "n/a"])
+    at = f"{ns.open_rate:g} req/s" if ns.open_rate else f"{ns.open_loop:.0%} of each arm's closed-loop rate"
+    say(f"\nopen loop: Poisson arrivals at {at} at {c} clients, "
         f"{ns.open_requests} requests (every 4th a ~300-token prompt):")
     say(table(rows, ["arm", "offered req/s", "served req/s", "served/offered", "TTFT p50 s", "TTFT p99 s",
-                     "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors"]))
+                     "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors",
+                     "runs ended/revivals"]))
 
 
 def main() -> int:
@@ -296,17 +372,24 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, help="new tokens per request (default 64; smollm2 32)")
     ap.add_argument("--open-loop", type=float, default=0.0, metavar="SHARE",
                     help="also open-loop traffic at SHARE of the closed-loop rate (e.g. 0.8)")
+    ap.add_argument("--open-rate", type=float, metavar="REQ_S",
+                    help="with --open-loop: arrivals at this fixed rate instead (the same for every arm and run, "
+                         "to compare code before and after at one load)")
     ap.add_argument("--open-requests", type=int, help="requests in the open-loop run (default 24; --quick 12)")
-    ap.add_argument("--arms", help=f"comma list of arms (default all: {','.join(ARMS)})")
+    ap.add_argument("--arms", help=f"comma list of arms (default {','.join(DEFAULT_ARMS)}; also b, the anchor)")
+    ap.add_argument("--no-limit", action="store_true",
+                    help="skip measuring the machine's limit (minutes on a loaded machine; efficiency then n/a)")
     ns = ap.parse_args()
     ns.clients = tuple(int(c) for c in ns.clients.split(","))
     ns.rounds = ns.rounds or (1 if ns.quick else 3)
     ns.open_requests = ns.open_requests or (12 if ns.quick else 24)
     say(f"bench/overlap.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  clients={ns.clients} x "
         f"{ns.per_client}  rounds={ns.rounds}")
-    alone, together, limit = machine_limit()
-    say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
-        f"two processes do {limit:.2f}x the work of one")
+    limit = None
+    if not ns.no_limit:
+        alone, together, limit = machine_limit()
+        say(f"this machine's limit: matmul loop alone {alone:.2f} s, two at once {together:.2f} s each -> "
+            f"two processes do {limit:.2f}x the work of one")
     say(f"metrics work per request (counters and histograms the API moves): "
         f"{metrics_update_cost() * 1e6:.1f} us")
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:

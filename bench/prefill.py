@@ -13,11 +13,16 @@ Parts:
             base2   2 local ranks of commit 23e3c7f (before this issue: a prompt whole, one stage after the other)
             new2    2 local ranks of this tree (its chunks flow through the stages)
             new3    3 local ranks of this tree
+            mlx2    the anchor: mlx-lm's own distributed server on 2 local ranks (`mlx.launch --backend ring -n 2 --
+                    python -m mlx_lm.server --pipeline`; the tiny models are qwen2-class); not in the default arms,
+                    skipped with a printed reason without mlx.launch
   gaps    2 streams decode (greedy, --stream-tokens each) while --joins long prompts join one after another: the
           gaps between the streams' tokens from the first join to the last answer, p50 / p99 / max, base2 vs new2.
-  idle    every rank's CPU over 10 s with no request in flight (3 s after the last answer), base2 vs new2.
+  idle    every rank's CPU (utime + stime) over --idle-seconds (10) with no request in flight (3 s after the last
+          answer), base2 vs new2.
 The rank arms are started by the rank test harness (tests/launch/rankharness.py: unsigned specs, the overlapped
-schedule, no launcher), the base arm with PYTHONPATH pointing at `git archive 23e3c7f src`.
+schedule, no launcher), the base arm with PYTHONPATH pointing at `git archive BASE src` (--base, 23e3c7f: the code
+before this issue).
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "launch"))
-from _common import PY, fmt, machine_note, med, model, say, table  # noqa: E402
-from serve import Round, arm_single  # noqa: E402
+from _common import MLX_LAUNCH, PY, fmt, machine_note, med, model, say, table  # noqa: E402
+from serve import Round, arm_mlx_launch, arm_single  # noqa: E402
 
 BASE_COMMIT = "23e3c7f"
 SPLITS = {2: [4, 4], 3: [2, 3, 3]}  # the bench model's 8 blocks; rank 0 also runs the head
@@ -149,6 +154,10 @@ def arm(name: str, path: Path, work: Path, base_src: Path):
         with arm_single(path, Round(arm="one", model="100m")) as (_, base, pids, _layers, _all):
             yield base, list(pids.values())
         return
+    if name == "mlx2":
+        with arm_mlx_launch(path, Round(arm="mlx2", model="100m"), work) as (_, base, pids, _layers, _all):
+            yield base, list(pids.values())
+        return
     world = int(name[-1])
     with ranks(path, world, work, base_src if name.startswith("base") else None) as got:
         yield got
@@ -183,7 +192,7 @@ def gaps(base: str, tok, ns, seed: int) -> list[float]:
     return [b - a for ts in times for a, b in zip(ts, ts[1:]) if t0 <= a and b <= t1]
 
 
-def idle_cpu(pids: list[int], seconds: float = 10.0) -> float:
+def idle_cpu(pids: list[int], seconds: float) -> float:
     from _common import cpu_seconds
 
     time.sleep(3.0)
@@ -203,6 +212,8 @@ def main() -> int:
     ap.add_argument("--parts", default="chunks,ttft,gaps,idle")
     ap.add_argument("--model", default="100m", help="100m (the bench preset) or 7m (overhead-bound)")
     ap.add_argument("--arms", default="one,base2,new2,new3")
+    ap.add_argument("--base", default=BASE_COMMIT, help=f"the commit of the base arms (default {BASE_COMMIT})")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle part measures")
     ns = ap.parse_args()
     ns.rounds = ns.rounds or 1 if ns.quick else ns.rounds or 2
     ns.requests = ns.requests or (1 if ns.quick else 2)
@@ -210,15 +221,18 @@ def main() -> int:
     ns.joins = ns.joins or (2 if ns.quick else 3)
     ns.stream_tokens = ns.stream_tokens or (250 if ns.quick else 1000)
     parts, arms = set(ns.parts.split(",")), ns.arms.split(",")
+    if "mlx2" in arms and not Path(MLX_LAUNCH).exists():
+        say(f"the anchor arm (mlx2) is skipped: {MLX_LAUNCH} is not installed")
+        arms.remove("mlx2")
     from mlx_lm.utils import load_tokenizer
 
     path = model(ns.model)
     tok = load_tokenizer(path)
-    say(f"bench/prefill.py: {ns.model} model, {ns.prompt_tokens}-token prompts; {machine_note()}")
+    say(f"bench/prefill.py {time.strftime('%Y-%m-%d %H:%M')}: {ns.model} model, {ns.prompt_tokens}-token prompts; {machine_note()}")
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
     base_src = work / "base"
     base_src.mkdir()
-    subprocess.run(f"git -C {HERE.parent} archive {BASE_COMMIT} src | tar -x -C {base_src}", shell=True, check=True)
+    subprocess.run(f"git -C {HERE.parent} archive {ns.base} src | tar -x -C {base_src}", shell=True, check=True)
     base_src = base_src / "src"
 
     if "chunks" in parts:
@@ -245,7 +259,7 @@ def main() -> int:
                 if "gaps" in parts and a in ("base2", "new2"):
                     gap.setdefault(a, []).extend(gaps(base, tok, ns, 5000 + 100 * rnd))
                 if "idle" in parts and a in ("base2", "new2") and rnd == 0:
-                    idle[a] = idle_cpu(pids)
+                    idle[a] = idle_cpu(pids, ns.idle_seconds)
 
     if "ttft" in parts:
         one = med(ttft.get("one") or [])
@@ -259,7 +273,8 @@ def main() -> int:
         say(f"\n2 streams' gaps between tokens while {ns.joins} prompts of {ns.prompt_tokens} tokens join:")
         say(table(rows, ["arm", "gaps", "p50", "p99", "max", "p99/p50"]))
     if idle:
-        say("\nidle CPU of all ranks together (10 s, no request in flight), % of one core:")
+        say(f"\nidle CPU of all ranks together ({ns.idle_seconds:g} s, no request in flight; base2 = {ns.base}), "
+            "% of one core:")
         say(table([[a, fmt(v * 100, " %")] for a, v in idle.items()], ["arm", "CPU"]))
     say(f"\n{machine_note()}")
     return 0

@@ -24,6 +24,7 @@ FAMILIES = {
     "clusterctl_cancel_requests", "clusterctl_cancel_ack_errors", "clusterctl_cancel_epoch", "clusterctl_peer_ladder",
     "clusterctl_batch_slots", "clusterctl_queue_slots", "clusterctl_queue_depth", "clusterctl_batch_occupancy",
     "clusterctl_serving", "clusterctl_rank_step_seconds", "clusterctl_rank_idle_share", "clusterctl_rank_rss_bytes",
+    "clusterctl_overlap_runs_ended", "clusterctl_overlap_revivals",
 }
 
 

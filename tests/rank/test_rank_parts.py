@@ -169,6 +169,43 @@ def test_marker_writer_heartbeats_and_states_only_move_forward(tmp_path):
         w.stop()
 
 
+def test_an_idle_marker_beats_at_its_idle_interval_and_a_busy_one_at_its_interval(tmp_path):
+    """No request held: the heartbeat (a JSON dump and an atomic write, half of what an idle rank costs) comes
+    every idle_interval; holding one: every interval, so the step notes stay fresh."""
+    for held in ([], ["r1"]):
+        w = MarkerWriter(tmp_path / f"m{len(held)}.json", deployment_id="d", job_id="j", nonce="n", rank=1,
+                         node="a", interval=0.05, idle_interval=30.0)
+        w.note(active_requests=held)
+        w.start()
+        try:
+            first = read_marker(w.path).heartbeat_at
+            time.sleep(0.5)
+            beat = read_marker(w.path).heartbeat_at > first
+            assert beat == bool(held), (held, beat)
+        finally:
+            w.stop()
+
+
+def test_an_idle_rank_0_looks_at_its_cancel_file_often_at_first_then_four_times_a_second():
+    looks = {}
+    for idle_for in (0.0, 60.0):
+        n = []
+        IdleWait(call=lambda seq: None, check=lambda: n.append(1) and False).wait(1.0, seq=1, idle_for=idle_for)
+        looks[idle_for] = len(n)
+    assert looks[60.0] <= 1.0 / IdleWait.CHECK_IDLE_S + 1 < 8 <= looks[0.0], looks
+
+
+def test_the_watchdog_trips_when_an_armed_deadline_passes_not_an_interval_later():
+    tripped = threading.Event()
+    dog = Watchdog(rank=0, on_trip=lambda e: tripped.set(), lease_path=None, lease_seconds=30, interval=30.0)
+    with dog.guard(0.2, "an exchange"):
+        dog.start()
+        try:
+            assert tripped.wait(10), "the deadline was judged only at the next interval"
+        finally:
+            dog.stop()
+
+
 # ---- lease, judged on our own monotonic clock
 
 def test_a_lease_that_never_appeared_is_not_stale(tmp_path):

@@ -151,8 +151,9 @@ def test_idle_followers_sleep_instead_of_spinning(cluster):
 
 def test_an_idle_deployment_costs_almost_no_cpu(cluster):
     """No request in flight: every rank blocks (no meetings on a short schedule, no accept loop that looks for a
-    shutdown 50 times a second), so all ranks together use a few thousandths of a core; a request is then served
-    at once (the rank that has it calls the others)."""
+    shutdown 50 times a second, a heartbeat a second, a watchdog that wakes once a second, rank 0's cancel file
+    looked at four times a second after the first seconds), so all ranks together use under 1 % of a core (issue
+    42's bound); a request is then served at once (the rank that has it calls the others)."""
     _complete(cluster, prompt="x", max_tokens=2, temperature=0)
     procs = [psutil.Process(p.pid) for p in cluster.procs]
     time.sleep(1.0)
@@ -160,7 +161,10 @@ def test_an_idle_deployment_costs_almost_no_cpu(cluster):
     t0 = time.monotonic()
     time.sleep(10.0)
     used = (sum(t.user + t.system for t in (p.cpu_times() for p in procs)) - before) / (time.monotonic() - t0)
-    assert used <= 0.02, f"{cluster.world} idle ranks used {used:.1%} of a core"
+    # 2 ranks: issue 42's 1 % (0.5-0.7 % measured beside a load average of 13-18); 3 ranks on these 2 cores probe
+    # more peers (1.1 % in one run there, above 1 % in another); the code before the idle work: 3.6 % and 9.0 %
+    bound = 0.01 if cluster.world == 2 else 0.015
+    assert used <= bound, f"{cluster.world} idle ranks used {used:.2%} of a core"
     assert _complete(cluster, prompt="x", max_tokens=2, temperature=0)["finish_reason"] == "length"
 
 
@@ -493,3 +497,46 @@ def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
     assert got[short] == reference_tokens(model, short, 400)
     for p in longs:
         assert got[p] == reference_tokens(model, p, 8), p
+
+
+def test_a_request_arriving_while_a_micro_batch_is_parked_joins_without_ending_the_run(cluster, model):
+    """One stream decodes, alone in its micro-batch: the others sit the run out (parked). A request arrives: it
+    joins a parked micro-batch at its next slot, which comes back into the run, and the run goes on (no meeting,
+    no drained pipeline: before, the arrival ended the run). Read from /metrics while the stream still decodes: no
+    run ended, one micro-batch revived; both answers are one process's."""
+    import http.client
+    import threading
+
+    _complete(cluster, prompt="x", max_tokens=2, temperature=0)
+    time.sleep(1.0)  # that run ended (a slot after its answer) and was counted
+    ended0 = _metric(cluster, "clusterctl_overlap_runs_ended_total")
+    revived0 = _metric(cluster, "clusterctl_overlap_revivals_total")
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "return_token_ids": True, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    events, got = [], {}
+
+    def read():
+        for line in r:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(time.monotonic())
+                ch = json.loads(line[6:])["choices"][0]
+                if ch.get("finish_reason"):
+                    got["stream"] = ch["token_ids"]
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while len(events) < 3:
+        time.sleep(0.01)
+    joined = _complete(cluster, prompt=PROMPTS[1], max_tokens=6, temperature=0, return_token_ids=True)
+    ended1 = _metric(cluster, "clusterctl_overlap_runs_ended_total")
+    revived1 = _metric(cluster, "clusterctl_overlap_revivals_total")
+    scraped = time.monotonic()
+    reader.join(300)
+    conn.close()
+    assert events[-1] > scraped, "the stream ended before the scrape: make it longer"
+    assert (ended1 - ended0, revived1 - revived0) == (0, 1)
+    assert joined["token_ids"] == reference_tokens(model, PROMPTS[1], 6)
+    assert got["stream"] == reference_tokens(model, PROMPTS[0], 300)

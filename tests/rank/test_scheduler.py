@@ -13,7 +13,7 @@ from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.rank.engine import scheduler as sch
 from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.engine.generation import GenRequest
-from clusterctl.rank.engine.scheduler import BatchChanges, Epochs, OverlapRun, Scheduler, join_count, place
+from clusterctl.rank.engine.scheduler import BatchChanges, Epochs, OverlapRun, RunEnd, Scheduler, join_count, place
 from clusterctl.rank.cancelfile import CancelWatch
 from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
                                            epoch_is_new, next_epoch)
@@ -140,32 +140,47 @@ def run_for(q: RequestQueue, *, n: int = 2, max_batch: int = 8, cancels=None) ->
     return s, OverlapRun(s, n, max_batch, clock=iter(range(10**6)).__next__)
 
 
-def test_an_overlapped_run_spreads_a_burst_and_ends_when_work_waits_for_a_parked_micro_batch():
+def test_an_overlapped_run_spreads_a_burst_and_a_join_revives_a_parked_micro_batch_without_ending_the_run():
     q, _ = queue(*"abcdef")
     s, run = run_for(q)
-    ch0, end0 = run.decide(0, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
-    ch1, end1 = run.decide(1, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
+    ch0, end0, rev0 = run.decide(0, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
+    ch1, end1, rev1 = run.decide(1, [0, 1], [], fresh=False, mb_sizes=[0, 0], held=0, stop=False)
     assert [r.id for r in ch0.adds] == ["a", "b", "c"] and [r.id for r in ch1.adds] == ["d", "e", "f"]
-    assert not end0 and not end1 and {k for k, _ in s.joining.values()} == {0, 1}
-    # a micro-batch sat the run out and a request arrives: the run ends, the next meeting places it evenly
+    assert not end0 and not end1 and rev0 is None and rev1 is None and {k for k, _ in s.joining.values()} == {0, 1}
+    for rid in "abcdef":
+        s.joined(rid)
+    # micro-batch 1 sat the run out and a request arrives: it joins micro-batch 1 through micro-batch 0's control,
+    # which revives it; the run goes on (no meeting, no drained pipeline)
     q.put(api_request("g"))
-    ch, end = run.decide(0, [0], [("a", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=False)
-    assert end and not ch.adds and len(q) == 1
+    ch, end, revive = run.decide(0, [0], [("a", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=False)
+    assert [r.id for r in ch.adds] == ["g"] and revive == 1 and not end and not run.ending and run.why is None
+    assert s.joining["g"][0] == 1 and not len(q)
+    # until every rank has applied that control, micro-batch 1 is revived already: another arrival does not
+    # revive it twice, it waits for its share (micro-batch 0 holds one row, micro-batch 1 one joining)
+    q.put(api_request("h"))
+    ch, end, revive = run.decide(0, [0], [("a", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=False)
+    assert [r.id for r in ch.adds] == ["h"] and revive is None and not end
+    # the one live micro-batch's last row is answered as a request arrives whose share is the parked one's: that
+    # one comes back and the other parks, in the same control; the run goes on
+    q, _ = queue("x")
+    s, run = run_for(q)
+    ch, end, revive = run.decide(1, [1], [("g", True)], fresh=False, mb_sizes=[0, 0], held=1, stop=False)
+    assert ch.finishes == ("g",) and [r.id for r in ch.adds] == ["x"] and revive == 0 and end and not run.ending
 
 
 def test_an_overlapped_micro_batch_with_nothing_left_parks_and_an_empty_batch_ends_the_run():
     _, run = run_for(None)
-    ch, end = run.decide(0, [0, 1], [("a", True)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
+    ch, end, _ = run.decide(0, [0, 1], [("a", True)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
     assert ch.finishes == ("a",) and end and not run.ending  # parked: the other micro-batch goes on
-    ch, end = run.decide(1, [1], [("b", True)], fresh=False, mb_sizes=[0, 0], held=1, stop=False)
-    assert ch.finishes == ("b",) and end and run.ending  # nothing left anywhere: meet
+    ch, end, _ = run.decide(1, [1], [("b", True)], fresh=False, mb_sizes=[0, 0], held=1, stop=False)
+    assert ch.finishes == ("b",) and end and run.why is RunEnd.EMPTY  # nothing left anywhere: meet
 
 
 def test_a_stop_ends_every_micro_batch_and_takes_no_joins():
     q, _ = queue("a")
     _, run = run_for(q)
-    ch, end = run.decide(0, [0, 1], [("x", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=True)
-    assert end and not ch and len(q) == 1
+    ch, end, revive = run.decide(0, [0], [("x", False)], fresh=False, mb_sizes=[1, 0], held=1, stop=True)
+    assert end and not ch and revive is None and len(q) == 1 and run.why is RunEnd.STOP
 
 
 # ---- cancels at every point of a request's life
@@ -188,7 +203,7 @@ def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
     assert s.left("fin") is fin  # answered: rank 0 let it go when it finished
     cancels.send(1, ["queued", "joining", "mid", "fin"])
     run = OverlapRun(s, 2, 8, clock=iter(range(10**6)).__next__)
-    ch, _ = run.decide(0, [0, 1], [("mid", False), ("fin", True)], fresh=False, mb_sizes=[1, 0], held=2,
+    ch, _, _ = run.decide(0, [0, 1], [("mid", False), ("fin", True)], fresh=False, mb_sizes=[1, 0], held=2,
                        stop=False)
     assert ch.drops == ("mid",) and ch.finishes == ("fin",) and not ch.adds  # "queued" was answered instead
     assert answered(reqs["queued"])[0][1].finish_reason == "cancelled"
@@ -196,7 +211,7 @@ def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
     # the epoch travels only once every live micro-batch's drops are decided
     assert run.epoch_out == 0
     s.joined("joining")  # applied at micro-batch 1's next slot: then dropped at its next decision
-    ch, _ = run.decide(1, [0, 1], [("joining", False)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
+    ch, _, _ = run.decide(1, [0, 1], [("joining", False)], fresh=False, mb_sizes=[0, 1], held=2, stop=False)
     assert ch.drops == ("joining",) and run.epoch_out == 1
     s.epochs.ack(run.epoch_out)
     assert acks == [(1, ["joining", "mid", "queued"], {"nonce": "ab" * 8, "recent": [(1, "ab" * 8)]})]
@@ -454,3 +469,9 @@ def test_a_long_prompt_joining_decoding_rows_is_done_in_bounded_slots():
         left -= take
         slots += 1
     assert slots == -(-2000 // sch.DECODE_BUDGET)
+
+
+def test_every_reason_a_run_ends_has_its_metric_label():
+    from clusterctl.rank.metrics import RUN_ENDS
+
+    assert {e.value for e in RunEnd} == set(RUN_ENDS)

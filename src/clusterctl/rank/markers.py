@@ -25,13 +25,19 @@ def effective_env(environ: dict | None = None) -> dict[str, str]:
     return {k: environ[k] for k in sorted(environ) if k.startswith(("MLX_", "JACCL_"))}
 
 
+IDLE_HEARTBEAT_S = 1.0  # a rank's heartbeat while it holds no request (every 0.5 s while it does)
+
+
 class MarkerWriter:
-    """This rank's marker: one lock, a write on every state change and a heartbeat at least once a second."""
+    """This rank's marker: one lock, a write on every state change and a heartbeat at least once a second:
+    every ``interval`` while the rank holds a request (the heartbeat carries its step notes), every
+    ``idle_interval`` (default: the same) while it holds none."""
 
     def __init__(self, path: str | os.PathLike, *, deployment_id: str, job_id: str, nonce: str, rank: int,
-                 node: str, interval: float = 0.5):
+                 node: str, interval: float = 0.5, idle_interval: float | None = None):
         self.path = Path(path)
         self.interval = interval
+        self.idle_interval = interval if idle_interval is None else idle_interval
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,7 +82,9 @@ class MarkerWriter:
         self._thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
+        # an idle rank's beat is half its cost of idling (a JSON dump and an atomic write); a stale marker is
+        # judged after 5 s (quiescence.STALE_AFTER), so a beat a second still leaves four to miss
+        while not self._stop.wait(self.interval if self.marker.active_requests else self.idle_interval):
             self.update()
 
     def stop(self) -> None:

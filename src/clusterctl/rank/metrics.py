@@ -17,6 +17,7 @@ from prometheus_client.exposition import choose_encoder
 OPEN_ENV = "CLUSTERCTL_METRICS_OPEN"  # "1" on rank 0: /metrics answers without the API key
 OUTCOMES = ("ok", "cancelled", "4xx", "429", "5xx")
 LADDER_STAGES = ("suspect", "abort", "recovered", "lost")
+RUN_ENDS = ("stop", "empty")  # why an overlapped run ended (scheduler.RunEnd)
 # first tokens: tens of ms on a small model, seconds for a long prompt or a queue; per output token: ms to 1 s
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -148,6 +149,12 @@ class Metrics:
         self._epoch = Gauge("clusterctl_cancel_epoch", "The newest cancel epoch rank 0 acknowledged", registry=r)
         self._ladder = Counter("clusterctl_peer_ladder", "Stages of the peer-loss ladder rank 0 went through, per "
                                "watched peer", ["stage", "peer"], registry=r)
+        self._runs = Counter("clusterctl_overlap_runs_ended", "Overlapped runs that ended for a meeting (each drains "
+                             "the pipeline), by why", ["reason"], registry=r)
+        for why in RUN_ENDS:
+            self._runs.labels(why)
+        self._revivals = Counter("clusterctl_overlap_revivals", "Parked micro-batches a joining request brought "
+                                 "back into a run (no meeting, no drain)", registry=r)
         Gauge("clusterctl_batch_slots", "Requests the batch holds at most (max_batch)", registry=r).set(max_batch)
         Gauge("clusterctl_queue_slots", "Requests that may wait for a batch slot (max_queue)",
               registry=r).set(max_queue)
@@ -197,6 +204,13 @@ class Metrics:
 
     def ladder(self, stage: str, peer: int | str) -> None:
         self._ladder.labels(stage, str(peer)).inc()
+
+    # -- the overlapped schedule (the step loop)
+    def run_ended(self, why: str) -> None:
+        self._runs.labels(why).inc()
+
+    def revived(self) -> None:
+        self._revivals.inc()
 
     # -- per rank
     def set_rank_stats(self, rank: int, step_s: float | None, idle_share: float | None,

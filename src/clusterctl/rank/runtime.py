@@ -38,7 +38,7 @@ from clusterctl.rank.engine.steploop import StepLoop
 from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, end_reason, peer_loss
 from clusterctl.rank.api.wire import ApiError
 from clusterctl.rank.cancelfile import CancelWatch, cancel_here, write_ack
-from clusterctl.rank.markers import MarkerWriter
+from clusterctl.rank.markers import IDLE_HEARTBEAT_S, MarkerWriter
 from clusterctl.shared.runtimefiles import EndReason
 from clusterctl.shared.contract import load_rank_contract  # provided by the launcher side
 
@@ -156,7 +156,7 @@ class Rank:
         spec = self.spec
         threading.Thread(target=self._signal_thread, name="signals", daemon=True).start()
         self.marker = MarkerWriter(spec.marker_path, deployment_id=spec.deployment_id, job_id=spec.job_id,
-                                   nonce=spec.nonce, rank=spec.rank, node=spec.node)
+                                   nonce=spec.nonce, rank=spec.rank, node=spec.node, idle_interval=IDLE_HEARTBEAT_S)
         self.marker.marker.start_layer, self.marker.marker.end_layer = spec.start_layer, spec.end_layer
         self.marker.start()
         self.watchdog = Watchdog(rank=spec.rank, on_trip=self._tripped, lease_path=spec.lease_path,

@@ -109,10 +109,14 @@ class Watchdog:
     The deadline covers exchanges that finish in milliseconds when the ring is healthy (joining, the idle
     meetings, checkpoints). MLX's ring may neither raise nor return after a peer dies, so a stuck exchange is
     the one sign left.
+
+    The lease and the parent are looked at every ``interval`` (a lease's term is tens of seconds: a second more
+    or less does not matter, and an idle rank wakes once a second instead of five times); an armed deadline is
+    checked the moment it passes (the thread sleeps until then), not up to an interval later.
     """
 
     def __init__(self, *, rank: int, on_trip: Callable[[ClusterctlError], None], lease_path: str | None,
-                 lease_seconds: float, interval: float = 0.2):
+                 lease_seconds: float, interval: float = 1.0):
         self.rank = rank
         self.on_trip = on_trip
         self.interval = interval
@@ -140,6 +144,14 @@ class Watchdog:
         finally:
             self._deadline = None
 
+    def _next_look(self) -> float:
+        """Until the next look: an interval, or sooner when an armed deadline passes before (a guard armed while
+        this thread sleeps is seen within an interval, long before any deadline of seconds passes)."""
+        deadline = self._deadline
+        if deadline is None:
+            return self.interval
+        return min(self.interval, max(0.0, deadline[0] - time.monotonic()) + 0.001)
+
     def check(self) -> ClusterctlError | None:
         deadline = self._deadline
         if deadline is not None and time.monotonic() > deadline[0]:
@@ -153,7 +165,7 @@ class Watchdog:
         return None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self._next_look()):
             err = self.check()
             if err is not None:
                 self.on_trip(err)

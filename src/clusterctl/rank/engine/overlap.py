@@ -18,9 +18,13 @@ row is computed once more, ignored, then leaves; a queued request joins at the n
 pipeline) and sends it to rank ``world - 1``; the slot's sampled tokens follow from inside the step, so no
 Python runs between rank 0 sampling and the first stage computing on. Rank ``world - 1`` passes each control
 down with the slot's hidden state: each link carries, per slot, a header (flags, the changes' length, the cancel
-epoch, a check word, every rank's load words), the changes' bytes when there are any, then the slot's hidden
-states when it computes. An empty micro-batch sits the rest of the run out. Rank 0 ends the run (every micro-batch's next control says "end") when it
-wants a meeting: a stop (its own, or a flag another rank set in a header), an empty batch. Cancels and their
+epoch, a check word, the micro-batch it revives, every rank's load words), the changes' bytes when there are any,
+then the slot's hidden states when it computes. An empty micro-batch sits the rest of the run out (it parks); a
+request that arrives while one is parked joins it there: the control of another micro-batch's next slot names the
+parked one and carries its joins, and every rank, applying that control at the same position, walks the revived
+micro-batch's slots again from the next round on, its first slot's control local on the first stage as at a
+meeting. So a join never ends the run. Rank 0 ends the run (every micro-batch's next control says "end") only when
+it wants a meeting: a stop (its own, or a flag another rank set in a header), an empty batch. Cancels and their
 acks travel in the headers too.
 
 Why every rank issues its sends and receives in the same order (MLX's ring matches messages by order alone):
@@ -34,7 +38,9 @@ Why every rank issues its sends and receives in the same order (MLX's ring match
 - the link from rank 0 to rank ``world - 1``: at each position rank 0 sends the next slot's control (and its
   changes' bytes), then, when the slot computes, its tokens; rank ``world - 1`` receives them in that order at its
   next position of that micro-batch (the control before it passes the header down, then the tokens, queued
-  without waiting, which its step waits for), and both walk the positions in the same order;
+  without waiting, which its step waits for), and both walk the positions in the same order; rank 0 sends
+  nothing at a parked micro-batch's positions, and the first stage receives nothing at a revived one's first
+  slot (rank 0 sent its joins ahead, in the reviving control);
 - a meeting (an all_sum on every link) begins only after every rank has run every position of the run, so no
   meeting byte is read as part of a run or the other way round.
 And why it cannot deadlock: each position waits only for the same position on the stage before it, or (rank
@@ -60,7 +66,7 @@ from clusterctl.rank.engine.logprobs import Entries
 from clusterctl.rank.engine.promptlogprobs import PromptScorer
 
 END, MEET = 1, 2  # a control's flags: the micro-batch's run ends here; a rank asks rank 0 for a meeting
-CONTROL_WORDS = 4  # flags, the changes' length in bytes, the cancel epoch, the check word
+CONTROL_WORDS = 5  # flags, the changes' length in bytes, the cancel epoch, the check word, the revived micro-batch
 
 
 @dataclass
@@ -93,6 +99,7 @@ class Control:
     changes: bytes = b""  # scheduler.BatchChanges, encoded (empty: none)
     epoch: int = 0  # the newest cancel epoch whose drops every rank has applied by now
     load: list[int] = field(default_factory=list)  # every rank's load words, summed on the way down
+    revive: int = -1  # a parked micro-batch the changes' joins go to, back in the run from its next slot (-1: none)
 
     @property
     def end(self) -> bool:
@@ -105,6 +112,8 @@ class Hooks(Protocol):
     def decide(self, k: int, live: list[int]) -> Control: ...  # rank 0: the control of k's next slot
 
     def apply(self, k: int, changes: bytes) -> None: ...  # every rank: the changes, into micro-batch k
+
+    def revived(self, k: int) -> None: ...  # every rank: parked micro-batch k came back into the run
 
     def received(self, c: Control) -> None: ...  # every rank: a control arrived (its epoch, flags, load words)
 
@@ -253,21 +262,27 @@ class OverlapBatch:
         """Slots of every micro-batch, overlapped across the stages, until rank 0 ends the run; rank 0 calls
         ``on_done`` for each request the moment it finishes. Returns the number of slots that computed."""
         live = list(range(len(self.mbs)))
+        restart = set(live)  # micro-batches whose next slot's control is local (the meeting's, or a revival's)
         computed, s = 0, 0
         while live:
             for k in list(live):
                 mb = self.mbs[k]
-                c = self._control(s, k, run_id)
+                c = self._control(s, k, run_id, k in restart)
+                restart.discard(k)
                 if not self.last:
                     self._pass_down(c, hooks, self._check(run_id, s, k))
                 if self.first and s > 0 and mb.computed:  # the previous slot's tokens: received in turn, waited
                     mb.inputs = mx.distributed.recv((mb.computed,), mx.int32, 0, group=self.group)  # for by the step
                     mx.async_eval(mb.inputs)
+                if c.revive >= 0:
+                    self._revive(c.revive, live, restart, s, k)
+                    hooks.revived(c.revive)
                 if c.changes:
-                    hooks.apply(k, c.changes)
+                    hooks.apply(k if c.revive < 0 else c.revive, c.changes)
                 hooks.received(c)
                 if c.end:
                     live.remove(k)
+                    mb.computed = 0  # parked: nothing of it in flight
                     continue
                 if self.last:  # the next slot's control goes out before this slot computes
                     self._send_control(hooks.decide(k, live), self._check(run_id, s + 1, k))
@@ -282,33 +297,45 @@ class OverlapBatch:
         self.steps += computed
         return computed
 
+    def _revive(self, k: int, live: list[int], restart: set[int], s: int, by: int) -> None:
+        """A parked micro-batch comes back into the run (a request joins it): every rank learns it from the same
+        control, so all walk its slots again from the same next position (the next round: ``run`` walks a copy of
+        ``live``), and its first slot's control is local there, as at a meeting (rank 0 sent none for it)."""
+        if not 0 <= k < len(self.mbs) or k in live:
+            raise PeerLost.ring(self.rank, f"slot {s} of micro-batch {by} revives micro-batch {k}, not a parked one")
+        live.append(k)
+        live.sort()
+        restart.add(k)
+
     @staticmethod
     def _check(run_id: int, s: int, k: int) -> int:
         """The check word of the control of slot ``s`` of micro-batch ``k``: the same on every rank."""
         return (run_id * 1_000_003 + s * 64 + k) % 2**30
 
-    def _control(self, s: int, k: int, run_id: int) -> Control:
-        """This slot's control: the meeting's for slot 0 on the first stage (there is nothing to receive), else
-        what the previous stage (or, on the first stage, rank 0) sent."""
+    def _control(self, s: int, k: int, run_id: int, local: bool) -> Control:
+        """This slot's control: on the first stage, the meeting's for slot 0 and an empty one for a revived
+        micro-batch's first slot (there is nothing to receive: its joins came with the control that revived it),
+        else what the previous stage (or, on the first stage, rank 0) sent."""
         import numpy as np
 
-        if self.first and s == 0:
+        if self.first and local:
             return Control()
         if self.first:
             ctrl, load = self._recv((CONTROL_WORDS,), 0), []
         else:
             words = self._recv((CONTROL_WORDS + 3 * self.world,), self.rank + 1)
             ctrl, load = words[:CONTROL_WORDS], words[CONTROL_WORDS:]
-        flags, length, epoch, check = ctrl
-        if check != self._check(run_id, s, k) or length < 0 or flags & ~(END | MEET):
+        flags, length, epoch, check, revive = ctrl
+        if check != self._check(run_id, s, k) or length < 0 or flags & ~(END | MEET) \
+                or not -1 <= revive < len(self.mbs) or (revive >= 0 and not length):
             raise PeerLost.ring(self.rank, f"slot {s} of micro-batch {k}: check word {check}, flags {flags}, "
-                                           f"{length} bytes of changes")
+                                           f"{length} bytes of changes, revives {revive}")
         changes = b""
         if length:
             padded = mx.distributed.recv(((length + 3) // 4,), mx.int32,
                                          0 if self.first else self.rank + 1, group=self.group)
             changes = np.array(padded, copy=True).view(np.uint8)[:length].tobytes()
-        return Control(flags=flags, changes=changes, epoch=epoch, load=load)
+        return Control(flags=flags, changes=changes, epoch=epoch, load=load, revive=revive)
 
     def _recv(self, shape: tuple[int, ...], src: int) -> list[int]:
         import numpy as np
@@ -332,11 +359,11 @@ class OverlapBatch:
         mine = hooks.load_words()
         load = [a + b for a, b in zip(mine, c.load)] if c.load else mine
         flags = c.flags | (MEET if hooks.wants_meeting() else 0)
-        self._send([flags, len(c.changes), c.epoch, check, *load], c.changes, self.rank - 1)
+        self._send([flags, len(c.changes), c.epoch, check, c.revive, *load], c.changes, self.rank - 1)
 
     def _send_control(self, c: Control, check: int) -> None:
         """Rank 0: the control of a micro-batch's next slot, to the first stage (its tokens follow in the step)."""
-        self._send([c.flags, len(c.changes), c.epoch, check], c.changes, self.world - 1)
+        self._send([c.flags, len(c.changes), c.epoch, check, c.revive], c.changes, self.world - 1)
 
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from clusterctl.rank.engine.overlap import END, MEET, Control
-from clusterctl.rank.engine.scheduler import BatchChanges, OverlapRun
+from clusterctl.rank.engine.scheduler import BatchChanges, OverlapRun, RunEnd
 
 
 class RunHooks:
@@ -29,20 +29,25 @@ class RunHooks:
     def decide(self, k: int, live: list[int]) -> Control:
         loop, batch = self.loop, self.loop.batch
         mb = batch.mbs[k]
-        changes, end = self.plan.decide(k, live, [(r.id, r.done) for r in mb.rows], fresh=bool(mb.fresh),
-                                        mb_sizes=batch.sizes(), held=len(batch), stop=loop.stop.is_set())
-        return Control(flags=END if end else 0, changes=changes.encode(), epoch=self.plan.epoch_out)
+        d = self.plan.decide(k, live, [(r.id, r.done) for r in mb.rows], fresh=bool(mb.fresh),
+                             mb_sizes=batch.sizes(), held=len(batch), stop=loop.stop.is_set())
+        return Control(flags=END if d.end else 0, changes=d.changes.encode(), epoch=self.plan.epoch_out,
+                       revive=-1 if d.revive is None else d.revive)
 
     # -- every rank
 
     def apply(self, k: int, changes: bytes) -> None:
         self.loop.apply(BatchChanges.decode(changes), into=k, soft=True)
 
+    def revived(self, k: int) -> None:
+        if self.loop.metrics is not None:
+            self.loop.metrics.revived()
+
     def received(self, c: Control) -> None:
         self.loop.ack(c.epoch)
         if self.loop.leader:
             if c.flags & MEET:
-                self.plan.ending = True
+                self.plan.end(RunEnd.STOP)
             if c.load:
                 self._load = c.load
 
@@ -59,6 +64,11 @@ class RunHooks:
         self._slots += 1
         if time.monotonic() - self._since >= self.REPORT_S:
             self.flush()
+
+    def ended(self) -> None:
+        """Rank 0: the run is over (its pipeline drained for a meeting): counted by why."""
+        if self.loop.metrics is not None and self.plan.why is not None:
+            self.loop.metrics.run_ended(self.plan.why.value)
 
     def flush(self) -> None:
         """Account the slots run since the last report as busy time, and report every rank's load."""

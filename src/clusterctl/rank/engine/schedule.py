@@ -60,9 +60,10 @@ class IdleWait:
     for a meeting already held is stale and ignored. Without ``call`` (no wake-up calls) a local event does not
     shorten the wait: the others would come only at their scheduled time anyway.
 
-    ``check`` (rank 0: has the cancel file changed?) is asked every CHECK_S while waiting; yes counts as local
-    work, so a cancel sent to an idle deployment is applied and acked at once, not at the next scheduled
-    meeting.
+    ``check`` (rank 0: has the cancel file changed?) is asked every CHECK_S while waiting, for the first
+    CHECK_FAST_FOR_S of an idle spell (a cancel often comes right after a request), then every CHECK_IDLE_S (20
+    looks a second were a third of an idle deployment's CPU); yes counts as local work, so a cancel sent to an
+    idle deployment is applied and acked within a look, not at the next scheduled meeting.
 
     A call is a datagram: one that is lost would leave the caller spinning in the meeting's collective until the
     others' scheduled time (or its exchange deadline). So a call is sent again every CALL_AGAIN_S until the step
@@ -70,6 +71,8 @@ class IdleWait:
     collective by then)."""
 
     CHECK_S = 0.05
+    CHECK_FAST_FOR_S = 5.0
+    CHECK_IDLE_S = 0.25
 
     def __init__(self, call: Callable[[int], None] | None = None, check: Callable[[], bool] | None = None):
         self._call = call
@@ -98,18 +101,21 @@ class IdleWait:
                 self._called = seq
                 self._cv.notify_all()
 
-    def wait(self, timeout: float, seq: int) -> None:
-        """Sleep up to ``timeout`` before meeting ``seq``."""
+    def wait(self, timeout: float, seq: int, *, idle_for: float = 0.0) -> None:
+        """Sleep up to ``timeout`` before meeting ``seq``; ``idle_for``: how long the ranks have been idle already."""
         if self._call is None:
             time.sleep(timeout)
             return
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         with self._cv:
             while not (early := self._local or self._called >= seq):
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     break
-                self._cv.wait(min(left, self.CHECK_S) if self._check is not None else left)
+                look = self.CHECK_S if idle_for + now - start < self.CHECK_FAST_FOR_S else self.CHECK_IDLE_S
+                self._cv.wait(min(left, look) if self._check is not None else left)
                 if self._check is not None and self._check():
                     self._local = True
             call, self._local = self._local, False

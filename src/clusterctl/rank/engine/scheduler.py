@@ -14,7 +14,8 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from enum import Enum
+from typing import Callable, NamedTuple
 
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
@@ -265,6 +266,22 @@ class Scheduler:
         return out
 
 
+class RunEnd(str, Enum):
+    """Why an overlapped run ended (each end drains the pipeline for a meeting): never because a request came."""
+
+    STOP = "stop"  # a rank is stopping (its own signal, or another rank's vote in a header)
+    EMPTY = "empty"  # nothing left to decode: the ranks meet, and idle until work comes
+
+
+class SlotDecision(NamedTuple):
+    """Rank 0's control of a micro-batch's next slot: its changes, whether its run ends (or it parks) there, and
+    the micro-batch the changes' joins go to: itself, or (``revive``) a parked one that comes back into the run."""
+
+    changes: BatchChanges
+    end: bool
+    revive: int | None = None
+
+
 class OverlapRun:
     """Rank 0's decisions during one overlapped run (between two meetings): each micro-batch's next control."""
 
@@ -272,7 +289,8 @@ class OverlapRun:
 
     def __init__(self, sched: Scheduler, n_mbs: int, max_batch: int, clock: Callable[[], float] = time.monotonic):
         self.sched, self.n, self.max_batch, self.clock = sched, n_mbs, max_batch, clock
-        self.ending = False  # every micro-batch's next control ends its run
+        self.why: RunEnd | None = None  # set once: every micro-batch's next control ends its run
+        self.reviving: set[int] = set()  # parked micro-batches whose revival is on its way round the ring
         self.epoch_out = sched.epochs.epoch  # the cancel epoch the controls carry
         self._epoch_wait: set[int] = set()  # micro-batches still to be decided since the newest epoch
         self._polled = -1e9
@@ -285,35 +303,56 @@ class OverlapRun:
                 sizes[k] += 1
         return sizes
 
+    @property
+    def ending(self) -> bool:
+        return self.why is not None
+
+    def end(self, why: RunEnd) -> None:
+        """Every micro-batch's next control ends the run (the first reason given is the one kept)."""
+        self.why = self.why or why
+
     def decide(self, k: int, live: list[int], rows: list[tuple[str, bool]], *, fresh: bool, mb_sizes: list[int],
-               held: int, stop: bool) -> tuple[BatchChanges, bool]:
+               held: int, stop: bool) -> SlotDecision:
         """The changes before micro-batch ``k``'s next slot and whether its run ends there. ``rows``: its rows
         (id, answered); ``fresh``: it has requests whose prompt is not processed yet; ``mb_sizes``: every micro-batch's
         rows not yet answered; ``held``: the rows the batch holds (answered ones too); ``stop``: a meeting is
-        wanted."""
+        wanted. Queued requests join ``k`` at its next slot; when ``k``'s share is full and a micro-batch sits the run
+        out, they join that one instead, which comes back into the run: a join never ends the run (no meeting, no
+        drained pipeline)."""
         sched = self.sched
         self._poll_cancels(live)
+        self.reviving.discard(k)
         fins = tuple(rid for rid, done in rows if done)
         drops = tuple(rid for rid, done in rows if not done and (api_req := sched.inflight.get(rid)) is not None
                       and api_req.cancelled.is_set())
-        # a stop; or requests wait while a micro-batch sits the run out: meet, and place them evenly
-        self.ending = self.ending or stop or (len(live) < self.n and sched.waiting() > 0)
+        if stop:
+            self.end(RunEnd.STOP)
         adds: tuple[GenRequest, ...] = ()
+        into = k
         if not self.ending:
             sizes = self.sizes(mb_sizes)
             sizes[k] -= len(drops)
             room = self.max_batch - (held + len(sched.joining) - len(fins) - len(drops))
             want = join_count(sizes, k, room, sched.waiting())
-            adds = tuple(sched.take(want, into=k)) if want > 0 else ()
+            parked = [i for i in range(self.n) if i not in live and i not in self.reviving]
+            if want <= 0 and parked:
+                into = parked[0]
+                want = join_count(sizes, into, room, sched.waiting())
+            adds = tuple(sched.take(want, into=into)) if want > 0 else ()
         if not adds and sum(self.sizes(mb_sizes)) - len(drops) <= 0:
-            self.ending = True  # nothing left to decode: meet (and idle) until work comes
+            self.end(RunEnd.EMPTY)  # nothing left to decode: meet (and idle) until work comes
+        revive = into if adds and into != k else None
+        if revive is not None:
+            self.reviving.add(revive)
+            if self._epoch_wait:  # its rows' drops for the newest epoch are decided at its own slots
+                self._epoch_wait.add(revive)
         self._epoch_wait.discard(k)
         if not self._epoch_wait:
             self.epoch_out = sched.epochs.epoch
         # an empty micro-batch sits the rest of the run out: its slots would only carry headers around the ring,
         # in the way of the others' (one request alone: every round would pay for two)
-        park = not adds and not fresh and len(rows) == len(fins) + len(drops)
-        return BatchChanges(adds, drops, fins), self.ending or park
+        park = (not adds or revive is not None) and not fresh and len(rows) == len(fins) + len(drops)
+        return SlotDecision(BatchChanges(adds, drops, fins), self.ending or park, revive)
 
     def _poll_cancels(self, live: list[int]) -> None:
         now = self.clock()
@@ -321,7 +360,7 @@ class OverlapRun:
             return
         self._polled = now
         if self.sched.poll_cancels():
-            self._epoch_wait = set(live)  # its drops are decided for each micro-batch in turn: then it travels
+            self._epoch_wait = set(live) | self.reviving  # its drops are decided for each micro-batch in turn: then it travels
 
 
 # -- prompts: in groups of similar length, in chunks (overlapped schedule; prefill.py)

@@ -158,7 +158,7 @@ class StepLoop:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(f"rank {self.spec.rank}: decode schedule "
                                  f"{'overlap' if self.overlapped else 'lockstep'}\n")
-        cadence, gap, ticks = Cadence(), FIRST_CHECKPOINT, 0
+        cadence, gap, ticks, idle_at = Cadence(), FIRST_CHECKPOINT, 0, time.monotonic()
         try:
             while True:
                 t0 = time.monotonic()
@@ -166,9 +166,10 @@ class StepLoop:
                 if stopping:
                     return
                 if not self.batch:
+                    idle_at = t0 if ticks == 0 else idle_at
                     if self.world > 1:  # (announced requests wait for the ranks' compiles: meet again soon)
                         self.idle.wait(HELD_MEET_S if self._holding() else idle_interval(ticks, self.wakeable),
-                                       self.seq)
+                                       self.seq, idle_for=time.monotonic() - idle_at)
                     ticks += 1
                     cadence, gap = Cadence(), FIRST_CHECKPOINT
                     self.load.recent.add(idle=time.monotonic() - t0)
@@ -360,6 +361,7 @@ class StepLoop:
             self._fail_all(e, [])
             raise  # ranks may now be out of step: the rank must end
         hooks.flush()
+        hooks.ended()
 
     def _done(self, rid: str, res: GenResult) -> None:
         self.active.remove(rid)
