@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt, ChatTemplateOpt, ClusterOpt,
-                                    JsonOpt, MaxTokensOpt, MinPOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt,
+                                    JsonOpt, MaxNOpt, MaxTokensOpt, MinPOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt,
                                     TopPOpt, app, complete_targets, number, output, serving_of, ssh_options,
                                     state_of)
 from clusterctl.render import deployment_table
@@ -48,6 +48,7 @@ def plan(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     max_tokens: MaxTokensOpt = None,
+    max_n: MaxNOpt = None,
     chat_template: ChatTemplateOpt = None,
     chat_template_args: ChatTemplateArgsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
@@ -74,7 +75,7 @@ def plan(
                                 probe_remote=probe_remote, embedding_offload=embedding_offload, schedule=schedule,
                                  prompt_cache_gb=prompt_cache_gb, progress=o.progress, adapter=adapter,
                                 serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
-                                                   chat_template_args) or None)
+                                                   chat_template_args, max_n) or None)
     for w in dep.warnings:
         o.warn(w)
     if o.json:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from clusterctl.rank.handler import UNAUTHORIZED
 from clusterctl.rank.wire import ApiError
-from clusterctl.rank.respond import serve
+from clusterctl.rank.choices import serve
 
 
 def health(api, h) -> None:

@@ -19,6 +19,7 @@ from clusterctl.rank.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, 
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
 from clusterctl.rank.batch import Batch
+from clusterctl.rank.choices import PromptShares
 from clusterctl.rank.compiler import Compiler
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.promptcache import PromptCache, reusable
@@ -102,11 +103,16 @@ class StepLoop:
         self.load = LoadWords(spec.rank, self.world)
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
-        self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
+        # prompts processed once for their n choices (choices.py); the same models as the prompt cache can share
+        # (no model: a loop the scheduler's tests drive)
+        self.shares = PromptShares() if model is not None and reusable(model) else None
+        self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack,
+                               shared=self.shares.has if self.shares is not None else None)
         # the other ranks' grammar compiles, off this loop (compiler.py); rank 0's are the API's, made at admission
         self.compiler = None if self.leader else Compiler(tokenizer)
         if queue is not None:
             queue.on_put = self.idle.local
+            queue.shares = self.shares
 
     # the scheduler's state, as the rank runtime (and the cancel fuzzing) reads it
     @property
@@ -136,8 +142,8 @@ class StepLoop:
             from clusterctl.rank.overlap import OverlapBatch
 
             return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
-                                max_batch=self.spec.max_batch, pcache=self.pcache)
-        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache)
+                                max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
+        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
 
     @property
     def overlapped(self) -> bool:
@@ -250,14 +256,19 @@ class StepLoop:
         # the prompt cache's prefixes first: the KV saved by the requests leaving now may evict an entry
         prefixes = {req.id: p for req in changes.adds if req.cache_from is not None
                     and (p := self.pcache.take(req.cache_from, req.cache_len, missing_ok=soft)) is not None}
-        if self.metrics is not None:
-            for req in changes.adds:
-                if req.id in prefixes:
-                    self.metrics.cache_hit(req.cache_len)
-        for rid in changes.finishes:
+        for rid in changes.finishes:  # (a prompt row's KV, kept for its choices, before they join)
             self.batch.drop(rid, "stop", save=True)
             if not self.leader:  # rank 0 let it go when it answered it (_done)
                 self.active.remove(rid)
+        for req in changes.adds:  # a choice row: its prompt's KV, processed once (choices.py)
+            if req.prompt_from is not None and self.shares is not None:
+                if (p := self.shares.take(req.prompt_from, req.cache_len, missing_ok=soft)) is not None:
+                    prefixes[req.id] = p
+        if self.metrics is not None:
+            for req in changes.adds:
+                if req.id in prefixes and req.prompt_from is None:
+                    self.metrics.cache_hit(req.cache_len)
+                self.metrics.prefilled(len(req.tokens) - (req.cache_len if req.id in prefixes else 0))
         for req in changes.announces:
             if self.compiler is not None:
                 self.compiler.announce(req)
@@ -281,7 +292,7 @@ class StepLoop:
                            **({"into": places[i]} if self.overlapped else {}))
             self.active.add(req.id)
             if api_req is not None:
-                api_req.cached_tokens = req.cache_len if req.id in prefixes else 0
+                api_req.cached_tokens = req.cache_len if req.id in prefixes and req.prompt_from is None else 0
 
     def _holding(self) -> bool:
         """Requests announced and not joined yet (the same on every rank)."""
