@@ -42,7 +42,10 @@ from clusterctl.rank.splitter import Reply
 from clusterctl.rank.wire import ApiError, Usage
 
 DEFAULT_MAX_N = 8  # the most choices a request may ask for unless the operator said (plan --max-n)
-MAX_SHARES = 16  # prompts kept for their choices; a choice cancelled before it joined never takes its copy
+# prompts kept for their choices (each one sequence's KV beyond the plan's rows, while its choices wait to join); a
+# choice cancelled before it joined never takes its copy, so the oldest goes; a share gone: its choices process the
+# prompt each
+MAX_SHARES = 4
 KEPT_WAIT_S = 5.0  # how long rank 0 waits for a prompt row's KV to be kept before its choices join without it
 
 

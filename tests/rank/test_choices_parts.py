@@ -1,0 +1,91 @@
+"""n choices' parts without ranks (choices.py): the seed rule, the prompt shares every rank keeps, the scheduler's
+decision to give a choice its prompt's KV, and the fan-out of one request into its prompt row and choice rows."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from clusterctl.errors import IntegrityError
+from clusterctl.rank.choices import (MAX_SHARES, PROMPT, ChoiceEvent, PromptShares, choice_rows, choice_seed,
+                                     prompt_row, shareable)
+from clusterctl.rank.generation import GenRequest
+from clusterctl.rank.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.scheduler import Scheduler
+
+
+def test_choice_zero_keeps_the_seed_and_the_others_are_fixed_64_bit_seeds_of_their_own():
+    assert choice_seed(77, 0) == 77 and choice_seed((1 << 64) - 1, 0) == (1 << 64) - 1
+    seeds = [choice_seed(77, i) for i in range(1, 9)]
+    assert len(set(seeds + [77])) == 9 and all(0 <= s < 1 << 64 for s in seeds)
+    # the documented rule (docs/api.md), whatever n is
+    import hashlib
+
+    assert choice_seed(77, 3) == int.from_bytes(hashlib.sha256(b"77/3").digest()[:8], "big")
+
+
+def _kv(tokens: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    k = mx.arange(tokens * 4, dtype=mx.float32).reshape(1, 1, tokens, 4)
+    c.update_and_fetch(k, k + 1)
+    return [c]
+
+
+def test_a_share_serves_each_of_its_choices_a_prefix_then_goes():
+    s = PromptShares()
+    ev = s.expect("p")
+    s.keep("p", _kv(10), 10, takers=2)
+    assert ev.is_set() and s.has("p")
+    first = s.take("p", 9)
+    assert first[0].offset == 9 and first[0].keys.shape[2] == 9 and s.has("p")
+    second = s.take("p", 9)
+    assert second[0].keys.tolist() == first[0].keys.tolist() and not s.has("p")
+    assert s.take("p", 9, missing_ok=True) is None
+    with pytest.raises(IntegrityError):
+        s.take("p", 9)
+
+
+def test_the_oldest_share_goes_first_past_the_bound():
+    s = PromptShares()
+    for i in range(MAX_SHARES + 1):
+        s.keep(f"p{i}", _kv(4), 4, takers=3)
+    assert len(s) == MAX_SHARES and not s.has("p0") and s.has(f"p{MAX_SHARES}")
+
+
+def test_a_choice_takes_its_prompts_kv_only_when_it_is_kept():
+    q = RequestQueue()
+    reqs = [GenRequest(id=f"c{i}", tokens=list(range(1, 21)), max_tokens=4, prompt_from=p)
+            for i, p in enumerate(["kept", "gone", None])]
+    for r in reqs:
+        q.put(ApiRequest(id=r.id, kind="completion", prepare=lambda _: None, stream=False, req=r))
+    s = Scheduler(q, lookup=lambda req: (5, 12), shared=lambda rid: rid == "kept")
+    kept, gone, plain = s.meeting(room=3).adds
+    assert (kept.prompt_from, kept.cache_from, kept.cache_len) == ("kept", None, 19)
+    assert (gone.prompt_from, gone.cache_from, gone.cache_len) == (None, 5, 12)  # processed as any request
+    assert (plain.prompt_from, plain.cache_from, plain.cache_len) == (None, 5, 12)
+
+
+def test_a_request_fans_out_into_a_prompt_row_and_n_choice_rows_with_tagged_events():
+    req = GenRequest(id="cmpl-x", tokens=list(range(1, 21)), max_tokens=8, temperature=0.7, seed=11, stop=["\n"],
+                     logprobs=2, grammar={"lark": "start: /a+/"}, logit_bias={"3": 1.0})
+    base = ApiRequest(id="cmpl-x", kind="completion", prepare=lambda _: None, stream=True, req=req, n=3,
+                      grammar="compiled")
+    p = prompt_row(base)
+    assert (p.req.keep_prompt, p.req.max_tokens, p.req.temperature, p.req.grammar, p.req.logprobs, p.req.stop,
+            p.req.logit_bias) == (3, 1, 0.0, None, -1, [], None)
+    rows = choice_rows(base, lambda r: f"another for {r.id}", p.id)
+    assert [r.req.id for r in rows] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
+    assert [r.req.seed for r in rows] == [choice_seed(11, i) for i in range(3)]
+    assert all(r.req.prompt_from == p.id and r.req.tokens == req.tokens and r.req.logprobs == 2 for r in rows)
+    assert [r.grammar for r in rows] == ["compiled", "another for cmpl-x-1", "another for cmpl-x-2"]
+    rows[2].events.put(("text", "a"))
+    p.events.put(("done", None))
+    got = [base.events.get_nowait(), base.events.get_nowait()]
+    assert got == [ChoiceEvent(2, ("text", "a")), ChoiceEvent(PROMPT, ("done", None))]
+    with pytest.raises(queue.Empty):
+        base.events.get_nowait()
+    assert shareable(req.tokens) and not shareable([1, 2, 3])
