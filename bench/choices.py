@@ -8,7 +8,7 @@ Arms (same prompt length, a distinct prompt each time so that no prompt cache en
   four  four completions of the same prompt sent at once, n=1 each, sampled
 Per arm: the wall time until all four answers are in, completion tokens per second over it, and the prompt work
 as rank 0's /metrics counts it (clusterctl_prompt_tokens_processed_total: prompt tokens the ranks processed), per
-prompt token. `--quick`: the 7M model, 3 rounds, a ~300-token prompt.
+prompt token. `--quick`: the 7M model, 3 rounds, a ~300-token prompt (full: the 100M model, 8 rounds, ~900 tokens).
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the 7M model, 3 rounds, a ~300-token prompt")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--words", type=int, default=None, help="words in the prompt (about a token each)")
+    ap.add_argument("--words", type=int, default=None, help="words in the prompt (about 3 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--model", choices=("7m", "100m"), default=None)
     ns = ap.parse_args()
     rounds = ns.rounds or (3 if ns.quick else 8)
-    words = ns.words or (300 if ns.quick else 900)
+    words = ns.words or (100 if ns.quick else 300)
     kind = ns.model or ("7m" if ns.quick else "100m")
     say(f"bench/choices.py  {time.strftime('%Y-%m-%d %H:%M')}  {machine_note()}  model={kind}  rounds={rounds}  "
         f"words={words}  max_tokens={ns.max_tokens}")
@@ -124,7 +124,8 @@ def main() -> int:
     ratio_t = med([a[0] / b[0] for a, b in zip(got["n4"], got["four"])])
     ratio_w = med([(a[3] / a[2]) / (b[3] / b[2]) for a, b in zip(got["n4"], got["four"])])
     say("")
-    say(f"== {CHOICES} answers of one ~{words}-token prompt, {ns.max_tokens} tokens each, medians of {rounds} rounds ==")
+    tokens = got["n4"][0][2] if got["n4"] else None
+    say(f"== {CHOICES} answers of one {tokens}-token prompt, {ns.max_tokens} tokens each, medians of {rounds} rounds ==")
     say(table(rows, ["arm", "wall", "completion tokens/s", "prompt tokens processed / prompt tokens"]))
     say(f"n=4 / four requests: wall {fmt(ratio_t, 'x')}, prompt work {fmt(ratio_w, 'x')}")
     return 0

@@ -13,6 +13,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rankharness import reference_tokens, tiny_model_path
+
 pytestmark = pytest.mark.slow
 
 # 20-odd tokens: long enough to be shared (choices.shareable), short enough for the shared clusters' 128-token context
@@ -87,6 +89,8 @@ def test_seeded_choice_i_is_the_same_whatever_n(cluster):
     one, two, four = sampled(1), sampled(2), sampled(4)
     assert two == four[:2] and one == four[:1]
     assert len({tuple(t) for t in four}) > 1  # the choices are samples of their own, not copies
+    # choice 0 draws what the request alone draws: what one mlx-lm process seeded with 77 draws (lockstep too)
+    assert four[0] == reference_tokens(tiny_model_path(), PROMPT, 10, temperature=1.5, seed=77)
 
 
 def test_the_prompt_is_processed_once_for_all_its_choices(cluster):
@@ -173,3 +177,14 @@ def test_the_openai_client_reads_n_choices(cluster):
         for c in chunk.choices:
             got[c.index] = got.get(c.index, "") + c.text
     assert set(got) == {0, 1} and got[0] == got[1]
+
+
+def test_tensor_parallel_ranks_share_the_prompt_among_the_choices_too(tmp_path):
+    """Each rank keeps its own heads' share of the prompt's KV; the choices match the single answer (greedy) and
+    seeded choice 0 matches the request alone."""
+    from rankharness import RankCluster
+
+    with RankCluster(tmp_path, tiny_model_path(), [8, 8], tag="chtp", tensor=True).up() as c:
+        test_greedy_choices_are_n_copies_of_the_single_answer_and_usage_counts_each(c)
+        test_the_prompt_is_processed_once_for_all_its_choices(c)
+        test_seeded_choice_i_is_the_same_whatever_n(c)

@@ -35,6 +35,7 @@ def _kv(tokens: int):
     return [c]
 
 
+@pytest.mark.slow  # (MLX's first import: seconds on a loaded machine)
 def test_a_share_serves_each_of_its_choices_a_prefix_then_goes():
     s = PromptShares()
     ev = s.expect("p")
@@ -49,6 +50,7 @@ def test_a_share_serves_each_of_its_choices_a_prefix_then_goes():
         s.take("p", 9)
 
 
+@pytest.mark.slow
 def test_the_oldest_share_goes_first_past_the_bound():
     s = PromptShares()
     for i in range(MAX_SHARES + 1):
@@ -89,3 +91,38 @@ def test_a_request_fans_out_into_a_prompt_row_and_n_choice_rows_with_tagged_even
     with pytest.raises(queue.Empty):
         base.events.get_nowait()
     assert shareable(req.tokens) and not shareable([1, 2, 3])
+
+
+def _builder(max_n: int | None):
+    import json
+
+    from mlx_lm.utils import load_tokenizer
+
+    from clusterctl.rank.admission import limits_for
+    from clusterctl.rank.openai import RequestBuilder
+    from clusterctl.shared.deployment import ServingDefaults
+    from clusterctl.shared.rankspec import RankSpec
+    from rankharness import tiny_model_path
+
+    spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
+                    start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
+                    marker_path="/r/m", gate_path="/r/g", serving=ServingDefaults(max_n=max_n))
+    tok = load_tokenizer(tiny_model_path())
+    return RequestBuilder(spec, limits_for(json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096))
+
+
+@pytest.mark.slow  # (a real tokenizer: transformers' import)
+@pytest.mark.parametrize("max_n, fine, refused", [(None, 8, 9), (2, 2, 3), (128, 128, 129)])
+def test_n_is_bounded_by_the_operators_limit(max_n, fine, refused):
+    from clusterctl.rank.wire import ApiError
+
+    b = _builder(max_n)
+    assert b.completion({"prompt": "hello", "n": fine}).n == fine
+    assert b.chat({"messages": [{"role": "user", "content": "hi"}], "n": fine}).n == fine
+    for n in (refused, 0, -1):
+        with pytest.raises(ApiError) as e:
+            b.completion({"prompt": "hello", "n": n})
+        assert e.value.status == 400 and e.value.param == "n" and f"between 1 and {fine}" in e.value.message
+    with pytest.raises(ApiError) as e:
+        b.completion({"prompt": "hello", "n": 2, "best_of": 2})
+    assert e.value.param == "best_of"

@@ -194,6 +194,13 @@ class Choices:
         self._quiet_since = time.monotonic()
 
     def write(self) -> None:
+        try:
+            self._write()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self._cancel(gone=True)  # the client left mid-write: every row ends (respond.answer ends the request)
+            raise
+
+    def _write(self) -> None:
         if self.base.stream:
             self.h.start_stream()
         try:
