@@ -221,7 +221,8 @@ class Choices:
     # -- the rows
 
     def _share_prompt(self) -> None:
-        """The prompt row first, and a wait until every rank kept its KV (its choices then join with it)."""
+        """The prompt row first, and a wait until rank 0 kept its KV (every rank keeps it at the same point of the
+        batch's changes, so before the choices, queued only now, join anywhere)."""
         shares = self.api.queue.shares
         if shares is None or not shareable(self.base.req.tokens):
             return
