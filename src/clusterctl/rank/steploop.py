@@ -261,9 +261,13 @@ class StepLoop:
             if not self.leader:  # rank 0 let it go when it answered it (_done)
                 self.active.remove(rid)
         for req in changes.adds:  # a choice row: its prompt's KV, processed once (choices.py)
-            if req.prompt_from is not None and self.shares is not None:
-                if (p := self.shares.take(req.prompt_from, req.cache_len, missing_ok=soft)) is not None:
-                    prefixes[req.id] = p
+            if req.prompt_from is None:
+                continue
+            if self.shares is None:  # rank 0's layers keep plain caches, this rank's do not: the ranks would diverge
+                raise IntegrityError(f"rank {self.spec.rank}: {req.id} shares its prompt's KV, which this rank's "
+                                     "caches cannot give")
+            if (p := self.shares.take(req.prompt_from, req.cache_len, missing_ok=soft)) is not None:
+                prefixes[req.id] = p
         if self.metrics is not None:
             for req in changes.adds:
                 if req.id in prefixes and req.prompt_from is None:
