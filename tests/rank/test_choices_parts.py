@@ -126,3 +126,20 @@ def test_n_is_bounded_by_the_operators_limit(max_n, fine, refused):
     with pytest.raises(ApiError) as e:
         b.completion({"prompt": "hello", "n": 2, "best_of": 2})
     assert e.value.param == "best_of"
+
+
+@pytest.mark.slow  # (mlx-lm's model classes)
+def test_every_rank_decides_from_the_whole_models_config_whether_prompts_are_shared():
+    """A pipeline rank holds a slice of the layers; a gemma3 slice of full-attention layers alone would keep plain
+    caches, the whole model does not: every rank says no, from config.json alone."""
+    import json
+
+    from clusterctl.rank.choices import shares_prompts
+    from rankharness import tiny_model_path
+
+    config = json.loads((tiny_model_path() / "config.json").read_text())
+    assert shares_prompts(config)
+    mixed = {**config, "model_type": "gemma3_text", "sliding_window": 16, "sliding_window_pattern": 6,
+             "num_hidden_layers": 12}
+    assert not shares_prompts(mixed)
+    assert not shares_prompts({**config, "model_type": "no-such-model"})

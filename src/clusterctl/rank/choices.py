@@ -15,8 +15,8 @@ that one token: the prompt's work is done once plus n tokens, not n times (bench
 keeps and takes the shares in the same order (a row leaves or joins at the same point of the batch everywhere), so
 every rank makes the same rows, on both schedules and both parallelisms; rank 0 lets the rows join only after its own
 copy was kept, so their joins come after the keep on every rank. Models whose layers do not all keep a plain
-KVCache (sliding windows, state caches: promptcache.reusable) have no prefix to share: their n rows each process the
-prompt.
+KVCache (sliding windows, state caches: ``shares_prompts``, decided alike on every rank) have no prefix to share:
+their n rows each process the prompt.
 
 Seeds (docs/api.md): choice i of a request with seed s samples with ``choice_seed(s, i)``: s itself for choice 0 (what
 the request draws with n = 1) and a hash of (s, i) for the others, so choice i is the same whatever n is. Each row
@@ -40,6 +40,7 @@ from clusterctl.rank.requestqueue import ApiRequest
 from clusterctl.rank.respond import CLIENT_POLL_S, KEEPALIVE_S, Answer, Shape, accept, answer
 from clusterctl.rank.splitter import Reply
 from clusterctl.rank.wire import ApiError, Usage
+from clusterctl.shared.archs import build_lazy, cache_kinds, small_config
 
 DEFAULT_MAX_N = 8  # the most choices a request may ask for unless the operator said (plan --max-n)
 # prompts kept for their choices (each one sequence's KV beyond the plan's rows, while its choices wait to join); a
@@ -55,6 +56,25 @@ def choice_seed(seed: int, index: int) -> int:
         return seed
     digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
+
+
+def shares_prompts(config: dict) -> bool:
+    """Does every layer of the model (not only this rank's: a pipeline rank holds a slice, and the ranks must
+    agree) keep a plain KVCache, whose prefix a choice can take? Decided from config.json alone, on a toy-size
+    model of the same class and blocks (archs.small_config, every layer kept), so every rank decides alike."""
+    def all_layers(small: dict, full: dict) -> dict:
+        out = dict(small)
+        for k in ("num_hidden_layers", "layer_types"):
+            if k in full:
+                out[k] = full[k]
+        if isinstance(full.get("text_config"), dict) and isinstance(out.get("text_config"), dict):
+            out["text_config"] = all_layers(out["text_config"], full["text_config"])
+        return out
+
+    try:
+        return all(k == "KVCache" for k in cache_kinds(build_lazy(all_layers(small_config(config), config))))
+    except Exception:  # a class mlx-lm cannot build at toy size: nothing is shared (each choice processes its prompt)
+        return False
 
 
 def shareable(tokens: list[int]) -> bool:

@@ -27,6 +27,7 @@ from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
 from clusterctl.rank.admission import limits_for, use_template
 from clusterctl.rank.api import Api
+from clusterctl.rank.choices import shares_prompts
 from clusterctl.rank.group import attach_group
 from clusterctl.rank.requestqueue import ActiveSet, RequestQueue
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
@@ -266,7 +267,7 @@ class Rank:
 
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, queue=queue, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
-                        idle=self._idle_wait(cancels), metrics=self.metrics)
+                        idle=self._idle_wait(cancels), metrics=self.metrics, share_prompts=shares_prompts(config))
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         self.loop = loop

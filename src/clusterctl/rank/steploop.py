@@ -81,7 +81,8 @@ class StepLoop:
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  queue: RequestQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
-                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None):
+                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None,
+                 share_prompts: bool = False):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.queue, self.marker = stop, queue, marker
         if active is None:
@@ -103,9 +104,9 @@ class StepLoop:
         self.load = LoadWords(spec.rank, self.world)
         # the same budget on every rank (the contract's), off for models whose caches cannot give a prefix
         self.pcache = PromptCache(spec.prompt_cache_tokens if spec.prompt_cache_tokens and reusable(model) else 0)
-        # prompts processed once for their n choices (choices.py); the same models as the prompt cache can share
-        # (no model: a loop the scheduler's tests drive)
-        self.shares = PromptShares() if model is not None and reusable(model) else None
+        # prompts processed once for their n choices (choices.py); ``share_prompts``: the whole model's caches can
+        # (choices.shares_prompts: the same on every rank)
+        self.shares = PromptShares() if share_prompts else None
         self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack,
                                shared=self.shares.has if self.shares is not None else None)
         # the other ranks' grammar compiles, off this loop (compiler.py); rank 0's are the API's, made at admission
@@ -263,7 +264,7 @@ class StepLoop:
         for req in changes.adds:  # a choice row: its prompt's KV, processed once (choices.py)
             if req.prompt_from is None:
                 continue
-            if self.shares is None:  # rank 0's layers keep plain caches, this rank's do not: the ranks would diverge
+            if self.shares is None:  # (every rank decides alike: rank 0 sent what no rank would)
                 raise IntegrityError(f"rank {self.spec.rank}: {req.id} shares its prompt's KV, which this rank's "
                                      "caches cannot give")
             if (p := self.shares.take(req.prompt_from, req.cache_len, missing_ok=soft)) is not None:
