@@ -199,7 +199,7 @@ def events(data: str) -> list[dict]:
 
 
 def _message(body: dict, data: str) -> tuple[dict, str]:
-    """The chat answer's message and finish_reason, a stream's deltas added up."""
+    """The chat answer's (first choice's) message and finish_reason, a stream's deltas added up."""
     if not body.get("stream"):
         choice = json.loads(data)["choices"][0]
         return choice["message"], choice["finish_reason"]
@@ -207,6 +207,8 @@ def _message(body: dict, data: str) -> tuple[dict, str]:
     finish = None
     for event in events(data):
         for c in event.get("choices", []):
+            if c.get("index", 0) != 0:  # (n choices: each is checked alike; the first stands for them)
+                continue
             d = c.get("delta") or {}
             msg["content"] += d.get("content") or ""
             msg["reasoning_content"] += d.get("reasoning_content") or ""

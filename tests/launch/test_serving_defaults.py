@@ -5,6 +5,7 @@ and real ranks; shown by status -a."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -29,11 +30,11 @@ def test_defaults_aliases_and_cors_from_plan_launch_and_replan(tmp_path, tiny, e
     c = local_cluster(tmp_path)
     out = tmp_path / "dep.json"
     p = cli("plan", "-c", str(c), "-m", str(tiny), "--context", "256", "--temperature", "0", "--max-tokens", "3",
-            "--top-k", "40", "--chat-template", str(template), "--chat-template-args", '{"unused": 1}',
+            "--top-k", "40", "--max-n", "2", "--chat-template", str(template), "--chat-template-args", '{"unused": 1}',
             "-o", str(out), "--json", env=env)
     assert p.returncode == 0, p.stderr
     serving = json.loads(p.stdout)["options"]["serving"]
-    assert serving["max_tokens"] == 3 and serving["chat_template"] == TEMPLATE
+    assert serving["max_tokens"] == 3 and serving["chat_template"] == TEMPLATE and serving["max_n"] == 2
     p = cli("launch", str(out), "--detach", "--json", "--timeout", "180", "--model-alias", "house-model",
             "--cors-origin", "https://app.example", env=env)
     assert p.returncode == 0, p.stderr
@@ -45,6 +46,13 @@ def test_defaults_aliases_and_cors_from_plan_launch_and_replan(tmp_path, tiny, e
                                                         "max_tokens": 3}, {"Origin": "https://app.example"})
         assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["text"] == b["choices"][0]["text"]
         assert headers.get("Access-Control-Allow-Origin") == "https://app.example"
+        # the operator's limit on n: two choices, not three
+        two, _ = post(endpoint, "/v1/completions", {"prompt": "def main(argv):", "n": 2})
+        assert [c["index"] for c in two["choices"]] == [0, 1]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(endpoint, "/v1/completions", {"prompt": "def main(argv):", "n": 3})
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["param"] == "n" and "between 1 and 2" in err["message"]
         # the operator's template: the prompt is what it renders
         from mlx_lm.utils import load_tokenizer
 

@@ -71,7 +71,7 @@ def test_penalties_and_logit_bias_give_one_mlx_lm_process_tokens(cluster, model)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 3), ("suffix", "x"), ("n", 2), ("xtc_probability", 0.5), ("functions", []),
+    ("best_of", 3), ("suffix", "x"), ("n", 9), ("xtc_probability", 0.5), ("functions", []),
     ("modalities", ["text", "audio"]), ("num_draft_tokens", 2),
 ])
 def test_fields_that_cannot_be_honoured_are_refused_by_name(cluster, field, value):

@@ -226,3 +226,35 @@ def test_fuzzed_constrained_requests_on_a_thinking_template(cluster, folder):
     tally = admissionfuzz.run(target, seed=41, n=40, alive=alive)
     assert not tally.failures, "\n".join(tally.failures)
     assert tally.ok >= 20, tally
+
+
+def test_each_of_n_choices_makes_its_own_forced_call(cluster):
+    """n choices (choices.py): every choice has its own grammar and splitter, so each one's call parses, fits the
+    function and ends its choice alone (one call allowed), streamed or not."""
+    import jsonschema
+
+    body = {"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "n": 3,
+            "temperature": 1.0, "seed": 4, "chat_template_kwargs": {"enable_thinking": False},
+            "parallel_tool_calls": False}
+    out = chat(cluster, body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for c in out["choices"]:
+        assert c["finish_reason"] == "tool_calls", c
+        [call] = c["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    lines = conn.getresponse().read().decode().splitlines()
+    conn.close()
+    args, finish = {}, {}
+    for line in lines:
+        if line.startswith("data: {"):
+            [c] = json.loads(line[6:])["choices"]
+            for call in c["delta"].get("tool_calls") or []:
+                args[c["index"]] = args.get(c["index"], "") + (call.get("function") or {}).get("arguments", "")
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert [json.loads(args[i]) for i in range(3)] == \
+        [json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]) for c in out["choices"]]

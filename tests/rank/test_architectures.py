@@ -3,6 +3,7 @@ one mlx-lm process, for one request and for 4 concurrent ones (each identical to
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -25,6 +26,19 @@ def models():
 LONG = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(40))  # ~600 tokens: 3 prompt chunks
 
 
+def completions(c, prompt: str, max_tokens: int, **body) -> list[dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=300)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **body}))
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    conn.close()
+    assert r.status == 200, out
+    return out["choices"]
+
+
 def _check(c, path, *, long: bool = False):
     """One request, then all of PROMPTS at once: each identical to one process serving it alone. ``long``: first a
     prompt of several chunks (each family's caches fed chunk after chunk, as mlx-lm feeds them)."""
@@ -32,6 +46,8 @@ def _check(c, path, *, long: bool = False):
         assert complete(c, LONG, 6)["token_ids"] == reference_tokens(path, LONG, 6)
     want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
     assert complete(c, PROMPTS[0], 10)["token_ids"] == want[PROMPTS[0]]
+    # n choices: each the same greedy answer, its prompt's KV shared where the family's caches allow (choices.py)
+    assert [ch["token_ids"] for ch in completions(c, PROMPTS[0], 10, n=2)] == [want[PROMPTS[0]]] * 2
     got, errors = {}, []
 
     def run(i, p):

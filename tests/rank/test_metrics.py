@@ -145,7 +145,7 @@ def test_an_ok_request_moves_outcome_tokens_and_latency_histograms(rank):
 @pytest.mark.slow
 def test_refusals_count_as_4xx_the_missing_key_included(rank):
     m0 = scrape(rank)
-    assert _post(rank, {"prompt": PROMPT, "max_tokens": 2, "n": 2})[0] == 400
+    assert _post(rank, {"prompt": PROMPT, "max_tokens": 2, "n": 9})[0] == 400
     assert _post(rank, {"prompt": PROMPT, "max_tokens": 2}, key=None)[0] == 401
     m1 = _until(rank, lambda m: v(m, "clusterctl_requests_total", outcome="4xx")
                 >= v(m0, "clusterctl_requests_total", outcome="4xx") + 2, "two refusals")

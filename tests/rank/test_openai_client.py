@@ -160,7 +160,8 @@ def test_model_names_aliases_and_paths_without_v1(one, shared_clusters):
 
 
 @pytest.mark.parametrize("args, param", [
-    ({"n": 2}, "n"), ({"extra_body": {"echo": True}}, "echo"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"n": 9}, "n"), ({"extra_body": {"best_of": 2}}, "best_of"), ({"extra_body": {"echo": True}}, "echo"),
+    ({"top_logprobs": 3}, "top_logprobs"),
     ({"temperature": 3.0}, "temperature"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"extra_body": {"chat_template_kwargs": "x"}}, "chat_template_kwargs"),

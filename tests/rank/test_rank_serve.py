@@ -247,7 +247,7 @@ def test_curl_against_rank_0(rank):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"prompt": "x", "n": 2}, 400, "n=1"),
+    ({"prompt": "x", "n": 9}, 400, "n must be between 1 and 8"),
     ({"prompt": PROMPT, "max_tokens": 4090}, 400, "context"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": ""}, 400, "empty"),

@@ -154,6 +154,8 @@ TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Default top_k (
 MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="Default min_p.", parser=number(0, 1), metavar="P")]
 MaxTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-tokens", help="Default max_tokens (OpenAI's: until the request's context is full).", min=1, max=1 << 26)]
+MaxNOpt = Annotated[Optional[int], typer.Option(
+    "--max-n", help="The most choices (n) one request may ask for (default 8).", min=1, max=128)]
 ChatTemplateOpt = Annotated[Optional[Path], typer.Option(
     "--chat-template", help="A Jinja chat template file used in place of the model's.", metavar="FILE")]
 ChatTemplateArgsOpt = Annotated[Optional[str], typer.Option(
@@ -162,12 +164,12 @@ ChatTemplateArgsOpt = Annotated[Optional[str], typer.Option(
 
 
 def serving_of(temperature=None, top_p=None, top_k=None, min_p=None, max_tokens=None, chat_template=None,
-               chat_template_args=None) -> dict:
+               chat_template_args=None, max_n=None) -> dict:
     """The serving defaults given on the command line (only those given)."""
     import json as _json
 
     out = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-                             ("max_tokens", max_tokens)) if v is not None}
+                             ("max_tokens", max_tokens), ("max_n", max_n)) if v is not None}
     if chat_template is not None:
         try:
             out["chat_template"] = read_capped(chat_template, limit=65536, what="chat template").decode("utf-8")

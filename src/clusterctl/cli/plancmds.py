@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt, ChatTemplateOpt, ClusterOpt,
-                                    JsonOpt, KvBitsOpt, KvGroupSizeOpt, MaxTokensOpt, MinPOpt, QuantizedKvStartOpt,
-                                    QuietOpt, StateOpt, TemperatureOpt, TopKOpt, TopPOpt, app, complete_targets,
-                                    kv_options, number, output, serving_of, ssh_options, state_of)
+                                    JsonOpt, KvBitsOpt, KvGroupSizeOpt, MaxNOpt, MaxTokensOpt, MinPOpt,
+                                    QuantizedKvStartOpt, QuietOpt, StateOpt, TemperatureOpt, TopKOpt, TopPOpt, app,
+                                    complete_targets, kv_options, number, output, serving_of, ssh_options, state_of)
 from clusterctl.render import deployment_table
 
 
@@ -51,6 +51,7 @@ def plan(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     max_tokens: MaxTokensOpt = None,
+    max_n: MaxNOpt = None,
     chat_template: ChatTemplateOpt = None,
     chat_template_args: ChatTemplateArgsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also write the signed deployment here.")] = None,
@@ -78,7 +79,7 @@ def plan(
                                  prompt_cache_gb=prompt_cache_gb, progress=o.progress, adapter=adapter,
                                 **kv_options(kv_bits, kv_group_size, quantized_kv_start),
                                 serving=serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template,
-                                                   chat_template_args) or None)
+                                                   chat_template_args, max_n) or None)
     for w in dep.warnings:
         o.warn(w)
     if o.json:

@@ -138,6 +138,9 @@ class Metrics:
                                "generated token, queue wait included", buckets=TTFT_BUCKETS, registry=r)
         self._tpot = Histogram("clusterctl_time_per_output_token_seconds", "Mean time per generated token after "
                                "the first, per finished request", buckets=TPOT_BUCKETS, registry=r)
+        self._prefilled = Counter("clusterctl_prompt_tokens_processed", "Prompt tokens the ranks processed "
+                                  "(neither from the prompt cache nor shared by the choices of one request)",
+                                  registry=r)
         self._cache_hits = Counter("clusterctl_prompt_cache_hits", "Requests whose prompt prefix came from the "
                                    "prompt cache", registry=r)
         self._cache_tokens = Counter("clusterctl_prompt_cache_hit_tokens", "Prompt tokens taken from the prompt "
@@ -181,6 +184,10 @@ class Metrics:
 
     def per_output_token(self, seconds: float) -> None:
         self._tpot.observe(max(0.0, seconds))
+
+    def prefilled(self, tokens: int) -> None:
+        """A row joined whose prompt takes ``tokens`` tokens of work (its prefix came from a cache or a share)."""
+        self._prefilled.inc(max(0, tokens))
 
     def cache_hit(self, tokens: int) -> None:
         """A request whose first ``tokens`` prompt tokens came from the prompt cache."""

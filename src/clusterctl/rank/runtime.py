@@ -27,6 +27,7 @@ from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
 from clusterctl.rank.api.admission import limits_for, use_template
 from clusterctl.rank.api.service import Api
+from clusterctl.rank.choices import shares_prompts
 from clusterctl.rank.engine.group import attach_group
 from clusterctl.rank.engine.requestqueue import ActiveSet, RequestQueue
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, job_token, watched_peers
@@ -264,9 +265,12 @@ class Rank:
             marker.update(cancel_epoch=epoch)
             _say(f"rank {spec.rank}: cancel epoch {epoch} applied" + (f" to {', '.join(applied)}" if applied else ""))
 
+        # n choices share their prompt's KV (choices.py) on plain caches; a quantized cache (plan --kv-bits) is not
+        # shared: each choice processes its prompt (the two landed together, and that pairing is untested)
+        share = shares_prompts(config) and spec.kv_bits is None
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, queue=queue, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
-                        idle=self._idle_wait(cancels), metrics=self.metrics)
+                        idle=self._idle_wait(cancels), metrics=self.metrics, share_prompts=share)
         if self.api is not None and self.stopping.is_set():
             self.api.state = "stopping"
         self.loop = loop

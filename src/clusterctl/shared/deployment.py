@@ -123,7 +123,8 @@ class RankAssignment(BaseModel):
 
 class ServingDefaults(BaseModel):
     """What rank 0 uses when a request leaves a field out (plan/replan --temperature ...). None: OpenAI's default
-    (temperature 1, top_p 1, no top_k or min_p; max_tokens: until the request's context is full)."""
+    (temperature 1, top_p 1, no top_k or min_p; max_tokens: until the request's context is full); ``max_n`` is a
+    limit, not a default."""
 
     model_config = ConfigDict(extra="forbid")
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
@@ -131,6 +132,7 @@ class ServingDefaults(BaseModel):
     top_k: Optional[int] = Field(default=None, ge=0, le=1 << 20)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
     max_tokens: Optional[int] = Field(default=None, ge=1, le=1 << 26)
+    max_n: Optional[int] = Field(default=None, ge=1, le=128)  # the most choices (n) a request may ask (None: 8)
     chat_template: Optional[str] = Field(default=None, min_length=1, max_length=65536)  # replaces the model's
     chat_template_args: dict[str, Any] = Field(default_factory=dict)  # passed to every template rendering
 

@@ -10,6 +10,7 @@ import secrets
 import threading
 
 from clusterctl.rank.engine.requestqueue import ApiRequest, Echo
+from clusterctl.rank.choices import DEFAULT_MAX_N
 from clusterctl.rank.engine.generation import GenRequest
 from clusterctl.rank.api.wire import ApiError, ChatBody, CompletionBody, parse
 from clusterctl.shared.rankspec import RankSpec
@@ -53,8 +54,6 @@ def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
 def refuse_unsupported(body: dict, honoured: tuple[str, ...] = ()) -> None:
     """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored;
     ``honoured``: the ones this route answers (completions: echo)."""
-    if body.get("n", 1) not in (1, None):
-        raise ApiError(400, "only n=1 is supported", param="n")
     for name, fine in UNSUPPORTED.items():
         if name in honoured:
             continue
@@ -103,6 +102,13 @@ class RequestBuilder:
             raise ApiError(400, "top_logprobs is for chat; /v1/completions takes an integer logprobs",
                            param="top_logprobs")
         return -1 if b.logprobs is None else b.logprobs
+
+    def _n(self, b: CompletionBody | ChatBody) -> int:
+        """How many choices (OpenAI's ``n``): 1 to the operator's limit (plan --max-n, else DEFAULT_MAX_N)."""
+        limit = self.spec.serving.max_n or DEFAULT_MAX_N
+        if b.n is not None and not 1 <= b.n <= limit:
+            raise ApiError(400, f"n must be between 1 and {limit} on this deployment", param="n")
+        return b.n or 1
 
     def _max_tokens(self, asked: int | None) -> int | None:
         """The request's max_tokens, else the operator's default, else None: until the context is full."""
@@ -221,8 +227,7 @@ class RequestBuilder:
                 api_req.echo = Echo(text=text, score_only=score_only)
             return self._request(rid, tokens, params, tokenizer)
 
-        api_req = ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream))
-        return api_req
+        return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream), n=self._n(b))
 
     def chat(self, body: dict, tenant: str | None = None) -> ApiRequest:
         """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
@@ -268,9 +273,10 @@ class RequestBuilder:
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:
                 req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}
-            api_req.splitter = chat.splitter(tokenizer, req.tokens)
+            api_req.splitters = lambda: chat.splitter(tokenizer, req.tokens)  # one per choice (choices.py)
+            api_req.splitter = api_req.splitters()
             return req
 
-        api_req = ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(b.stream))
+        api_req = ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(b.stream), n=self._n(b))
         return api_req
 

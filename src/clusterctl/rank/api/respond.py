@@ -34,8 +34,9 @@ class Shape:
                    token_ids=bool(body.get("return_token_ids")))
 
 
-def serve(api, h, kind: str) -> None:
-    """Route body of /v1/completions ("completion") and /v1/chat/completions ("chat")."""
+def accept(api, h, kind: str) -> tuple[ApiRequest, "Shape"] | None:
+    """Admission of /v1/completions ("completion") and /v1/chat/completions ("chat"): the request built, prepared
+    and admitted (choices.py queues it), or None when its error was answered."""
     try:
         body = h.body()
         if api.state != "serving" or api.builder is None:
@@ -44,12 +45,18 @@ def serve(api, h, kind: str) -> None:
         build = api.builder.chat if kind == "chat" else api.builder.completion
         api_req = build(body, h.tenant())
         shape = Shape.of(body)
-        api.admit(api_req)
+        api.admit(api_req, enqueue=api_req.n == 1)
     except ApiError as e:
         h.error(e)
-        return
+        return None
+    return api_req, shape
+
+
+def answer(api, h, api_req: ApiRequest, write) -> None:
+    """Write an admitted request's answer (``write()``); a client that leaves meanwhile cancels it; the request
+    is let go of at the end."""
     try:
-        Answer(api, h, api_req, shape).write()
+        write()
     except (BrokenPipeError, ConnectionResetError, TimeoutError):
         api_req.gone.set()
         api_req.cancelled.set()
@@ -76,6 +83,8 @@ class Answer:
 
     def __init__(self, api, h, api_req: ApiRequest, shape: Shape):
         self.api, self.h, self.api_req, self.shape = api, h, api_req, shape
+        self.index = 0  # the choice this answer writes (choices.py: one Answer per choice)
+        self.rid = api_req.id  # the answer's id (a choice's: its request's)
         self.chat = api_req.kind == "chat"
         self._poll_at = 0.0
         self._quiet_since = time.monotonic()
@@ -190,16 +199,25 @@ class Answer:
             self.h.error(value)
             return
         result: GenResult = value
+        choice, finish = self.choice(reply, result)
+        self.h.json(200, self.document([choice], usage=usage(result)))
+        self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
+
+    def choice(self, reply: Reply, result: GenResult) -> tuple[ChatChoice | TextChoice, str]:
+        """The document's choice once its generation ended (``reply``: its text so far), and its finish_reason."""
         events, finish = self._end(result)
         reply.add(events)
         extra = {"token_ids": result.tokens} if self.shape.token_ids else {}
         if self.chat:
-            choice = ChatChoice(message=reply.message(), logprobs=self._take_lps(), finish_reason=finish, **extra)
-        else:
-            text = result.text if self.echo is None else self.echo.text + result.text
-            choice = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **extra)
-        self.h.json(200, self._answer([choice], usage=usage(result)))
-        self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
+            return ChatChoice(index=self.index, message=reply.message(), logprobs=self._take_lps(),
+                              finish_reason=finish, **extra), finish
+        text = result.text if self.echo is None else self.echo.text + result.text
+        return TextChoice(index=self.index, text=text, logprobs=self._take_lps(), finish_reason=finish,
+                          **extra), finish
+
+    def pieces(self, text: str) -> list:
+        """The events of a piece of generated text (``_split``)."""
+        return self._split(text)
 
     def _take_lps(self) -> dict | None:
         """The log-probabilities not yet written, in the shape of this route (None: not asked for)."""
@@ -210,10 +228,10 @@ class Answer:
         self.prompt_lps = []
         return chat_shape(entries) if self.chat else completion_shape(entries, self.text_at)
 
-    def _answer(self, choices: list, stream: bool = False, **usage) -> dict:
+    def document(self, choices: list, stream: bool = False, **usage) -> dict:
         """The document (or a stream's chunk) around ``choices``; ``usage`` when given (None included)."""
         api_req = self.api_req
-        head = dict(id=api_req.id, created=api_req.created, model=self.api.model_name,
+        head = dict(id=self.rid, created=api_req.created, model=self.api.model_name,
                     system_fingerprint=self.api.fingerprint, **usage)
         if self.chat:
             return ChatCompletion(object="chat.completion.chunk" if stream else "chat.completion", choices=choices,
@@ -225,15 +243,16 @@ class Answer:
     def _chunk(self, delta: dict | None, finish: str | None, extra: dict | None = None) -> None:
         """One chunk: chat's ``delta`` (content, reasoning_content, tool_calls, role) or completions' text."""
         if self.chat:
-            c = ChatDelta(delta=delta or {}, logprobs=self._take_lps() if self.lps else None, finish_reason=finish,
+            c = ChatDelta(index=self.index, delta=delta or {}, logprobs=self._take_lps() if self.lps else None, finish_reason=finish,
                           **(extra or {}))
         else:
             text = (delta or {}).get("content") or ""
             if self.echo is not None and not self.echoed:
                 text, self.echoed = self.echo.text + text, True
-            c = TextChoice(text=text, logprobs=self._take_lps(), finish_reason=finish, **(extra or {}))
+            c = TextChoice(index=self.index, text=text, logprobs=self._take_lps(), finish_reason=finish,
+                           **(extra or {}))
             self.text_at += len(text)
-        self.h.sse(self._answer([c], stream=True, **({"usage": None} if self.shape.include_usage else {})))
+        self.h.sse(self.document([c], stream=True, **({"usage": None} if self.shape.include_usage else {})))
 
     def _deltas(self, events: list) -> None:
         for e in events:
@@ -241,13 +260,27 @@ class Answer:
             if d is not None:
                 self._chunk(d, None)
 
-    def _stream(self) -> None:
-        h, api_req = self.h, self.api_req
+    def stream_start(self) -> None:
         if self.chat:
             self._chunk({"role": "assistant", "content": ""}, None)
+
+    def stream_text(self, text: str) -> None:
+        self._deltas(self._split(text))
+
+    def stream_end(self, result: GenResult) -> str:
+        """The chunks that end the choice (its last text, its finish_reason); returns the finish_reason."""
+        events, finish = self._end(result)
+        self._deltas(events)
+        self._chunk({} if self.chat else None, finish,
+                    extra={"token_ids": result.tokens} if self.shape.token_ids else None)
+        return finish
+
+    def _stream(self) -> None:
+        h, api_req = self.h, self.api_req
+        self.stream_start()
         kind, value = self._next()
         while kind == "text":
-            self._deltas(self._split(value))
+            self.stream_text(value)
             kind, value = self._next()
         if kind == "error":
             if api_req.gone.is_set():
@@ -258,12 +291,9 @@ class Answer:
             h.sse("[DONE]")
             return
         result: GenResult = value
-        events, finish = self._end(result)
-        self._deltas(events)
+        finish = self.stream_end(result)
         if finish == "cancelled" or api_req.gone.is_set():
             h.outcome = "cancelled"
-        self._chunk({} if self.chat else None, finish,
-                    extra={"token_ids": result.tokens} if self.shape.token_ids else None)
         if self.shape.include_usage:
-            h.sse(self._answer([], stream=True, usage=usage(result)))
+            h.sse(self.document([], stream=True, usage=usage(result)))
         h.sse("[DONE]")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from clusterctl.rank.api.handler import UNAUTHORIZED
 from clusterctl.rank.api.wire import ApiError
-from clusterctl.rank.api.respond import serve
+from clusterctl.rank.choices import serve
 
 
 def health(api, h) -> None:

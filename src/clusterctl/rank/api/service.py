@@ -128,10 +128,10 @@ class Api:
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def admit(self, api_req: ApiRequest) -> None:
+    def admit(self, api_req: ApiRequest, *, enqueue: bool = True) -> None:
         """Take a request if the batch and the queue behind it have room (else 429, raised as ApiError), prepare
-        it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it. On an error
-        the request holds nothing."""
+        it here on its HTTP thread (template and tokenizer: never on the step loop), then queue it (``enqueue``
+        False: its choices are queued instead, choices.py). On an error the request holds nothing."""
         with self._lock:
             if self._inflight >= self.capacity:
                 raise ApiError(429, f"busy: {self.spec.max_batch} requests in the batch and {self.spec.max_queue} "
@@ -142,7 +142,7 @@ class Api:
         try:
             api_req.req = self.preparer.prepare(api_req)
             api_req.grammar = self._compile(api_req.req)
-            if not self.queue.put(api_req):
+            if enqueue and not self.queue.put(api_req):
                 raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
         except BaseException:
             self.active.remove(api_req.id)

@@ -9,9 +9,9 @@ which mlx-lm's pipeline needs, because each step's forward pass is a chain of se
 A request joins at a step boundary: its prompt is processed in the next step, alongside the decoding of the
 others; a finished request leaves at once without stalling the rest.
 
-Sampling randomness: the generator's random state is seeded with a request's seed when it starts an empty batch,
-so a request served alone is reproducible; requests sampled with temperature > 0 in a shared batch draw from one
-random stream, so their tokens depend on who else was in the batch (greedy ones do not).
+Sampling randomness: each sampled row draws from a key of its own, made from its request's seed and split once per
+token (sampling.KeyedSampler, the overlapped schedule's draw): a seeded request's tokens do not depend on who else
+is in the batch, and a request served alone draws what one mlx-lm process seeded with its seed draws.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Batch:
 
     overlapped = False  # the lockstep schedule (overlap.py: the overlapped one)
 
-    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = PREFILL_CHUNK, pcache=None):
+    def __init__(self, model, tokenizer, *, max_batch: int, prefill_step: int = PREFILL_CHUNK, pcache=None,
+                 shares=None):
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
@@ -44,6 +45,7 @@ class Batch:
         self.by_id: dict[str, Seq] = {}
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
+        self.shares = shares  # choices.PromptShares: a prompt row's KV is kept there for its choices
         self.produced = 0  # tokens generated (EOS included)
         self.scorers: dict[int, PromptScorer] = {}  # by generator uid: requests whose prompt is scored
         from clusterctl.rank.engine.stage import is_split
@@ -67,15 +69,17 @@ class Batch:
     def add(self, req: GenRequest, emit: Callable[[str], None] | None = None, prefix: list | None = None,
             emit_lp: Callable[[dict], None] | None = None, grammar=None) -> None:
         """``grammar``: the request's compiled constraint (compiler.py; sampling.processors)."""
-        from mlx_lm.sample_utils import greedy_sampler, make_sampler
+        from mlx_lm.sample_utils import greedy_sampler
 
-        from clusterctl.rank.engine.sampling import Guard, processors
+        from clusterctl.rank.engine.sampling import Guard, KeyedSampler, processors
 
         if req.id in self.by_id:
             raise ValueError(f"request {req.id} is already in the batch")
         if not self.seqs:
             self._mx.random.seed(req.seed)
-        sampler = make_sampler(req.temperature, req.top_p, req.min_p, top_k=req.top_k)
+        # sampled rows draw from keys of their own (the overlapped schedule's RowSampler): their tokens do not depend
+        # on the batch, so choice i of a seeded request is the same whatever n (choices.py)
+        sampler = KeyedSampler(req) if req.temperature > 0 else greedy_sampler
         procs = own = processors(req, grammar)
         # plain greedy rows share mlx-lm's one sampler object (the batch then takes one argmax for all of them)
         guard = None if sampler is greedy_sampler and not procs else Guard(sampler, procs)
@@ -137,7 +141,9 @@ class Batch:
                 cache, tokens = kept.get(s.uid, (None, None))
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
-            if self.pcache is not None and cache is not None:
+            if s.req.keep_prompt and self.shares is not None and cache is not None:
+                self.shares.keep(s.req.id, cache, len(tokens), s.req.keep_prompt)
+            elif self.pcache is not None and cache is not None:
                 self.pcache.save(cache, len(tokens), list(tokens), took=s.req.took, partition=s.req.partition)
             del self.seqs[s.uid]
             del self.by_id[s.req.id]

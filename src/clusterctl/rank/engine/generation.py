@@ -47,6 +47,10 @@ class GenRequest:
     cache_len: int = 0
     # rank 0's prompt-cache partition: a hash of the caller's tenant and cache_salt (only the same one reuses)
     partition: Optional[str] = None
+    # n choices (choices.py): a prompt row keeps its prompt's KV for this many choice rows when it leaves the batch;
+    # a choice row takes it from the prompt row of this id (then processes only its prompt's last token)
+    keep_prompt: int = 0
+    prompt_from: Optional[str] = None
 
     @property
     def took(self) -> tuple[int, int] | None:

@@ -142,7 +142,8 @@ class OverlapBatch:
 
     overlapped = True
 
-    def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int, pcache=None):
+    def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int, pcache=None,
+                 shares=None):
         self.model, self.tokenizer, self.group = model, tokenizer, group
         self.max_batch = max_batch
         self.rank, self.world = rank, world
@@ -151,6 +152,7 @@ class OverlapBatch:
         self.eos = set(tokenizer.eos_token_ids)
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
+        self.shares = shares  # choices.PromptShares: a prompt row's KV is kept there for its choices
         self.produced = 0  # rank 0: tokens generated for requests not yet answered (EOS included)
 
     # -- the batch's membership (the same calls, in the same order, on every rank)
@@ -230,11 +232,15 @@ class OverlapBatch:
                 return
 
     def _save(self, mb: MicroBatch, i: int) -> None:
-        """Keep row ``i``'s KV in the prompt cache: its prompt and the tokens fed after it."""
-        if self.pcache is None or not self.pcache.on:
-            return
+        """Keep row ``i``'s KV in the prompt cache (a prompt row's: for its choices): its prompt and the tokens fed
+        after it."""
         r = mb.rows[i]
         count = len(r.req.tokens) - 1 + r.decoded
+        if r.req.keep_prompt and self.shares is not None:
+            self.shares.keep(r.id, [c.extract(i) for c in mb.cache], count, r.req.keep_prompt)
+            return
+        if self.pcache is None or not self.pcache.on:
+            return
         tokens = (list(r.req.tokens) + r.sampled)[:count] if self.last else None
         self.pcache.save([c.extract(i) for c in mb.cache], count, tokens, took=r.req.took, partition=r.req.partition)
 

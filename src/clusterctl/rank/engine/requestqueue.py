@@ -36,6 +36,8 @@ class ApiRequest:
     prepare_s: float = 0.0  # how long its template and tokenizer took
     cached_tokens: int = 0  # prompt tokens the prompt cache gave it (usage.prompt_tokens_details.cached_tokens)
     splitter: Any = None  # chat: splitter.OutputSplitter (content, reasoning, tool calls out of the text)
+    splitters: Callable[[], Any] | None = None  # chat: makes another splitter (one per choice: choices.py)
+    n: int = 1  # choices asked for (OpenAI's n; choices.py fans them out)
     grammar: Any = None  # its grammar's constraint, compiled at admission (compiler.py): the step loop takes it
     echo: Echo | None = None  # completions' echo: true (set when it is prepared: the prompt's text)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -91,12 +93,24 @@ class RequestQueue:
         self._cv = threading.Condition()
         self.limit = limit
         self.on_put: Callable[[], None] | None = None  # the step loop's wake-up
+        self.shares = None  # the step loop's choices.PromptShares (None: prompts are not shared by n choices)
 
     def put(self, api_req: ApiRequest) -> bool:
         with self._cv:
             if len(self._q) >= self.limit:
                 return False
             self._q.append(api_req)
+            self._cv.notify()
+        if self.on_put is not None:
+            self.on_put()
+        return True
+
+    def put_all(self, reqs: list[ApiRequest]) -> bool:
+        """Queue ``reqs`` together (the choices of one request), or none of them."""
+        with self._cv:
+            if len(self._q) + len(reqs) > self.limit:
+                return False
+            self._q.extend(reqs)
             self._cv.notify()
         if self.on_put is not None:
             self.on_put()

@@ -80,16 +80,8 @@ class RowSampler:
 
     def __init__(self, req: GenRequest, grammar=None):
         """``grammar``: the request's constraint as ``processors`` takes it."""
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
         self.temp = float(req.temperature)
-        self.filters = []
-        if 0 < req.top_p < 1.0:
-            self.filters.append(lambda x, p=req.top_p: apply_top_p(x, p))
-        if req.min_p != 0.0:
-            self.filters.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
-        if req.top_k > 0:
-            self.filters.append(lambda x, k=req.top_k: apply_top_k(x, k))
+        self.filters = _filters(req)
         if grammar is not None and not isinstance(grammar, BaseException):
             grammar.seconds = ROLLOUT_SECONDS  # rank 0 alone samples: its roll-outs may be bounded in time too
         self.procs = processors(req, grammar)
@@ -128,6 +120,37 @@ class RowSampler:
     def took(self, token: int) -> None:
         if self.history is not None:
             self.history.append(token)
+
+
+def _filters(req: GenRequest) -> list:
+    """mlx-lm's filters of a request's logprobs (top-p, min-p, top-k), in mlx-lm's order."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    out = []
+    if 0 < req.top_p < 1.0:
+        out.append(lambda x, p=req.top_p: apply_top_p(x, p))
+    if req.min_p != 0.0:
+        out.append(lambda x, p=req.min_p: apply_min_p(x, p, 1))
+    if req.top_k > 0:
+        out.append(lambda x, k=req.top_k: apply_top_k(x, k))
+    return out
+
+
+class KeyedSampler:
+    """A sampled (temperature > 0) row of the lockstep batch drawn as ``RowSampler`` draws: from its own key, made
+    from its seed and split once per token, so its tokens do not depend on the other rows (mlx-lm's samplers share
+    one global random state). Every lockstep rank makes the same draws from the same keys."""
+
+    def __init__(self, req: GenRequest):
+        self.scale = 1.0 / float(req.temperature)
+        self.filters = _filters(req)
+        self.key = mx.random.key(req.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for f in self.filters:
+            logprobs = f(logprobs)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * self.scale, key=sub)
 
 
 def failure(e: Exception) -> str:

@@ -161,9 +161,11 @@ class Scheduler:
 
     def __init__(self, queue: RequestQueue | None, *,
                  lookup: Callable[[GenRequest], tuple[int, int] | None] | None = None,
-                 cancels=None, on_ack: Callable[..., None] | None = None):
+                 cancels=None, on_ack: Callable[..., None] | None = None,
+                 shared: Callable[[str], bool] | None = None):
         self.queue = queue
         self.lookup = lookup  # the prompt cache's hit for a request: (entry, tokens) or None
+        self.shared = shared  # is the KV of this prompt row kept for its choices (choices.PromptShares.has)?
         self.epochs = Epochs(cancels, on_ack)
         self.inflight: dict[str, ApiRequest] = {}  # the requests in the batch, by id
         self.joining: dict[str, tuple[int | None, ApiRequest]] = {}  # decided to join (micro-batch), not yet applied
@@ -207,8 +209,15 @@ class Scheduler:
         return out
 
     def _cache_hit(self, req: GenRequest) -> None:
-        """The prompt cache's decision for a request about to join (none: its whole prompt is processed). A request
-        asking its prompt's log-probabilities takes no prefix: the cache holds KV, not the logits it came from."""
+        """The prompt cache's decision for a request about to join (none: its whole prompt is processed); a choice
+        row's prompt KV is its prompt row's when every rank kept it (choices.py), else it is processed again. A
+        request asking its prompt's log-probabilities takes no prefix: the cache holds KV, not the logits it came
+        from."""
+        if req.prompt_from is not None and req.prompt_logprobs < 0 and self.shared is not None \
+                and self.shared(req.prompt_from):  # (a choice scoring its prompt processes it: echo's logprobs)
+            req.cache_from, req.cache_len = None, len(req.tokens) - 1
+            return
+        req.prompt_from = None
         hit = self.lookup(req) if self.lookup is not None and req.prompt_logprobs < 0 else None
         req.cache_from, req.cache_len = hit if hit is not None else (None, 0)
 

@@ -19,6 +19,7 @@ from clusterctl.rank.engine.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Ca
 from clusterctl.shared.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
 from clusterctl.rank.engine.batch import Batch
+from clusterctl.rank.choices import PromptShares
 from clusterctl.rank.engine.compiler import Compiler
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.engine.promptcache import PromptCache, reusable
@@ -80,7 +81,8 @@ class StepLoop:
     def __init__(self, spec: RankSpec, model, tokenizer, group, *, stop: threading.Event,
                  queue: RequestQueue | None = None, marker=None, watchdog=None,
                  active: ActiveSet | None = None, cancels=None,
-                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None):
+                 on_ack: Callable[..., None] | None = None, idle: IdleWait | None = None, metrics=None,
+                 share_prompts: bool = False):
         self.spec, self.model, self.tokenizer, self.group = spec, model, tokenizer, group
         self.stop, self.queue, self.marker = stop, queue, marker
         if active is None:
@@ -107,11 +109,16 @@ class StepLoop:
             from clusterctl.rank.engine.kvquant import quantize_kv  # mlx-lm's cache classes: only when asked for
 
             quantize_kv(model, spec.kv_bits, spec.kv_group_size, spec.quantized_kv_start)
-        self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack)
+        # prompts processed once for their n choices (choices.py); ``share_prompts``: the whole model's caches can
+        # (choices.shares_prompts: the same on every rank)
+        self.shares = PromptShares() if share_prompts else None
+        self.sched = Scheduler(queue, lookup=self._lookup if self.pcache.on else None, cancels=cancels, on_ack=on_ack,
+                               shared=self.shares.has if self.shares is not None else None)
         # the other ranks' grammar compiles, off this loop (compiler.py); rank 0's are the API's, made at admission
         self.compiler = None if self.leader else Compiler(tokenizer)
         if queue is not None:
             queue.on_put = self.idle.local
+            queue.shares = self.shares
 
     # the scheduler's state, as the rank runtime (and the cancel fuzzing) reads it
     @property
@@ -141,8 +148,8 @@ class StepLoop:
             from clusterctl.rank.engine.overlap import OverlapBatch
 
             return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
-                                max_batch=self.spec.max_batch, pcache=self.pcache)
-        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache)
+                                max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
+        return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
 
     @property
     def overlapped(self) -> bool:
@@ -256,14 +263,23 @@ class StepLoop:
         # the prompt cache's prefixes first: the KV saved by the requests leaving now may evict an entry
         prefixes = {req.id: p for req in changes.adds if req.cache_from is not None
                     and (p := self.pcache.take(req.cache_from, req.cache_len, missing_ok=soft)) is not None}
-        if self.metrics is not None:
-            for req in changes.adds:
-                if req.id in prefixes:
-                    self.metrics.cache_hit(req.cache_len)
-        for rid in changes.finishes:
+        for rid in changes.finishes:  # (a prompt row's KV, kept for its choices, before they join)
             self.batch.drop(rid, "stop", save=True)
             if not self.leader:  # rank 0 let it go when it answered it (_done)
                 self.active.remove(rid)
+        for req in changes.adds:  # a choice row: its prompt's KV, processed once (choices.py)
+            if req.prompt_from is None:
+                continue
+            if self.shares is None:  # (every rank decides alike: rank 0 sent what no rank would)
+                raise IntegrityError(f"rank {self.spec.rank}: {req.id} shares its prompt's KV, which this rank's "
+                                     "caches cannot give")
+            if (p := self.shares.take(req.prompt_from, req.cache_len, missing_ok=soft)) is not None:
+                prefixes[req.id] = p
+        if self.metrics is not None:
+            for req in changes.adds:
+                if req.id in prefixes and req.prompt_from is None:
+                    self.metrics.cache_hit(req.cache_len)
+                self.metrics.prefilled(len(req.tokens) - (req.cache_len if req.id in prefixes else 0))
         for req in changes.announces:
             if self.compiler is not None:
                 self.compiler.announce(req)
@@ -287,7 +303,7 @@ class StepLoop:
                            **({"into": places[i]} if self.overlapped else {}))
             self.active.add(req.id)
             if api_req is not None:
-                api_req.cached_tokens = req.cache_len if req.id in prefixes else 0
+                api_req.cached_tokens = req.cache_len if req.id in prefixes and req.prompt_from is None else 0
 
     def _holding(self) -> bool:
         """Requests announced and not joined yet (the same on every rank)."""
