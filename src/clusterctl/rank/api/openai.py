@@ -227,7 +227,8 @@ class RequestBuilder:
                 api_req.echo = Echo(text=text, score_only=score_only)
             return self._request(rid, tokens, params, tokenizer)
 
-        return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream), n=self._n(b))
+        api_req = ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream), n=self._n(b))
+        return api_req
 
     def chat(self, body: dict, tenant: str | None = None) -> ApiRequest:
         """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
