@@ -26,6 +26,7 @@ from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
 from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
 from clusterctl.rank.api.admission import limits_for, use_template
+from clusterctl.rank.api.phase import Phase
 from clusterctl.rank.api.service import Api
 from clusterctl.rank.choices import shares_prompts
 from clusterctl.rank.engine.group import attach_group
@@ -120,7 +121,7 @@ class Rank:
             if self.loop is not None:
                 self.loop.wake()  # an idle rank holds its next meeting now (the stop vote), calling the others
             if self.api is not None:
-                self.api.state = "stopping"  # new requests get 503 from now on
+                self.api.state.to(Phase.STOPPING)  # new requests get 503 from now on
             if self.marker is not None:
                 self.marker.update(state="stopping")
             _say(f"rank {self.spec.rank}: {signal.Signals(sig).name}: stopping")
@@ -212,11 +213,11 @@ class Rank:
             self.api = Api(spec, queue, model_name=spec.served_name or Path(spec.model_path).name, active=active)
             self.api.start()
             if self.stopping.is_set():
-                self.api.state = "stopping"
+                self.api.state.to(Phase.STOPPING)
         t0 = time.monotonic()
         model, tokenizer, config = load_shard(spec)
-        if self.api is not None and not self.stopping.is_set():
-            self.api.state = "ready"  # before the marker says so: whoever reads "ready" there finds it here too
+        if self.api is not None:
+            self.api.state.to(Phase.READY)  # (not after a stop: phase.py) before the marker says so: whoever reads "ready" there finds it here too
         self.marker.update(state="ready")
         _say(f"rank {spec.rank}: loaded layers [{spec.start_layer}, {spec.end_layer}) of {spec.num_layers} in "
              f"{time.monotonic() - t0:.1f} s; waiting for the gate")
@@ -271,8 +272,6 @@ class Rank:
         loop = StepLoop(spec, model, tokenizer, group, stop=self.stopping, queue=queue, marker=self.marker,
                         watchdog=self.watchdog, active=active, cancels=cancels, on_ack=on_ack,
                         idle=self._idle_wait(cancels), metrics=self.metrics, share_prompts=share)
-        if self.api is not None and self.stopping.is_set():
-            self.api.state = "stopping"
         self.loop = loop
         self._start_prober(loop)
         loop.run()

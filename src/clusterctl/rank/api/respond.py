@@ -39,8 +39,8 @@ def accept(api, h, kind: str) -> tuple[ApiRequest, "Shape"] | None:
     and admitted (choices.py queues it), or None when its error was answered."""
     try:
         body = h.body()
-        if api.state != "serving" or api.builder is None:
-            raise ApiError(503, f"not serving ({api.state})", type="server_error")
+        if not api.state.serving or api.builder is None:
+            raise ApiError(503, f"not serving ({api.state.now.value})", type="server_error")
         api.check_model(body.get("model"))
         build = api.builder.chat if kind == "chat" else api.builder.completion
         api_req = build(body, h.tenant())

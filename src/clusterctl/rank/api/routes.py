@@ -13,8 +13,8 @@ from clusterctl.rank.choices import serve
 
 
 def health(api, h) -> None:
-    ok = api.state == "serving"
-    h.json(200 if ok else 503, {"status": "ok" if ok else api.state})
+    ok = api.state.serving
+    h.json(200 if ok else 503, {"status": "ok" if ok else api.state.now.value})
     h.outcome = None
 
 

@@ -13,6 +13,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from clusterctl.errors import ConfigError
+from clusterctl.rank.api.phase import Phase, ServingPhase
 from clusterctl.rank.api.handler import make_handler
 from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, RequestQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
@@ -46,7 +47,7 @@ class Api:
         # what the answers' system_fingerprint says: this deployment and its placement (a replan changes it)
         self.fingerprint = "fp_" + hashlib.sha256(json.dumps(
             [spec.deployment_id, spec.layer_counts, spec.parallel, spec.schedule]).encode()).hexdigest()[:12]
-        self.state = "loading"
+        self.state = ServingPhase()  # loading -> serving -> stopping | failed (phase.py)
         self.builder: RequestBuilder | None = None
         self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
         self.compiler: Compiler | None = None  # grammars, off the step loop (compiler.py)
@@ -57,7 +58,7 @@ class Api:
         self._lock = threading.Lock()
         self.metrics = Metrics(rank=spec.rank, max_batch=spec.max_batch, max_queue=spec.max_queue,
                                queue_depth=queue.__len__, occupancy=self.occupancy,
-                               serving=lambda: self.state == "serving")
+                               serving=lambda: self.state.serving)
         self.metrics_open = metrics_open()  # read once, on rank 0: /metrics without the API key
         # The listen backlog holds connections not yet accepted. socketserver's default of 5 drops the SYNs of a
         # burst of clients (64 reconnecting at once): the kernel then retries after 1 s, so /health took 1 s.
@@ -87,11 +88,11 @@ class Api:
         self.preparer = Preparer(tokenizer, wait_s=self.spec.http_timeout_s)
         self.compiler = Compiler(tokenizer)
         self.compiler.warm()
-        self.state = "serving"
+        self.state.to(Phase.SERVING)  # (not after a stop: phase.py)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop taking requests; fail queued ones; give streams in flight a moment to see their last event."""
-        self.state = "stopping"
+        self.state.to(Phase.STOPPING)
         for api_req in self.queue.drain():
             api_req.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
         deadline = time.monotonic() + timeout
@@ -119,7 +120,7 @@ class Api:
         gets ``err`` as its last event (a stream: an error event, then ``[DONE]``; otherwise the error as the
         answer), and its HTTP thread up to ``wait_s`` to write it. A client never meets a cut connection while
         rank 0 can still speak."""
-        self.state = "failed"
+        self.state.to(Phase.FAILED)
         with self._lock:
             accepted = list(self._requests.values())
         for api_req in accepted:
