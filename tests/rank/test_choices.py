@@ -105,6 +105,23 @@ def test_the_prompt_is_processed_once_for_all_its_choices(cluster):
     assert processed(cluster) - before == n_prompt + 4
 
 
+def test_choices_that_echo_and_score_their_prompt_each_score_all_of_it(cluster):
+    """echo with logprobs and n: each choice's prompt logprobs are the single answer's (a choice that scores its
+    prompt processes it: a shared prompt's KV carries no logits to score from)."""
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    status, one = post(cluster, "/v1/completions", body)
+    assert status == 200, one
+    status, out = post(cluster, "/v1/completions", {**body, "n": 2})
+    assert status == 200 and len(out["choices"]) == 2, out
+    want = one["choices"][0]["logprobs"]["token_logprobs"]
+    assert want[0] is None and all(isinstance(x, float) for x in want[1:]), want
+    for c in out["choices"]:
+        assert c["text"] == one["choices"][0]["text"], (c, one)
+        got = c["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(want), (got, want)
+        assert max(abs(a - b) for a, b in zip(got[1:], want[1:])) < 2e-3, (got, want)
+
+
 def test_a_stream_interleaves_the_choices_by_index_and_ends_after_all(cluster):
     body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "n": 3, "stream_options": {"include_usage": True}}
     status, whole = post(cluster, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"})

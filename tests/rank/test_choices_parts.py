@@ -10,8 +10,8 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.rank.choices import (MAX_SHARES, PROMPT, ChoiceEvent, PromptShares, choice_rows, choice_seed,
                                      prompt_row, shareable)
-from clusterctl.rank.engine.generation import GenRequest
-from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.engine.generation import GenRequest, GenResult
+from clusterctl.rank.engine.requestqueue import ApiRequest, Done, RequestQueue, Text
 from clusterctl.rank.engine.scheduler import Scheduler
 
 
@@ -84,10 +84,11 @@ def test_a_request_fans_out_into_a_prompt_row_and_n_choice_rows_with_tagged_even
     assert [r.req.seed for r in rows] == [choice_seed(11, i) for i in range(3)]
     assert all(r.req.prompt_from == p.id and r.req.tokens == req.tokens and r.req.logprobs == 2 for r in rows)
     assert [r.grammar for r in rows] == ["compiled", "another for cmpl-x-1", "another for cmpl-x-2"]
-    rows[2].events.put(("text", "a"))
-    p.events.put(("done", None))
+    done = Done(GenResult(tokens=[], text="", finish_reason="length", prompt_tokens=3))
+    rows[2].events.put(Text("a"))
+    p.events.put(done)
     got = [base.events.get_nowait(), base.events.get_nowait()]
-    assert got == [ChoiceEvent(2, ("text", "a")), ChoiceEvent(PROMPT, ("done", None))]
+    assert got == [ChoiceEvent(2, Text("a")), ChoiceEvent(PROMPT, done)]
     with pytest.raises(queue.Empty):
         base.events.get_nowait()
     assert shareable(req.tokens) and not shareable([1, 2, 3])

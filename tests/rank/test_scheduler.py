@@ -83,7 +83,7 @@ def test_a_request_cancelled_while_queued_takes_no_slot_and_is_answered():
     reqs["a"].cancelled.set()
     s = Scheduler(q)
     assert [r.id for r in s.meeting(room=2).adds] == ["b", "c"]
-    assert answered(reqs["a"])[0][1].finish_reason == "cancelled"
+    assert answered(reqs["a"])[0].result.finish_reason == "cancelled"
     assert "a" not in s.joining and "a" not in s.inflight
 
 
@@ -206,7 +206,7 @@ def test_cancels_at_every_point_queued_joining_in_the_batch_and_finishing():
     ch, _, _ = run.decide(0, [0, 1], [("mid", False), ("fin", True)], fresh=False, mb_sizes=[1, 0], held=2,
                        stop=False)
     assert ch.drops == ("mid",) and ch.finishes == ("fin",) and not ch.adds  # "queued" was answered instead
-    assert answered(reqs["queued"])[0][1].finish_reason == "cancelled"
+    assert answered(reqs["queued"])[0].result.finish_reason == "cancelled"
     assert reqs["joining"].cancelled.is_set() and not fin.cancelled.is_set()
     # the epoch travels only once every live micro-batch's drops are decided
     assert run.epoch_out == 0
@@ -226,7 +226,7 @@ def test_a_meeting_drops_the_cancelled_and_refills_their_slots():
     cancels.send(1, None)  # all: those in the batch and those queued
     ch = s.meeting(room=0)
     assert ch.drops == ("a", "b") and not ch.adds
-    assert answered(reqs["c"])[0][1].finish_reason == "cancelled"
+    assert answered(reqs["c"])[0].result.finish_reason == "cancelled"
     assert s.epochs.epoch == 1 and s.epochs.applied[1] == ["a", "b", "c"]
 
 
@@ -380,11 +380,11 @@ def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_pa
     assert loop.batch.ids() == ["a", "b"] and list(loop.inflight) == ["a", "b"] and loop.active.ids() == ["a", "b"]
     cancels.send(1, ["a"])
     loop._meet(1)  # "a" leaves cancelled, "c" takes its slot, the epoch is acked at once (a world of one)
-    assert loop.batch.ids() == ["b", "c"] and answered(reqs["a"])[-1][1].finish_reason == "cancelled"
+    assert loop.batch.ids() == ["b", "c"] and answered(reqs["a"])[-1].result.finish_reason == "cancelled"
     assert acks == [(1, ["a"])] and loop.acked == 1
     loop.stop.set()
     assert loop._meet(1)[0] and not loop.batch.ids() and not loop.inflight
-    assert all(answered(reqs[r])[-1][1].status == 503 for r in "bc")
+    assert all(answered(reqs[r])[-1].error.status == 503 for r in "bc")
 
 
 # ---- lockstep grammars: announced, then joined once every rank compiled them (compiler.py)
@@ -425,7 +425,7 @@ def test_an_announced_request_cancelled_before_it_joins_is_answered_and_dropped_
     g.cancelled.set()
     ch = s.meeting(room=2)
     assert ch.drops == ("g",) and not ch.adds and not s.held
-    assert answered(g)[0][1].finish_reason == "cancelled"
+    assert answered(g)[0].result.finish_reason == "cancelled"
     s.compiled(1)
     assert not s.meeting(room=2)  # it never joins
 

@@ -36,7 +36,7 @@ from clusterctl.errors import IntegrityError
 from clusterctl.rank.engine.generation import GenResult
 from clusterctl.rank.metrics import outcome_of
 from clusterctl.rank.engine.promptcache import MIN_REUSE, prefix_copy
-from clusterctl.rank.engine.requestqueue import ApiRequest
+from clusterctl.rank.engine.requestqueue import ApiRequest, Done, Failed, RequestEvent, Text
 from clusterctl.rank.api.respond import CLIENT_POLL_S, KEEPALIVE_S, Answer, Shape, accept, answer
 from clusterctl.rank.api.splitter import Reply
 from clusterctl.rank.api.wire import ApiError, Usage
@@ -147,11 +147,11 @@ RETRY_AFTER_S = 1
 
 @dataclass(frozen=True)
 class ChoiceEvent:
-    """One event of a row, as the step loop put it (("text", str), ("logprob", dict), ("done", GenResult),
-    ("error", ApiError)), and the choice it belongs to."""
+    """One event of a row, as the step loop put it (requestqueue.py: Text, Logprob, Done, Failed), and the choice
+    it belongs to."""
 
     index: int
-    event: tuple
+    event: RequestEvent
 
 
 class Tagged:
@@ -160,7 +160,7 @@ class Tagged:
     def __init__(self, into: queue.Queue, index: int):
         self.into, self.index = into, index
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: RequestEvent) -> None:
         self.into.put(ChoiceEvent(self.index, event))
 
 
@@ -186,7 +186,7 @@ def choice_rows(base: ApiRequest, constraint, prompt_from: str | None) -> list[A
             id=r.id, kind=base.kind, prepare=base.prepare, stream=base.stream, req=r, created=base.created,
             splitter=base.splitters() if fresh and base.splitters is not None else base.splitter,
             grammar=constraint(r) if fresh and base.grammar is not None else base.grammar,
-            events=Tagged(base.events, i)))
+            echo=base.echo, events=Tagged(base.events, i)))
     return rows
 
 
@@ -244,8 +244,8 @@ class Choices:
         """The prompt row first, and a wait until rank 0 kept its KV (every rank keeps it at the same point of the
         batch's changes, so before the choices, queued only now, join anywhere)."""
         shares = self.api.queue.shares
-        if shares is None or not shareable(self.base.req.tokens):
-            return
+        if shares is None or not shareable(self.base.req.tokens) or self.base.req.prompt_logprobs >= 0:
+            return  # (echo's logprobs: each choice scores its prompt, which needs its logits, not a shared KV)
         p = self.prompt = prompt_row(self.base)
         kept = shares.expect(p.id)
         try:
@@ -253,12 +253,11 @@ class Choices:
                 raise ApiError(429, "too many queued requests", type="rate_limit_error", retry_after=RETRY_AFTER_S)
             while True:
                 ev = self._next()
-                kind, value = ev.event
-                if kind == "error":
-                    raise value
-                if ev.index == PROMPT and kind == "done":
+                if isinstance(ev.event, Failed):
+                    raise ev.event.error
+                if ev.index == PROMPT and isinstance(ev.event, Done):
                     break
-            if value.finish_reason in ("stop", "length"):
+            if ev.event.result.finish_reason in ("stop", "length"):
                 kept.wait(KEPT_WAIT_S)  # (not kept: the choices process the prompt each)
         finally:
             shares.unexpect(p.id)
@@ -317,25 +316,23 @@ class Choices:
         left = set(range(len(self.rows)))
         while left:
             ev = self._next()
-            kind, value = ev.event
-            if kind == "error":
+            if isinstance(ev.event, Failed):
                 self._cancel(gone=False)
-                return value
+                return ev.event.error
             if ev.index < 0:  # (the prompt row's last words)
                 continue
             a = self.answers[ev.index]
-            if kind == "logprob":
-                a.lps.append(value)
-            elif kind == "text":
+            event = a.take(ev.event)  # (its log-probabilities kept; echo's max_tokens 0: its token dropped)
+            if isinstance(event, Text):
                 if self.base.first_token_at is None:
                     self.base.first_token_at = time.monotonic()
                     self.api.metrics.first_token(self.base.first_token_at - self.base.arrived_at)
-                on_text(a, value)
-            elif kind == "done":
+                on_text(a, event.text)
+            elif isinstance(event, Done):
                 left.discard(ev.index)
-                self.results[ev.index] = value
+                self.results[ev.index] = event.result
                 if on_done is not None:
-                    on_done(a, value)
+                    on_done(a, event.result)
         self.base.finished_at = time.monotonic()
         completion = sum(len(r.tokens) for r in self.results.values())
         self.api.metrics.tokens(len(self.base.req.tokens), completion)

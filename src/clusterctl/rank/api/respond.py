@@ -9,7 +9,7 @@ import queue
 import time
 from dataclasses import dataclass, replace
 
-from clusterctl.rank.engine.requestqueue import ApiRequest
+from clusterctl.rank.engine.requestqueue import ApiRequest, Done, Failed, Logprob, RequestEvent, Text
 from clusterctl.rank.metrics import outcome_of
 from clusterctl.rank.engine.generation import GenResult
 from clusterctl.rank.api.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
@@ -128,22 +128,31 @@ class Answer:
             except queue.Empty:
                 continue
             self._quiet_since = time.monotonic()
-            if event[0] == "logprob":
-                if len(self.prompt_lps) < self.prompt_entries:
-                    self.prompt_lps.append(event[1])
-                elif not (self.echo and self.echo.score_only):
-                    self.lps.append(event[1])
-                continue
-            if event[0] == "text" and self.echo and self.echo.score_only:
-                continue  # the token made inside a max_tokens 0 request is dropped (Echo)
-            if event[0] == "done" and self.echo and self.echo.score_only:
-                event = ("done", scored_only(event[1]))
-            if event[0] == "text" and api_req.first_token_at is None:
+            event = self.take(event)
+            if isinstance(event, Text) and api_req.first_token_at is None:
                 api_req.first_token_at = time.monotonic()
                 self.api.metrics.first_token(api_req.first_token_at - api_req.arrived_at)
-            elif event[0] == "done":
-                self._finished(event[1])
-            return event
+            elif isinstance(event, Done):
+                self._finished(event.result)
+            if event is not None:
+                return event
+
+    def take(self, event: RequestEvent) -> RequestEvent | None:
+        """What this answer makes of one of its request's events: a log-probability entry is kept (the prompt's
+        first, with echo), a max_tokens 0 request's token is dropped (Echo), its result says so; None: kept
+        here, nothing for the writer."""
+        score_only = self.echo is not None and self.echo.score_only
+        if isinstance(event, Logprob):
+            if len(self.prompt_lps) < self.prompt_entries:
+                self.prompt_lps.append(event.entry)
+            elif not score_only:
+                self.lps.append(event.entry)
+            return None
+        if isinstance(event, Text) and score_only:
+            return None
+        if isinstance(event, Done) and score_only:
+            return Done(scored_only(event.result))
+        return event
 
     def _finished(self, result: GenResult) -> None:
         """A generation is over: its tokens, its time per output token, and a first token that came only with
@@ -188,17 +197,17 @@ class Answer:
 
     def _whole(self) -> None:
         reply = Reply()
-        kind, value = self._next()
-        while kind == "text":
-            reply.add(self._split(value))
-            kind, value = self._next()
+        event = self._next()
+        while isinstance(event, Text):
+            reply.add(self._split(event.text))
+            event = self._next()
         if self.api_req.gone.is_set():
             self.h.outcome = "cancelled"
             return  # the client is gone: nobody to answer
-        if kind == "error":
-            self.h.error(value)
+        if isinstance(event, Failed):
+            self.h.error(event.error)
             return
-        result: GenResult = value
+        result: GenResult = event.result
         choice, finish = self.choice(reply, result)
         self.h.json(200, self.document([choice], usage=usage(result)))
         self.h.outcome = "cancelled" if finish == "cancelled" else "ok"
@@ -278,19 +287,19 @@ class Answer:
     def _stream(self) -> None:
         h, api_req = self.h, self.api_req
         self.stream_start()
-        kind, value = self._next()
-        while kind == "text":
-            self.stream_text(value)
-            kind, value = self._next()
-        if kind == "error":
+        event = self._next()
+        while isinstance(event, Text):
+            self.stream_text(event.text)
+            event = self._next()
+        if isinstance(event, Failed):
             if api_req.gone.is_set():
                 h.outcome = "cancelled"
                 return  # an aborted request is never reported as a server error: nobody is there
-            h.outcome = outcome_of(value.status)  # the status line said 200; the request failed
-            h.sse({"error": value.body()["error"]})
+            h.outcome = outcome_of(event.error.status)  # the status line said 200; the request failed
+            h.sse({"error": event.error.body()["error"]})
             h.sse("[DONE]")
             return
-        result: GenResult = value
+        result: GenResult = event.result
         finish = self.stream_end(result)
         if finish == "cancelled" or api_req.gone.is_set():
             h.outcome = "cancelled"

@@ -15,7 +15,7 @@ from http.server import ThreadingHTTPServer
 from clusterctl.errors import ConfigError
 from clusterctl.rank.api.phase import Phase, ServingPhase
 from clusterctl.rank.api.handler import make_handler
-from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, RequestQueue
+from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Failed, RequestQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.api.openai import ApiError, RequestBuilder
 from clusterctl.rank.engine.generation import GenResult
@@ -94,7 +94,7 @@ class Api:
         """Stop taking requests; fail queued ones; give streams in flight a moment to see their last event."""
         self.state.to(Phase.STOPPING)
         for api_req in self.queue.drain():
-            api_req.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+            api_req.events.put(Failed(ApiError(503, "server is shutting down", type="server_error")))
         deadline = time.monotonic() + timeout
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -124,7 +124,7 @@ class Api:
         with self._lock:
             accepted = list(self._requests.values())
         for api_req in accepted:
-            api_req.events.put(("error", err))
+            api_req.events.put(Failed(err))
         deadline = time.monotonic() + wait_s
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -170,7 +170,7 @@ class Api:
         not when the batch has room). False if the step loop took it already."""
         if not self.queue.remove(api_req):
             return False
-        api_req.events.put(("done", GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
+        api_req.events.put(Done(GenResult(tokens=[], text="", finish_reason="cancelled", prompt_tokens=0)))
         return True
 
     def release(self, api_req: ApiRequest) -> None:

@@ -11,7 +11,39 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clusterctl.rank.engine.generation import GenRequest
+from clusterctl.rank.engine.generation import GenRequest, GenResult
+
+
+# -- what the step loop (and the API, at a shutdown) tells a request's HTTP thread, in order, on its ``events``
+@dataclass(frozen=True)
+class Text:
+    """A piece of the generated text, as its stop strings let it out."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probabilities (logprobs.py's entry): a prompt token's first (echo), then each made one's."""
+
+    entry: dict
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation ended: its result (finish reason, tokens, usage)."""
+
+    result: GenResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed: its error (api/wire.py's ApiError: the status and body its client gets)."""
+
+    error: Exception
+
+
+RequestEvent = Text | Logprob | Done | Failed
 
 @dataclass(frozen=True)
 class Echo:

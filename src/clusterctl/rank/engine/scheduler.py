@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
+from clusterctl.rank.engine.requestqueue import ApiRequest, Done, RequestQueue
 from clusterctl.rank.engine.generation import GenRequest, GenResult
 from clusterctl.rank.engine.group import MAX_PAYLOAD
 from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
@@ -201,7 +201,7 @@ class Scheduler:
             if api_req is None:
                 break
             if api_req.cancelled.is_set():  # cancelled while queued: never started
-                api_req.events.put(("done", cancelled()))
+                api_req.events.put(Done(cancelled()))
                 continue
             self._cache_hit(api_req.req)
             self.joining[api_req.id] = (into, api_req)
@@ -249,7 +249,7 @@ class Scheduler:
         if gone:
             self.held = deque((n, r) for n, r in self.held if not r.cancelled.is_set())
         for api_req in gone:
-            api_req.events.put(("done", cancelled()))
+            api_req.events.put(Done(cancelled()))
         return tuple(r.id for r in gone)
 
     # -- the in-flight map (rank 0; on the other ranks every call finds nothing)

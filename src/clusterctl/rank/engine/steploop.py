@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from clusterctl.errors import IntegrityError
-from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, RequestQueue
+from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Failed, Logprob, RequestQueue, Text
 from clusterctl.rank.api.wire import ApiError
 from clusterctl.rank.engine.generation import GenResult
 from clusterctl.rank.engine.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
@@ -297,8 +297,8 @@ class StepLoop:
                                                                                 len(changes.adds))
         for i, req in enumerate(changes.adds):
             api_req = self.sched.joined(req.id)
-            emit = (lambda s, a=api_req: a.events.put(("text", s))) if api_req is not None else None
-            emit_lp = (lambda e, a=api_req: a.events.put(("logprob", e))) if api_req is not None else None
+            emit = (lambda s, a=api_req: a.events.put(Text(s))) if api_req is not None else None
+            emit_lp = (lambda e, a=api_req: a.events.put(Logprob(e))) if api_req is not None else None
             self.batch.add(req, emit, prefix=prefixes.get(req.id), emit_lp=emit_lp, grammar=self._grammar(req, api_req),
                            **({"into": places[i]} if self.overlapped else {}))
             self.active.add(req.id)
@@ -329,7 +329,7 @@ class StepLoop:
             self.batch.drop(rid, "shutdown")
             self.active.remove(rid)
         for api_req in self.sched.release_all():
-            api_req.events.put(("error", ApiError(503, "server is shutting down", type="server_error")))
+            api_req.events.put(Failed(ApiError(503, "server is shutting down", type="server_error")))
 
     # -- steps
 
@@ -398,16 +398,16 @@ class StepLoop:
             self.active.remove(rid)
             api_req = self.sched.left(rid)
             if api_req is not None:
-                api_req.events.put(("error", err))
+                api_req.events.put(Failed(err))
 
     @staticmethod
     def _finish(api_req: ApiRequest, res: GenResult) -> None:
         api_req.finished_at = time.monotonic()
         res.cached_tokens = api_req.cached_tokens
         if res.error is not None:  # the request's own values failed it (sampling.py): its client alone hears it
-            api_req.events.put(("error", ApiError(400, res.error)))
+            api_req.events.put(Failed(ApiError(400, res.error)))
             return
-        api_req.events.put(("done", res))
+        api_req.events.put(Done(res))
 
     def apply_cancels(self) -> None:
         """Rank 0: a new cancel epoch cancels the matching requests now (in flight and queued); the epoch then
