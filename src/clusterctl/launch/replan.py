@@ -157,7 +157,7 @@ async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
     async def one(name: str) -> str | None:
         ans = await hs[name].op("probe", {"model_path": todo[name], "manifest": mdoc})
         model = ans.get("model", {})
-        if not model.get("ok") and "does not exist" in model.get("error", ""):
+        if not model.get("ok") and model.get("absent"):
             return model["error"]  # said plainly, not as a copy with every file missing
         if "model_copy" in ans:
             bad = copy_problem(ans["model_copy"], todo[name], p.new.deployment_id)

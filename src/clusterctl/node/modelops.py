@@ -18,7 +18,7 @@ def model_check(path: str) -> dict:
     or every *.safetensors without one: modelfiles/folder.py) and a tokenizer."""
     p = Path(path)
     if not p.is_dir():
-        return {"ok": False, "error": f"model folder {path} does not exist"}
+        return {"ok": False, "absent": True, "error": f"model folder {path} does not exist"}
     missing = [] if (p / "config.json").is_file() else ["config.json"]
     try:
         files = [f.name for f in weight_files(p)]
