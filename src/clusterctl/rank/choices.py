@@ -37,7 +37,7 @@ from clusterctl.rank.engine.generation import GenResult
 from clusterctl.rank.metrics import outcome_of
 from clusterctl.rank.engine.promptcache import MIN_REUSE, prefix_copy
 from clusterctl.rank.engine.requestqueue import ApiRequest, Done, Failed, RequestEvent, Text
-from clusterctl.rank.api.respond import CLIENT_POLL_S, KEEPALIVE_S, Answer, Shape, accept, answer
+from clusterctl.rank.api.respond import Answer, Listener, Shape, accept, answer
 from clusterctl.rank.api.splitter import Reply
 from clusterctl.rank.api.wire import ApiError, Usage
 from clusterctl.modelfiles.archs import build_lazy, cache_kinds, small_config
@@ -210,8 +210,7 @@ class Choices:
         self.rows: list[ApiRequest] = []
         self.answers: list[Answer] = []
         self.results: dict[int, GenResult] = {}
-        self._poll_at = 0.0
-        self._quiet_since = time.monotonic()
+        self.listener = Listener(h, base, lambda: self._cancel(gone=True))
 
     def write(self) -> None:
         try:
@@ -282,23 +281,8 @@ class Choices:
     def _next(self) -> ChoiceEvent:
         """The next event of any row. A client that went away meanwhile cancels every row (and the wait goes on
         until each lets go); a stream gets a keepalive comment while nothing comes."""
-        base, h = self.base, self.h
-        while True:
-            now = time.monotonic()
-            if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
-                self._poll_at = now + CLIENT_POLL_S
-                if not base.gone.is_set() and h.client_gone():
-                    h.close_connection = True
-                    self._cancel(gone=True)
-            if base.stream and not base.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
-                h.keepalive()
-                self._quiet_since = now
-            try:
-                item = base.events.get(timeout=CLIENT_POLL_S)
-            except queue.Empty:
-                continue
-            self._quiet_since = time.monotonic()
-            return item if isinstance(item, ChoiceEvent) else ChoiceEvent(EVERY, item)
+        item = self.listener.next()
+        return item if isinstance(item, ChoiceEvent) else ChoiceEvent(EVERY, item)
 
     def _cancel(self, *, gone: bool) -> None:
         """Every row ends (queued ones at once, the others at the next step boundary on every rank)."""

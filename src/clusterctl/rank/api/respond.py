@@ -34,6 +34,36 @@ class Shape:
                    token_ids=bool(body.get("return_token_ids")))
 
 
+class Listener:
+    """An HTTP thread waiting for its request's next event: it looks whether its client is still there every
+    CLIENT_POLL_S (tokens may arrive non-stop: on a clock, not on silence), calling ``on_gone`` once it left, and
+    keeps a quiet stream alive with a comment every KEEPALIVE_S (one Answer, or the n choices of choices.py)."""
+
+    def __init__(self, h, api_req: ApiRequest, on_gone):
+        self.h, self.api_req, self.on_gone = h, api_req, on_gone
+        self._poll_at = 0.0
+        self._quiet_since = time.monotonic()
+
+    def next(self):
+        api_req, h = self.api_req, self.h
+        while True:
+            now = time.monotonic()
+            if now >= self._poll_at:
+                self._poll_at = now + CLIENT_POLL_S
+                if not api_req.gone.is_set() and h.client_gone():
+                    h.close_connection = True
+                    self.on_gone()
+            if api_req.stream and not api_req.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
+                h.keepalive()
+                self._quiet_since = now
+            try:
+                item = api_req.events.get(timeout=CLIENT_POLL_S)
+            except queue.Empty:
+                continue
+            self._quiet_since = time.monotonic()
+            return item
+
+
 def accept(api, h, kind: str) -> tuple[ApiRequest, "Shape"] | None:
     """Admission of /v1/completions ("completion") and /v1/chat/completions ("chat"): the request built, prepared
     and admitted (choices.py queues it), or None when its error was answered."""
@@ -86,8 +116,7 @@ class Answer:
         self.index = 0  # the choice this answer writes (choices.py: one Answer per choice)
         self.rid = api_req.id  # the answer's id (a choice's: its request's)
         self.chat = api_req.kind == "chat"
-        self._poll_at = 0.0
-        self._quiet_since = time.monotonic()
+        self.listener = Listener(h, api_req, self._gone)
         self.wants_lp = api_req.req is not None and api_req.req.logprobs >= 0
         self.lps: list[dict] = []  # entries not yet written (a stream) or all of them (one document)
         self.text_at = 0  # characters of text written so far (the legacy shape's text_offset)
@@ -110,25 +139,9 @@ class Answer:
         """The request's next event. A client that went away meanwhile cancels it (at the next step boundary, on
         every rank; out of the queue at once if it still waits) and the wait goes on until the step loop lets
         go of the request. A stream gets a keepalive comment while nothing comes."""
-        api_req, h = self.api_req, self.h
+        api_req = self.api_req
         while True:
-            now = time.monotonic()
-            if now >= self._poll_at:  # tokens may arrive non-stop: check on a clock, not on silence
-                self._poll_at = now + CLIENT_POLL_S
-                if not api_req.gone.is_set() and h.client_gone():
-                    api_req.gone.set()
-                    api_req.cancelled.set()
-                    h.close_connection = True
-                    self.api.leave_queue(api_req)
-            if api_req.stream and not api_req.gone.is_set() and now - self._quiet_since >= KEEPALIVE_S:
-                h.keepalive()
-                self._quiet_since = now
-            try:
-                event = api_req.events.get(timeout=CLIENT_POLL_S)
-            except queue.Empty:
-                continue
-            self._quiet_since = time.monotonic()
-            event = self.take(event)
+            event = self.take(self.listener.next())
             if isinstance(event, Text) and api_req.first_token_at is None:
                 api_req.first_token_at = time.monotonic()
                 self.api.metrics.first_token(api_req.first_token_at - api_req.arrived_at)
@@ -136,6 +149,11 @@ class Answer:
                 self._finished(event.result)
             if event is not None:
                 return event
+
+    def _gone(self) -> None:
+        self.api_req.gone.set()
+        self.api_req.cancelled.set()
+        self.api.leave_queue(self.api_req)
 
     def take(self, event: RequestEvent) -> RequestEvent | None:
         """What this answer makes of one of its request's events: a log-probability entry is kept (the prompt's
