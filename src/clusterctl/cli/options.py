@@ -126,10 +126,10 @@ def state_of(state_dir: Path | None):
 # plan/replan --kv-bits: the KV cache stored quantized (plan/kvquant.py); the values are checked by PlanOptions
 KvBitsOpt = Annotated[Optional[int], typer.Option(
     "--kv-bits", help="Store the KV cache quantized to 4 or 8 bits (mlx-lm's QuantizedKVCache): longer contexts "
-    "fit, attention is slightly less exact. Replan: 0 turns it off.", metavar="4|8")]
+    "fit, attention is slightly less exact. Replan: 0 turns it off.", min=0, max=64, metavar="4|8")]
 KvGroupSizeOpt = Annotated[Optional[int], typer.Option(
     "--kv-group-size", help="With --kv-bits: numbers per quantization scale and bias, 32 | 64 | 128 (default 64).",
-    metavar="G")]
+    min=1, max=1 << 16, metavar="G")]
 QuantizedKvStartOpt = Annotated[Optional[int], typer.Option(
     "--quantized-kv-start", help="With --kv-bits: a sequence's cache is quantized once it holds this many tokens "
     "(default 5000, mlx-lm's).", min=0, max=1 << 26, metavar="T")]
