@@ -46,3 +46,24 @@ def test_every_module_of_a_package_is_on_the_map():
 def test_the_checker_catches_a_wrong_path():
     assert "launch/nosuch.py" in named_paths("see launch/nosuch.py and tests/launch/golden/")
     assert not any(p.exists() for p in _where("launch/nosuch.py"))
+
+
+README = REPO / "README.md"
+
+
+def _layout() -> str:
+    text = README.read_text()
+    start = text.index("## Layout")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
+
+
+def test_the_readme_layout_names_every_package_and_only_folders_that_exist():
+    """The README's Layout (issue 43): every package of src/clusterctl/ is named there as `name/`, and every
+    `name/` it names is a package (or tests/, bench/)."""
+    layout = _layout()
+    named = set(re.findall(r"`([a-z_]+)/`", layout))
+    absent = [p for p in PACKAGES if p not in named]
+    assert not absent, "packages missing from the README's Layout: " + ", ".join(absent)
+    stale = sorted(n for n in named if n not in PACKAGES and not (REPO / n).is_dir())
+    assert not stale, "the README's Layout names folders that do not exist: " + ", ".join(stale)
