@@ -2,13 +2,12 @@
 
 ``python -m clusterctl.rank --contract FILE --node NAME`` (``__main__`` -> ``runtime.main``) is started by the
 coordinator through the node keeper (``node/keeper.py``) or detached by a node operation (``node/nodeops.py``).
-Here: the rank's life and exits (``runtime``), loading this rank's layers (``loading``), the group and its
-control collectives (``group``), what one request is to the ranks (``generation``), the model's forward pass
-(``stage``), the step loop every rank runs (``steploop``) on its meeting schedule (``schedule``), the requests
-rank 0's HTTP threads hand it (``requestqueue``), rank 0's OpenAI-compatible HTTP API (``api``, ``routes``,
-``handler``, ``wire``, ``openai``, ``respond``), the SSD-backed embedding (``offload``), the rank's own watchdogs:
-launcher lease, keeper, stuck collectives (``watchdog``), and the peer-loss ladder (``peerprobe``).
+Here, at the top: the rank's life and exits (``runtime``), joining the ring (``ringjoin``), its own watchdogs:
+launcher lease, keeper, stuck collectives (``watchdog``), the peer-loss ladder (``peerprobe``), the compute threads'
+priority (``priority``), its marker and cancel-file writers and watchers (``markers``, ``cancelfile``), what it
+counts (``metrics``) and n choices of one request (``choices``). What every rank runs is ``engine/`` (the step loop,
+its schedules, the model's forward pass, sampling, the caches); rank 0's OpenAI-compatible HTTP API is ``api/``.
 
 What a rank is told and what it reports are files both sides read and write: ``clusterctl.shared`` (rankspec,
-contract, markers, cancelfile, runtimefiles). Nothing in this package imports the coordinator (tests/test_layers.py).
+contract, runtimefiles). Nothing in this package imports the coordinator (tests/test_layers.py).
 """

@@ -1,1 +1,3 @@
-"""api."""
+"""Rank 0's OpenAI-compatible HTTP API: its state and admission (service.py, phase.py), the routes and HTTP
+plumbing (routes.py, handler.py), the typed bodies (wire.py), what a request may ask (openai.py) and its preparation
+off the step loop (admission.py), the answers (respond.py), tool calls and reasoning (tools.py, splitter.py)."""
