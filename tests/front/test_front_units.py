@@ -9,7 +9,8 @@ import pytest
 
 from clusterctl.statedir.state import StateDir
 from clusterctl.front.follow import Rules, reachable
-from clusterctl.front.records import parse_front, read_heal, url_of
+from clusterctl.front.records import parse_front, url_of
+from clusterctl.statedir.healfile import read_state as read_heal
 
 
 @pytest.mark.parametrize("value,want", [("127.0.0.1:8080", ("127.0.0.1", 8080)), ("[::1]:80", ("::1", 80)),

@@ -22,7 +22,8 @@ import sys
 import time
 
 from clusterctl.front.follow import Follower, Rules, Target
-from clusterctl.front.records import FrontRecord, read_heal, record_path, remove_record, url_of, write_record
+from clusterctl.front.records import FrontRecord, record_path, remove_record, url_of, write_record
+from clusterctl.statedir.healfile import read_state as read_heal
 from clusterctl.front.httpserver import Gone, Request, Server, error_doc
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions

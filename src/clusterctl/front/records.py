@@ -27,14 +27,12 @@ from clusterctl.atomic import atomic_write_bytes, dumps, read_capped, read_json
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, one_line
 from clusterctl.names import clip
 from clusterctl.front.apikey import check_bind_host
-from clusterctl.statedir import healfile
 from clusterctl.statedir.state import StateDir
-from clusterctl.statedir.manifest import Coordinator, coordinator_alive, manifest_store
+from clusterctl.statedir.manifest import manifest_store
 from clusterctl.shared.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
 
 SCHEMA_VERSION = 1
-HEAL_STATES = ("serving", "healing", "degraded")
 
 
 class FrontRecord(BaseModel):
@@ -53,13 +51,6 @@ class FrontRecord(BaseModel):
     started_at: str
     auto: bool = False  # started by `launch --front` / `replan --front`: teardown and the linger end it
     linger_s: float = 0.0  # exit after this long with nothing to follow (0: never)
-
-
-class HealState(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # another component's file: read tolerantly
-    state: Literal["serving", "healing", "degraded"]
-    reason: str | None = None
-    since: str | None = None
 
 
 # ---- addresses ----------------------------------------------------------------------------------------------------
@@ -154,32 +145,6 @@ def remove_record(path: Path, rec: FrontRecord | None = None) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-# ---- the heal supervisor's word -----------------------------------------------------------------------------------
-
-def heal_path(state: StateDir, cluster: str) -> Path:
-    return healfile.path_of(state, cluster)
-
-
-def read_heal(state, cluster: str) -> HealState | None:
-    """The heal supervisor's state of ``cluster``, or None (no file, or one this reader cannot use)."""
-    p = heal_path(state, cluster)
-    try:
-        doc = read_json(p, limit=65536, what="heal state")
-        heal = HealState.model_validate(doc)
-    except (ClusterctlError, ValidationError, OSError, ValueError, TypeError, RecursionError):
-        return None
-    if isinstance(doc.get("supervisor"), dict) and heal.state != "serving" and not _supervisor_alive(doc["supervisor"]):
-        return None  # its supervisor is gone: "healing" would be said forever
-    return heal
-
-
-def _supervisor_alive(sup: dict) -> bool:
-    try:
-        return coordinator_alive(Coordinator.model_validate(sup))
-    except ValidationError:
-        return True  # a record this reader does not know: taken at its word
 
 
 # ---- starting and stopping a detached front -----------------------------------------------------------------------

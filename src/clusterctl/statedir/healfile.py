@@ -12,6 +12,9 @@ Fields are only ever added. A reader tolerates a missing, truncated or foreign f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from clusterctl.atomic import atomic_write_bytes, dumps, read_json
 from clusterctl.errors import ClusterctlError
@@ -19,7 +22,17 @@ from clusterctl.statedir.manifest import Coordinator, coordinator_alive
 from clusterctl.statedir.state import StateDir
 
 LIMIT = 64 << 10
-STATES = ("serving", "healing", "degraded")
+HealPhase = Literal["serving", "healing", "degraded"]
+STATES = get_args(HealPhase)  # (the phases, named once: the supervisor's, status's and the front door's)
+
+
+class HealState(BaseModel):
+    """What the front door tells its clients of a heal (its /health and /metrics): the phase, why, since when."""
+
+    model_config = ConfigDict(extra="ignore")  # another component's file: read tolerantly
+    state: HealPhase
+    reason: str | None = None
+    since: str | None = None
 
 
 def path_of(state: StateDir, cluster: str) -> Path:
@@ -53,10 +66,23 @@ def read_all(state: StateDir) -> list[dict]:
     return out
 
 
-def _alive(sup) -> bool | None:
-    """The supervisor's process identity (pid and start time, boot id) checked on this machine."""
-    from pydantic import ValidationError
+def read_state(state: StateDir, cluster: str) -> HealState | None:
+    """The front door's reading of ``cluster``'s heal: None when there is no file or not one, and when it says
+    healing or degraded while its supervisor is gone ("healing" would be said forever). ``read_all`` is status's:
+    every file, each with whether its supervisor lives."""
+    try:
+        doc = read_json(path_of(state, cluster), limit=LIMIT, what="heal state")
+        heal = HealState.model_validate(doc)
+    except (ClusterctlError, ValidationError, OSError, ValueError, TypeError, RecursionError):
+        return None
+    if heal.state != "serving" and _alive(doc.get("supervisor")) is False:
+        return None
+    return heal
 
+
+def _alive(sup) -> bool | None:
+    """The supervisor's process identity (pid and start time, boot id) checked on this machine (None: no record,
+    or one this reader does not know)."""
     try:
         return coordinator_alive(Coordinator.model_validate(sup)) if isinstance(sup, dict) else None
     except ValidationError:
