@@ -16,7 +16,7 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
-from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt, kv_options
+from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt, kv_options, lease_from_env
 from clusterctl.statedir import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
 from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
@@ -66,7 +66,8 @@ def launch(
 
     opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
                          api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
-                         ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify)
+                         ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify,
+                         lease_seconds=lease_from_env())
     set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
                model_alias=model_alias)
     if lease is not None:
@@ -221,7 +222,7 @@ def replan(
     # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
     opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
                                grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
-                               max_queue=max_queue, host=host)
+                               max_queue=max_queue, host=host, lease_seconds=lease_from_env())
     set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
                model_alias=model_alias)
     front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from clusterctl.cli.options import (AcceptNewOpt, JsonOpt, KnownHostsOpt, QuietOpt, StateOpt, app, complete_targets,
-                                    model_app, output, ssh_options, state_of)
+                                    lease_from_env, model_app, output, ssh_options, state_of)
 from clusterctl.errors import UsageError
 from clusterctl.render import SyncView, demo_summary_table, human_bytes, sync_table
 
@@ -172,7 +172,7 @@ def demo(
 
     state = state_of(state_dir)
     res = asyncio.run(run_demo(state, workdir or state.root / "demo", prompt=prompt, max_tokens=max_tokens, out=o,
-                               model=model, check=check))
+                               model=model, check=check, lease_seconds=lease_from_env()))
     if o.json:
         o.data({"ok": True, **res.to_json()})
     else:

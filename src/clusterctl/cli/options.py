@@ -122,6 +122,28 @@ def state_of(state_dir: Path | None):
     return StateDir(state_dir).check_safe()
 
 
+ENV_LEASE = "CLUSTERCTL_LAUNCHER_LEASE"
+
+
+def lease_from_env() -> float:
+    """The launcher lease from env CLUSTERCTL_LAUNCHER_LEASE (unset or empty: the default), checked like --lease:
+    read here, at the edge, for every command that launches (launch, replan, supervise, demo)."""
+    import math
+
+    from clusterctl.launch.jobplan import DEFAULT_LEASE
+
+    text = os.environ.get(ENV_LEASE, "").strip()
+    if not text:
+        return DEFAULT_LEASE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 1 <= value <= 3600):
+        raise UsageError(f"{ENV_LEASE}={text[:40]!r} is not a number of seconds in [1, 3600]")
+    return value
+
+
 # rank 0's defaults for what a request leaves out (plan and replan; docs/api.md)
 # plan/replan --kv-bits: the KV cache stored quantized (plan/kvquant.py); the values are checked by PlanOptions
 KvBitsOpt = Annotated[Optional[int], typer.Option(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.gguf.importer import import_gguf, smollm2_gguf_path
-from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.jobplan import DEFAULT_LEASE, LaunchOptions
 from clusterctl.launch.plannedmodel import plan_and_record
 from clusterctl.launch.start import launch
 from clusterctl.launch.status import status
@@ -143,7 +143,7 @@ def _model(workdir: Path, which: str, out) -> Path:
 
 
 async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
-                   check: bool = True) -> DemoResult:
+                   check: bool = True, lease_seconds: float = DEFAULT_LEASE) -> DemoResult:
     res = DemoResult(model=model)
     workdir.mkdir(parents=True, exist_ok=True)
     model = await asyncio.to_thread(_model, workdir, model, out)
@@ -156,8 +156,8 @@ async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, m
     res.deployment_id = dep.deployment_id
     out.table(deployment_table(dep))
     out.info("3/7 launching: one rank per node, gate, canary")
-    running = await launch(str(workdir / "deployment.json"), state, LaunchOptions(timeout=300, grace=10),
-                           log=out.info)
+    running = await launch(str(workdir / "deployment.json"), state,
+                           LaunchOptions(timeout=300, grace=10, lease_seconds=lease_seconds), log=out.info)
     res.job_id, res.endpoint = running.manifest.job_id, running.endpoint or ""
     try:
         out.info(f"4/7 chat request to {res.endpoint} (streamed): {prompt}")

@@ -9,8 +9,6 @@ The clock and the randomness (job id, nonce, port block) are chosen by the calle
 from __future__ import annotations
 
 import json
-import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -22,32 +20,16 @@ from clusterctl.connect.nodes import SshOptions
 from clusterctl.shared.rankspec import RankSpec, parse_rank_spec
 from clusterctl.launch.teardown import DEFAULT_GRACE
 from clusterctl.shared.deployment import Deployment
-from clusterctl.errors import UsageError
 
-ENV_LEASE = "CLUSTERCTL_LAUNCHER_LEASE"
-DEFAULT_LEASE = 30.0
-
-
-def lease_from_env() -> float:
-    """The launcher lease from env CLUSTERCTL_LAUNCHER_LEASE (unset or empty: the default), checked like --lease."""
-
-    text = os.environ.get(ENV_LEASE, "").strip()
-    if not text:
-        return DEFAULT_LEASE
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 1 <= value <= 3600):
-        raise UsageError(f"{ENV_LEASE}={text[:40]!r} is not a number of seconds in [1, 3600]")
-    return value
+DEFAULT_LEASE = 30.0  # (the CLI reads CLUSTERCTL_LAUNCHER_LEASE: cli/options.py lease_from_env; this module reads no
+# environment)
 
 
 @dataclass
 class LaunchOptions:
     timeout: float = 600.0
     grace: float = DEFAULT_GRACE
-    lease_seconds: float = field(default_factory=lambda: lease_from_env())
+    lease_seconds: float = DEFAULT_LEASE
     detach: bool = False
     http_host: str = "127.0.0.1"
     http_port: int | None = None

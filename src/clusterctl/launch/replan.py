@@ -21,7 +21,7 @@ from clusterctl.statedir import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.hubmodel import refetch, with_hub
-from clusterctl.launch.jobplan import LaunchOptions
+from clusterctl.launch.jobplan import DEFAULT_LEASE, LaunchOptions
 from clusterctl.statedir.manifest import manifest_store, now_iso
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
@@ -288,7 +288,7 @@ async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) 
 
 
 def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
-                     seed: int, max_queue: int, host: str | None = None):
+                     seed: int, max_queue: int, host: str | None = None, lease_seconds: float = DEFAULT_LEASE):
     """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
 
     m = p.jobs[0] if p.jobs else None
@@ -300,7 +300,8 @@ def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, g
     was_detached = m.coordinator.detached if m is not None else True
     host = host or old_host
     return LaunchOptions(timeout=timeout, grace=grace, detach=was_detached if detach is None else detach,
-                         http_host=host, http_port=port, api_key=api_key, seed=seed, max_queue=max_queue, ssh=ssh)
+                         http_host=host, http_port=port, api_key=api_key, seed=seed, max_queue=max_queue, ssh=ssh,
+                         lease_seconds=lease_seconds)
 
 
 def deployment_ref(p: Proposal) -> str:
