@@ -12,10 +12,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 from clusterctl.rank.metrics import outcome_of
-from clusterctl.rank.api.wire import ApiError
+from clusterctl.rank.api import routes
+from clusterctl.rank.api.wire import UNAUTHORIZED, ApiError
 
 MAX_BODY = 4 << 20
-UNAUTHORIZED = ApiError(401, "invalid or missing API key", code="invalid_api_key")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -206,8 +206,6 @@ class Handler(BaseHTTPRequestHandler):
 
 def make_handler(api):
     """The handler class of ``api``'s server."""
-    from clusterctl.rank.api import routes  # routes imports this module (UNAUTHORIZED)
-
     # a client that sends (or reads) nothing for this long loses its connection: a slow or stalled client can
     # hold a thread, never the server
     return type("Handler", (Handler,), {"api": api, "timeout": api.spec.http_timeout_s,

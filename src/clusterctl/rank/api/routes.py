@@ -7,8 +7,7 @@ unauthenticated caller learns nothing, not even which routes exist."""
 
 from __future__ import annotations
 
-from clusterctl.rank.api.handler import UNAUTHORIZED
-from clusterctl.rank.api.wire import ApiError
+from clusterctl.rank.api.wire import UNAUTHORIZED, ApiError
 from clusterctl.rank.choices import serve
 
 

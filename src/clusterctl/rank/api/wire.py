@@ -43,6 +43,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+UNAUTHORIZED = ApiError(401, "invalid or missing API key", code="invalid_api_key")  # (the handler's and the routes')
+
+
 class _Common(BaseModel):
     """What both routes take."""
 

@@ -15,7 +15,6 @@ before any compute.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import queue
@@ -26,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from clusterctl.rank.engine.generation import GenRequest
+from clusterctl.rank.engine.refusal import GrammarRefused, Refusal
 
 COMPILE_CPU_S = 0.25  # a grammar's compile may take this much CPU at admission (2,000 properties: 0.7-3 s)
 MASK_CPU_S = 0.05  # ... and each of its first masks this much (a recursive $ref with required: 0.1-0.14 s)
@@ -35,25 +35,6 @@ MIN_ROLLOUT_STEPS = 16  # ... but it may always take this many
 MAX_WORKERS = 2  # compiles running at once (abandoned ones included)
 NICE = 19  # the workers' niceness, below the compute's (priority.py: +10) (Linux; macOS: the background class)
 REFUSED_MEMORY = 256  # schemas refused for their cost, remembered
-
-
-class Refusal(enum.Enum):
-    """Why a request's grammar is refused (a 400 at admission)."""
-
-    INVALID = "invalid"  # not a format, not a schema, or keywords the grammar cannot enforce (strict)
-    TOO_LARGE = "too_large"  # over grammar.MAX_SCHEMA_BYTES
-    COMPILE_COST = "compile_cost"  # its compile ran past the lexer's fuel or the admission's CPU budget
-    MASK_COST = "mask_cost"  # one of its first masks did (MASK_CPU_S)
-    PARSER_LIMIT = "parser_limit"  # its mask allows a token its parser then refuses (llguidance's row/item limits)
-    BUDGET = "budget"  # its shortest answer does not fit in the request's max_tokens (it could only be cut)
-
-
-class GrammarRefused(ValueError):
-    """A grammar that cannot be served: ``kind`` says why; the message (one line) is fit for a 400."""
-
-    def __init__(self, kind: Refusal, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass

@@ -167,8 +167,8 @@ class Seq:
             else:
                 self.out(self.stops.flush())
         if finish == "stop" and self.procs and not self.stopped_by_text:
-            from clusterctl.rank.engine.sampling import closed_by_budget
-
-            if closed_by_budget(self.procs):
+            # a grammar that forced its answer to an end to fit max_tokens (sampling.GrammarMask): the answer parses,
+            # but the model did not end it ("length", as OpenAI reports an answer max_tokens ended)
+            if any(getattr(p, "closed_by_budget", False) is True for p in self.procs):
                 finish = "length"
         return self.so_far(finish)

@@ -29,6 +29,11 @@ class GrammarMask:
         self.c = constraint
         self._started = False
 
+    @property
+    def closed_by_budget(self) -> bool:
+        """The grammar forced its answer to an end to fit max_tokens (generation.Seq reads it: finish "length")."""
+        return self.c.closed_by_budget
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started:
             self.c.advance(int(tokens[-1].item()))
@@ -38,12 +43,6 @@ class GrammarMask:
         if mask.shape[0] < width:  # ids past the tokenizer's own (a padded head) are never allowed
             mask = mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
         return mx.where(mask[:width], logits, mx.array(-mx.inf, dtype=logits.dtype))
-
-
-def closed_by_budget(procs) -> bool:
-    """A request's grammar forced its answer to an end to fit max_tokens: the answer parses, but the model did not
-    end it (finish "length", as OpenAI reports an answer max_tokens ended)."""
-    return any(isinstance(p, GrammarMask) and p.c.closed_by_budget for p in procs or ())
 
 
 def processors(req: GenRequest, grammar=None) -> list:
