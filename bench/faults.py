@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "launch"))
+sys.path.insert(0, str(REPO / "tests" / "gguf"))  # (test_fuzz_gguf's fuzzer; tests/ mirrors src/)
+sys.path.insert(0, str(REPO / "tests" / "supervise"))  # (test_heal_races' bed)
 
 from _common import machine_note, model, say, table  # noqa: E402
 from launchutil import (IGNORE_TERM, cli, fill_disk, local_cluster, make_job, manifests,  # noqa: E402
