@@ -207,7 +207,7 @@ def _stream(endpoint: str, max_tokens: int, started: threading.Event, out: dict)
 
 def rank_sigkill(bed: Bed, rng: random.Random, i: int) -> str:
     from clusterctl.rank.peerprobe import DEFAULT_INTERVAL, DEFAULT_TOLERANCE
-    from clusterctl.shared.rankspec import DEFAULT_ABORT_GRACE as DEFAULT_GRACE
+    from clusterctl.protocol.rankspec import DEFAULT_ABORT_GRACE as DEFAULT_GRACE
 
     d, env = bed.fresh("rk")
     dep = bed.plan(d, env)
@@ -533,8 +533,8 @@ def tampered(bed: Bed, rng: random.Random, i: int) -> str:
 
 def _resign(contract: Path, rank: dict, d: Path) -> None:
     """The same contract signed by a key the node does not trust."""
-    from clusterctl.shared.contract import contract_kind
-    from clusterctl.shared.signing import Keyring, sign_payload
+    from clusterctl.protocol.contract import contract_kind
+    from clusterctl.protocol.signing import Keyring, sign_payload
 
     data = contract.read_bytes()
     payload = data[: data.rfind(b',\n  "signature"')] + b"\n}\n"

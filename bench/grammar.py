@@ -105,7 +105,7 @@ def _steps(fill_and_advance, tokens: list[int]) -> float:
 def bench_llguidance(tok, vocab: int) -> list[list[str]]:
     import numpy as np
 
-    from clusterctl.rank.engine.grammar import GrammarFactory
+    from clusterctl.rank.grammar.mask import GrammarFactory
 
     t0 = time.perf_counter()
     f = GrammarFactory(tok, vocab)
@@ -212,7 +212,7 @@ def hostile(kind: str) -> None:
     import numpy as np
     from mlx_lm.utils import load_tokenizer
 
-    from clusterctl.rank.engine.grammar import GrammarFactory
+    from clusterctl.rank.grammar.mask import GrammarFactory
 
     path = model_path(kind)
     tok = load_tokenizer(path)
@@ -251,7 +251,7 @@ def decode_seconds(gen_model, tok, factory, prompt: list[int], rows: int, steps:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from clusterctl.rank.engine.grammar import apply_masks
+    from clusterctl.rank.grammar.mask import apply_masks
 
     schemas = [PERSON, NESTED, None]
     new = lambda i: factory.compile(rf(schemas[i % len(schemas)]), max_tokens=max_tokens) if constrained else None
@@ -286,7 +286,7 @@ def decode_seconds(gen_model, tok, factory, prompt: list[int], rows: int, steps:
 def decode(kind: str, rounds: int, steps: int, rows: int) -> None:
     from mlx_lm import load
 
-    from clusterctl.rank.engine.grammar import GrammarFactory
+    from clusterctl.rank.grammar.mask import GrammarFactory
 
     gen_model, tok = load(str(model_path(kind)))
     factory = GrammarFactory(tok, gen_model.args.vocab_size)

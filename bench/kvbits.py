@@ -26,7 +26,7 @@ def fit_rows() -> None:
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import ModelFacts
     from clusterctl.plan.planner import make_deployment
-    from clusterctl.shared.deployment import KvLayer, PlanOptions
+    from clusterctl.protocol.deployment import KvLayer, PlanOptions
 
     layers = 28
     facts = ModelFacts(name="7b-class", model_type="qwen2", num_layers=layers, hidden_size=3584, num_heads=28,

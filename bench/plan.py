@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from clusterctl.shared.deployment import PlanOptions
+from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import ModelFacts
 from clusterctl.plan.planner import make_deployment

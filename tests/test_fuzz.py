@@ -31,7 +31,7 @@ _count_cases, _report_cases = counting_fixtures("fuzz cases per parser")
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    from clusterctl.shared.signing import Keyring
+    from clusterctl.protocol.signing import Keyring
 
     ring = Keyring(tmp_path_factory.mktemp("keys"))
     return ring.signing_key(), ring.public_keys()
@@ -39,7 +39,7 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from clusterctl.shared.deployment import PlanOptions
+    from clusterctl.protocol.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import inspect_model
     from clusterctl.plan.planner import make_deployment
@@ -109,8 +109,8 @@ def test_cluster_toml_values():
 
 def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.shared.deployment import KIND, decode, encode
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.deployment import KIND, decode, encode
+    from clusterctl.protocol.signing import sign_payload
 
     key, trusted = keys
     good = encode(deployment, key)
@@ -135,7 +135,7 @@ def test_deployment_file_bytes_and_resigned_structures(deployment, keys):
 def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
     from clusterctl.atomic import dumps
     from clusterctl.statedir.manifest import KIND, LaunchManifest, ManifestStore, this_coordinator
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.signing import sign_payload
 
     key, trusted = keys
     store = ManifestStore(tmp_path, key, trusted)
@@ -162,9 +162,9 @@ def test_launch_manifest_bytes_and_resigned_structures(tmp_path, keys):
 
 def test_rank_contract(tmp_path, deployment, keys):
     from clusterctl.atomic import dumps
-    from clusterctl.shared.contract import contract_kind, encode_contract, load_rank_contract
-    from clusterctl.shared.deployment import encode
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.contract import contract_kind, encode_contract, load_rank_contract
+    from clusterctl.protocol.deployment import encode
+    from clusterctl.protocol.signing import sign_payload
 
     key, trusted = keys
     (tmp_path / "trusted-keys").mkdir()
@@ -219,7 +219,7 @@ def _json_file_cases(tmp_path, name, reader, doc):
 
 
 def test_marker(tmp_path):
-    from clusterctl.shared.runtimefiles import read_marker
+    from clusterctl.protocol.runtimefiles import read_marker
 
     _json_file_cases(tmp_path, "m.json", read_marker, {
         "schema_version": 1, "type": "rank-marker", "deployment_id": "d", "job_id": "j", "nonce": "n", "rank": 0,
@@ -228,14 +228,14 @@ def test_marker(tmp_path):
 
 
 def test_lease(tmp_path):
-    from clusterctl.shared.runtimefiles import read_lease
+    from clusterctl.protocol.runtimefiles import read_lease
 
     _json_file_cases(tmp_path, "l.json", read_lease,
                      {"schema_version": 1, "type": "lease", "holder": "h", "seq": 4, "duration_s": 30.0})
 
 
 def test_cancel_file_and_ack(tmp_path):
-    from clusterctl.shared.runtimefiles import read_ack, read_cancel
+    from clusterctl.protocol.runtimefiles import read_ack, read_cancel
 
     _json_file_cases(tmp_path, "c.json", read_cancel, {"schema_version": 1, "type": "cancel", "deployment_id": "d",
                                                        "job_id": "j", "epoch": 2, "requests": ["a"],
@@ -317,7 +317,7 @@ def tokenizer():
 def test_request_bodies(tokenizer):
     """Any JSON body: an ApiRequest whose prepare() yields a request within the context, or a 4xx ApiError."""
     from clusterctl.rank.api.openai import ApiError, RequestBuilder
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
@@ -368,9 +368,9 @@ def test_constrained_chat_bodies_on_a_thinking_template(tmp_path_factory):
 
     from clusterctl.rank.api import tools as T
     from clusterctl.rank.api.admission import Limits, Preparer
-    from clusterctl.rank.engine.compiler import Compiler, GrammarRefused
+    from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused
     from clusterctl.rank.api.openai import ApiError, RequestBuilder
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
 
     tok = load(toolmodels.write_tokenizer(tmp_path_factory.mktemp("thinktok") / "t"))
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",

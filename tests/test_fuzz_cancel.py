@@ -142,8 +142,8 @@ class CancelMachine(RuleBasedStateMachine):
         from clusterctl.rank.cancelfile import CancelWatch, write_ack
         from clusterctl.statedir.manifest import LaunchManifest, RankRecord, this_coordinator
         from clusterctl.rank.engine.steploop import StepLoop
-        from clusterctl.shared.rankspec import RankSpec
-        from clusterctl.shared.nodespec import Node
+        from clusterctl.protocol.rankspec import RankSpec
+        from clusterctl.protocol.nodespec import Node
 
         names = ["a", "b"] if world == 2 and two_nodes else ["a"]
         self.world = world
@@ -203,7 +203,7 @@ class CancelMachine(RuleBasedStateMachine):
             for loop in self.loops.values():
                 loop.ack(loop0.epoch)
         count("rank steps")
-        from clusterctl.shared.runtimefiles import ack_path
+        from clusterctl.protocol.runtimefiles import ack_path
 
         for r in range(self.world):  # every ack a rank wrote: what a later "replay" may restore
             with contextlib.suppress(OSError):
@@ -336,7 +336,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_cancel_file(self, node, kind, epoch):
         """What may happen to a node's cancel file between commands: corruption, a file nobody can read (over
         64 KiB, another user's), another job's, an old one restored, or a valid one an operator wrote by hand."""
-        from clusterctl.shared.runtimefiles import EPOCH_MAX, cancel_path
+        from clusterctl.protocol.runtimefiles import EPOCH_MAX, cancel_path
 
         rd = self.rds.get(node) or self.rds["a"]
         path = cancel_path(rd, DEP)
@@ -390,7 +390,7 @@ class CancelMachine(RuleBasedStateMachine):
     def damage_ack(self, rank, kind, pick):
         """What may happen to a rank's ack file: corruption, removal, another job's, or an older copy restored
         (only ever an ack some rank really wrote: a forged ack is outside what the epochs can detect)."""
-        from clusterctl.shared.runtimefiles import ack_path
+        from clusterctl.protocol.runtimefiles import ack_path
 
         rank %= self.world
         path = ack_path(self.rank_rd[rank], DEP, rank)

@@ -229,7 +229,7 @@ def _check_launch_options(opts) -> list[str]:
     """What a rank would refuse among the values `launch` handed its core: the rank contract's own validation
     (RankSpec, as the launcher fills it for rank 0), and an HTTP address a socket can bind."""
     from clusterctl.errors import ClusterctlError
-    from clusterctl.shared.rankspec import parse_rank_spec
+    from clusterctl.protocol.rankspec import parse_rank_spec
 
     bad = []
     spec = {"deployment_id": "d", "job_id": "j", "nonce": "n", "node": "a", "rank": 0, "world_size": 1,

@@ -9,7 +9,7 @@ product's own (``StateDir``, ``ManifestStore.path``, ``history.path_of``, ``canc
 ``teardown.reports_dir``) and, where the code builds the name inline, the same f-string (the locks
 ``locks/deploy-<id>.lock``, ``sync-<id>.lock``, ``replan-<cluster>.lock``; the launcher's job id
 ``<deployment>-<time>-<hex>`` and the rank files ``<job>-rank<r>.json/.contract/.hostfile.json/.log``,
-``<job>.gate``, ``<job>.lease``; see launch/jobplan.py, shared/runtimefiles.py, sync/engine.py, launch/replan.py, launch/reaper.py).
+``<job>.gate``, ``<job>.lease``; see launch/jobplan.py, protocol/runtimefiles.py, sync/engine.py, launch/replan.py, launch/reaper.py).
 An id that passes is then handed to the real writers (save_deployment, ManifestStore save/remove, the teardown
 report, write_ack, cancel_here, the locks, the replan history) in a sandbox, and nothing may appear outside the
 state and runtime dirs. And an id the product makes from an accepted one (the launcher's job id) must pass the
@@ -106,7 +106,7 @@ def box():
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from clusterctl.shared.deployment import PlanOptions
+    from clusterctl.protocol.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import inspect_model
     from clusterctl.plan.planner import make_deployment
@@ -132,8 +132,8 @@ def pretty(doc) -> bytes:
 
 
 def _signed_deployment(box: Box, deployment, **fields) -> bytes:
-    from clusterctl.shared.deployment import KIND
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.deployment import KIND
+    from clusterctl.protocol.signing import sign_payload
 
     doc = {**deployment.model_dump(mode="json"), **fields}
     return sign_payload(pretty(doc), KIND, box.key)
@@ -156,7 +156,7 @@ def parse_deployment(box, deployment, field, ident) -> dict:
 
 def parse_manifest(box, deployment, field, ident) -> dict:
     from clusterctl.statedir.manifest import KIND, ManifestStore
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.signing import sign_payload
 
     doc = _manifest_doc(**{field: ident})
     path = _put(box, "job.json", sign_payload(pretty(doc), KIND, box.key))
@@ -180,8 +180,8 @@ def _spec(deployment_id: str, job_id: str, rd: Path) -> dict:
 
 
 def parse_contract(box, deployment, field, ident) -> dict:
-    from clusterctl.shared.contract import contract_kind, encode_contract, load_rank_contract
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.contract import contract_kind, encode_contract, load_rank_contract
+    from clusterctl.protocol.signing import sign_payload
 
     rd = box.runs[0]
     dep_id = ident if field == "deployment_id" else deployment.deployment_id
@@ -202,7 +202,7 @@ def parse_contract(box, deployment, field, ident) -> dict:
 
 
 def parse_marker(box, deployment, field, ident) -> dict:
-    from clusterctl.shared.runtimefiles import read_marker
+    from clusterctl.protocol.runtimefiles import read_marker
 
     doc = {"schema_version": 1, "type": "rank-marker", "deployment_id": "d1", "job_id": "j1", "nonce": "n",
            "rank": 0, "node": "a", "host": "h", "pid": 123, "pgid": 123, "start_time": 1.5, "boot_id": "b",
@@ -222,7 +222,7 @@ def parse_cluster_toml(box, deployment, field, ident) -> dict:
 
 
 def parse_cancel(box, deployment, field, ident) -> dict:
-    from clusterctl.shared.runtimefiles import read_cancel
+    from clusterctl.protocol.runtimefiles import read_cancel
 
     doc = {"schema_version": 1, "type": "cancel", "deployment_id": "d1", "job_id": "j1", "epoch": 2,
            "requests": None, "created_at": 1.0, field: ident}
@@ -231,7 +231,7 @@ def parse_cancel(box, deployment, field, ident) -> dict:
 
 
 def parse_ack(box, deployment, field, ident) -> dict:
-    from clusterctl.shared.runtimefiles import read_ack
+    from clusterctl.protocol.runtimefiles import read_ack
 
     doc = {"schema_version": 1, "type": "cancel-ack", "deployment_id": "d1", "job_id": "j1", "rank": 1,
            "epoch": 2, "applied": [], "at": 1.0, field: ident}
@@ -267,7 +267,7 @@ def job_of(deployment_id: str) -> str:
 def derived_paths(box: Box, ids: dict) -> list[tuple[str, Path, Path]]:
     """(what, path, the folder it must be in) for every file the code names after these ids."""
     from clusterctl.statedir import history
-    from clusterctl.shared.runtimefiles import ack_path, cancel_path
+    from clusterctl.protocol.runtimefiles import ack_path, cancel_path
     from clusterctl.statedir.manifest import ManifestStore
     from clusterctl.launch.teardown import reports_dir
 
@@ -318,7 +318,7 @@ def path_problems(what: str, path: Path, folder: Path) -> list[str]:
 def write_everything(box: Box, ids: dict, deployment) -> None:
     """The real writers, with ids that passed path_problems: each may only write where it should."""
     from clusterctl.statedir import history
-    from clusterctl.shared.runtimefiles import cancel_here, write_ack
+    from clusterctl.protocol.runtimefiles import cancel_here, write_ack
     from clusterctl.statedir.manifest import LaunchManifest, ManifestStore
     from clusterctl.launch.teardown import TeardownReport, save_report
     from clusterctl.locks import Lock
@@ -353,8 +353,8 @@ def made_ids_read_back(box: Box, ids: dict) -> list[str]:
     from pydantic import ValidationError
 
     from clusterctl.statedir.manifest import LaunchManifest
-    from clusterctl.shared.runtimefiles import Marker
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.runtimefiles import Marker
+    from clusterctl.protocol.rankspec import RankSpec
 
     if "deployment_id" not in ids or "job_id" in ids:
         return []

@@ -2,8 +2,8 @@
 inside a function.
 
 - packages match where code runs: ``rank`` (the rank process) and ``node`` (the node-side programs) import only
-  ``shared``, ``modelfiles``, the base modules and (the rank) ``ple``; never the coordinator; ``shared`` imports
-  only the base modules; ``plan`` only ``shared``, ``modelfiles`` and the base modules;
+  ``protocol``, ``modelfiles``, the base modules and (the rank) ``ple``; never the coordinator; ``protocol`` imports
+  only the base modules; ``plan`` only ``protocol``, ``modelfiles`` and the base modules;
 - no cycle between packages, none between modules, counting imports inside functions too;
 - an import of clusterctl's own modules inside a function has a reason the code can show, and there are at most
   ``MAX_DEFERRED`` of them: the module it imports loads a heavy third-party library the importer does not load
@@ -30,18 +30,18 @@ HEAVY = {"mlx", "mlx_lm", "numpy", "transformers", "asyncssh", "aiohttp", "jinja
 MAX_DEFERRED = 60
 # The CLI imports a command's code (the coordinator's packages) when that command runs: every invocation, cron's
 # `reap` each minute and `--help` included, would otherwise load all of it (0.21 s -> 0.50 s per start); the base modules too where they load pydantic (names).
-COMMAND_CODE = {"launch", "sync", "plan", "shared", "connect", "statedir", "front", "supervise", "gguf", "modelfiles"}
+COMMAND_CODE = {"launch", "sync", "plan", "protocol", "connect", "statedir", "front", "supervise", "gguf", "modelfiles"}
 # What each package may import of clusterctl (besides itself and the base modules).
 ALLOWED = {
-    "shared": set(),
-    "modelfiles": {"shared"},
-    "plan": {"shared", "modelfiles"},
-    "ple": {"shared", "modelfiles"},
-    "node": {"shared", "modelfiles"},
-    "rank": {"shared", "modelfiles", "ple"},
+    "protocol": set(),
+    "modelfiles": {"protocol"},
+    "plan": {"protocol", "modelfiles"},
+    "ple": {"protocol", "modelfiles"},
+    "node": {"protocol", "modelfiles"},
+    "rank": {"protocol", "modelfiles", "ple"},
 }
 # Third-party modules node-side code may import: psutil; mlx only inside the probe that reports whether this
-# node's mlx can use the planned backend; pydantic and platformdirs through shared.
+# node's mlx can use the planned backend; pydantic and platformdirs through protocol.
 NODE_THIRD_PARTY = {"psutil", "mlx", "pydantic", "platformdirs"}
 
 

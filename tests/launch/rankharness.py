@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.runtimefiles import Marker, read_marker
-from clusterctl.shared.rankspec import layer_range
+from clusterctl.protocol.runtimefiles import Marker, read_marker
+from clusterctl.protocol.rankspec import layer_range
 
 PY = sys.executable
 
@@ -137,7 +137,7 @@ class RankCluster:
         return self
 
     def renew_lease(self, seq: int, duration: float | None = None) -> None:
-        from clusterctl.shared.runtimefiles import Lease, write_lease
+        from clusterctl.protocol.runtimefiles import Lease, write_lease
 
         write_lease(self.lease, Lease(holder="harness", seq=seq, duration_s=duration or self.lease_seconds))
 

@@ -20,7 +20,7 @@ import pytest
 
 from clusterctl.errors import UsageError
 from clusterctl.launch.cancel import CancelNotAcked, cancel_command, cancel_job
-from clusterctl.shared.runtimefiles import ack_path, cancel_path, write_ack
+from clusterctl.protocol.runtimefiles import ack_path, cancel_path, write_ack
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.statedir.state import StateDir
 from launchutil import (StreamReader, cli, launch_for_long_requests, make_job, manifests, next_event,

@@ -13,12 +13,12 @@ import pytest
 
 from clusterctl.errors import IntegrityError
 from clusterctl.atomic import dumps
-from clusterctl.shared.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
-from clusterctl.shared.deployment import PlanOptions, encode
+from clusterctl.protocol.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
+from clusterctl.protocol.deployment import PlanOptions, encode
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
-from clusterctl.shared.signing import Keyring, sign_payload
+from clusterctl.protocol.signing import Keyring, sign_payload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modelfiles import make_model  # noqa: E402

@@ -309,8 +309,8 @@ def test_rank_0_is_told_the_repository_as_the_served_name(tmp_path, model):
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.model import inspect_model
     from clusterctl.plan.planner import make_deployment
-    from clusterctl.shared.deployment import HubRef, PlanOptions
-    from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
+    from clusterctl.protocol.deployment import HubRef, PlanOptions
+    from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
 
     nodes = [{"name": n, "memory_gb": 64, "host": f"10.0.0.{i + 1}", "ips": [f"10.0.0.{i + 1}"],
               "model_path": "/models/m"} for i, n in enumerate("ab")]

@@ -14,9 +14,9 @@ import pytest
 from clusterctl.errors import IntegrityError
 from clusterctl.launch.jobplan import (LaunchOptions, contract_payload, mlx_view, new_job_id, plan_job,
                                        port_requests, rank_addresses)
-from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
-from clusterctl.shared.rankspec import RankSpec
-from clusterctl.shared.deployment import PlanOptions
+from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
+from clusterctl.protocol.rankspec import RankSpec
+from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment

@@ -199,7 +199,7 @@ def test_a_node_that_cannot_be_read_is_noted_not_fatal(tmp_path):
 def test_a_rank_that_only_followed_a_lost_peer_is_not_blamed_over_one_that_failed(tmp_path):
     """The coordinator may see the follower gone first (a race): the markers' typed reasons decide."""
     from clusterctl.launch.ranklogs import KeptLog, KeptLogs, with_own_failure
-    from clusterctl.shared.runtimefiles import EndReason
+    from clusterctl.protocol.runtimefiles import EndReason
 
     follower = KeptLog(rank=0, node="a", ended=EndReason.PEER_LOST, followed=True)
     crashed = KeptLog(rank=1, node="b", ended=EndReason.INTERNAL)
@@ -224,7 +224,7 @@ def test_the_words_of_a_log_never_decide_whom_a_failed_launch_blames(tmp_path):
     ("failed", "peer_lost", True), ("lost", None, True), ("failed", "internal", False), ("stopping", None, False)])
 def test_keep_logs_reads_each_rank_s_end_from_its_marker_file(tmp_path, state, reason, followed):
     from clusterctl.launch import ranklogs
-    from clusterctl.shared.runtimefiles import EndReason
+    from clusterctl.protocol.runtimefiles import EndReason
 
     log, marker = tmp_path / "rank0.log", tmp_path / "rank0.marker.json"
     log.write_text("rank 0: anything at all\n")

@@ -6,11 +6,11 @@ import pytest
 
 from clusterctl.atomic import dumps
 from clusterctl.errors import ConfigError, DoesNotFit, IntegrityError
-from clusterctl.shared.deployment import PlanOptions, decode, encode
+from clusterctl.protocol.deployment import PlanOptions, decode, encode
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
-from clusterctl.shared.signing import Keyring, sign_payload, verify_signed
+from clusterctl.protocol.signing import Keyring, sign_payload, verify_signed
 from clusterctl.statedir.state import StateDir
 
 from modelfiles import make_model
@@ -375,7 +375,7 @@ def test_replan_detects_changed_model(facts, tmp_path):
     dep = make_deployment(cluster(), facts, str(tmp_path / "m32"), PlanOptions(), now=NOW)
     assert replan_same_inputs(dep, facts).plan_hash == dep.plan_hash
     changed = inspect_model(make_model(tmp_path / "m32b", layers=32, hidden=64, inter=256))
-    from clusterctl.shared.deployment import diff_placement
+    from clusterctl.protocol.deployment import diff_placement
 
     new = replan_same_inputs(dep, changed)
     assert new.plan_hash != dep.plan_hash

@@ -8,12 +8,12 @@ import pytest
 
 from clusterctl.atomic import dumps
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.deployment import PlanOptions, decode, deployment_hash, encode, identity_changes
+from clusterctl.protocol.deployment import PlanOptions, decode, deployment_hash, encode, identity_changes
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
 from clusterctl.plan.replan import derive, placement_diff
-from clusterctl.shared.signing import Keyring, sign_payload
+from clusterctl.protocol.signing import Keyring, sign_payload
 from clusterctl.statedir.state import StateDir
 
 from cliutil import run

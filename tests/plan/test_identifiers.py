@@ -20,7 +20,7 @@ def signed(tmp_path, model32, state):
 
 def _resign(path, state, **changes):
     from clusterctl.atomic import dumps
-    from clusterctl.shared.signing import Keyring, sign_payload
+    from clusterctl.protocol.signing import Keyring, sign_payload
 
     doc = json.loads(path.read_text())
     doc.pop("signature")
@@ -50,8 +50,8 @@ def test_manifests_contracts_and_markers_refuse_path_ids(bad):
     from pydantic import ValidationError
 
     from clusterctl.statedir.manifest import LaunchManifest
-    from clusterctl.shared.runtimefiles import Marker
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.runtimefiles import Marker
+    from clusterctl.protocol.rankspec import RankSpec
 
     for cls, field in ((LaunchManifest, "job_id"), (LaunchManifest, "deployment_id"), (Marker, "job_id"),
                        (RankSpec, "deployment_id"), (RankSpec, "job_id")):

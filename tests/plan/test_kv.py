@@ -18,13 +18,13 @@ import pytest
 
 from archmodels import BASE, FAMILIES, MLX_PIPELINED, UNBATCHABLE, WRAPPERS, config_of
 from clusterctl.errors import DoesNotFit
-from clusterctl.shared.deployment import PlanOptions, decode, encode
+from clusterctl.protocol.deployment import PlanOptions, decode, encode
 from clusterctl.plan.fit import kv_bytes
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.kvcache import KV_ARCH_REMAP, KV_REMAP, kv_layers
 from clusterctl.plan.model import KvLayer, inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
-from clusterctl.shared.signing import Keyring
+from clusterctl.protocol.signing import Keyring
 from modelfiles import make_model
 
 N = 512
@@ -251,7 +251,7 @@ def test_deployment_records_kv_layers_and_old_files_still_load_and_launch(mla_fa
     del doc["model"]["kv_layers"]
     del doc["deployment_hash"]  # as old as that: no identity hash either
     from clusterctl.atomic import dumps
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.signing import sign_payload
 
     loaded = decode(sign_payload(dumps(doc), "deployment", sk), trusted).deployment
     assert loaded.model.kv_layers is None and loaded.plan_hash == new.plan_hash

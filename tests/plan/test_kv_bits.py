@@ -20,8 +20,8 @@ from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment, replan_same_inputs
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.replan import derive
-from clusterctl.shared.deployment import PlanOptions, decode, deployment_hash, encode
-from clusterctl.shared.signing import Keyring
+from clusterctl.protocol.deployment import PlanOptions, decode, deployment_hash, encode
+from clusterctl.protocol.signing import Keyring
 from modelfiles import make_model
 
 N = 512
@@ -147,7 +147,7 @@ def test_flags_are_checked_in_one_line(flags, said, tmp_path):
 def test_the_setting_is_signed_shown_and_old_files_keep_their_identity(facts, tmp_path):
     from clusterctl.atomic import dumps
     from clusterctl.render import kv_bits_note
-    from clusterctl.shared.signing import sign_payload
+    from clusterctl.protocol.signing import sign_payload
 
     sk = Keyring(tmp_path / "keys").signing_key()
     trusted = Keyring(tmp_path / "keys").public_keys()

@@ -163,7 +163,7 @@ def test_a_released_layout_plans_and_passes_the_launch_recheck(name, note, tmp_p
     from archmodels import build_released
 
     from clusterctl.launch.preflight import check_inputs_unchanged
-    from clusterctl.shared.deployment import PlanOptions
+    from clusterctl.protocol.deployment import PlanOptions
     from clusterctl.plan.inventory import parse_cluster
     from clusterctl.plan.planner import make_deployment
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clusterctl.errors import ConfigError, UsageError
-from clusterctl.shared.deployment import PlanOptions
+from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment

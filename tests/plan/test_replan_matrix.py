@@ -30,7 +30,7 @@ def test_the_replan_option_matrix(tmp_path):
 ])
 def test_the_walk_fails_on_the_identity_of_issue_30(tmp_path, monkeypatch, identity, broken):
     """The walk is a test that can fail: with the deployment id hashing less than what runs, it stops."""
-    from clusterctl.shared import deployment
+    from clusterctl.protocol import deployment
 
     monkeypatch.setattr(deployment, "identity_doc", identity)
     with pytest.raises(AssertionError, match=broken):

@@ -97,7 +97,7 @@ def _tokenizer_with_template(tmp_path, template: str):
 def _builder(tok, context=4096):
     from clusterctl.rank.api.admission import limits_for
     from clusterctl.rank.api.openai import RequestBuilder
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",

@@ -101,8 +101,8 @@ def _builder(max_n: int | None):
 
     from clusterctl.rank.api.admission import limits_for
     from clusterctl.rank.api.openai import RequestBuilder
-    from clusterctl.shared.deployment import ServingDefaults
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.deployment import ServingDefaults
+    from clusterctl.protocol.rankspec import RankSpec
     from rankharness import tiny_model_path
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",

@@ -1,4 +1,4 @@
-"""Why a rank ended is typed in its marker (shared/runtimefiles.py: ``EndReason``): every way a rank notices a
+"""Why a rank ended is typed in its marker (protocol/runtimefiles.py: ``EndReason``): every way a rank notices a
 lost peer says ``peer_lost``, and the coordinator decides who followed whom on that, not on the words."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.rank.watchdog import LeaseExpired, ParentGone, PeerLost, Watchdog, end_reason, peer_loss
-from clusterctl.shared.runtimefiles import EndReason, Marker, followed_a_peer
+from clusterctl.protocol.runtimefiles import EndReason, Marker, followed_a_peer
 
 OLD_MARKER = {"schema_version": 1, "type": "rank-marker", "deployment_id": "d-1", "job_id": "j-1", "nonce": "n",
               "rank": 1, "node": "b", "host": "h", "pid": 7, "pgid": 7, "start_time": 1.0, "boot_id": None,

@@ -1,4 +1,4 @@
-"""Structured output (rank/engine/grammar.py): every answer parses and validates, over 26 schemas and json_object
+"""Structured output (rank/grammar/mask.py): every answer parses and validates, over 26 schemas and json_object
 decoded in one batch by mlx-lm's own model with the masks applied per row; greedy and sampled rows; budgets that
 end mid-object.
 
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from clusterctl.rank.engine.grammar import GrammarFactory, apply_masks
+from clusterctl.rank.grammar.mask import GrammarFactory, apply_masks
 from rankharness import REPO, tiny_model_path
 
 
@@ -384,7 +384,7 @@ HOSTILE = {
 
 @pytest.fixture(scope="module")
 def compiler(smollm2):
-    from clusterctl.rank.engine.compiler import Compiler
+    from clusterctl.rank.grammar.compiler import Compiler
 
     _model, tok, _f = smollm2
     c = Compiler(tok)
@@ -398,7 +398,7 @@ def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
     """Refused before any compute, with a typed reason; a second time at once (remembered)."""
     import time
 
-    from clusterctl.rank.engine.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.grammar.compiler import GrammarRefused, Refusal
     from clusterctl.rank.engine.generation import GenRequest
 
     def req():
@@ -418,7 +418,7 @@ def test_a_costly_schema_is_refused_at_admission_by_its_kind(compiler, name):
 def test_admission_hands_over_the_constraint_and_its_roll_out_bound(compiler):
     """What admission accepts comes back compiled (the step loop uses it as is) with a roll-out bound in masks that
     every rank applies alike; a rank that compiles it on announcement makes the same constraint."""
-    from clusterctl.rank.engine.compiler import Compiler
+    from clusterctl.rank.grammar.compiler import Compiler
     from clusterctl.rank.engine.generation import GenRequest
 
     req = GenRequest(id="r", tokens=[1], max_tokens=40, grammar={"response_format": js(PERSON)})
@@ -437,7 +437,7 @@ def test_a_schema_whose_shortest_answer_cannot_fit_max_tokens_is_refused_at_admi
     """A shortest answer longer than max_tokens would be forced from its first token and then cut (invalid JSON
     after the compute): refused at admission with a typed kind, naming max_tokens. Not remembered: the same schema
     with a budget it fits is admitted."""
-    from clusterctl.rank.engine.compiler import GrammarRefused, Refusal
+    from clusterctl.rank.grammar.compiler import GrammarRefused, Refusal
     from clusterctl.rank.engine.generation import GenRequest
 
     def req(n):

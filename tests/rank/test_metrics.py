@@ -199,7 +199,7 @@ def test_a_cancel_file_is_acked_and_counted(rank):
 def _api(tmp_path, monkeypatch, open_env: str | None):
     from clusterctl.rank.api.service import Api
     from clusterctl.rank.engine.requestqueue import RequestQueue
-    from clusterctl.shared.rankspec import parse_rank_spec
+    from clusterctl.protocol.rankspec import parse_rank_spec
 
     if open_env is None:
         monkeypatch.delenv(OPEN_ENV, raising=False)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from clusterctl.rank.peerprobe import Ladder, Prober, Responder, Waker, announce_joining, job_token, watched_peers
-from clusterctl.shared.rankspec import DEFAULT_ABORT_GRACE as DEFAULT_GRACE, abort_grace_from_env as grace_from_env
+from clusterctl.protocol.rankspec import DEFAULT_ABORT_GRACE as DEFAULT_GRACE, abort_grace_from_env as grace_from_env
 
 
 def test_ladder_suspect_abort_then_lost_after_the_grace():

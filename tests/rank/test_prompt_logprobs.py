@@ -111,7 +111,7 @@ def test_echo_is_answered_on_completions_and_refused_where_it_means_nothing(toke
     from clusterctl.rank.api.admission import limits_for
     from clusterctl.rank.api.openai import RequestBuilder
     from clusterctl.rank.api.wire import ApiError
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
 
     _, tok = _loaded(str(tiny_model_path()))
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",

@@ -17,7 +17,7 @@ import pytest
 
 from rankharness import PY, RankCluster, tiny_model_path
 
-from clusterctl.shared.runtimefiles import EndReason
+from clusterctl.protocol.runtimefiles import EndReason
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks
 

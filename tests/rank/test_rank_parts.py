@@ -15,8 +15,8 @@ from clusterctl.rank.markers import (Lease, Marker, MarkerMissing, MarkerWriter,
                                        write_lease, write_marker)
 from clusterctl.rank.engine.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.engine.loading import rank_environment
-from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
-from clusterctl.shared.rankspec import layer_range, parse_rank_spec
+from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
+from clusterctl.protocol.rankspec import layer_range, parse_rank_spec
 from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.engine.schedule import IDLE_WAKEABLE_S, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.rank.watchdog import KEEPER_PID_ENV, LeaseWatch, ParentGone, Watchdog, peer_loss
@@ -413,8 +413,8 @@ def test_a_rank_watches_its_keeper_and_a_detached_rank_no_parent(monkeypatch):
 # ---- compute priority (rank/priority.py)
 
 def test_compute_nice_comes_from_the_environment_within_0_to_19():
-    from clusterctl.shared.rankspec import DEFAULT_COMPUTE_NICE as DEFAULT_NICE, ENV_COMPUTE_NICE as ENV_NICE
-    from clusterctl.shared.rankspec import compute_nice_from_env as nice_from_env
+    from clusterctl.protocol.rankspec import DEFAULT_COMPUTE_NICE as DEFAULT_NICE, ENV_COMPUTE_NICE as ENV_NICE
+    from clusterctl.protocol.rankspec import compute_nice_from_env as nice_from_env
 
     assert nice_from_env({}) == DEFAULT_NICE == 10
     assert nice_from_env({ENV_NICE: "0"}) == 0

@@ -15,7 +15,7 @@ from clusterctl.rank.engine.requestqueue import ApiRequest, RequestQueue
 from clusterctl.rank.engine.generation import GenRequest
 from clusterctl.rank.engine.scheduler import BatchChanges, Epochs, OverlapRun, RunEnd, Scheduler, join_count, place
 from clusterctl.rank.cancelfile import CancelWatch
-from clusterctl.shared.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
+from clusterctl.protocol.runtimefiles import (EPOCH_MAX, CancelFile, EpochsUsedUp, cancel_here, cancel_path,
                                            epoch_is_new, next_epoch)
 
 
@@ -365,7 +365,7 @@ def test_the_step_loop_applies_a_meetings_changes_and_answers_the_dropped(tmp_pa
     import threading
 
     from clusterctl.rank.engine.steploop import StepLoop
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=1, layer_counts=[1], num_layers=1, http_port=8000,

@@ -543,7 +543,7 @@ def _builder(tok):
 
     from clusterctl.rank.api.admission import limits_for
     from clusterctl.rank.api.openai import RequestBuilder
-    from clusterctl.shared.rankspec import RankSpec
+    from clusterctl.protocol.rankspec import RankSpec
     from rankharness import tiny_model_path
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
@@ -557,7 +557,7 @@ def answer(tok, body: dict, model) -> tuple[S.Reply, list[int]]:
     end of a row (EOS, a complete answer, max_tokens; a budget-closed answer reports "length") and its splitter."""
     import numpy as np
 
-    from clusterctl.rank.engine.grammar import GrammarFactory
+    from clusterctl.rank.grammar.mask import GrammarFactory
 
     api_req = _builder(tok).chat(body)
     req = api_req.prepare(tok)
@@ -710,9 +710,9 @@ def test_thinking_grammars_are_admitted_and_announced_alike(toks):
     answer (opening with </think>: the roll-out closes the reasoning first), the same bound, the same first mask."""
     import numpy as np
 
-    from clusterctl.rank.engine.compiler import Compiler, GrammarRefused, Refusal
+    from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused, Refusal
     from clusterctl.rank.engine.generation import GenRequest
-    from clusterctl.rank.engine.grammar import json_schema
+    from clusterctl.rank.grammar.mask import json_schema
 
     tok = toks["json"]
     rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {

@@ -19,7 +19,7 @@ from clusterctl.supervise.loop import Supervisor
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
-from clusterctl.shared.deployment import PlanOptions
+from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.statedir.state import StateDir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -21,7 +21,7 @@ from clusterctl.errors import (CannotWrite, ClusterctlError, ConfigError, Exit, 
                                RemoteCommandFailed, UsageError, pydantic_line)
 from clusterctl.connect.localnode import LocalTransport
 from clusterctl.connect.transport import CommandTimedOut, Pipe, Transport
-from clusterctl.shared.nodespec import Node
+from clusterctl.protocol.nodespec import Node
 from clusterctl.connect import fdlimit
 from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.node.nodeops import look_at_markers

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from clusterctl.errors import AuthRejected, ConfigError, HostUnreachable
-from clusterctl.shared.nodespec import check_host, check_user
+from clusterctl.protocol.nodespec import check_host, check_user
 
 _GLOB = set("*?[]")
 # rsync >= 3.2.4 escapes remote args itself; this turns that off so our shell quoting is the only one (the

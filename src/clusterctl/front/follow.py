@@ -20,9 +20,9 @@ from clusterctl.atomic import strict_loads
 from clusterctl.front.records import cluster_of_deployment
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
 from clusterctl.connect.nodes import close_all, handles
-from clusterctl.shared.contract import MAX_CONTRACT_BYTES, contract_kind
-from clusterctl.shared.rankspec import parse_rank_spec
-from clusterctl.shared.signing import verify_signed
+from clusterctl.protocol.contract import MAX_CONTRACT_BYTES, contract_kind
+from clusterctl.protocol.rankspec import parse_rank_spec
+from clusterctl.protocol.signing import verify_signed
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from clusterctl.names import clip
 from clusterctl.front.apikey import check_bind_host
 from clusterctl.statedir.state import StateDir
 from clusterctl.statedir.manifest import manifest_store
-from clusterctl.shared.deployment import decode
+from clusterctl.protocol.deployment import decode
 from clusterctl.node.procs import Identity, signal_process, status_of
 
 SCHEMA_VERSION = 1

@@ -93,13 +93,13 @@ def f32(v: float) -> float:
 
 def check_template(template: str, path, args: dict | None = None) -> None:
     """A chat template rank 0 can run: it parses, with the extensions transformers enables, in rank 0's bounded
-    sandbox (shared/chattemplate.py), and one rendering of a sample conversation stays within rank 0's size caps
+    sandbox (protocol/chattemplate.py), and one rendering of a sample conversation stays within rank 0's size caps
     and time budget (a template that refuses the sample, e.g. without a system role, is not refused for it)."""
     if len(template) > MAX_TEMPLATE:
         raise ConfigError(f"{path}: its chat template has {len(template)} characters (at most {MAX_TEMPLATE})")
     from jinja2 import TemplateError
 
-    from clusterctl.shared import chattemplate
+    from clusterctl.protocol import chattemplate
 
     try:
         chattemplate.environment().from_string(template)

@@ -14,7 +14,7 @@ import time
 from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
 from clusterctl.statedir.manifest import job_ref, manifest_store
 from clusterctl.connect.nodes import SshOptions, close_all, handles
-from clusterctl.shared.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
+from clusterctl.protocol.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
                                             ack_path, cancel_path, new_cancel_nonce as new_nonce, next_epoch)
 
 ACK_POLL = 0.02
@@ -66,7 +66,7 @@ async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: fl
         epochs = [doc.epoch for doc in map(valid_cancel, found) if doc] + [a.epoch for a in old_acks if a]
         top = max(epochs or [0])
         try:
-            epoch, nonce = next_epoch(top), new_nonce()  # the one epoch rule (shared/runtimefiles.py)
+            epoch, nonce = next_epoch(top), new_nonce()  # the one epoch rule (protocol/runtimefiles.py)
         except EpochsUsedUp as e:
             raise EpochsUsedUp(f"cancel epochs of job {m.job_id} are used up (epoch {top})", hint=e.hint) from None
         doc = CancelFile(deployment_id=m.deployment_id, job_id=m.job_id, epoch=epoch, requests=requests,

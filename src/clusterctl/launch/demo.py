@@ -23,7 +23,7 @@ from clusterctl.launch.plannedmodel import plan_and_record
 from clusterctl.launch.start import launch
 from clusterctl.launch.status import status
 from clusterctl.render import deployment_table, status_table
-from clusterctl.shared.runtimefiles import parse_marker
+from clusterctl.protocol.runtimefiles import parse_marker
 from clusterctl.modelfiles.tiny import build
 
 DEMO_CLUSTER = """\

@@ -25,9 +25,9 @@ from clusterctl.launch.preflight import coordinator_versions as mine
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import ModelFacts
 from clusterctl.plan.planner import make_deployment
-from clusterctl.shared.contract import deployment_proof, encode_contract
-from clusterctl.shared.deployment import PlanOptions
-from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS
+from clusterctl.protocol.contract import deployment_proof, encode_contract
+from clusterctl.protocol.deployment import PlanOptions
+from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
 
 
 def coordinator_versions() -> dict:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore
-from clusterctl.shared.runtimefiles import Lease, encode_lease
+from clusterctl.protocol.runtimefiles import Lease, encode_lease
 from clusterctl.connect.nodes import NodeHandle, close_all
 from clusterctl.launch.teardown import TeardownReport, reports_dir, teardown_job
 from clusterctl.connect.transport import StartedProcess

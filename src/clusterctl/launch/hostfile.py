@@ -12,8 +12,8 @@ import random
 import socket
 
 from clusterctl.errors import ConfigError
-from clusterctl.shared.deployment import Deployment
-from clusterctl.shared.nodespec import Node
+from clusterctl.protocol.deployment import Deployment
+from clusterctl.protocol.nodespec import Node
 from clusterctl.plan.backend import jaccl_devices
 
 # below the kernels' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port chosen for a ring or rank 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, HostUnreachable, IntegrityError,
                                MissingInput, UsageError)
-from clusterctl.shared.deployment import HubRef, with_identity
+from clusterctl.protocol.deployment import HubRef, with_identity
 from clusterctl.modelfiles.manifest import HashCache, hash_files, scan
 
 # the hub's own rule for a repo id (huggingface_hub.utils.validate_repo_id): letters, digits, - _ . ; no -- or ..

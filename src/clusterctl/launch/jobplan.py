@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 from clusterctl.launch import hostfile
-from clusterctl.shared import runtimefiles as rf
+from clusterctl.protocol import runtimefiles as rf
 from clusterctl.statedir.manifest import RankRecord
 from clusterctl.connect.nodes import SshOptions
-from clusterctl.shared.rankspec import RankSpec, parse_rank_spec
+from clusterctl.protocol.rankspec import RankSpec, parse_rank_spec
 from clusterctl.launch.teardown import DEFAULT_GRACE
-from clusterctl.shared.deployment import Deployment
+from clusterctl.protocol.deployment import Deployment
 
 DEFAULT_LEASE = 30.0  # (the CLI reads CLUSTERCTL_LAUNCHER_LEASE: cli/options.py lease_from_env; this module reads no
 # environment)
@@ -52,7 +52,7 @@ class LaunchOptions:
 
 
 def mlx_view(rank_env: dict[str, str]) -> dict[str, str]:
-    """What the mlx.launch-compatible hostfile records of the environment every rank applies (shared/rankspec.py's
+    """What the mlx.launch-compatible hostfile records of the environment every rank applies (protocol/rankspec.py's
     MLX_ENV_DEFAULTS): its MLX_ variables."""
     return {k: v for k, v in rank_env.items() if k.startswith("MLX_")}
 

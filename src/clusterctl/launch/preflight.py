@@ -15,7 +15,7 @@ from pathlib import Path
 from clusterctl import __version__
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, LaunchFailed
 from clusterctl.connect.nodes import NODEOP_TIMEOUT, NodeHandle, first_error_code
-from clusterctl.shared.deployment import Deployment, diff_placement
+from clusterctl.protocol.deployment import Deployment, diff_placement
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import replan_same_inputs
 

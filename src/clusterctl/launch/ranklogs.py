@@ -17,7 +17,7 @@ from pathlib import Path
 from clusterctl.errors import ClusterctlError, LaunchFailed
 from clusterctl.atomic import atomic_write_bytes, atomic_write_json
 from clusterctl.connect.transport import TAIL_BYTES
-from clusterctl.shared import runtimefiles as rf
+from clusterctl.protocol import runtimefiles as rf
 
 KEEP_BYTES = 4 << 20  # the last 4 MiB of each rank's log
 TAIL_LINES = 20  # of the failing rank, in --json (the error line carries the last one)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, IntegrityError, LaunchFailed, MissingInput, UsageError
-from clusterctl.shared.deployment import Deployment, decode, identity_changes
+from clusterctl.protocol.deployment import Deployment, decode, identity_changes
 from clusterctl.statedir import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground

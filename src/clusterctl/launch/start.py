@@ -23,8 +23,8 @@ from pathlib import Path
 
 from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, LaunchFailed
 from clusterctl.launch import hostfile
-from clusterctl.shared import runtimefiles as rf
-from clusterctl.shared.contract import deployment_proof, encode_contract
+from clusterctl.protocol import runtimefiles as rf
+from clusterctl.protocol.contract import deployment_proof, encode_contract
 from clusterctl.launch.foreground import Running, lease_loop, renew_leases
 from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
     plan_job, port_requests
@@ -33,12 +33,12 @@ from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
 from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
 from clusterctl.locks import Lock, deployment_lock_path
-from clusterctl.shared.deployment import Deployment
+from clusterctl.protocol.deployment import Deployment
 from clusterctl.connect import fdlimit
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.reaper import live_jobs, reap
 from clusterctl.launch.teardown import reports_dir
-from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
+from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
 
 PORT_ATTEMPTS = 5
 POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)

@@ -10,7 +10,7 @@ from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
 from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
-from clusterctl.shared.deployment import decode
+from clusterctl.protocol.deployment import decode
 from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works

@@ -9,7 +9,7 @@ its parent dies, or it gets SIGTERM, it stops the group: SIGCONT+SIGTERM, a grac
 Why: without a pty, OpenSSH neither forwards signals nor hangs up a remote command when the client dies, so
 the remote side has to notice on its own. The same code runs for local ranks (stdin is then a pipe from us).
 
-It needs nothing heavier than the standard library and psutil (process identity: shared/identity.py).
+It needs nothing heavier than the standard library and psutil (process identity: protocol/identity.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 import threading
 import time
 
-from clusterctl.shared.identity import boot_id, start_time_of as process_start_time
-from clusterctl.shared.runtimefiles import KEEPER_PID_ENV as PID_ENV
+from clusterctl.protocol.identity import boot_id, start_time_of as process_start_time
+from clusterctl.protocol.runtimefiles import KEEPER_PID_ENV as PID_ENV
 
 DEFAULT_GRACE = 10.0
 GRACE_ENV = "CLUSTERCTL_KEEPER_GRACE"

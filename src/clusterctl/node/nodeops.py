@@ -27,7 +27,7 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
+from clusterctl.protocol.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import Identity, boot_id, status_of, stop
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import psutil
 
-from clusterctl.shared.identity import boot_id, start_time_of  # noqa: F401  (one copy for both sides)
+from clusterctl.protocol.identity import boot_id, start_time_of  # noqa: F401  (one copy for both sides)
 
 NONCE_ENV = "CLUSTERCTL_NONCE"
 Status = Literal["alive", "dead", "foreign", "unverifiable"]

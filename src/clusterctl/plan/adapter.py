@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput, UsageError
-from clusterctl.shared.deployment import AdapterRef, Deployment, with_identity
+from clusterctl.protocol.deployment import AdapterRef, Deployment, with_identity
 from clusterctl.modelfiles.folder import read_safetensors_header, weight_files
 from clusterctl.modelfiles.manifest import HashCache, build_manifest
 

@@ -12,7 +12,7 @@ from itertools import combinations, islice
 from typing import Iterator
 
 from clusterctl.errors import ConfigError
-from clusterctl.shared.nodespec import Node
+from clusterctl.protocol.nodespec import Node
 
 BACKENDS = ("auto", "ring", "jaccl", "mpi")
 MAX_LISTED = 8

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from clusterctl.errors import UsageError
-from clusterctl.shared.deployment import Deployment, PlanOptions, with_identity
+from clusterctl.protocol.deployment import Deployment, PlanOptions, with_identity
 from clusterctl.plan.adapter import inspect_adapter, refuse_tensor
 from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model

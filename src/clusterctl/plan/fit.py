@@ -14,9 +14,9 @@ from __future__ import annotations
 from clusterctl.errors import DoesNotFit
 from clusterctl.plan.kvquant import quantized_layer
 from clusterctl.plan.model import ModelFacts
-from clusterctl.shared.deployment import KvLayer, RankBytes  # noqa: F401  (RankBytes: a record of the deployment file)
-from clusterctl.shared.deployment import PlanOptions
-from clusterctl.shared.nodespec import GIB, Node
+from clusterctl.protocol.deployment import KvLayer, RankBytes  # noqa: F401  (RankBytes: a record of the deployment file)
+from clusterctl.protocol.deployment import PlanOptions
+from clusterctl.protocol.nodespec import GIB, Node
 
 DEFAULT_HEADROOM_GB = 0.5
 DEFAULT_BATCH = 8  # batch slots a plan reserves when --batch is not given (fewer when fewer fit)

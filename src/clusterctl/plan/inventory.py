@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from clusterctl.errors import ConfigError, MissingInput
 from clusterctl.names import NAME_RE, clip
-from clusterctl.shared.nodespec import Node
+from clusterctl.protocol.nodespec import Node
 
 class ClusterInfo(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -15,7 +15,7 @@ from pathlib import Path
 from clusterctl.errors import ConfigError
 from clusterctl.plan.configfields import MAX_LAYERS, MAX_SIZE, TORCH_DTYPE_BYTES
 from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg
-from clusterctl.shared.deployment import KvLayer
+from clusterctl.protocol.deployment import KvLayer
 from clusterctl.modelfiles.folder import text_config
 
 # mlx-lm's MODEL_REMAPPING entries that matter here (mlx_lm/utils.py; tests/plan/test_kv.py checks they agree)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from clusterctl.errors import ConfigError
 from clusterctl.modelfiles.archs import cache_kinds
-from clusterctl.shared.deployment import KvLayer, PlanOptions
+from clusterctl.protocol.deployment import KvLayer, PlanOptions
 
 _KIND_WHY = {"sliding": "sliding-window layers (mlx-lm's RotatingKVCache cannot be quantized)",
              "mla": "a compressed MLA latent (attended by the model's own code, not mlx-lm's quantized attention)",

@@ -23,7 +23,7 @@ from clusterctl.errors import ConfigError, IntegrityError, MissingInput
 from clusterctl.plan.configfields import MAX_LAYERS, MAX_SIZE  # noqa: F401  (ggufcheck's bounds are plan's)
 from clusterctl.plan.configfields import cfg as _cfg, int_cfg as _int_cfg, positive as _positive
 from clusterctl.plan.kvcache import FLOAT_BYTES, kv_dtype_bytes, kv_layers
-from clusterctl.shared.deployment import KvLayer
+from clusterctl.protocol.deployment import KvLayer
 from clusterctl.modelfiles.folder import DTYPE_BYTES, read_safetensors_header, text_config, weight_files  # noqa: F401
 from clusterctl.modelfiles.archs import batching, build_lazy, capability, kept_tensors
 from clusterctl.plan.kvquant import class_blocker

@@ -8,14 +8,14 @@ from fractions import Fraction
 from clusterctl.errors import ConfigError
 from clusterctl.plan import allocate
 from clusterctl.plan.backend import all_links_fast, choose_backend
-from clusterctl.shared.deployment import (
+from clusterctl.protocol.deployment import (
     Deployment, KvFit, ModelRef, PlanOptions, RankAssignment, placement_signature, plan_hash, with_identity,
 )
 from clusterctl.plan.fit import (DEFAULT_BATCH, check_fit, longest_context, prompt_cache_tokens, rank_bytes,
                                  slots_that_fit)
 from clusterctl.plan.kvquant import refuse as refuse_kv_bits
 from clusterctl.plan.inventory import Cluster
-from clusterctl.shared.nodespec import Node
+from clusterctl.protocol.nodespec import Node
 from clusterctl.plan.model import KvLayer, ModelFacts
 from clusterctl.modelfiles.archs import STAGES
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterctl.errors import ConfigError, UsageError
-from clusterctl.shared.deployment import Deployment, PlanOptions, identity_changes
+from clusterctl.protocol.deployment import Deployment, PlanOptions, identity_changes
 from clusterctl.plan.commands import plan_options
 from clusterctl.plan.inventory import Cluster
 

@@ -8,6 +8,6 @@ priority (``priority``), its marker and cancel-file writers and watchers (``mark
 counts (``metrics``) and n choices of one request (``choices``). What every rank runs is ``engine/`` (the step loop,
 its schedules, the model's forward pass, sampling, the caches); rank 0's OpenAI-compatible HTTP API is ``api/``.
 
-What a rank is told and what it reports are files both sides read and write: ``clusterctl.shared`` (rankspec,
+What a rank is told and what it reports are files both sides read and write: ``clusterctl.protocol`` (rankspec,
 contract, runtimefiles). Nothing in this package imports the coordinator (tests/test_layers.py).
 """

@@ -20,12 +20,12 @@ import time
 from typing import Callable
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.runtimefiles import CancelFile, cancel_path, epoch_is_new, read_cancel
+from clusterctl.protocol.runtimefiles import CancelFile, cancel_path, epoch_is_new, read_cancel
 # the file formats live in runtimefiles.py; re-exported here for the rank (rank/) that imports them so
-from clusterctl.shared.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, NONCE_PATTERN,  # noqa: F401
+from clusterctl.protocol.runtimefiles import (EPOCH_MAX, MAX_REQUEST_IDS, NONCE_PATTERN,  # noqa: F401
                                            RECENT_ACKS, REQUEST_ID_PATTERN, CancelAck, ack_path, cancel_here,
                                            read_ack, write_ack)
-from clusterctl.shared.runtimefiles import new_cancel_nonce as new_nonce  # noqa: F401
+from clusterctl.protocol.runtimefiles import new_cancel_nonce as new_nonce  # noqa: F401
 
 CHECK_EVERY = 0.05  # a stat of one file (about 2 us); read only when it changed
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.shared.identity import boot_id, start_time_of
+from clusterctl.protocol.identity import boot_id, start_time_of
 # the file formats live in runtimefiles.py; re-exported here for the rank (rank/) that imports them so
-from clusterctl.shared.runtimefiles import (_ORDER, MARKER_LIMIT, Lease, Marker, MarkerMissing, State,  # noqa: F401
+from clusterctl.protocol.runtimefiles import (_ORDER, MARKER_LIMIT, Lease, Marker, MarkerMissing, State,  # noqa: F401
                                            encode_lease, read_lease, read_marker, write_lease, write_marker)
 
 def effective_env(environ: dict | None = None) -> dict[str, str]:

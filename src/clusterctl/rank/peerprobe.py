@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from clusterctl.shared.rankspec import DEFAULT_ABORT_GRACE
+from clusterctl.protocol.rankspec import DEFAULT_ABORT_GRACE
 
 MAGIC = b"CCPR"
 PING, PONG = 1, 2

@@ -12,7 +12,7 @@ from typing import Callable
 
 from clusterctl.rank.engine.group import join_group, verify_group
 from clusterctl.rank.peerprobe import Responder, announce_joining, job_token, parse_addr
-from clusterctl.shared.rankspec import RankSpec
+from clusterctl.protocol.rankspec import RankSpec
 
 JOIN_ORDER_WAIT_S = 10.0  # the last rank waits this long for the others' join announcements, then joins anyway
 JOIN_SETTLE_S = 0.03

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
-from clusterctl.shared.rankspec import RankSpec, load_unsigned_spec
+from clusterctl.protocol.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
 from clusterctl.rank.api.admission import limits_for, use_template
 from clusterctl.rank.api.phase import Phase
@@ -41,8 +41,8 @@ from clusterctl.rank.watchdog import LeaseExpired, PeerLost, Watchdog, end_reaso
 from clusterctl.rank.api.wire import ApiError
 from clusterctl.rank.cancelfile import CancelWatch, cancel_here, write_ack
 from clusterctl.rank.markers import IDLE_HEARTBEAT_S, MarkerWriter
-from clusterctl.shared.runtimefiles import EndReason
-from clusterctl.shared.contract import load_rank_contract  # provided by the launcher side
+from clusterctl.protocol.runtimefiles import EndReason
+from clusterctl.protocol.contract import load_rank_contract  # provided by the launcher side
 
 UNSIGNED_ENV = "CLUSTERCTL_UNSIGNED_SPEC_FOR_TESTS"
 STOP_GRACE_S = 10.0
@@ -393,7 +393,7 @@ def _read_spec(ns: argparse.Namespace) -> RankSpec:
         pass
     except ModuleNotFoundError:
         raise IntegrityError("this clusterctl cannot verify signed rank contracts "
-                             "(clusterctl.shared.contract is missing)") from None
+                             "(clusterctl.protocol.contract is missing)") from None
     if not ns.node:
         raise UsageError("--contract needs --node NAME (the node this rank runs on)")
     return load_rank_contract(ns.contract, ns.node)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from clusterctl.errors import ClusterctlError, Exit
-from clusterctl.shared.runtimefiles import KEEPER_PID_ENV, EndReason
+from clusterctl.protocol.runtimefiles import KEEPER_PID_ENV, EndReason
 from clusterctl.rank.markers import read_lease
 
 

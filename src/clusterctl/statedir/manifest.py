@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from clusterctl.atomic import atomic_write_bytes, dumps, move_aside, read_capped, strict_loads
 from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.names import Ident, Name
-from clusterctl.shared.nodespec import Node
-from clusterctl.shared.signing import PublicKey, SigningKey, sign_payload, verify_signed
+from clusterctl.protocol.nodespec import Node
+from clusterctl.protocol.signing import PublicKey, SigningKey, sign_payload, verify_signed
 from clusterctl.node.procs import Identity, boot_id, start_time_of, status_of
 
 KIND = "launch-manifest"

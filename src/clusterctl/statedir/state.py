@@ -19,8 +19,8 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, move_aside, read_capped, stage_bytes, unsafe_folder
 from clusterctl.errors import ConfigError, IntegrityError, MissingInput
-from clusterctl.shared.signing import Keyring
-from clusterctl.shared.deployment import decode, encode
+from clusterctl.protocol.signing import Keyring
+from clusterctl.protocol.deployment import decode, encode
 
 ENV_STATE_DIR = "CLUSTERCTL_STATE_DIR"
 

@@ -12,7 +12,7 @@ from clusterctl.errors import ClusterctlError
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
 from clusterctl.launch.status import rank_state
-from clusterctl.shared.runtimefiles import followed_a_peer
+from clusterctl.protocol.runtimefiles import followed_a_peer
 
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
 UP = ("loading", "ready", "serving")

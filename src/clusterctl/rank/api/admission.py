@@ -8,7 +8,7 @@ over ``context`` times that many bytes cannot fit and is refused without being r
 a bounded time (about 5 µs per byte with mlx-lm's tokenizers on these machines) and releases the GIL for most of it.
 Why a budget on templates: a chat template is a program (Jinja); rendering is bounded by line-tracing only the
 template's own compiled code, which is interrupted past its deadline, and (inside one filter or operation, which
-the tracer does not see) by the size caps of shared/chattemplate.py, which transformers renders with here.
+the tracer does not see) by the size caps of protocol/chattemplate.py, which transformers renders with here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from clusterctl.rank.api.wire import ApiError
-from clusterctl.shared.chattemplate import (BUDGET_S, BoundedEnvironment, BudgetExceeded, TemplateTooLarge,
+from clusterctl.protocol.chattemplate import (BUDGET_S, BoundedEnvironment, BudgetExceeded, TemplateTooLarge,
                                             template_budget)
 from clusterctl.modelfiles.folder import text_config
 
@@ -78,7 +78,7 @@ def use_template(tokenizer, template: str | None) -> None:
 
 def bound_templates() -> None:
     """transformers renders every chat template in a jinja2 ``ImmutableSandboxedEnvironment`` it builds per
-    template (``chat_template_utils``); the bounded one of shared/chattemplate.py takes its place, so what rank 0
+    template (``chat_template_utils``); the bounded one of protocol/chattemplate.py takes its place, so what rank 0
     renders has the size caps plan checked the template against. A transformers that builds it elsewhere stops
     the rank here rather than serving unbounded templates."""
     from transformers.utils import chat_template_utils as ctu

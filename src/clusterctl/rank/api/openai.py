@@ -13,7 +13,7 @@ from clusterctl.rank.engine.requestqueue import ApiRequest, Echo
 from clusterctl.rank.choices import DEFAULT_MAX_N
 from clusterctl.rank.engine.generation import GenRequest
 from clusterctl.rank.api.wire import ApiError, ChatBody, CompletionBody, parse
-from clusterctl.shared.rankspec import RankSpec
+from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.api import tools as tl
 
 BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
@@ -42,7 +42,7 @@ def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
     alone."""
     if not tokenizer.has_thinking:
         return {"response_format": response_format}
-    from clusterctl.rank.engine.grammar import json_schema  # grammar.py loads MLX and numpy; this module neither
+    from clusterctl.rank.grammar.mask import json_schema  # grammar.py loads MLX and numpy; this module neither
 
     try:
         lark = tl.reasoned_json(tokenizer, json_schema(response_format), tl.initial_state(tokenizer, tokens))

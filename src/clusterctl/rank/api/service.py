@@ -19,9 +19,9 @@ from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Fai
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.api.openai import ApiError, RequestBuilder
 from clusterctl.rank.engine.generation import GenResult
-from clusterctl.shared.rankspec import RankSpec
+from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.api.admission import Preparer
-from clusterctl.rank.engine.compiler import Compiler, GrammarRefused, Refusal
+from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused, Refusal
 
 COSTLY = (Refusal.COMPILE_COST, Refusal.MASK_COST, Refusal.PARSER_LIMIT)  # refused for what they would cost the ranks
 

@@ -37,10 +37,10 @@ class GenRequest:
     # echo with logprobs: every prompt token's log-probability and this many alternatives too (-1: none); every rank
     # reads it (the lockstep ranks evaluate the scoring graph together: promptlogprobs.py); never from the cache
     prompt_logprobs: int = -1
-    # structured output (grammar.py): {"response_format": {...}}, or {"lark": "..."} (a forced tool call, text without
+    # structured output (grammar/mask.py): {"response_format": {...}}, or {"lark": "..."} (a forced tool call, text without
     # the call marker under tool_choice "none"), with the response_format beside it when it is the JSON after reasoning
     grammar: Optional[dict] = None
-    # the grammar's roll-out bound in masks (grammar.py), rank 0's choice at admission from what one of its masks costs
+    # the grammar's roll-out bound in masks (grammar/mask.py), rank 0's choice at admission from what one of its masks costs
     rollout_steps: Optional[int] = None
     # rank 0's prompt-cache decision (promptcache.py): reuse the first cache_len tokens of entry cache_from
     cache_from: Optional[int] = None

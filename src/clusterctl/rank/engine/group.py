@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from clusterctl.errors import ConfigError, IntegrityError
-from clusterctl.shared.rankspec import RankSpec
+from clusterctl.protocol.rankspec import RankSpec
 
 HEADER_WORDS = 8
 MAGIC = 0x434C5354  # "CLST": a stale rank of another protocol/job sums to something else

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from clusterctl.errors import ConfigError
-from clusterctl.shared.rankspec import MLX_ENV_DEFAULTS, RankSpec
+from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS, RankSpec
 from clusterctl.rank.engine.group import GroupStandIn
 from clusterctl.rank.engine.offload import install, refuse_tied_head
 from clusterctl.modelfiles.archs import MLX_PIPELINE, STAGES, cache_kinds, kept_tensors, split_method, text_model

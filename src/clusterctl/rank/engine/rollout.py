@@ -1,4 +1,4 @@
-"""The roll-out's token tables and walk (grammar.py: the way out of an answer under a token budget): each token's
+"""The roll-out's token tables and walk (grammar/mask.py: the way out of an answer under a token budget): each token's
 text, the roll-out's preferences among tokens, where a token leaves the text (in a JSON string or not; at the end
 of an item or not), and the deterministic walk that finds a short way from a matcher's state to an accepted answer.
 Made once per rank (~1 s for 49k tokens), when a budget first needs them."""

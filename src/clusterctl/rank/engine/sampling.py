@@ -16,11 +16,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from clusterctl.rank.engine.generation import GenRequest
-from clusterctl.rank.engine.grammar import ROLLOUT_SECONDS
+from clusterctl.rank.grammar.mask import ROLLOUT_SECONDS
 
 
 class GrammarMask:
-    """A request's structured output (grammar.py) as a logits processor: tokens the grammar does not allow now
+    """A request's structured output (grammar/mask.py) as a logits processor: tokens the grammar does not allow now
     get -inf. Called once per sampled token (mlx-lm's batch and ``RowSampler`` alike): from the second call on,
     the newest token of ``tokens`` is the one sampled last, which the grammar consumes first. On the ranks of a
     lockstep pipeline every rank runs it and gets the same mask (the grammar is deterministic)."""

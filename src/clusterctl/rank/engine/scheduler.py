@@ -22,7 +22,7 @@ from clusterctl.errors import IntegrityError
 from clusterctl.rank.engine.requestqueue import ApiRequest, Done, RequestQueue
 from clusterctl.rank.engine.generation import GenRequest, GenResult
 from clusterctl.rank.engine.group import MAX_PAYLOAD
-from clusterctl.shared.runtimefiles import RECENT_ACKS, epoch_is_new
+from clusterctl.protocol.runtimefiles import RECENT_ACKS, epoch_is_new
 
 _KEYS = {"add", "drop", "fin", "ann"}
 

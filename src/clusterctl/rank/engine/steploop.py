@@ -16,11 +16,11 @@ from clusterctl.rank.api.wire import ApiError
 from clusterctl.rank.engine.generation import GenResult
 from clusterctl.rank.engine.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
 from clusterctl.rank.engine.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
-from clusterctl.shared.rankspec import RankSpec
+from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
 from clusterctl.rank.engine.batch import Batch
 from clusterctl.rank.choices import PromptShares
-from clusterctl.rank.engine.compiler import Compiler
+from clusterctl.rank.grammar.compiler import Compiler
 from clusterctl.rank.metrics import Recent
 from clusterctl.rank.engine.promptcache import PromptCache, reusable
 from clusterctl.rank.engine.scheduler import BatchChanges, Scheduler, cancelled, place

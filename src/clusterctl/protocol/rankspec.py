@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from clusterctl.errors import IntegrityError
 from clusterctl.names import Ident, Name
-from clusterctl.shared.deployment import ServingDefaults
+from clusterctl.protocol.deployment import ServingDefaults
 from clusterctl.atomic import read_json
 
 # Set by the rank itself from the contract; extra env must not override them.

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from clusterctl.atomic import dumps, strict_loads
 from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.names import DeploymentIdent, Name
-from clusterctl.shared.nodespec import Node
-from clusterctl.shared.signing import PublicKey, SigningKey, sign_payload, verify_signed
+from clusterctl.protocol.nodespec import Node
+from clusterctl.protocol.signing import PublicKey, SigningKey, sign_payload, verify_signed
 
 SCHEMA_VERSION = 2
 KIND = "deployment"

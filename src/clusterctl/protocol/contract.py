@@ -20,10 +20,10 @@ from pathlib import Path
 
 from clusterctl.atomic import read_capped, strict_loads
 from clusterctl.errors import IntegrityError
-from clusterctl.shared.deployment import Deployment, decode
-from clusterctl.shared.signing import _TAIL, PublicKey, SigningKey, sign_payload, verify_signed
-from clusterctl.shared.rankspec import parse_rank_spec
-from clusterctl.shared.runtimefiles import TRUSTED_KEYS
+from clusterctl.protocol.deployment import Deployment, decode
+from clusterctl.protocol.signing import _TAIL, PublicKey, SigningKey, sign_payload, verify_signed
+from clusterctl.protocol.rankspec import parse_rank_spec
+from clusterctl.protocol.runtimefiles import TRUSTED_KEYS
 
 CONTRACT_SCHEMA = 2
 MAX_CONTRACT_BYTES = 4 << 20

@@ -1,11 +1,11 @@
 """Request grammars compiled off the step loop: rank 0 compiles a request's grammar at admission, within a CPU
 budget, and the step loop takes that compiled constraint when the request joins; the other ranks of a lockstep
 pipeline (they sample too) compile it on their own worker when rank 0 announces the request, and it joins once
-every rank has (steploop.py, scheduler.py: ``Scheduler.held``). No rank's step loop compiles a grammar.
+every rank has (engine/steploop.py, engine/scheduler.py: ``Scheduler.held``). No rank's step loop compiles a grammar.
 
 Why worker threads and a CPU budget: llguidance releases the GIL while it compiles, but a compile cannot be
 interrupted, and a schema under the 64 KiB cap can take seconds (2,000 optional properties: 0.7-3 s). The lexer's
-fuel (grammar.LEXER_FUEL) stops the costliest kind early; for the rest, each compile runs on a thread of its own at a
+fuel (mask.LEXER_FUEL) stops the costliest kind early; for the rest, each compile runs on a thread of its own at a
 lower priority than the ranks' compute (``NICE``), and admission waits until that thread has used COMPILE_CPU_S of
 CPU time (a measure the machine's load does not inflate), then refuses the request (400) and leaves the compile to
 end on its own, its result dropped. At most MAX_WORKERS compiles run at once, so abandoned ones cannot pile up; a
@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from clusterctl.rank.engine.generation import GenRequest
-from clusterctl.rank.engine.refusal import GrammarRefused, Refusal
+from clusterctl.rank.grammar.refusal import GrammarRefused, Refusal
 
 COMPILE_CPU_S = 0.25  # a grammar's compile may take this much CPU at admission (2,000 properties: 0.7-3 s)
 MASK_CPU_S = 0.05  # ... and each of its first masks this much (a recursive $ref with required: 0.1-0.14 s)
@@ -81,7 +81,7 @@ class Compiler:
             self._made = Future()
 
         def make():
-            from clusterctl.rank.engine.grammar import GrammarFactory
+            from clusterctl.rank.grammar.mask import GrammarFactory
 
             try:
                 f = GrammarFactory(self.tokenizer)
@@ -296,6 +296,6 @@ def _walk(f: "grammar.GrammarFactory", m, what: str, lengths) -> list[float]:
 
 def rollout_steps(mask_s: float) -> int:
     """A roll-out's bound in masks for a grammar whose masks take ``mask_s``: ROLLOUT_S of them."""
-    from clusterctl.rank.engine.grammar import ROLLOUT_STEPS  # (heavy: mlx)
+    from clusterctl.rank.grammar.mask import ROLLOUT_STEPS  # (heavy: mlx)
 
     return max(MIN_ROLLOUT_STEPS, min(ROLLOUT_STEPS, int(ROLLOUT_S / max(mask_s, 1e-6))))

@@ -72,7 +72,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from clusterctl.rank.engine.refusal import GrammarRefused, Refusal
+from clusterctl.rank.grammar.refusal import GrammarRefused, Refusal
 from clusterctl.rank.engine.rollout import TokenTables, think_ids, way_out
 
 MAX_SCHEMA_BYTES = 64 * 1024
