@@ -9,7 +9,7 @@ a response_format, tools and a tool_choice, with thinking on or off, and the ans
 that parses, a forced call in ``tool_calls``, no call markup in the content under "none", nothing in the
 reasoning alone (issue 41: structured output landed in the reasoning of thinking templates).
 
-Used by tests/rank/test_rank_admission.py and tests/rank/test_api_tools.py (fixed seeds, a few dozen requests) and
+Used by tests/rank/api/test_rank_admission.py and tests/rank/api/test_api_tools.py (fixed seeds, a few dozen requests) and
 bench/faults.py (a random seed)."""
 
 from __future__ import annotations

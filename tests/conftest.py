@@ -61,7 +61,7 @@ def _private_hash_cache(tmp_path_factory):
 def _mlx_random_state_usable():
     """A test that leaves MLX's global random state unusable does not fail the next test of its process.
 
-    A sampler that raises inside a compiled MLX function (tests/rank/test_admission_parts.py makes one on
+    A sampler that raises inside a compiled MLX function (tests/rank/engine/test_admission_parts.py makes one on
     purpose) can leave ``mx.random.state`` holding an array without a primitive; every later random op in that
     process then fails with "[eval] Attempting to eval an array without a primitive" (e.g. the toy model that
     plan's batching probe builds). In one process the suite's order hid it (a later test reseeded); with xdist

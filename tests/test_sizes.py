@@ -1,4 +1,5 @@
-"""Size limits (issue 32, goal 6): no module of src/clusterctl over 450 lines, no function over 80.
+"""Size limits (issue 32, goal 6; issue 43): no function of src/clusterctl over 80 lines (a failure), and a module
+over 450 lines is a warning, not a failure: modules are split by concept, not cut by size.
 
 A function is measured from its `def` line to its last line (ast's end_lineno), nested functions too, so
 a split means one concept per module and per function rather than one long body."""
@@ -6,6 +7,7 @@ a split means one concept per module and per function rather than one long body.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "clusterctl"
@@ -21,13 +23,14 @@ def _name(path: Path) -> str:
     return str(path.relative_to(SRC.parent))
 
 
-def test_every_module_is_at_most_450_lines() -> None:
+def test_a_module_over_450_lines_is_named_in_a_warning() -> None:
     too_long = []
     for path in _modules():
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_MODULE_LINES:
             too_long.append(f"{_name(path)}: {lines} lines")
-    assert not too_long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(too_long)
+    if too_long:  # a hint to look for a second concept in it, not a rule to cut by size
+        warnings.warn(f"modules over {MAX_MODULE_LINES} lines: " + "; ".join(too_long), stacklevel=1)
 
 
 def test_every_function_is_at_most_80_lines() -> None:

@@ -78,7 +78,7 @@ def test_a_family_on_two_ranks_matches_one_process(family, models, tmp_path):
 def test_a_hybrid_whose_first_state_layer_another_rank_runs_serves_like_one_process(models, tmp_path):
     """Bailing V3 (linear attention on layers 0 and 2, MLA on 1 and 3; mlx-lm has no pipeline() for its class):
     split [2, 2], rank 0 runs layer 2, whose padding mask the model builds from layer 0's cache, which rank 0
-    skips and keeps only the bookkeeping of (tests/rank/test_stage.py checks the masks themselves). Lockstep: the
+    skips and keeps only the bookkeeping of (tests/rank/engine/test_stage.py checks the masks themselves). Lockstep: the
     family test above runs [1, 3] overlapped."""
     path = models["bailing_hybrid"]
     with RankCluster(tmp_path, path, [2, 2], tag="bailin", overrides={"schedule": "lockstep"}).up() as c:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +12,7 @@ from rankharness import RankCluster
 
 pytestmark = pytest.mark.slow  # every test here starts real ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from toolmodels import tool_model  # noqa: E402
+from toolmodels import tool_model
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]

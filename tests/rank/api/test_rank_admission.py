@@ -212,10 +212,7 @@ def test_tenants_and_cache_salts_partition_the_prompt_cache(model, tmp_path):
 
 def test_fuzzed_requests_get_a_200_within_the_context_or_a_clean_4xx_and_end_no_rank(cluster):
     """tests/admissionfuzz.py with a fixed seed (bench/faults.py runs it with a random one)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import admissionfuzz
 
     from clusterctl.rank.api.admission import limits_for

@@ -20,8 +20,7 @@ from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
 from clusterctl.protocol.signing import Keyring, sign_payload
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from modelfiles import make_model  # noqa: E402
+from modelfiles import make_model
 
 
 @pytest.fixture
