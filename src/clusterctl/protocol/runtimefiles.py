@@ -132,7 +132,7 @@ def end_reason_of(value) -> EndReason | None:
         return None
 
 
-def followed_a_peer(state, reason) -> bool:
+def followed_a_peer(state: object, reason: object) -> bool:
     """Did the rank whose marker says ``state`` and ``reason`` only follow a lost ring peer? Its ladder's last
     word (``lost``) or its typed reason says so, whatever its process does now (a follower exits 69 at once)."""
     return state == "lost" or end_reason_of(reason) is EndReason.PEER_LOST

@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from clusterctl.errors import ClusterctlError, Exit, IntegrityError, UsageError
+from clusterctl.errors import ClusterctlError, Exit, UsageError
 from clusterctl.protocol.rankspec import RankSpec, load_unsigned_spec
 from clusterctl.hardexit import exit_now
 from clusterctl.rank.api.admission import limits_for, use_template
@@ -389,11 +389,6 @@ def _read_spec(ns: argparse.Namespace) -> RankSpec:
             raise UsageError(f"--spec reads an UNSIGNED spec and needs {UNSIGNED_ENV}=1 (tests only); "
                              "use --contract")
         return load_unsigned_spec(ns.spec)
-    try:
-        pass
-    except ModuleNotFoundError:
-        raise IntegrityError("this clusterctl cannot verify signed rank contracts "
-                             "(clusterctl.protocol.contract is missing)") from None
     if not ns.node:
         raise UsageError("--contract needs --node NAME (the node this rank runs on)")
     return load_rank_contract(ns.contract, ns.node)
