@@ -58,6 +58,46 @@ def model(kind: str) -> Path:
     raise ValueError(f"unknown model {kind!r}: 7m, 100m or smollm2")
 
 
+
+def pipelineable(path: Path) -> Path:
+    """A model folder mlx-lm's own distributed server can split (``--pipeline`` needs a class with ``pipeline()``,
+    which llama lacks): a qwen2-class folder is returned as is; a llama-class one (SmolLM2) gets a twin beside it,
+    built once: ``model_type: qwen2`` and zero q/k/v biases (qwen2 is llama with those biases), the same weights,
+    tokenizer and template, so one mlx-lm process answers identically (bench/README.md checks the greedy text)."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        return path
+    twin = path.parent / f"{path.name}-qwen2"
+    if (twin / "config.json").exists():
+        return twin
+    import shutil
+
+    import mlx.core as mx
+
+    tmp = path.parent / f".{twin.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(path, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    weights: dict = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = weights["model.embed_tokens.scales"].dtype if "model.embed_tokens.scales" in weights else \
+        weights["model.embed_tokens.weight"].dtype
+    for i in range(config["num_hidden_layers"]):
+        for proj, n in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
+            weights[f"model.layers.{i}.self_attn.{proj}.bias"] = mx.zeros((n * head_dim,), dtype=dtype)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in sorted(weights)}}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))  # mlx-lm's sharded_load reads it
+    config.update(model_type="qwen2", rope_theta=config.get("rope_theta", 10000.0),
+                  num_key_value_heads=kv, max_position_embeddings=config.get("max_position_embeddings") or 8192)
+    for k in ("attention_bias", "mlp_bias", "head_dim", "layer_types", "sliding_window"):
+        config.pop(k, None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(twin)
+    return twin
+
 # ---- ports ----------------------------------------------------------------------------------------------------
 
 def _bindable(port: int) -> bool:

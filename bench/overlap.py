@@ -10,8 +10,9 @@ Arms (one arm's processes alive at a time; the order rotates every round; median
                          `--allocation auto` then splits by work: rank 0 also runs the head)
   b     mlx-lm           the anchor: mlx-lm's own distributed server, 2 local ranks (`mlx.launch --backend ring -n 2
                          -- python -m mlx_lm.server --pipeline`); the tiny models are qwen2-class, which has
-                         mlx-lm's pipeline(). Skipped with a printed reason without mlx.launch or for SmolLM2 (llama:
-                         no pipeline() in mlx-lm). Not in the default arms: ask for it with --arms.
+                         mlx-lm's pipeline(). SmolLM2 (llama: no pipeline() in mlx-lm) runs as its qwen2 twin
+                         (_common.pipelineable: zero q/k/v biases, the same answers). Skipped with a printed reason
+                         without mlx.launch. Not in the default arms: ask for it with --arms.
 Per arm and round: launch, a warm-up request, then for each C in --clients: C streaming greedy chat clients at
 once, each sending --per-client requests one after another (distinct prompts, the same for every arm): aggregate
 tok/s = all completion tokens / (first request sent -> last stream ended); time to first token per request, p50.
@@ -314,8 +315,6 @@ def anchor_unavailable(kind: str) -> str | None:
     """Why mlx-lm's own distributed server cannot be the anchor here (None: it can)."""
     if not Path(MLX_LAUNCH).exists():
         return f"{MLX_LAUNCH} is not installed"
-    if kind == "smollm2":
-        return "SmolLM2 is a llama-class model, and mlx-lm's llama has no pipeline()"
     return None
 
 

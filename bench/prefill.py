@@ -46,7 +46,13 @@ from _common import MLX_LAUNCH, PY, fmt, machine_note, med, model, say, table  #
 from serve import Round, arm_mlx_launch, arm_single  # noqa: E402
 
 BASE_COMMIT = "23e3c7f"
-SPLITS = {2: [4, 4], 3: [2, 3, 3]}  # the bench model's 8 blocks; rank 0 also runs the head
+
+
+def split(path: Path, world: int) -> list[int]:
+    """Layers per rank, as even as they go, the remainder to the last ranks (rank 0 also runs the head): the bench
+    model's 8 blocks are [4, 4] and [2, 3, 3]; SmolLM2's 30 are [15, 15] and [10, 10, 10]."""
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    return [n // world + (1 if r >= world - n % world else 0) for r in range(world)]
 
 _SWEEP = """
 import json, sys, time
@@ -139,8 +145,11 @@ def ranks(path: Path, world: int, work: Path, base_src: Path | None):
     from rankharness import RankCluster
 
     env = {"PYTHONPATH": str(base_src)} if base_src is not None else {}
-    c = RankCluster(Path(tempfile.mkdtemp(dir=work)), path, SPLITS[world], env=env, tag=f"pf{world}",
-                    overrides={"max_batch": 8, "context_tokens": 4096, "control_timeout_s": 120.0})
+    counts = split(path, world)
+    overrides = {"max_batch": 8, "context_tokens": 4096, "control_timeout_s": 120.0}
+    if base_src is not None:  # the code before issue 42 reads every rank's layer count (the spec names its own range now)
+        overrides["layer_counts"] = counts
+    c = RankCluster(Path(tempfile.mkdtemp(dir=work)), path, counts, env=env, tag=f"pf{world}", overrides=overrides)
     try:
         c.up(timeout=300)
         yield c.url, [p.pid for p in c.procs]
@@ -210,7 +219,8 @@ def main() -> int:
     ap.add_argument("--joins", type=int, default=None, help="long prompts joining the streams (default 3)")
     ap.add_argument("--stream-tokens", type=int, default=None)
     ap.add_argument("--parts", default="chunks,ttft,gaps,idle")
-    ap.add_argument("--model", default="100m", help="100m (the bench preset) or 7m (overhead-bound)")
+    ap.add_argument("--model", default="100m", help="100m (the bench preset), 7m (overhead-bound) or smollm2 (the real model: "
+                    "use a few hundred tokens, --prompt-tokens 300)")
     ap.add_argument("--arms", default="one,base2,new2,new3")
     ap.add_argument("--base", default=BASE_COMMIT, help=f"the commit of the base arms (default {BASE_COMMIT})")
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle part measures")

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (MLX_LAUNCH, PY, TAG_ENV, alive, check, clusterctl, fmt, idle_cores, kill_tagged,  # noqa: E402
+from _common import (MLX_LAUNCH, PY, TAG_ENV, alive, check, clusterctl, fmt, idle_cores, kill_tagged, pipelineable,  # noqa: E402
                      launch_manifests, log, machine_note, med, mktemp_names, model, new_tag, port_run, ratio,
                      remove_mlx_launch_leaks, say, stop_popen, stream_chat, table, tagged, vm_hwm, wait_gone,
                      wait_http, with_env)
@@ -112,6 +112,8 @@ def arm_mlx_launch(path: Path, r: Round, workdir: Path, n: int = 2, pipeline: bo
                    layers: dict | None = None):
     """n local ranks of mlx_lm.server under mlx.launch: --pipeline (mlx-lm's even split), or without it mlx-lm's
     tensor parallelism (its shard())."""
+    if pipeline:
+        path = pipelineable(path)  # llama (SmolLM2) has no pipeline() in mlx-lm: its qwen2 twin does
     tag = new_tag("mlxl")
     ring = port_run(n)
     port = port_run(1)
