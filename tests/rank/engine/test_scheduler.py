@@ -475,3 +475,24 @@ def test_every_reason_a_run_ends_has_its_metric_label():
     from clusterctl.rank.metrics import RUN_ENDS
 
     assert {e.value for e in RunEnd} == set(RUN_ENDS)
+
+
+@pytest.mark.parametrize("columns,stages,want", [
+    (1999, 2, 256),   # a long prompt: the largest chunk fills the pipeline (8 chunks)
+    (299, 2, 48),     # a few hundred tokens on 2 stages: 7 chunks of 48, not 2 of 256 (which leave a stage idle)
+    (299, 3, 32),     # 3 stages: the floor
+    (20, 2, 32),      # shorter than the floor: one chunk
+    (600, 2, 80),
+    (299, 1, 256),    # one stage (or tensor parallelism): nothing to fill
+])
+def test_a_short_prompt_is_cut_into_chunks_that_fill_the_pipeline(columns, stages, want):
+    chunk = sch.prefill_chunk(columns, stages)
+    assert chunk == want
+    assert chunk % 16 == 0 and sch.MIN_PREFILL_CHUNK <= chunk <= sch.PREFILL_CHUNK
+    if stages > 1 and want > sch.MIN_PREFILL_CHUNK:
+        assert -(-columns // chunk) >= sch.CHUNKS_PER_STAGE * stages - 1  # enough chunks for every stage
+
+
+def test_a_smaller_largest_chunk_wins_over_the_floor():
+    """(tests/rank/test_prompt_logprobs.py runs chunks of 4 to score a prompt across many of them.)"""
+    assert sch.prefill_chunk(300, 2, largest=4) == 4

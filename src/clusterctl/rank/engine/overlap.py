@@ -374,15 +374,16 @@ class OverlapBatch:
     def _prompt(self, mb: MicroBatch) -> None:
         """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
         step's input, as in mlx-lm), in groups of similar length (a batch pads every prompt to its longest, and on
-        a CPU every padded token costs a real one), each in chunks of PREFILL_CHUNK columns; a group that is done
-        joins the micro-batch's rows and caches. How much of it this slot processes is ``prefill_plan``'s: all of
+        a CPU every padded token costs a real one), each in chunks of at most PREFILL_CHUNK columns (fewer for a
+        short prompt, so that its chunks fill the stages: ``prefill_chunk``); a group that is done joins the
+        micro-batch's rows and caches. How much of it this slot processes is ``prefill_plan``'s: all of
         it when no row decodes (its chunks flow through the stages like micro-batches), else a budget per slot,
         so the running rows keep their pace while a long prompt joins (a prompt the prompt cache covers whole has
         nothing left to process)."""
         started = {id(r) for p in mb.prefill for r in p.rows}
         new = [r for r in mb.fresh if id(r) not in started]
         for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in new]):
-            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused))
+            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused, self.world))
         plan = prefill_plan([(len(p.rows), p.left) for p in mb.prefill], any(m.rows for m in self.mbs))
         for p, cols in zip(list(mb.prefill), plan):
             p.advance(self.model, cols)

@@ -16,7 +16,7 @@ from typing import Callable
 import mlx.core as mx
 
 from clusterctl.rank.engine.promptlogprobs import RowChunk, score
-from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
+from clusterctl.rank.engine.scheduler import PREFILL_CHUNK, prefill_chunk
 
 
 @dataclass
@@ -31,16 +31,17 @@ class Prefill:
     starts: list[int] = field(default_factory=list)  # each row's first position here (the cache gave the others)
     lengths: list[int] = field(default_factory=list)  # each row's columns here (the rest of its row is padding)
     done: int = 0  # columns processed
+    chunk: int = PREFILL_CHUNK  # columns per forward pass (``scheduler.prefill_chunk``: smaller for a short prompt)
 
     @property
     def left(self) -> int:
         return 0 if self.tokens is None else self.tokens.shape[1]
 
     @classmethod
-    def start(cls, model, rows: list, reused: Callable[[object], int]) -> "Prefill":
+    def start(cls, model, rows: list, reused: Callable[[object], int], stages: int = 1) -> "Prefill":
         """The group's caches (each row's prompt-cache prefix, ``reused(row)`` tokens of it, or empty ones) merged
         into batch caches, and the prompts' remaining tokens (all but the last: the first step's input, as in
-        mlx-lm) right-padded to the longest."""
+        mlx-lm) right-padded to the longest, to be processed in chunks that fill a pipeline of ``stages``."""
         from mlx_lm.generate import _merge_caches, _right_pad_prompts
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -57,13 +58,14 @@ class Prefill:
             if max(padding) > 0:
                 for c in cache:
                     c.prepare(lengths=lengths, right_padding=padding)
-        return cls(rows=rows, cache=cache, tokens=tokens, padded=max(padding) > 0, starts=skip, lengths=lengths)
+        return cls(rows=rows, cache=cache, tokens=tokens, padded=max(padding) > 0, starts=skip, lengths=lengths,
+                   chunk=prefill_chunk(max(lengths), stages, PREFILL_CHUNK))
 
     def advance(self, model, cols: int) -> None:
-        """Up to ``cols`` more columns, PREFILL_CHUNK per forward pass (only the caches are evaluated: a chunk's
+        """Up to ``cols`` more columns, ``chunk`` per forward pass (only the caches are evaluated: a chunk's
         logits are not, unless a row asks for its prompt's log-probabilities: promptlogprobs.py)."""
         while cols > 0 and self.left:
-            n = min(PREFILL_CHUNK, cols, self.left)
+            n = min(self.chunk, cols, self.left)
             logits = model(self.tokens[:, :n], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             if any(r.scorer is not None for r in self.rows):

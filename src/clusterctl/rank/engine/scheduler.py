@@ -393,7 +393,23 @@ def prompt_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-PREFILL_CHUNK = 256  # a prompt's columns per forward pass: the unit that flows through the stages (docs/rank.md)
+PREFILL_CHUNK = 256  # a prompt's columns per forward pass at most: the unit that flows through the stages (docs/rank.md)
+MIN_PREFILL_CHUNK = 32  # ... and at least (a prompt shorter than this is one chunk)
+CHUNKS_PER_STAGE = 4  # a prompt is cut into at least this many chunks per pipeline stage, down to MIN_PREFILL_CHUNK
+
+
+def prefill_chunk(columns: int, stages: int, largest: int = PREFILL_CHUNK) -> int:
+    """The chunk a group's prompt of ``columns`` is processed in on a pipeline of ``stages``: ``largest``, or less
+    for a prompt too short to fill the pipeline with it. The pipeline fills for one chunk per extra stage, so a
+    prompt of k chunks on S stages takes about t / S * (1 + (S - 1) / k): a 300-token prompt in chunks of 256 on 2
+    stages is 2 chunks (0.75x one process at best), in chunks of 48 it is 7 (0.57x). On this CPU a token costs no
+    more in a chunk of 32-128 columns than of 256 (bench/README.md). Every rank computes the same chunk from the
+    group's shape, so the stages' sends and receives agree. One stage (or tensor parallelism): ``largest``."""
+    if stages <= 1:
+        return largest
+    want = -(-columns // (CHUNKS_PER_STAGE * stages))
+    want = -(-want // 16) * 16  # a multiple of 16 columns
+    return min(largest, max(MIN_PREFILL_CHUNK, want))
 DECODE_BUDGET = 64  # prompt tokens one slot may process while rows decode, so their gap between tokens stays short
 
 
