@@ -10,9 +10,13 @@ rank through its keeper) are answered by the ops ``run`` and ``start`` the same 
 its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node that a whole launch can run on.
 
     ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "terminated"}]}})
-    with fake_nodes({"a": ops}):          # every handle of node "a" made from now on talks to ``ops``
-        report = asyncio.run(teardown_command(state, job_id, SshOptions(), grace=1))
+    ssh = fake_ssh({"a": ops})            # every handle of node "a" made with ``ssh`` talks to ``ops``
+    report = asyncio.run(teardown_command(state, job_id, ssh, grace=1))
     assert ops.ops() == ["sweep", "clean"]
+
+The fake is a parameter, never a patched global: ``FakeConnector`` is the ``nodes.Connector`` that
+``SshOptions.connector`` carries into every command (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a
+supervisor).
 
 An op function may be ``async`` (to hold an answer back), may raise ``NodeOpError`` (the node reports an error
 of that kind, as nodeops does), and an op without a function answers "unknown op".
@@ -23,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import contextlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -248,19 +251,21 @@ class FakeTransport:
             p.kill()
 
 
-@contextlib.contextmanager
-def fake_nodes(script: dict[str, ScriptedOps]):
-    """Every node handle made inside (``nodes.handles``) for a node named in ``script`` talks to its fake."""
+@dataclass(frozen=True)
+class FakeConnector(nodes.Connector):
+    """Opens a ``FakeTransport`` for every node named in ``script`` (its ``ScriptedOps``), the real transport
+    for any other node."""
 
-    real = nodes.transport_for
+    script: dict[str, ScriptedOps]
 
-    def transport_for(node, ssh, *, keeper_grace: float = 10.0):
-        if node.name in script:
-            return FakeTransport(node.name, script[node.name], keeper_grace=keeper_grace)
-        return real(node, ssh, keeper_grace=keeper_grace)
+    def transport(self, node, ssh, *, keeper_grace: float = 10.0):
+        ops = self.script.get(node.name)
+        if ops is None:
+            return super().transport(node, ssh, keeper_grace=keeper_grace)
+        return FakeTransport(node.name, ops, keeper_grace=keeper_grace)
 
-    nodes.transport_for = transport_for
-    try:
-        yield script
-    finally:
-        nodes.transport_for = real
+
+def fake_ssh(script: dict[str, ScriptedOps], **options) -> nodes.SshOptions:
+    """``SshOptions`` (any of its fields in ``options``) whose connector is ``FakeConnector(script)``: hand it to
+    a command as its ``ssh``."""
+    return nodes.SshOptions(connector=FakeConnector(script), **options)
