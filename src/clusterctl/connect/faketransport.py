@@ -19,7 +19,9 @@ The fake is a parameter, never a patched global: ``FakeConnector`` is the ``node
 supervisor).
 
 An op function may be ``async`` (to hold an answer back), may raise ``NodeOpError`` (the node reports an error
-of that kind, as nodeops does), and an op without a function answers "unknown op".
+of that kind, as nodeops does), and an op without a function answers "unknown op". ``ScriptedOps.cut()`` takes
+the whole node away (its open sessions end, a new connection is refused with ``HostUnreachable``, as a node
+that went down or whose link was cut); ``restore()`` brings it back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clusterctl.errors import HostUnreachable
 from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
 from clusterctl.connect import nodes
@@ -55,6 +58,22 @@ class ScriptedOps:
     bytes_in: int = 0  # what the coordinator sent this node (op requests)
     sessions: int = 0  # op sessions opened to this node (each would be an SSH channel and a Python start-up)
     pids: int = 4000
+    reachable: bool = True  # False: cut off (``cut``); every connection to it is refused
+    open_pipes: set = field(default_factory=set, repr=False)  # its op sessions open now (ScriptedPipe)
+
+    def cut(self) -> None:
+        """The node goes away: every open session to it ends, every new one is refused until ``restore``."""
+        self.reachable = False
+        for pipe in list(self.open_pipes):
+            pipe.kill()
+
+    def restore(self) -> None:
+        self.reachable = True
+
+    def refuse(self, node: str) -> None:
+        """Raise what connecting to a node that is cut off raises (sshnode.py: the connection fails)."""
+        if not self.reachable:
+            raise HostUnreachable(f"cannot reach {node}: connection refused (the fake node is cut off)", host=node)
 
     def _op_run(self, req: dict) -> dict:
         """``transport.run``, unless scripted: exit 0, no output."""
@@ -96,6 +115,7 @@ class ScriptedPipe:
 
     def __init__(self, ops: ScriptedOps):
         self.ops = ops
+        ops.open_pipes.add(self)
         self.lines: collections.deque[bytes] = collections.deque()
         self.waiter: asyncio.Future | None = None  # a readline waiting for a line or the end
         self.tasks: set[asyncio.Task] = set()
@@ -146,6 +166,7 @@ class ScriptedPipe:
         self.kill()
 
     def kill(self) -> None:
+        self.ops.open_pipes.discard(self)
         for t in list(self.tasks):
             t.cancel()
         self.returncode = 0
@@ -215,6 +236,7 @@ class FakeTransport:
     async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
                   timeout: float | None = None, check: bool = False) -> CommandResult:
         check_argv(argv, env)
+        self.ops.refuse(self.node)
         self.ops.bytes_in += len(shell_command_line(argv, env)) + len(input or b"")
         try:
             async with asyncio.timeout(timeout):
@@ -230,6 +252,7 @@ class FakeTransport:
     async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
                     grace: float | None = None) -> StartedProcess:
         check_argv(argv, env)
+        self.ops.refuse(self.node)
         grace = self.keeper_grace if grace is None else grace
         self.ops.bytes_in += len(shell_command_line(keeper_argv(self.python, argv, grace), env))
         report = await self.ops.answer("start", {"argv": list(argv), "env": env or {}})
@@ -239,6 +262,7 @@ class FakeTransport:
         return sp
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> ScriptedPipe:
+        self.ops.refuse(self.node)
         pipe = ScriptedPipe(self.ops)
         self.ops.sessions += 1
         self.pipes.append(pipe)
