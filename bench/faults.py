@@ -801,15 +801,14 @@ def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
 
     import test_heal_races as races
     from clusterctl.launch.fakecluster import SimulatedNode
-    from clusterctl.connect.faketransport import fake_nodes
 
     moments = []
     for k in range(5 if bed.quick else 25):
         d, _ = bed.fresh("race")
         follow_at = None if rng.random() < 0.1 else round(rng.uniform(0.0, 14.0), 1)
         words = rng.choice(races.FOLLOWERS)
-        state, sup, clock = races._supervised(d, grace=rng.choice([1.0, 3.0, 5.0]))
         nodes = {races.A: SimulatedNode(), races.B: SimulatedNode()}
+        state, sup, clock = races._supervised(d, nodes, grace=rng.choice([1.0, 3.0, 5.0]))
 
         async def go():
             await sup.take_over()
@@ -818,8 +817,7 @@ def heal_race_simulated(bed: Bed, rng: random.Random, i: int) -> str:
             races._healed_onto_b(state, sup, original)
 
         try:
-            with fake_nodes(nodes):
-                asyncio.run(go())
+            asyncio.run(go())
         except AssertionError as e:
             raise Fail(f"rank 1 following at {follow_at} s ({words['state']}): {e}") from None
         moments.append(follow_at)

@@ -48,12 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from clusterctl.connect import fdlimit  # noqa: E402
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment  # noqa: E402
-from clusterctl.connect.faketransport import fake_nodes  # noqa: E402
+from clusterctl.connect.faketransport import fake_ssh  # noqa: E402
 from clusterctl.launch.jobplan import LaunchOptions  # noqa: E402
 from clusterctl.connect.nodes import SshOptions  # noqa: E402
 from clusterctl.statedir.state import StateDir  # noqa: E402
 
-SSH = SshOptions()
 TICK = 0.005
 
 
@@ -134,19 +133,18 @@ async def commands(n: int, rtt_ms: float, folder: Path) -> list[dict]:
     state = StateDir(folder / "state")
     dep = await asyncio.to_thread(simulated_deployment, state, n)
     nodes = {f"n{i:04d}": SimulatedNode(rtt=rtt_ms / 1000) for i in range(n)}
-    opts = LaunchOptions(check_model=False, detach=True, timeout=600, canary=True)
+    ssh = fake_ssh(nodes)
+    opts = LaunchOptions(check_model=False, detach=True, timeout=600, canary=True, ssh=ssh)
     rows = []
-    with fake_nodes(nodes):
-        rows.append(await measured("launch", nodes, rtt_ms, lambda: launch(dep, state, opts)))
-        rows[-1]["world_bytes_per_node"] = world_bytes(nodes)
-        rows.append(await measured("status", nodes, rtt_ms, lambda: status(state, SSH)))
-        rows.append(await measured("cancel", nodes, rtt_ms,
-                                   lambda: cancel_command(state, dep, SSH, requests=None)))
-        rows.append(await measured("teardown", nodes, rtt_ms, lambda: teardown_command(state, None, SSH, grace=1)))
-        await launch(dep, state, opts)
-        for node in nodes.values():
-            node.running.clear()  # every rank of the detached job exited: the reaper's to clean up
-        rows.append(await measured("reap", nodes, rtt_ms, lambda: reap(state, SSH, grace=1)))
+    rows.append(await measured("launch", nodes, rtt_ms, lambda: launch(dep, state, opts)))
+    rows[-1]["world_bytes_per_node"] = world_bytes(nodes)
+    rows.append(await measured("status", nodes, rtt_ms, lambda: status(state, ssh)))
+    rows.append(await measured("cancel", nodes, rtt_ms, lambda: cancel_command(state, dep, ssh, requests=None)))
+    rows.append(await measured("teardown", nodes, rtt_ms, lambda: teardown_command(state, None, ssh, grace=1)))
+    await launch(dep, state, opts)
+    for node in nodes.values():
+        node.running.clear()  # every rank of the detached job exited: the reaper's to clean up
+    rows.append(await measured("reap", nodes, rtt_ms, lambda: reap(state, ssh, grace=1)))
     assert rows[-1]["round_trips"] > 0
     return rows
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from clusterctl.connect.faketransport import ScriptedOps, fake_nodes
+from clusterctl.connect.faketransport import ScriptedOps, fake_ssh
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
@@ -58,23 +58,24 @@ def test_status_watch_reopens_only_a_session_that_ended(tmp_path):
     ops = {n: ScriptedOps({"markers": lambda req: {"markers": []}, "alive": lambda req: {
         "status": ["dead" for _ in req["targets"]]}}) for n in "ab"}
 
+    ssh = fake_ssh(ops)
+
     async def go():
-        pool = NodePool(SshOptions())
+        pool = NodePool(ssh)
         try:
-            await status(state, SshOptions(), pool=pool)
-            await status(state, SshOptions(), pool=pool)
+            await status(state, ssh, pool=pool)
+            await status(state, ssh, pool=pool)
             sess = pool.handles(nodes)["a"]._session
             sess.pipe.kill()  # node a's session ends (its connection dropped)
             for _ in range(100):
                 if not sess.alive:
                     break
                 await asyncio.sleep(0.01)
-            await status(state, SshOptions(), pool=pool)
+            await status(state, ssh, pool=pool)
         finally:
             await pool.close()
 
-    with fake_nodes(ops):
-        asyncio.run(go())
+    asyncio.run(go())
     assert (ops["a"].sessions, ops["b"].sessions) == (2, 1)
     assert ops["b"].ops() == ["markers", "alive"] * 3
 
@@ -89,8 +90,7 @@ def test_reap_opens_one_session_per_node_for_all_its_jobs(tmp_path):
     ops = {n: ScriptedOps({"markers": lambda req: {"markers": []}, "alive": lambda req: {
         "status": ["dead" for _ in req["targets"]]}, "sweep": lambda req: {"results": []},
         "clean": lambda req: {"removed": []}}) for n in "ab"}
-    with fake_nodes(ops):
-        report = asyncio.run(reap(state, SshOptions(), grace=1))
+    report = asyncio.run(reap(state, fake_ssh(ops), grace=1))
     assert len(report.reaped) == 3 and not report.failed
     for n in "ab":
         assert ops[n].sessions == 1

@@ -9,13 +9,11 @@ import time
 import pytest
 
 from clusterctl.errors import Busy
-from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
+from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_ssh
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.connect.nodes import SshOptions
 from clusterctl.plan.inventory import Node
 from clusterctl.statedir.state import StateDir
 
-SSH = SshOptions()
 NONCE = "ab" * 16
 
 
@@ -55,18 +53,17 @@ def node(rank: int, *, active=(), sweep="gone", alive="gone") -> ScriptedOps:
     })
 
 
-def teardown(state, **kw):
+def teardown(state, nodes: dict[str, ScriptedOps], **kw):
     from clusterctl.launch.teardown import teardown_command
 
-    return asyncio.run(teardown_command(state, None, SSH, grace=1, **kw))
+    return asyncio.run(teardown_command(state, None, fake_ssh(nodes), grace=1, **kw))
 
 
 def test_teardown_of_idle_ranks_sweeps_cleans_and_removes_the_manifest(state):
     m = job(state)
     a, b = node(0), node(1)
-    with fake_nodes({"a": a, "b": b}):
-        t0 = time.monotonic()
-        [report] = teardown(state)
+    t0 = time.monotonic()
+    [report] = teardown(state, {"a": a, "b": b})
     assert report.ok and report.manifest_removed and time.monotonic() - t0 < 5
     assert a.ops() == ["markers", "sweep", "clean"] and b.ops() == ["markers", "sweep", "clean"]
     assert a.calls[1][1]["ranks"] == [0] and a.calls[1][1]["nonce"] == NONCE  # only this node's rank, by nonce
@@ -76,18 +73,16 @@ def test_teardown_of_idle_ranks_sweeps_cleans_and_removes_the_manifest(state):
 def test_teardown_refuses_a_busy_job_and_touches_nothing(state):
     job(state)
     a, b = node(0), node(1, active=["cmpl-1"])
-    with fake_nodes({"a": a, "b": b}), pytest.raises(Busy, match="rank 1 on b: 1 active request"):
-        teardown(state)
+    with pytest.raises(Busy, match="rank 1 on b: 1 active request"):
+        teardown(state, {"a": a, "b": b})
     assert "sweep" not in a.ops() + b.ops()
-    with fake_nodes({"a": a, "b": b}):
-        [report] = teardown(state, force=True)  # --force stops it all the same
+    [report] = teardown(state, {"a": a, "b": b}, force=True)  # --force stops it all the same
     assert report.ok
 
 
 def test_a_rank_that_survives_keeps_the_manifest(state):
     m = job(state)
-    with fake_nodes({"a": node(0), "b": node(1, sweep="survived")}):
-        [report] = teardown(state, force=True)
+    [report] = teardown(state, {"a": node(0), "b": node(1, sweep="survived")}, force=True)
     assert not report.ok and not report.manifest_removed
     assert ManifestStore(state.launches, None, state.keyring.public_keys()).path(m.job_id).exists()
 
@@ -99,8 +94,7 @@ def test_an_unreachable_node_is_reported_not_guessed(state):
         raise NodeOpError("connection refused", "ClusterctlError")
     b = node(1)
     b.answers["sweep"] = down
-    with fake_nodes({"a": node(0), "b": b}):
-        [report] = teardown(state, force=True)
+    [report] = teardown(state, {"a": node(0), "b": b}, force=True)
     assert not report.ok and [r.status for r in report.ranks] == ["gone", "unreachable"]
 
 
@@ -108,12 +102,10 @@ def test_reap_leaves_a_detached_job_whose_ranks_run_and_reaps_it_once_they_are_g
     from clusterctl.launch.reaper import reap
 
     job(state, detached=True)
-    with fake_nodes({"a": node(0, alive="alive"), "b": node(1)}):
-        report = asyncio.run(reap(state, SSH, grace=1))
+    report = asyncio.run(reap(state, fake_ssh({"a": node(0, alive="alive"), "b": node(1)}), grace=1))
     assert report.nothing_to_do
     a, b = node(0), node(1)
-    with fake_nodes({"a": a, "b": b}):
-        report = asyncio.run(reap(state, SSH, grace=1))
+    report = asyncio.run(reap(state, fake_ssh({"a": a, "b": b}), grace=1))
     assert [j["job_id"] for j in report.reaped] == ["dep-x-1"] and "sweep" in a.ops()
 
 
@@ -121,8 +113,7 @@ def test_status_shows_each_rank_as_its_node_sees_it(state):
     from clusterctl.launch.status import status
 
     job(state)
-    with fake_nodes({"a": node(0), "b": node(1, active=["r1", "r2"])}):
-        doc = asyncio.run(status(state, SSH))
+    doc = asyncio.run(status(state, fake_ssh({"a": node(0), "b": node(1, active=["r1", "r2"])})))
     [j] = doc["jobs"]
     assert j["activity"] == "busy" and [r["active_requests"] for r in j["ranks"]] == [0, 2]
     assert [r["state"] for r in j["ranks"]] == ["serving", "serving"]
@@ -133,8 +124,7 @@ def test_cancel_writes_a_new_epoch_on_every_node_without_waiting(state):
 
     job(state)
     a, b = node(0), node(1)
-    with fake_nodes({"a": a, "b": b}):
-        [res] = asyncio.run(cancel_command(state, "dep-x-1", SSH, requests=["cmpl-1"], wait=0))
+    [res] = asyncio.run(cancel_command(state, "dep-x-1", fake_ssh({"a": a, "b": b}), requests=["cmpl-1"], wait=0))
     assert res["epoch"] == 1 and res["requests"] == ["cmpl-1"]
     for ops in (a, b):
         doc = json.loads(ops.files["/run/c/dep-x-cancel.json"])
@@ -177,14 +167,14 @@ def test_the_event_loop_stays_responsive_while_a_foreground_coordinator_is_asked
             # the coordinator ignores SIGTERM: it ends only when killed, 1.5 s into the teardown's wait
             asyncio.get_running_loop().call_later(1.5, coord.send_signal, signal.SIGKILL)
             try:
-                reports = await teardown_command(state, None, SSH, grace=5, force=True)
+                reports = await teardown_command(state, None, fake_ssh({"a": node(0), "b": node(1)}), grace=5,
+                                                 force=True)
             finally:
                 ticker.cancel()
             return reports, gaps
 
-        with fake_nodes({"a": node(0), "b": node(1)}):
-            t0 = time.monotonic()
-            (report,), gaps = asyncio.run(go())
+        t0 = time.monotonic()
+        (report,), gaps = asyncio.run(go())
         assert report.ok and time.monotonic() - t0 >= 1.5
         assert len(gaps) > 20 and max(gaps) < 0.5, f"the event loop was blocked for {max(gaps):.2f} s"
     finally:

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment
-from clusterctl.connect.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_nodes
+from clusterctl.connect.faketransport import FakeTransport, ScriptedOps, ScriptedPipe, fake_ssh
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.statedir.manifest import ManifestStore
 from clusterctl.statedir.state import StateDir
@@ -35,15 +35,14 @@ def run_launch(state, n: int, *, detach: bool, saves: list | None = None):
 
     async def go():
         run = await start.launch(path, state, LaunchOptions(check_model=False, detach=detach, timeout=30,
-                                                             lease_seconds=30, grace=1))
+                                                             lease_seconds=30, grace=1, ssh=fake_ssh(nodes)))
         ready = run.manifest.state
         report = None if detach else await run.teardown()
         return run, ready, report
 
     manifest.ManifestStore.save_doc = counted
     try:
-        with fake_nodes(nodes):
-            run, ready, report = asyncio.run(go())
+        run, ready, report = asyncio.run(go())
     finally:
         manifest.ManifestStore.save_doc = real
     assert ready == "ready"

@@ -7,13 +7,10 @@ import asyncio
 
 import pytest
 
-from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_nodes
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_ssh
 from clusterctl.launch.status import rank_state, status
 from clusterctl.statedir.state import StateDir
 from test_fake_nodes import job as _job
-
-SSH = SshOptions()
 
 
 def job(state: StateDir):
@@ -69,8 +66,7 @@ def node(rank: int, *, alive: str = "alive", age: float = 0.2, marker_state: str
 def test_a_dead_rank_under_a_ready_job_is_shown_dead(state):
     job(state)
     a, b = node(0), node(1, alive="dead")
-    with fake_nodes({"a": a, "b": b}):
-        doc = asyncio.run(status(state, SSH))
+    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b})))
     [j] = doc["jobs"]
     assert j["state"] == "ready" and j["ranks_down"] == 1
     assert [(r["state"], r["marker_state"], r["process"]) for r in j["ranks"]] == [
@@ -86,8 +82,7 @@ def test_a_stale_heartbeat_is_lost_and_an_unanswered_alive_changes_nothing(state
     b = ScriptedOps({"markers": lambda req: {"markers": [{"marker": {"rank": 1, "state": "serving",
                                                                      "job_id": "dep-x-1"}, "age": 0.1}]},
                      "alive": lambda req: (_ for _ in ()).throw(NodeOpError("psutil missing"))})
-    with fake_nodes({"a": a, "b": b}):
-        doc = asyncio.run(status(state, SSH))
+    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b})))
     [j] = doc["jobs"]
     assert [(r["state"], r["process"]) for r in j["ranks"]] == [("lost", "alive"), ("serving", None)]
     assert j["ranks_down"] == 1
@@ -105,8 +100,7 @@ def _render(renderable, width: int) -> list[str]:
 
 def _doc(state) -> dict:
     job(state)
-    with fake_nodes({"a": node(0), "b": node(1, alive="dead")}):
-        doc = asyncio.run(status(state, SSH))
+    doc = asyncio.run(status(state, fake_ssh({"a": node(0), "b": node(1, alive="dead")})))
     for r in doc["jobs"][0]["ranks"]:
         r.update(tok_s=12.5 if r["rank"] == 0 else None, batch=3, queued=0, step_s=0.01, idle_share=0.5,
                  rss_bytes=1 << 27, prompt_cache=[1, 20, 300], ladder="-")

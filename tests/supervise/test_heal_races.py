@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.fakecluster import SimulatedNode
-from clusterctl.connect.faketransport import fake_nodes
+from clusterctl.connect.faketransport import fake_ssh
 from clusterctl.supervise.policy import HealPolicy
 from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.supervise.loop import Supervisor
@@ -67,11 +67,13 @@ def _deployment(state: StateDir, tmp_path: Path) -> str:
     return str(state.save_deployment(dep)[-1])
 
 
-def _supervised(tmp_path, grace: float = 5.0):
+def _supervised(tmp_path, nodes: dict[str, SimulatedNode], grace: float = 5.0):
+    """A supervisor of the two-node deployment whose nodes are ``nodes`` (simulated, through its ``ssh``)."""
     state = StateDir(tmp_path / "state")
     ref = _deployment(state, tmp_path)
     clock = Clock()
-    opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_port=27570)
+    opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_port=27570,
+                         ssh=fake_ssh(nodes))
     sup = Supervisor(state, ref, opts, HealPolicy(grace_s=grace), clock=clock, detach=True)
     return state, sup, clock
 
@@ -104,8 +106,8 @@ def _healed_onto_b(state: StateDir, sup: Supervisor, original: str) -> None:
 
 @pytest.mark.parametrize("trial", range(10))
 def test_a_killed_rank0_heals_onto_rank1s_node_with_rank1_already_gone_at_the_look(tmp_path, trial):
-    state, sup, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, sup, clock = _supervised(tmp_path, nodes)
 
     async def go():
         await sup.take_over()
@@ -114,16 +116,15 @@ def test_a_killed_rank0_heals_onto_rank1s_node_with_rank1_already_gone_at_the_lo
         await _kill_rank0_and_heal(sup, clock, nodes, 0.0, FOLLOWERS[trial % len(FOLLOWERS)])
         _healed_onto_b(state, sup, original)
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("follow_at", [None, 1.0, 3.0, 4.0, 5.0, 6.0, 9.0, 10.0, 12.0])
 def test_a_killed_rank0_heals_onto_rank1s_node_whenever_rank1_follows(tmp_path, follow_at):
     """Rank 1 exits at every moment around the loss: before the grace runs out, as it does, after it, after
     the stale period that makes the supervisor insist, or never (it stays up until the heal's teardown)."""
-    state, sup, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, sup, clock = _supervised(tmp_path, nodes)
 
     async def go():
         await sup.take_over()
@@ -131,15 +132,14 @@ def test_a_killed_rank0_heals_onto_rank1s_node_whenever_rank1_follows(tmp_path, 
         await _kill_rank0_and_heal(sup, clock, nodes, follow_at, FOLLOWERS[1])
         _healed_onto_b(state, sup, original)
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())
 
 
 def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_spending_the_budget(tmp_path):
     """Both ranks killed, no follower: no culprit. Both nodes answer: the same plan relaunched, no plan change;
     never "no node answers" of nodes that answered."""
-    state, sup, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, sup, clock = _supervised(tmp_path, nodes)
 
     async def go():
         await sup.take_over()
@@ -156,8 +156,7 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
         assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
         assert sup.book.changes == [] and sup.book.wait(clock.t) == 0
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())
 
 
 async def _die_mid_heal(sup: Supervisor, clock: Clock, nodes: dict) -> str:
@@ -188,11 +187,10 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
     import sys as _sys
 
     from clusterctl.statedir import healfile
-    from clusterctl.connect.nodes import SshOptions
     from clusterctl.launch.reaper import reap
 
-    state, first, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, first, clock = _supervised(tmp_path, nodes)
     gone = subprocess.run([_sys.executable, "-c", "import psutil; p = psutil.Process(); print(p.pid, p.create_time())"],
                           capture_output=True, text=True, check=True).stdout.split()
 
@@ -203,29 +201,29 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
         doc = json.loads(path.read_text())
         doc["supervisor"] = {**doc["supervisor"], "pid": int(gone[0]), "start_time": float(gone[1])}  # dead
         path.write_text(json.dumps(doc))
-        report = await reap(state, SshOptions(), grace=1)
+        report = await reap(state, fake_ssh(nodes), grace=1)
         assert [r["job_id"] for r in report.reaped] == [job], report.to_json()
         assert not any(n.running for n in nodes.values())  # rank 1 (alive, frozen) reaped too
         after = healfile.read(path)
         assert after["state"] == "degraded" and after["job"] is None and "died during a heal" in after["reason"]
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())
 
 
 def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_port(tmp_path):
     """The supervisor dies during the heal's teardown (rank 1 frozen: the sweep on its node never answers). A
     successor started without a port reuses the cluster's recorded one and finishes the heal: what is left of
     the lost job torn down verified, the job relaunched on the nodes left, ``serving``."""
-    state, first, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, first, clock = _supervised(tmp_path, nodes)
 
     async def go():
         await first.take_over()
         original = first.current
         job = await _die_mid_heal(first, clock, nodes)
 
-        opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="")
+        opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="",
+                             ssh=fake_ssh(nodes))
         second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)
         assert second.opts.http_port == 27570 and second.pending == [A]
         await second.take_over()
@@ -238,15 +236,14 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
         _healed_onto_b(state, second, original)
         assert second.job.manifest.endpoint.endswith(":27570")
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())
 
 
 def test_with_every_node_lost_the_supervisor_probes_for_the_rejoin_instead_of_retrying_a_heal(tmp_path):
     """Both nodes stop answering: no node answers a probe, both are lost; then the loop probes them for the
     rejoin (it does not retry a heal onto nothing every second) and goes back once they answer."""
-    state, sup, clock = _supervised(tmp_path)
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
+    state, sup, clock = _supervised(tmp_path, nodes)
 
     def silent(req):
         from clusterctl.connect.faketransport import NodeOpError
@@ -275,5 +272,4 @@ def test_with_every_node_lost_the_supervisor_probes_for_the_rejoin_instead_of_re
         assert sup.current == original and sup.book.lost == []
         assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
 
-    with fake_nodes(nodes):
-        asyncio.run(go())
+    asyncio.run(go())

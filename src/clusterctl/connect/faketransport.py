@@ -10,12 +10,18 @@ rank through its keeper) are answered by the ops ``run`` and ``start`` the same 
 its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node that a whole launch can run on.
 
     ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "terminated"}]}})
-    with fake_nodes({"a": ops}):          # every handle of node "a" made from now on talks to ``ops``
-        report = asyncio.run(teardown_command(state, job_id, SshOptions(), grace=1))
+    ssh = fake_ssh({"a": ops})            # every handle of node "a" made with ``ssh`` talks to ``ops``
+    report = asyncio.run(teardown_command(state, job_id, ssh, grace=1))
     assert ops.ops() == ["sweep", "clean"]
 
+The fake is a parameter, never a patched global: ``FakeConnector`` is the ``nodes.Connector`` that
+``SshOptions.connector`` carries into every command (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a
+supervisor).
+
 An op function may be ``async`` (to hold an answer back), may raise ``NodeOpError`` (the node reports an error
-of that kind, as nodeops does), and an op without a function answers "unknown op".
+of that kind, as nodeops does), and an op without a function answers "unknown op". ``ScriptedOps.cut()`` takes
+the whole node away (its open sessions end, a new connection is refused with ``HostUnreachable``, as a node
+that went down or whose link was cut); ``restore()`` brings it back.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import contextlib
 import inspect
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clusterctl.errors import HostUnreachable
 from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
 from clusterctl.connect import nodes
@@ -52,6 +58,22 @@ class ScriptedOps:
     bytes_in: int = 0  # what the coordinator sent this node (op requests)
     sessions: int = 0  # op sessions opened to this node (each would be an SSH channel and a Python start-up)
     pids: int = 4000
+    reachable: bool = True  # False: cut off (``cut``); every connection to it is refused
+    open_pipes: set = field(default_factory=set, repr=False)  # its op sessions open now (ScriptedPipe)
+
+    def cut(self) -> None:
+        """The node goes away: every open session to it ends, every new one is refused until ``restore``."""
+        self.reachable = False
+        for pipe in list(self.open_pipes):
+            pipe.kill()
+
+    def restore(self) -> None:
+        self.reachable = True
+
+    def refuse(self, node: str) -> None:
+        """Raise what connecting to a node that is cut off raises (sshnode.py: the connection fails)."""
+        if not self.reachable:
+            raise HostUnreachable(f"cannot reach {node}: connection refused (the fake node is cut off)", host=node)
 
     def _op_run(self, req: dict) -> dict:
         """``transport.run``, unless scripted: exit 0, no output."""
@@ -93,6 +115,7 @@ class ScriptedPipe:
 
     def __init__(self, ops: ScriptedOps):
         self.ops = ops
+        ops.open_pipes.add(self)
         self.lines: collections.deque[bytes] = collections.deque()
         self.waiter: asyncio.Future | None = None  # a readline waiting for a line or the end
         self.tasks: set[asyncio.Task] = set()
@@ -143,6 +166,7 @@ class ScriptedPipe:
         self.kill()
 
     def kill(self) -> None:
+        self.ops.open_pipes.discard(self)
         for t in list(self.tasks):
             t.cancel()
         self.returncode = 0
@@ -212,6 +236,7 @@ class FakeTransport:
     async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
                   timeout: float | None = None, check: bool = False) -> CommandResult:
         check_argv(argv, env)
+        self.ops.refuse(self.node)
         self.ops.bytes_in += len(shell_command_line(argv, env)) + len(input or b"")
         try:
             async with asyncio.timeout(timeout):
@@ -227,6 +252,7 @@ class FakeTransport:
     async def start(self, argv: list[str], *, env: dict[str, str] | None = None,
                     grace: float | None = None) -> StartedProcess:
         check_argv(argv, env)
+        self.ops.refuse(self.node)
         grace = self.keeper_grace if grace is None else grace
         self.ops.bytes_in += len(shell_command_line(keeper_argv(self.python, argv, grace), env))
         report = await self.ops.answer("start", {"argv": list(argv), "env": env or {}})
@@ -236,6 +262,7 @@ class FakeTransport:
         return sp
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> ScriptedPipe:
+        self.ops.refuse(self.node)
         pipe = ScriptedPipe(self.ops)
         self.ops.sessions += 1
         self.pipes.append(pipe)
@@ -248,19 +275,21 @@ class FakeTransport:
             p.kill()
 
 
-@contextlib.contextmanager
-def fake_nodes(script: dict[str, ScriptedOps]):
-    """Every node handle made inside (``nodes.handles``) for a node named in ``script`` talks to its fake."""
+@dataclass(frozen=True)
+class FakeConnector(nodes.Connector):
+    """Opens a ``FakeTransport`` for every node named in ``script`` (its ``ScriptedOps``), the real transport
+    for any other node."""
 
-    real = nodes.transport_for
+    script: dict[str, ScriptedOps]
 
-    def transport_for(node, ssh, *, keeper_grace: float = 10.0):
-        if node.name in script:
-            return FakeTransport(node.name, script[node.name], keeper_grace=keeper_grace)
-        return real(node, ssh, keeper_grace=keeper_grace)
+    def transport(self, node, ssh, *, keeper_grace: float = 10.0):
+        ops = self.script.get(node.name)
+        if ops is None:
+            return super().transport(node, ssh, keeper_grace=keeper_grace)
+        return FakeTransport(node.name, ops, keeper_grace=keeper_grace)
 
-    nodes.transport_for = transport_for
-    try:
-        yield script
-    finally:
-        nodes.transport_for = real
+
+def fake_ssh(script: dict[str, ScriptedOps], **options) -> nodes.SshOptions:
+    """``SshOptions`` (any of its fields in ``options``) whose connector is ``FakeConnector(script)``: hand it to
+    a command as its ``ssh``."""
+    return nodes.SshOptions(connector=FakeConnector(script), **options)

@@ -32,13 +32,26 @@ MARKER_POLL = 0.02  # a local node's markers, read in-process
 _KINDS = {"MissingInput": MissingInput, "IntegrityError": IntegrityError, "CannotWrite": CannotWrite}
 
 
+@dataclass(frozen=True)
+class Connector:
+    """What opens a node's transport: the real ones (LocalTransport for the coordinator's own node, SshTransport
+    for the others). Every command reaches its nodes through the ``SshOptions`` it is given, which carries its
+    connector; a test hands in a fake one instead (connect/faketransport.py: ``FakeConnector``)."""
+
+    def transport(self, node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) -> Transport:
+        return make_transport(node.name, local=node.is_local, target=ssh_target(node, ssh),
+                              python=node_python(node), keeper_grace=keeper_grace)
+
+
 @dataclass
 class SshOptions:
-    """Operator-level SSH choices (flags); everything else comes from cluster.toml via ssh_policy."""
+    """Operator-level SSH choices (flags); everything else comes from cluster.toml via ssh_policy. ``connector``
+    opens each node's transport (the real one unless a test gives its fake)."""
 
     known_hosts: Path | None = None
     accept_new_host_keys: bool = False
     connect_timeout: float = 10.0
+    connector: Connector = field(default_factory=Connector)
 
 
 def node_python(node: Node) -> str:
@@ -72,11 +85,6 @@ def make_transport(node_name: str, *, local: bool, target, python: str, keeper_g
     from clusterctl.connect.sshnode import SshTransport  # asyncssh is imported only when a node needs it
 
     return SshTransport(node_name, target, python=python, keeper_grace=keeper_grace)
-
-
-def transport_for(node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) -> Transport:
-    return make_transport(node.name, local=node.is_local, target=ssh_target(node, ssh), python=node_python(node),
-                          keeper_grace=keeper_grace)
 
 
 class OpSession:
@@ -334,7 +342,7 @@ def handles(nodes: list[Node], ssh: SshOptions, *, keeper_grace: float = 10.0,
             runtime_dirs: dict[str, str] | None = None) -> dict[str, NodeHandle]:
     out = {}
     for n in nodes:
-        h = out[n.name] = NodeHandle(n, transport_for(n, ssh, keeper_grace=keeper_grace),
+        h = out[n.name] = NodeHandle(n, ssh.connector.transport(n, ssh, keeper_grace=keeper_grace),
                                      runtime_dir=(runtime_dirs or {}).get(n.name) or n.runtime_dir)
         if hasattr(h.transport, "owner"):
             h.transport.owner = h  # the connection is idle when no op is in flight (fdlimit.SLOTS)
@@ -374,7 +382,7 @@ def first_error_code(errors: list[BaseException]):
     return codes.pop() if len(codes) == 1 else Exit.FAILED
 
 
-__all__ = ["NodeHandle", "NodePool", "SshOptions", "handles", "close_all", "transport_for", "make_transport", "node_python", "IntegrityError"]
+__all__ = ["NodeHandle", "NodePool", "SshOptions", "handles", "close_all", "Connector", "make_transport", "node_python", "IntegrityError"]
 
 
 def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:

@@ -7,8 +7,7 @@ or foreground ``start``) writes a ``serving`` marker at once (its facts read fro
 markers, alive, sweep, clean and canary as expected. Each answer comes back ``rtt`` seconds after its request.
 
     nodes = {f"n{i}": SimulatedNode(rtt=0.05) for i in range(256)}
-    with fake_nodes(nodes):
-        running = asyncio.run(launch(dep_file, state, opts))
+    running = asyncio.run(launch(dep_file, state, LaunchOptions(check_model=False, ssh=fake_ssh(nodes))))
 """
 
 from __future__ import annotations
