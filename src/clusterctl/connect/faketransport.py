@@ -9,13 +9,15 @@ milliseconds without sshd or ranks. Files written through the handle (``read``/`
 rank through its keeper) are answered by the ops ``run`` and ``start`` the same way; a started process runs until
 its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node that a whole launch can run on.
 
-    ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "terminated"}]}})
+    ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "gone"}]}})
     with fake_nodes({"a": ops}):          # every handle of node "a" made from now on talks to ``ops``
         report = asyncio.run(teardown_command(state, job_id, SshOptions(), grace=1))
     assert ops.ops() == ["sweep", "clean"]
 
-An op function may be ``async`` (to hold an answer back), may raise ``NodeOpError`` (the node reports an error
-of that kind, as nodeops does), and an op without a function answers "unknown op".
+An op function may be ``async`` (to hold an answer back), may return the op's answer model
+(protocol/nodeops.py) or its JSON object, may raise ``NodeOpError`` (the node reports an error of that kind, as
+nodeops does), and an op without a function answers "unknown op". Answers are checked on the coordinator's side
+like a real node's (``NodeHandle.ask``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable
 from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
 from clusterctl.connect import nodes
+from clusterctl.protocol.nodeops import Answer
 
 
 class NodeOpError(Exception):
@@ -72,7 +75,8 @@ class ScriptedOps:
         if fn is None:
             raise NodeOpError(f"unknown op {op}", "UsageError")
         got = fn(req)
-        return await got if inspect.isawaitable(got) else got
+        got = await got if inspect.isawaitable(got) else got
+        return got.wire() if isinstance(got, Answer) else got
 
     def _op_read(self, req: dict) -> dict:
         data = self.files.get(req["path"])
