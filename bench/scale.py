@@ -167,6 +167,7 @@ async def connect_rows(count: int, nofile: int, folder: Path) -> list[dict]:
 
     from clusterctl.connect.nodes import close_all, handles
     from clusterctl.plan.inventory import Node
+    from clusterctl.protocol.nodeops import AliveRequest
 
     host_key, client_key = asyncssh.generate_private_key("ssh-ed25519"), asyncssh.generate_private_key("ssh-ed25519")
     (folder / "client").write_bytes(client_key.export_private_key())
@@ -189,7 +190,7 @@ async def connect_rows(count: int, nofile: int, folder: Path) -> list[dict]:
             fdlimit.SLOTS = slots
             hs = handles(nodes, SshOptions(known_hosts=folder / "known_hosts", connect_timeout=20))
             cpu0, t0 = time.process_time(), time.monotonic()
-            got = await asyncio.gather(*(h.op("alive", {"targets": []}, timeout=120) for h in hs.values()),
+            got = await asyncio.gather(*(h.ask(AliveRequest(targets=[]), timeout=120) for h in hs.values()),
                                        return_exceptions=True)
             wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
             await close_all(hs)

@@ -18,6 +18,7 @@ from clusterctl.connect.nodes import make_transport
 from clusterctl.connect.localnode import LocalTransport
 from clusterctl.connect.transport import CommandTimedOut
 from clusterctl.plan.inventory import Node
+from clusterctl.protocol.nodeops import ProbeRequest, WatchedRank
 
 PY = sys.executable
 
@@ -68,12 +69,12 @@ def test_one_session_answers_concurrent_requests_in_any_order(handle, tmp_path):
             t0 = time.monotonic()
             await h.write_file(str(tmp_path / "sub" / "f.bin"), b"\x00\x01data", mode=0o600)
             assert await h.read_file(str(tmp_path / "sub" / "f.bin")) == b"\x00\x01data"
-            probe = await h.op("probe", {})
-            assert probe["hostname"] and time.monotonic() - t0 < 4.0
+            probe = await h.ask(ProbeRequest())
+            assert probe.hostname and time.monotonic() - t0 < 4.0
             assert not slow.done()
             assert sessions_under(h.root) - before == 1  # every request went through one process
             marker.write_text(json.dumps({"state": "serving", "rank": 0}))
-            [doc] = (await slow)["markers"]
+            [doc] = (await slow).markers
             assert doc["state"] == "serving"
         finally:
             await h.close()
@@ -151,9 +152,9 @@ def test_a_watched_process_that_is_gone_before_its_marker_is_ready_ends_the_wait
     lines = [f"line {i}" for i in range(30)] + ["error: rank 0: cannot start"]
     dying = subprocess.Popen(["sh", "-c", f"sleep 0.5; printf '%s\\n' {' '.join(map(repr, lines))} >> {log}"],
                              env={**os.environ, "CLUSTERCTL_NONCE": nonce}, start_new_session=True)
-    watch_dying = {**ident(dying, nonce), "log_path": str(log)}
+    watch_dying = WatchedRank(**ident(dying, nonce), log_path=str(log))
     alive = spawn(nonce)
-    watch_alive = {**ident(alive, nonce), "log_path": str(tmp_path / "nothing.log")}
+    watch_alive = WatchedRank(**ident(alive, nonce), log_path=str(tmp_path / "nothing.log"))
     marker = tmp_path / "job-rank0.json"
     marker.write_text(json.dumps({"state": "loading", "rank": 0}))
     ready = tmp_path / "job-rank1.json"
@@ -165,16 +166,16 @@ def test_a_watched_process_that_is_gone_before_its_marker_is_ready_ends_the_wait
             # the living process and the ready marker keep nobody from waiting: the wait runs to its timeout
             t0 = time.monotonic()
             ans = await h.wait_markers([str(marker)], {"ready"}, 1.0, watch=[watch_alive])
-            assert ans["exited"] == [None] and time.monotonic() - t0 >= 1.0
+            assert ans.exited == [None] and time.monotonic() - t0 >= 1.0
             t0 = time.monotonic()
             ans = await h.wait_markers([str(ready), str(marker)], {"ready"}, 25.0, watch=[None, watch_dying])
             assert time.monotonic() - t0 < 15, "the wait ran on after the process was gone"
-            assert ans["markers"][1]["state"] == "loading" and ans["exited"][0] is None
-            assert ans["exited"][1]["log_tail"] == lines[-20:]
+            assert ans.markers[1]["state"] == "loading" and ans.exited[0] is None
+            assert ans.exited[1].log_tail == lines[-20:]
             # gone, but its marker says what was waited for: nothing to report
             marker.write_text(json.dumps({"state": "ready", "rank": 0}))
             ans = await h.wait_markers([str(marker)], {"ready"}, 5.0, watch=[watch_dying])
-            assert ans["exited"] == [None] and ans["markers"][0]["state"] == "ready"
+            assert ans.exited == [None] and ans.markers[0]["state"] == "ready"
         finally:
             await h.close()
 

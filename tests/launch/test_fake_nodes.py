@@ -44,7 +44,7 @@ def marker(rank: int, active: list[str] = (), state: str = "serving") -> dict:
             "age": 0.2}
 
 
-def node(rank: int, *, active=(), sweep="gone", alive="gone") -> ScriptedOps:
+def node(rank: int, *, active=(), sweep="gone", alive="dead") -> ScriptedOps:
     return ScriptedOps({
         "markers": lambda req: {"markers": [marker(rank, active)]},
         "sweep": lambda req: {"results": [{"pid": 1000 + rank, "status": sweep, "detail": ""}]},
@@ -113,7 +113,8 @@ def test_status_shows_each_rank_as_its_node_sees_it(state):
     from clusterctl.launch.status import status
 
     job(state)
-    doc = asyncio.run(status(state, fake_ssh({"a": node(0), "b": node(1, active=["r1", "r2"])})))
+    doc = asyncio.run(status(state, fake_ssh({"a": node(0, alive="alive"),
+                                               "b": node(1, active=["r1", "r2"], alive="alive")})))
     [j] = doc["jobs"]
     assert j["activity"] == "busy" and [r["active_requests"] for r in j["ranks"]] == [0, 2]
     assert [r["state"] for r in j["ranks"]] == ["serving", "serving"]

@@ -157,7 +157,7 @@ def test_a_process_we_may_not_signal_counts_as_alive(tmp_path):
     nonce = secrets.token_hex(8)
     p = spawn(nonce)
     try:
-        target = Identity.from_dict(ident(p, nonce))
+        target = Identity.model_validate(ident(p, nonce))
         rfd, wfd = os.pipe()
         child = os.fork()
         if child == 0:  # drop to nobody without exec (the venv's interpreter may not be readable by nobody)
@@ -165,7 +165,7 @@ def test_a_process_we_may_not_signal_counts_as_alive(tmp_path):
                 os.close(rfd)
                 os.setgid(65534)
                 os.setuid(65534)
-                os.write(wfd, json.dumps([r.to_json() for r in stop([target], grace=0.2)]).encode())
+                os.write(wfd, json.dumps([r.wire() for r in stop([target], grace=0.2)]).encode())
             finally:
                 os._exit(0)
         os.close(wfd)
@@ -223,6 +223,7 @@ def test_a_nodes_sweep_signals_only_the_ranks_it_hosts_in_a_shared_runtime_dir(s
     """Two nodes that are one machine share a runtime dir: node a's sweep must leave node b's rank to node b's
     own sweep, or that rank gets a second SIGTERM (a rank's "exit now", which cuts its clients' streams)."""
     from clusterctl.node.nodeops import op_sweep
+    from clusterctl.protocol.nodeops import SweepRequest
 
     nonce = secrets.token_hex(8)
     ranks = [spawn(nonce), spawn(nonce)]
@@ -233,13 +234,13 @@ def test_a_nodes_sweep_signals_only_the_ranks_it_hosts_in_a_shared_runtime_dir(s
             (run / f"{m.job_id}-rank{r}.json").write_text(json.dumps({**ident(p, nonce), "job_id": m.job_id,
                                                                       "rank": r}))
         # (results may also name a `sleep` of a rank's group: group members are stopped with their leader)
-        ans = op_sweep({"runtime_dir": str(run), "job_id": m.job_id, "nonce": nonce, "grace": 1.0, "ranks": [1]})
-        got = {x["pid"]: x["status"] for x in ans["results"]}
+        ans = op_sweep(SweepRequest(runtime_dir=str(run), job_id=m.job_id, nonce=nonce, grace=1.0, ranks=[1]))
+        got = {x.pid: x.status for x in ans.results}
         assert got[ranks[1].pid] == "gone" and ranks[0].pid not in got, got
         assert ranks[1].wait(timeout=5) == -signal.SIGTERM
         assert ranks[0].poll() is None  # not this node's rank: never signalled
-        ans = op_sweep({"runtime_dir": str(run), "job_id": m.job_id, "nonce": nonce, "grace": 1.0})
-        got = {x["pid"]: x["status"] for x in ans["results"]}
+        ans = op_sweep(SweepRequest(runtime_dir=str(run), job_id=m.job_id, nonce=nonce, grace=1.0))
+        got = {x.pid: x.status for x in ans.results}
         assert got[ranks[0].pid] == "gone" and ranks[1].pid in got, got  # without ranks: every marker
         assert ranks[0].wait(timeout=5) == -signal.SIGTERM
     finally:

@@ -27,10 +27,10 @@ def _with_tokenizer(m: Path) -> Path:
 def test_the_index_names_the_files_and_without_it_every_safetensors_counts(tmp_path):
     m = _with_tokenizer(make_model(tmp_path / "m", layers=2, shards=2))
     named = [f.name for f in weight_files(m)]
-    assert len(named) == 2 and model_check(str(m)) == {"ok": True, "files": named}
+    assert len(named) == 2 and model_check(str(m)).wire() == {"ok": True, "files": named}
     (m / INDEX_NAME).unlink()  # a single-file or unindexed model: mlx-lm loads every *.safetensors
     assert [f.name for f in weight_files(m)] == sorted(named)
-    assert model_check(str(m))["ok"]
+    assert model_check(str(m)).ok
 
 
 @pytest.mark.parametrize("target", ["../x.safetensors", "/etc/passwd", ".hidden", "", 7])
@@ -42,7 +42,7 @@ def test_an_index_that_points_outside_the_folder_is_refused_by_every_reader(tmp_
     with pytest.raises(CorruptTensorFile):
         read_index(m / INDEX_NAME)
     got = model_check(str(m))
-    assert not got["ok"] and "not a file of the folder" in got["error"]
+    assert not got.ok and "not a file of the folder" in got.error
 
 
 def test_a_missing_folder_of_weights_is_one_clear_error(tmp_path):

@@ -9,7 +9,7 @@ milliseconds without sshd or ranks. Files written through the handle (``read``/`
 rank through its keeper) are answered by the ops ``run`` and ``start`` the same way; a started process runs until
 its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node that a whole launch can run on.
 
-    ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "terminated"}]}})
+    ops = ScriptedOps({"sweep": lambda req: {"results": [{"pid": 7, "status": "gone"}]}})
     ssh = fake_ssh({"a": ops})            # every handle of node "a" made with ``ssh`` talks to ``ops``
     report = asyncio.run(teardown_command(state, job_id, ssh, grace=1))
     assert ops.ops() == ["sweep", "clean"]
@@ -18,8 +18,10 @@ The fake is a parameter, never a patched global: ``FakeConnector`` is the ``node
 ``SshOptions.connector`` carries into every command (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a
 supervisor).
 
-An op function may be ``async`` (to hold an answer back), may raise ``NodeOpError`` (the node reports an error
-of that kind, as nodeops does), and an op without a function answers "unknown op". ``ScriptedOps.cut()`` takes
+An op function may be ``async`` (to hold an answer back), may return the op's answer model (protocol/nodeops.py)
+or its JSON object, may raise ``NodeOpError`` (the node reports an error of that kind, as nodeops does), and an op
+without a function answers "unknown op"; answers are checked on the coordinator's side like a real node's
+(``NodeHandle.ask``). ``ScriptedOps.cut()`` takes
 the whole node away (its open sessions end, a new connection is refused with ``HostUnreachable``, as a node
 that went down or whose link was cut); ``restore()`` brings it back.
 """
@@ -38,6 +40,7 @@ from clusterctl.errors import HostUnreachable
 from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
 from clusterctl.connect import nodes
+from clusterctl.protocol.nodeops import Answer
 
 
 class NodeOpError(Exception):
@@ -94,7 +97,8 @@ class ScriptedOps:
         if fn is None:
             raise NodeOpError(f"unknown op {op}", "UsageError")
         got = fn(req)
-        return await got if inspect.isawaitable(got) else got
+        got = await got if inspect.isawaitable(got) else got
+        return got.wire() if isinstance(got, Answer) else got
 
     def _op_read(self, req: dict) -> dict:
         data = self.files.get(req["path"])

@@ -2,6 +2,7 @@
 
 Node operations (clusterctl.node.nodeops) go through one ``OpSession`` per node and command: one process on the
 node (one SSH channel, one Python start-up) answers every request of a launch, a teardown or a sync, concurrently.
+``NodeHandle.ask`` sends an op's request model and returns its answer model (protocol/nodeops.py).
 Small files of a remote node are read and written through the same session; a local node's directly.
 """
 
@@ -25,6 +26,9 @@ from clusterctl.protocol.nodespec import Node
 from clusterctl.connect import fdlimit
 from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.node.nodeops import look_at_markers
+from clusterctl.protocol.nodeops import (Answer, BadAnswer, ProbeAnswer, ProbeRequest, ReadRequest, Request,
+                                        WaitMarkersAnswer, WaitMarkersRequest, WatchedRank, WriteRequest,
+                                        parse_answer)
 
 NODEOP_TIMEOUT = 120.0
 SESSION_CLOSE_WAIT = 2.0  # after stdin EOF: the node's session ends at once unless a request is still running
@@ -216,7 +220,7 @@ class NodeHandle:
     node: Node
     transport: Transport
     runtime_dir: str | None = None
-    probe: dict = field(default_factory=dict)
+    probe: ProbeAnswer | None = None
     _session: OpSession | None = field(default=None, init=False, repr=False)
     _opening: asyncio.Lock | None = field(default=None, init=False, repr=False)
     _busy: int = field(default=0, init=False, repr=False)  # node operations in flight
@@ -245,9 +249,16 @@ class NodeHandle:
         async with self._opening:
             await self.close()
 
+    async def ask(self, req: Request, *, timeout: float = NODEOP_TIMEOUT, paced: bool = False) -> Answer:
+        """Run one node operation and return its answer model (``req.answer``); BadAnswer when the node's answer
+        is not one. ``paced``: the caller already had its turn of PACER (to build a costly request in it)."""
+        doc = await self.op(req.op, req.wire(), timeout=timeout, paced=paced)
+        sess = self._session
+        return parse_answer(req, doc, node=self.name, argv=sess.argv if sess is not None else [])
+
     async def op(self, op: str, req: dict, *, timeout: float = NODEOP_TIMEOUT, paced: bool = False) -> dict:
-        """Run one node operation (clusterctl.node.nodeops) and return its JSON answer. ``paced``: the caller
-        already had its turn of PACER (to build a costly request in it)."""
+        """Run one node operation (clusterctl.node.nodeops) and return its JSON answer as it came (``ask`` is
+        the typed way). ``paced``: the caller already had its turn of PACER (to build a costly request in it)."""
         self._busy += 1
         try:
             if not paced:
@@ -285,7 +296,7 @@ class NodeHandle:
             return await self.transport.read_file(path, limit=limit)
         import base64
 
-        return base64.b64decode((await self.op("read", {"path": path, "limit": limit}))["data"])
+        return base64.b64decode((await self.ask(ReadRequest(path=path, limit=limit))).data)
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         """Replace a file on the node atomically."""
@@ -295,8 +306,7 @@ class NodeHandle:
 
         # encoded in its own turn of the pacer: a 1,000-node hostfile is ~38 KB, 1,000 of them ~100 ms of encoding
         await PACER.turn()
-        await self.op("write", {"path": path, "data": base64.b64encode(bytes(data)).decode(), "mode": mode},
-                      paced=True)
+        await self.ask(WriteRequest(path=path, data=base64.b64encode(bytes(data)).decode(), mode=mode), paced=True)
 
     async def read_json(self, path: str, *, limit: int = 65536) -> dict | None:
         """A small JSON file on the node, or None when it is missing or unreadable (never raises for that)."""
@@ -311,20 +321,23 @@ class NodeHandle:
         return doc if isinstance(doc, dict) else None
 
     async def wait_markers(self, paths: list[str], states: set[str], timeout: float,
-                           watch: list[dict | None] | None = None) -> dict:
+                           watch: list[WatchedRank | None] | None = None) -> WaitMarkersAnswer:
         """The markers at ``paths`` once all are in ``states``, one failed or a watched rank's process is gone
-        (nodeops.look_at_markers), or as they are after ``timeout``: ``{"markers": [...], "exited": [...]}``."""
+        (nodeops.look_at_markers), or as they are after ``timeout``: one marker document (or None) and one
+        ``Exited`` (or None) per path."""
         if not self.transport.is_local:
-            req = {"paths": paths, "states": sorted(states), "timeout": timeout, "watch": watch}
-            ans = await self.op("wait_markers", req, timeout=timeout + 30.0)
-            docs = [d if isinstance(d, dict) else None for d in ans["markers"]]
-            exited = ans.get("exited") or [None] * len(paths)
-            return {"markers": docs, "exited": [e if isinstance(e, dict) else None for e in exited]}
+            req = WaitMarkersRequest(paths=paths, states=sorted(states), timeout=timeout, watch=watch)
+            ans = await self.ask(req, timeout=timeout + 30.0)
+            if len(ans.markers) != len(paths):
+                raise BadAnswer(f"node {self.name}: wait_markers answered {len(ans.markers)} marker(s) for "
+                                f"{len(paths)} path(s)", host=self.name)
+            ans.exited = (ans.exited + [None] * len(paths))[:len(paths)]  # a node from before ``exited``: none
+            return ans
         deadline = time.monotonic() + timeout
         while True:
-            look = look_at_markers(paths, states, watch)
-            if look["settled"] or time.monotonic() >= deadline:
-                return {"markers": look["markers"], "exited": look["exited"]}
+            look, settled = look_at_markers(paths, states, watch)
+            if settled or time.monotonic() >= deadline:
+                return look
             await asyncio.sleep(MARKER_POLL)
 
     async def close(self) -> None:
@@ -390,9 +403,9 @@ def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:
     async def go() -> dict[str, float]:
         hs = handles(nodes, ssh)
         try:
-            answers = await asyncio.gather(*(h.op("probe", {}) for h in hs.values()))
+            answers = await asyncio.gather(*(h.ask(ProbeRequest()) for h in hs.values()))
         finally:
             await close_all(hs)
-        return {name: round(a["mem_total"] / (1 << 30), 3) for name, a in zip(hs, answers)}
+        return {name: round(a.mem_total / (1 << 30), 3) for name, a in zip(hs, answers)}
 
     return asyncio.run(go())

@@ -22,10 +22,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
-
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import ClusterctlError, HostUnreachable, IntegrityError, RemoteCommandFailed, UsageError
+from clusterctl.protocol.identity import ChildInfo  # the keeper's one JSON line
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
@@ -52,16 +51,6 @@ class CommandResult:
 
 class CommandTimedOut(RemoteCommandFailed):
     """A command did not finish within its timeout (it was killed locally; see docs/ssh.md for remote)."""
-
-
-class ChildInfo(BaseModel):
-    """The keeper's one JSON line: identity of the started child on its node."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    pid: int
-    pgid: int
-    start_time: float | None
-    boot_id: str | None
 
 
 @runtime_checkable

@@ -16,6 +16,8 @@ from clusterctl import __version__
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, LaunchFailed
 from clusterctl.connect.nodes import NODEOP_TIMEOUT, NodeHandle, first_error_code
 from clusterctl.protocol.deployment import Deployment, diff_placement
+from clusterctl.protocol.nodeops import (BadAnswer, CopySummary, ModelStatusAnswer, ModelStatusRequest, ProbeAnswer,
+                                        ProbeRequest, WarmRequest)
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import replan_same_inputs
 
@@ -43,11 +45,11 @@ def coordinator_versions() -> dict[str, str | None]:
     return ours
 
 
-def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
+def _version_problems(probe: ProbeAnswer, node: str) -> tuple[list[str], list[str]]:
     import sys
 
     errors, warnings = [], []
-    v = probe.get("versions", {})
+    v = probe.versions
     for dist, want in coordinator_versions().items():
         have = v.get(dist)
         if have is None:
@@ -63,17 +65,19 @@ def _version_problems(probe: dict, node: str) -> tuple[list[str], list[str]]:
     return errors, warnings
 
 
-def copy_problem(copy: dict, path: str, dep_ref: str, what: str = "model") -> str | None:
+def copy_problem(copy: CopySummary | ModelStatusAnswer, path: str, dep_ref: str, what: str = "model") -> str | None:
     """One line for a node whose model (or adapter) copy is not the planned one (None when it is), naming the fix."""
-    state = copy.get("state")
+    state = copy.state
     if state == "ok":
         return None
     if state == "error":
-        return f"cannot check the {what} copy at {path}: {copy.get('detail')}"
-    counts = {"missing": f"{copy.get('n_missing', 0)} file(s) missing", "stale": f"{copy.get('n_stale', 0)} file(s) differ"}
-    counted = ", ".join(counts[k] for k in ("stale", "missing") if copy.get(f"n_{k}"))
-    first = f", e.g. {copy['first']}" if copy.get("first") else ""
-    return (f"{what} copy at {path} is {state} ({counted or copy.get('detail', f'not the planned {what}')}{first}); "
+        return f"cannot check the {what} copy at {path}: {copy.detail}"
+    n = {"missing": copy.n_missing or 0, "stale": copy.n_stale or 0}
+    counts = {"missing": f"{n['missing']} file(s) missing", "stale": f"{n['stale']} file(s) differ"}
+    counted = ", ".join(counts[k] for k in ("stale", "missing") if n[k])
+    first = f", e.g. {copy.first}" if getattr(copy, "first", None) else ""
+    detail = copy.detail if "detail" in copy.model_fields_set else f"not the planned {what}"
+    return (f"{what} copy at {path} is {state} ({counted or detail}{first}); "
             f"run `clusterctl sync {dep_ref}`")
 
 
@@ -95,41 +99,44 @@ async def preflight(dep: Deployment, hs: dict[str, NodeHandle], ports: dict[str,
     async def one(h: NodeHandle) -> list[str]:
         rank = rank_of[h.name]
         path = dep.path_map[h.name]
-        probe = await h.op("probe", {"backend": dep.backend if len(dep.ranks) > 1 else None,
-                                     "model_path": path, "runtime_dir": h.runtime_dir,
-                                     "ports": ports.get(h.name, []), "manifest": mdoc, "verify": verify},
-                           timeout=NODEOP_TIMEOUT if not verify else 3600.0)
+        probe = await h.ask(ProbeRequest(backend=dep.backend if len(dep.ranks) > 1 else None, model_path=path,
+                                         runtime_dir=h.runtime_dir, ports=ports.get(h.name, []), manifest=mdoc,
+                                         verify=verify),
+                            timeout=NODEOP_TIMEOUT if not verify else 3600.0)
         h.probe = probe
-        h.runtime_dir = probe["runtime_dir"]["path"]
+        rd = probe.runtime_dir
+        if rd is None:
+            raise BadAnswer(f"node {h.name}: probe answered no runtime dir", host=h.name)
+        h.runtime_dir = rd.path
         errs, warns = _version_problems(probe, h.name)
         warnings.extend(warns)
-        if len(dep.ranks) > 1 and not probe.get("backend_available", False):
+        if len(dep.ranks) > 1 and not probe.backend_available:
             errs.append(f"mlx cannot use the {dep.backend} backend here"
-                        + (f" ({probe['mlx_error']})" if probe.get("mlx_error") else ""))
-        model = probe.get("model", {})
-        copy = copy_problem(probe["model_copy"], path, dep_ref or dep.deployment_id) if "model_copy" in probe else None
+                        + (f" ({probe.mlx_error})" if probe.mlx_error else ""))
+        model = probe.model
+        copy = copy_problem(probe.copy_check, path, dep_ref or dep.deployment_id) if probe.copy_check else None
         if copy:
             errs.append(copy)  # names the fix; the folder check below would only repeat part of it
-        elif not model.get("ok"):
-            errs.append(model.get("error", "model check failed"))
+        elif model is None or not model.ok:
+            errs.append(model.error if model is not None and model.error is not None else "model check failed")
         copies = [copy] if copy else []
         if adapter_manifest is not None and dep.adapter is not None:
             apath = dep.adapter.path_map[h.name]
-            st = await h.op("model_status", {"manifest": adapter_manifest.model_dump(mode="json"), "path": apath,
-                                             "verify": verify, "only": None}, timeout=NODEOP_TIMEOUT)
+            st = await h.ask(ModelStatusRequest(manifest=adapter_manifest.model_dump(mode="json"), path=apath,
+                                                verify=verify, only=None), timeout=NODEOP_TIMEOUT)
             if acopy := copy_problem(st, apath, dep_ref or dep.deployment_id, "adapter"):
                 errs.append(acopy)
                 copies.append(acopy)
         need = rank.planned.weights + rank.planned.kv
-        if probe.get("mem_available", 0) < need:
-            errs.append(f"needs {need / 2**30:.2f} GiB free memory, has {probe.get('mem_available', 0) / 2**30:.2f} GiB")
-        if probe.get("ports_busy"):
-            errs.append(f"ports already in use: {', '.join(map(str, probe['ports_busy']))}")
-        if not probe["runtime_dir"]["ok"]:
-            errs.append(f"runtime dir {probe['runtime_dir']['path']} is not usable: {probe['runtime_dir'].get('error')}")
+        if probe.mem_available < need:
+            errs.append(f"needs {need / 2**30:.2f} GiB free memory, has {probe.mem_available / 2**30:.2f} GiB")
+        if probe.ports_busy:
+            errs.append(f"ports already in use: {', '.join(map(str, probe.ports_busy))}")
+        if not rd.ok:
+            errs.append(f"runtime dir {rd.path} is not usable: {rd.error}")
         copy_only[h.name] = bool(copies) and errs == copies
-        if probe.get("ports_busy") and len(errs) == 1:
-            busy_only[h.name] = {int(p) for p in probe["ports_busy"]}
+        if probe.ports_busy and len(errs) == 1:
+            busy_only[h.name] = set(probe.ports_busy)
         return errs
 
     results = await asyncio.gather(*(one(h) for h in hs.values()), return_exceptions=True)
@@ -157,7 +164,7 @@ async def warm(hs: dict[str, NodeHandle], dep: Deployment) -> None:
     """Start every node's session and import there what preflight and the ranks' start need; a failure here is
     left for preflight to report (one error naming every node)."""
     modules = ["psutil"] + (["mlx.core"] if len(dep.ranks) > 1 else [])
-    await asyncio.gather(*(h.op("warm", {"modules": modules}) for h in hs.values()), return_exceptions=True)
+    await asyncio.gather(*(h.ask(WarmRequest(modules=modules)) for h in hs.values()), return_exceptions=True)
 
 
 def check_inputs_unchanged(dep: Deployment) -> None:

@@ -14,6 +14,7 @@ import time
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.protocol.nodeops import MarkersRequest
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
@@ -30,16 +31,15 @@ async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
 
         async def one(node: str, d: str) -> None:
             try:
-                ans = await hs[node].op("markers", {"runtime_dir": d, "job_id": m.job_id}, timeout=30)
+                ans = await hs[node].ask(MarkersRequest(runtime_dir=d, job_id=m.job_id), timeout=30)
             except ClusterctlError as e:
                 for r in m.ranks:
                     if r.node == node:
                         markers[r.rank] = {"error": e.message}
                 return
-            for x in ans.get("markers", []):
-                doc = x.get("marker") or {}
-                if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
-                    markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
+            for x in ans.markers:
+                if x.rank is not None:
+                    markers[x.rank] = {"marker": x.marker, "age": x.age}
 
         await asyncio.gather(*(one(n, d) for n, d in dirs))
     finally:

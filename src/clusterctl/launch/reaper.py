@@ -17,6 +17,8 @@ from clusterctl.connect.nodes import NodePool, SshOptions, close_all, handles
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
+from clusterctl.protocol.identity import Identity
+from clusterctl.protocol.nodeops import AliveRequest
 
 
 
@@ -26,23 +28,22 @@ async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
     (nodes.NodePool): the node sessions to ask over, left open."""
     import asyncio
 
-    by_node: dict[str, list[dict]] = {}
+    by_node: dict[str, list[Identity]] = {}
     for r in m.ranks:
         if r.pid:
-            by_node.setdefault(r.node, []).append({"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce,
-                                                   "pgid": r.pgid, "boot_id": r.boot_id})
+            by_node.setdefault(r.node, []).append(r.identity(m.nonce))
     if not by_node:
         return False
     asked = [n for n in m.nodes if n.name in by_node]
     hs = pool.handles(asked) if pool is not None else handles(asked, ssh)
     try:
-        answers = await asyncio.gather(*(hs[n].op("alive", {"targets": t}, timeout=30) for n, t in by_node.items()),
+        answers = await asyncio.gather(*(hs[n].ask(AliveRequest(targets=t), timeout=30) for n, t in by_node.items()),
                                        return_exceptions=True)
     finally:
         if pool is None:
             await close_all(hs)
     for a in answers:
-        if isinstance(a, BaseException) or any(st in ("alive", "unverifiable") for st in a.get("status", [])):
+        if isinstance(a, BaseException) or any(st in ("alive", "unverifiable") for st in a.status):
             return True
     return False
 

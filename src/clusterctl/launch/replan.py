@@ -26,6 +26,7 @@ from clusterctl.statedir.manifest import manifest_store, now_iso
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
 from clusterctl.launch.preflight import copy_problem
+from clusterctl.protocol.nodeops import ModelFolder, ProbeRequest
 from clusterctl.launch.quiescence import refuse_activity
 from clusterctl.launch.reaper import live_jobs
 from clusterctl.launch.start import launch
@@ -155,15 +156,15 @@ async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
     hs = handles([p.new.node(n) for n in todo], ssh)
 
     async def one(name: str) -> str | None:
-        ans = await hs[name].op("probe", {"model_path": todo[name], "manifest": mdoc})
-        model = ans.get("model", {})
-        if not model.get("ok") and model.get("absent"):
-            return model["error"]  # said plainly, not as a copy with every file missing
-        if "model_copy" in ans:
-            bad = copy_problem(ans["model_copy"], todo[name], p.new.deployment_id)
+        ans = await hs[name].ask(ProbeRequest(model_path=todo[name], manifest=mdoc))
+        model = ans.model or ModelFolder(ok=False)
+        if not model.ok and model.absent:
+            return model.error  # said plainly, not as a copy with every file missing
+        if ans.copy_check is not None:
+            bad = copy_problem(ans.copy_check, todo[name], p.new.deployment_id)
             if bad:
                 return bad
-        return None if model.get("ok") else model.get("error", f"model check of {todo[name]} failed")
+        return None if model.ok else (model.error or f"model check of {todo[name]} failed")
 
     try:
         results = await asyncio.gather(*(one(n) for n in todo), return_exceptions=True)

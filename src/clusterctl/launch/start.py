@@ -34,6 +34,7 @@ from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, prefl
 from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
 from clusterctl.locks import Lock, deployment_lock_path
 from clusterctl.protocol.deployment import Deployment
+from clusterctl.protocol.nodeops import AliveRequest, CanaryRequest, SpawnRequest, WatchedRank
 from clusterctl.connect import fdlimit
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.reaper import live_jobs, reap
@@ -248,9 +249,9 @@ async def _start(run: Running, plan: JobPlan, dep: Deployment, dep_path: Path, k
     m0 = rf.parse_marker(await rank0.read_json(records[0].marker_path))
     endpoint = (m0.endpoint if m0 else None) or f"http://{opts.http_host}:{plan.http_port}"
     if opts.canary:
-        ans = await rank0.op("canary", {"url": endpoint, "api_key": opts.any_key, "timeout": 120})
-        if not ans.get("ok"):
-            raise LaunchFailed(f"canary request to rank 0 produced no tokens: {ans.get('error', ans)}")
+        ans = await rank0.ask(CanaryRequest(url=endpoint, api_key=opts.any_key, timeout=120))
+        if not ans.ok:
+            raise LaunchFailed(f"canary request to rank 0 produced no tokens: {ans.error or ans.wire()}")
     run.manifest.state, run.manifest.endpoint = "ready", endpoint
     await save()
 
@@ -267,8 +268,8 @@ async def _start_rank(run: Running, r, save) -> None:
     argv = [h.transport.python, "-m", "clusterctl.rank", "--contract", rec.contract_path, "--node", r.node]
     env = {"CLUSTERCTL_NONCE": run.manifest.nonce}
     if opts.detach:
-        info = await h.op("spawn", {"argv": argv, "env": env, "log_path": rec.log_path})
-        rec.pid, rec.pgid, rec.start_time, rec.boot_id = info["pid"], info["pgid"], info["start_time"], info["boot_id"]
+        info = await h.ask(SpawnRequest(argv=argv, env=env, log_path=rec.log_path))
+        rec.pid, rec.pgid, rec.start_time, rec.boot_id = info.pid, info.pgid, info.start_time, info.boot_id
     else:
         p = await h.transport.start(argv, env=env, grace=opts.grace)
         run.watch(r.rank, p)
@@ -331,11 +332,10 @@ async def _gone_ranks(run: Running) -> dict[int, bool]:
         by_node.setdefault(rec.node, []).append(rec)
 
     async def one(node: str, recs: list) -> None:
-        targets = [{"pid": x.pid, "start_time": x.start_time, "nonce": run.manifest.nonce, "pgid": x.pgid,
-                    "boot_id": x.boot_id} for x in recs]
-        with contextlib.suppress(ClusterctlError, KeyError, TypeError):
-            ans = await run.hs[node].op("alive", {"targets": targets}, timeout=30)
-            for x, st in zip(recs, ans["status"]):
+        targets = [x.identity(run.manifest.nonce) for x in recs]
+        with contextlib.suppress(ClusterctlError):
+            ans = await run.hs[node].ask(AliveRequest(targets=targets), timeout=30)
+            for x, st in zip(recs, ans.status):
                 if st in ("dead", "foreign"):
                     mk = rf.parse_marker(await run.hs[node].read_json(x.marker_path))
                     gone[x.rank] = mk is not None and rf.followed_a_peer(mk.state, mk.reason)
@@ -378,7 +378,7 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                                                              states, wait, watch=[_detached(run, r) for r in rs])
                                      for n, rs in by_node.items()))
         found = {r.rank: (d, e) for rs, ans in zip(by_node.values(), got)
-                 for r, d, e in zip(rs, ans["markers"], ans["exited"])}
+                 for r, d, e in zip(rs, ans.markers, ans.exited)}
         pending = []
         for i, r in enumerate(ranks):
             if i and not i % YIELD_EVERY:
@@ -391,7 +391,7 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                 raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {printable(mk.error or 'no reason given')}",
                                    ranks=[{"rank": r.rank, "node": r.node, "error": mk.error}])
             if exited is not None:
-                tail = [printable(str(x)) for x in exited.get("log_tail") or []]
+                tail = [printable(x) for x in exited.log_tail]
                 log_path = run.manifest.ranks[r.rank].log_path
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited before it was ready"
                                    + (f": {tail[-1]}" if tail else f" (nothing in {log_path})"),
@@ -406,11 +406,10 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                 f"rank {r.rank} on {r.node} is {last.get(r.rank)}" for r in pending))
 
 
-def _detached(run: Running, r) -> dict | None:
+def _detached(run: Running, r) -> WatchedRank | None:
     """What the marker wait watches of a detached rank: its process (pid, start time, nonce) and its log. A
     foreground rank is watched through its keeper instead."""
     rec = run.manifest.ranks[r.rank]
     if r.rank in run.procs or not rec.pid or not rec.log_path:
         return None
-    return {"pid": rec.pid, "start_time": rec.start_time, "nonce": run.manifest.nonce, "pgid": rec.pgid,
-            "boot_id": rec.boot_id, "log_path": rec.log_path}
+    return WatchedRank(**rec.identity(run.manifest.nonce).model_dump(), log_path=rec.log_path)

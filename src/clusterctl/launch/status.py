@@ -11,6 +11,7 @@ from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_ma
 from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
 from clusterctl.protocol.deployment import decode
+from clusterctl.protocol.nodeops import AliveRequest
 from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
@@ -45,15 +46,13 @@ async def _processes(m, hs) -> dict[int, str]:
             by_node.setdefault(r.node, []).append(r)
 
     async def one(node: str, recs: list) -> None:
-        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
-                    "boot_id": r.boot_id} for r in recs]
+        targets = [r.identity(m.nonce) for r in recs]
         try:
-            ans = await hs[node].op("alive", {"targets": targets}, timeout=30)
+            ans = await hs[node].ask(AliveRequest(targets=targets), timeout=30)
         except ClusterctlError:
             return
-        st = ans.get("status") if isinstance(ans, dict) else None
-        if isinstance(st, list) and len(st) == len(recs):
-            out.update({r.rank: str(x) for r, x in zip(recs, st)})
+        if len(ans.status) == len(recs):
+            out.update({r.rank: x for r, x in zip(recs, ans.status)})
 
     await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
     return out

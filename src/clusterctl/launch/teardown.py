@@ -23,7 +23,8 @@ from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
 from clusterctl.launch.supervisors import hold_supervisors, release
 from clusterctl.locks import Lock, deployment_lock_path
-from clusterctl.node.procs import Identity, signal_process, status_of
+from clusterctl.node.procs import signal_process, status_of
+from clusterctl.protocol.nodeops import CleanRequest, SweepRequest
 
 DEFAULT_GRACE = 10.0
 
@@ -104,34 +105,33 @@ async def stop_job(m: LaunchManifest, hs: dict[str, NodeHandle], *, grace: float
 
     async def one(node: str, recs: list) -> None:
         h = hs[node]
-        extra = [{"pid": r.pid, "pgid": r.pgid, "start_time": r.start_time, "nonce": m.nonce, "boot_id": r.boot_id}
-                 for r in recs if r.pid]
+        extra = [r.identity(m.nonce) for r in recs if r.pid]
         try:
             # only this node's ranks: nodes that are one machine share the runtime dir (one TERM per rank)
-            ans = await h.op("sweep", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id, "nonce": m.nonce,
-                                       "grace": grace, "extra": extra, "ranks": [r.rank for r in recs]},
-                             timeout=grace + 60)
+            ans = await h.ask(SweepRequest(runtime_dir=recs[0].runtime_dir, job_id=m.job_id, nonce=m.nonce,
+                                           grace=grace, extra=extra, ranks=[r.rank for r in recs]),
+                              timeout=grace + 60)
         except ClusterctlError as e:
             for r in recs:
                 report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid,
                                                 "unreachable" if r.pid or isinstance(e, HostUnreachable) else "unreachable",
                                                 e.message))
             return
-        by_pid = {x["pid"]: x for x in ans.get("results", [])}
+        by_pid = {x.pid: x for x in ans.results}
         for r in recs:
             if r.pid is None and r.state == "pending":
                 # never reported a pid: the sweep still stopped anything its marker recorded
                 report.ranks.append(RankOutcome(r.rank, r.node, r.host, None, "not-started"))
                 continue
             x = by_pid.pop(r.pid, None)
-            if x is None or x["status"] in ("gone", "not-ours"):
+            if x is None or x.status in ("gone", "not-ours"):
                 report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid, "gone",
-                                                x["detail"] if x and x["status"] == "not-ours" else ""))
+                                                x.detail if x and x.status == "not-ours" else ""))
             else:
-                report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid, x["status"], x.get("detail", "")))
+                report.ranks.append(RankOutcome(r.rank, r.node, r.host, r.pid, x.status, x.detail))
         for pid, x in by_pid.items():
-            st = "gone" if x["status"] in ("gone", "not-ours") else x["status"]
-            report.extra.append({"node": node, "pid": pid, "status": st, "detail": x.get("detail", "")})
+            st = "gone" if x.status in ("gone", "not-ours") else x.status
+            report.extra.append({"node": node, "pid": pid, "status": st, "detail": x.detail})
 
     await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
     report.ranks.sort(key=lambda r: r.rank)
@@ -140,7 +140,7 @@ async def stop_job(m: LaunchManifest, hs: dict[str, NodeHandle], *, grace: float
 
 async def clean_job(m: LaunchManifest, hs: dict[str, NodeHandle]) -> None:
     dirs = {(r.node, r.runtime_dir) for r in m.ranks}
-    await asyncio.gather(*(hs[n].op("clean", {"runtime_dir": d, "job_id": m.job_id}) for n, d in dirs),
+    await asyncio.gather(*(hs[n].ask(CleanRequest(runtime_dir=d, job_id=m.job_id)) for n, d in dirs),
                          return_exceptions=True)
 
 
@@ -242,7 +242,7 @@ async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, gr
     for m in jobs:
         c = m.coordinator
         if not c.detached and c.pid != os.getpid() and coordinator_alive(c):
-            ident = Identity(pid=c.pid, start_time=c.start_time, nonce=None)
+            ident = c.identity()
             log(f"asking coordinator pid {c.pid} of job {m.job_id} to stop")
             signal_process(ident, _signal.SIGTERM)
             deadline = time.monotonic() + grace + 60

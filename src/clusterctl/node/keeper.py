@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from clusterctl.protocol.identity import boot_id, start_time_of as process_start_time
+from clusterctl.protocol.identity import ChildInfo, boot_id, start_time_of as process_start_time
 from clusterctl.protocol.runtimefiles import KEEPER_PID_ENV as PID_ENV
 
 DEFAULT_GRACE = 10.0
@@ -164,9 +164,9 @@ class _Keeper:
             _note(f"cannot start {self.argv[0]!r}: {e.strerror or e}")
             return EXIT_CANNOT_START
         pgid = child.pid  # start_new_session: the child leads its own session and group
-        info = {"pid": child.pid, "pgid": pgid, "start_time": process_start_time(child.pid), "boot_id": boot_id()}
+        info = ChildInfo(pid=child.pid, pgid=pgid, start_time=process_start_time(child.pid), boot_id=boot_id())
         try:
-            _write_all(1, (json.dumps(info) + "\n").encode())
+            _write_all(1, (json.dumps(info.model_dump()) + "\n").encode())
         except OSError:
             self.stop_requested = True
         forwarders = [threading.Thread(target=_forward, args=(child.stdout, 1), daemon=True),

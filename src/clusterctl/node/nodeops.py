@@ -3,8 +3,9 @@ transport, so the code that signals processes is the same everywhere and always 
 judges ages on the node's own clock).
 
 Two ways in: ``python -m clusterctl.node.nodeops session`` (what the coordinator uses: one process per node for
-a whole command, JSON lines ``{"id", "op", "req"}`` in and ``{"id", "answer"|"error"}`` out, each request on its
-own thread, so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
+a whole command, JSON lines ``{"id", "op", "req"}`` in and ``{"id", "answer"|"error"}`` out, each request parsed
+into its op's request model and answered with its answer model (protocol/nodeops.py), each on its own thread,
+so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
 ``python -m clusterctl.node.nodeops OP`` with one JSON request on stdin and one answer on stdout.
 
 OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
@@ -25,13 +26,21 @@ import sys
 import time
 from pathlib import Path
 
-from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
-from clusterctl.errors import ClusterctlError
-from clusterctl.protocol.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
-from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
-from clusterctl.node.procs import Identity, boot_id, status_of, stop
+from pydantic import ValidationError
 
-MARKER_LIMIT = 64 * 1024
+from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
+from clusterctl.errors import ClusterctlError, pydantic_line
+from clusterctl.protocol.identity import Identity
+from clusterctl.protocol.nodeops import (REQUESTS, AliveAnswer, AliveRequest, CanaryAnswer, CanaryRequest, CleanAnswer,
+                                        CleanRequest, Exited, MarkerEntry, MarkersAnswer, MarkersRequest, ProbeAnswer,
+                                        ProbeRequest, ReadAnswer, ReadRequest, RuntimeDirCheck, SpawnAnswer,
+                                        SpawnRequest, StopAnswer, StopRequest, SweepRequest, WaitMarkersAnswer,
+                                        WaitMarkersRequest, WarmAnswer, WarmRequest, WatchedRank, WriteAnswer,
+                                        WriteRequest)
+from clusterctl.protocol.runtimefiles import MARKER_LIMIT, belongs_to_job, is_cancel_or_ack, marker_rank
+from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
+from clusterctl.node.procs import boot_id, status_of, stop
+
 REQUEST_LIMIT = 64 << 20  # a model manifest of many files travels in the request
 
 
@@ -67,47 +76,46 @@ def _port_free(host: str, port: int) -> bool:
         return False
 
 
-def op_probe(req: dict) -> dict:
+def op_probe(req: ProbeRequest) -> ProbeAnswer:
     import psutil
 
-    out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": _versions(),
-           "mem_available": psutil.virtual_memory().available, "mem_total": psutil.virtual_memory().total,
-           "default_runtime_dir": default_runtime_dir()}
-    backend = req.get("backend")
-    if backend:
+    out = ProbeAnswer(hostname=socket.gethostname(), boot_id=boot_id(), time=time.time(), versions=_versions(),
+                      mem_available=psutil.virtual_memory().available, mem_total=psutil.virtual_memory().total,
+                      default_runtime_dir=default_runtime_dir())
+    if req.backend:
         try:
             import mlx.core as mx
 
-            out["backend_available"] = bool(mx.distributed.is_available(backend))
+            out.backend_available = bool(mx.distributed.is_available(req.backend))
         except Exception as e:  # mlx missing or broken: say why
-            out["backend_available"] = False
-            out["mlx_error"] = f"{type(e).__name__}: {e}"[:300]
-    if req.get("model_path"):
-        out["model"] = model_check(req["model_path"])
-        if req.get("manifest"):
-            out["model_copy"] = copy_state(req["manifest"], req["model_path"], bool(req.get("verify")))
-    if req.get("ports"):
-        host = req.get("bind_host", "0.0.0.0")
-        out["ports_busy"] = [p for p in req["ports"] if not _port_free(host, int(p))]
-    rd = req.get("runtime_dir") or default_runtime_dir()
+            out.backend_available = False
+            out.mlx_error = f"{type(e).__name__}: {e}"[:300]
+    if req.model_path:
+        out.model = model_check(req.model_path)
+        if req.manifest:
+            out.copy_check = copy_state(req.manifest, req.model_path, req.verify)
+    if req.ports:
+        out.ports_busy = [p for p in req.ports if not _port_free(req.bind_host, p)]
+    out.runtime_dir = _runtime_dir_check(req.runtime_dir or default_runtime_dir())
+    return out
+
+
+def _runtime_dir_check(rd: str) -> RuntimeDirCheck:
     try:
         private_dirs(rd)
         test = Path(rd) / f".probe-{os.getpid()}"
         test.write_bytes(b"x")
         test.unlink()
-        out["runtime_dir"] = {"path": rd, "ok": True}
         unsafe = unsafe_folder(rd)
         if unsafe:
-            out["runtime_dir"] = {"path": rd, "ok": False, "error": unsafe}
+            return RuntimeDirCheck(path=rd, ok=False, error=unsafe)
+        return RuntimeDirCheck(path=rd, ok=True)
     except OSError as e:
-        out["runtime_dir"] = {"path": rd, "ok": False, "error": e.strerror or str(e)}
-    return out
+        return RuntimeDirCheck(path=rd, ok=False, error=e.strerror or str(e))
 
 
-def op_stop(req: dict) -> dict:
-    idents = [Identity.from_dict(d) for d in req.get("targets", [])]
-    results = stop(idents, grace=float(req.get("grace", 10.0)))
-    return {"results": [r.to_json() for r in results]}
+def op_stop(req: StopRequest) -> StopAnswer:
+    return StopAnswer(results=stop(req.targets, grace=req.grace))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -135,81 +143,62 @@ def job_markers(runtime_dir: str, job_id: str) -> list[tuple[Path, dict | None]]
     return out
 
 
-def op_markers(req: dict) -> dict:
+def op_markers(req: MarkersRequest) -> MarkersAnswer:
     now = time.time()
     out = []
-    for p, doc in job_markers(req["runtime_dir"], req["job_id"]):
+    for p, doc in job_markers(req.runtime_dir, req.job_id):
         if doc is None:
-            out.append({"path": str(p), "error": "unreadable or foreign marker"})
+            out.append(MarkerEntry(path=str(p), error="unreadable or foreign marker"))
             continue
         st = os.stat(p)
         # Ages on this node's own clock: the file's mtime against this node's now.
-        out.append({"path": str(p), "marker": doc, "age": max(0.0, now - st.st_mtime)})
-    return {"markers": out, "time": now}
+        out.append(MarkerEntry(path=str(p), marker=doc, age=max(0.0, now - st.st_mtime)))
+    return MarkersAnswer(markers=out, time=now)
 
 
-def marker_identity(doc: dict, nonce: str):
-    """The process a marker names, or None when its fields are not what a rank writes."""
-
-    pid, start, pgid, boot = doc.get("pid"), doc.get("start_time"), doc.get("pgid"), doc.get("boot_id")
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
-        return None
-    if start is not None and (isinstance(start, bool) or not isinstance(start, (int, float))):
-        return None
-    if pgid is not None and (isinstance(pgid, bool) or not isinstance(pgid, int) or pgid <= 1):
-        return None
-    if boot is not None and not isinstance(boot, str):
-        return None
-    return Identity(pid=pid, start_time=float(start) if start is not None else None, nonce=nonce, pgid=pgid,
-                    boot_id=boot)
-
-
-def op_sweep(req: dict) -> dict:
+def op_sweep(req: SweepRequest) -> StopAnswer:
     """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce.
 
     ``ranks`` (optional): only the markers of these rank numbers (``<job>-rank<r>.json``). Nodes that are one
     machine share a runtime dir, and each node's sweep must signal only its own ranks: a rank takes a second
     SIGTERM as "exit now", which cuts its clients' streams without a last event."""
-    only = req.get("ranks")
-    only = None if only is None else {str(int(r)) for r in only}
+    only = None if req.ranks is None else {str(r) for r in req.ranks}
     idents = []
     seen = set()
-    for path, doc in job_markers(req["runtime_dir"], req["job_id"]):
-        if only is not None and marker_rank(path.name, req["job_id"]) not in only:
+    for path, doc in job_markers(req.runtime_dir, req.job_id):
+        if only is not None and marker_rank(path.name, req.job_id) not in only:
             continue  # another node's rank (compared as written: a rank's marker is <job>-rank<r>.json)
-        if not doc or doc.get("job_id") != req["job_id"] or doc.get("nonce") != req["nonce"]:
+        if not doc or doc.get("job_id") != req.job_id or doc.get("nonce") != req.nonce:
             continue  # a marker of another job or deployment is never touched
-        ident = marker_identity(doc, req["nonce"])
+        ident = Identity.from_marker(doc, req.nonce)
         if ident is None:
             continue  # a garbled marker names no process we could safely signal
         if ident.pid not in seen:
             seen.add(ident.pid)
             idents.append(ident)
-    for d in req.get("extra", []):
-        ident = Identity.from_dict(d)
+    for ident in req.extra:
         if ident.pid not in seen:
             seen.add(ident.pid)
             idents.append(ident)
-    results = stop(idents, grace=float(req.get("grace", 10.0)))
-    return {"results": [r.to_json() for r in results]}
+    return StopAnswer(results=stop(idents, grace=req.grace))
 
 
-def op_alive(req: dict) -> dict:
+def op_alive(req: AliveRequest) -> AliveAnswer:
     """Which of these processes are still ours and running (no signal sent)."""
 
-    return {"status": [status_of(Identity.from_dict(d)) for d in req.get("targets", [])]}
+    return AliveAnswer(status=[status_of(t) for t in req.targets])
 
 
-def op_clean(req: dict) -> dict:
+def op_clean(req: CleanRequest) -> CleanAnswer:
     """Remove a job's files from the runtime dir (only names that start with the job id)."""
 
-    folder = Path(req["runtime_dir"])
-    job = req["job_id"]
-    removed = []
+    folder = Path(req.runtime_dir)
+    job = req.job_id
+    removed: list[str] = []
     try:
         names = os.listdir(folder)
     except OSError:
-        return {"removed": removed}
+        return CleanAnswer(removed=removed)
     for n in names:
         mine = belongs_to_job(n, job)
         if not mine and is_cancel_or_ack(n):  # named by deployment: check whose it is
@@ -221,82 +210,82 @@ def op_clean(req: dict) -> dict:
                 removed.append(n)
             except OSError:
                 pass
-    return {"removed": removed}
+    return CleanAnswer(removed=removed)
 
 
-def op_spawn(req: dict) -> dict:
+def op_spawn(req: SpawnRequest) -> SpawnAnswer:
     """Start a rank detached from any channel: its own session, output to a log file, stdin from /dev/null."""
     import psutil
 
-    env = {**os.environ, **req.get("env", {}), "PYTHONUNBUFFERED": "1"}
-    log = os.fdopen(os.open(req["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab",
+    env = {**os.environ, **req.env, "PYTHONUNBUFFERED": "1"}
+    log = os.fdopen(os.open(req.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab",
                     buffering=0)
     try:
-        proc = subprocess.Popen(req["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+        proc = subprocess.Popen(req.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True, close_fds=True)
     finally:
         log.close()
-    return {"pid": proc.pid, "pgid": proc.pid, "start_time": psutil.Process(proc.pid).create_time(),
-            "boot_id": boot_id()}
+    return SpawnAnswer(pid=proc.pid, pgid=proc.pid, start_time=psutil.Process(proc.pid).create_time(),
+                       boot_id=boot_id())
 
 
-def op_canary(req: dict) -> dict:
+def op_canary(req: CanaryRequest) -> CanaryAnswer:
     """A short greedy completion against rank 0, from rank 0's own node (it may listen on loopback only)."""
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": req.get("model", "default_model"), "prompt": req.get("prompt", "Hello"),
-                       "max_tokens": int(req.get("max_tokens", 2)), "temperature": 0}).encode()
+    body = json.dumps({"model": req.model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+                       "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
-    if req.get("api_key"):
-        headers["Authorization"] = f"Bearer {req['api_key']}"
-    r = urllib.request.Request(req["url"].rstrip("/") + "/v1/completions", data=body, headers=headers)
+    if req.api_key:
+        headers["Authorization"] = f"Bearer {req.api_key}"
+    r = urllib.request.Request(req.url.rstrip("/") + "/v1/completions", data=body, headers=headers)
     t0 = time.monotonic()
     try:
-        with urllib.request.urlopen(r, timeout=float(req.get("timeout", 60))) as resp:
+        with urllib.request.urlopen(r, timeout=req.timeout) as resp:
             doc = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError) as e:
-        return {"ok": False, "error": f"canary request failed: {e}"}
+        return CanaryAnswer(ok=False, error=f"canary request failed: {e}")
     tokens = (doc.get("usage") or {}).get("completion_tokens", 0)
     text = ((doc.get("choices") or [{}])[0]).get("text", "")
-    return {"ok": tokens > 0, "tokens": tokens, "text": text, "seconds": time.monotonic() - t0}
+    return CanaryAnswer(ok=tokens > 0, tokens=tokens, text=text, seconds=time.monotonic() - t0)
 
 
-def op_read(req: dict) -> dict:
+def op_read(req: ReadRequest) -> ReadAnswer:
     """A small regular file (not through a symlink), base64 in the answer."""
     import base64
 
-    data = read_capped(req["path"], limit=int(req.get("limit", 65536)), what="file")
-    return {"data": base64.b64encode(data).decode()}
+    data = read_capped(req.path, limit=req.limit, what="file")
+    return ReadAnswer(data=base64.b64encode(data).decode())
 
 
-def op_write(req: dict) -> dict:
+def op_write(req: WriteRequest) -> WriteAnswer:
     """Replace a file atomically (temp file, fsync, rename), creating its folder."""
     import base64
 
-    data = base64.b64decode(req["data"], validate=True)
-    atomic_write_bytes(req["path"], data, mode=int(req.get("mode", 0o600)))
-    return {"written": len(data)}
+    data = base64.b64decode(req.data, validate=True)
+    atomic_write_bytes(req.path, data, mode=req.mode)
+    return WriteAnswer(written=len(data))
 
 
 WARM_MODULES = frozenset({"psutil", "mlx.core"})
 
 
-def op_warm(req: dict) -> dict:
+def op_warm(req: WarmRequest) -> WarmAnswer:
     """Import modules the next requests will need (while the coordinator is busy with its own checks)."""
     import importlib
 
     done, failed = [], {}
-    for name in req.get("modules", []):
+    for name in req.modules:
         if name not in WARM_MODULES:
-            failed[str(name)[:100]] = "not a module this op imports"
+            failed[name[:100]] = "not a module this op imports"
             continue
         try:
             importlib.import_module(name)
             done.append(name)
         except Exception as e:  # preflight's probe reports it properly
             failed[name] = f"{type(e).__name__}: {e}"[:300]
-    return {"imported": done, "failed": failed}
+    return WarmAnswer(imported=done, failed=failed)
 
 
 MARKER_WAIT_POLL = 0.02
@@ -304,21 +293,23 @@ LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
 
 
-def op_wait_markers(req: dict) -> dict:
+def op_wait_markers(req: WaitMarkersRequest) -> WaitMarkersAnswer:
     """Wait (up to ``timeout`` s) until every marker in ``paths`` is in one of ``states``, one failed, or a
     watched rank's process is gone (``watch``, see look_at_markers); return them all as they are then. The
     coordinator long-polls with this instead of reading each marker every poll."""
-    states = set(req["states"])
-    deadline = time.monotonic() + min(float(req.get("timeout", 1.0)), 30.0)
+    states = set(req.states)
+    deadline = time.monotonic() + min(req.timeout, 30.0)
     while True:
-        look = look_at_markers(req["paths"], states, req.get("watch"))
-        if look["settled"] or time.monotonic() >= deadline:
-            return {"markers": look["markers"], "exited": look["exited"]}
+        look, settled = look_at_markers(req.paths, states, req.watch)
+        if settled or time.monotonic() >= deadline:
+            return look
         time.sleep(MARKER_WAIT_POLL)
 
 
-def look_at_markers(paths: list[str], states: set[str], watch: list[dict | None] | None = None) -> dict:
-    """One look at the markers at ``paths``: ``markers`` (each a dict or None), ``exited`` and ``settled``.
+def look_at_markers(paths: list[str], states: set[str],
+                    watch: list[WatchedRank | None] | None = None) -> tuple[WaitMarkersAnswer, bool]:
+    """One look at the markers at ``paths``: the answer (``markers``, each a dict or None, and ``exited``) and
+    whether it is settled (every marker in ``states``, one failed, or a watched rank gone).
 
     ``watch`` (one entry per path, or None) names a detached rank's process (pid, start_time, nonce, boot_id) and
     its ``log_path``. Nobody waits on a detached rank's exit, so a rank that dies at start would otherwise keep
@@ -327,12 +318,12 @@ def look_at_markers(paths: list[str], states: set[str], watch: list[dict | None]
 
     watch = list(watch or []) + [None] * (len(paths) - len(watch or []))
     # the processes first, their markers after: a rank that wrote its last marker and exited is judged by it
-    gone = [bool(w) and status_of(Identity.from_dict(w)) in ("dead", "foreign") for w in watch[:len(paths)]]
+    gone = [w is not None and status_of(w) in ("dead", "foreign") for w in watch[:len(paths)]]
     docs = [_read_json(Path(p)) for p in paths]
-    exited = [{"log_tail": _log_tail(w.get("log_path"))} if g and (d or {}).get("state") not in states else None
+    exited = [Exited(log_tail=_log_tail(w.log_path)) if g and (d or {}).get("state") not in states else None
               for g, w, d in zip(gone, watch, docs)]
-    return {"markers": docs, "exited": exited,
-            "settled": markers_settled(docs, states) or any(e is not None for e in exited)}
+    return (WaitMarkersAnswer(markers=docs, exited=exited),
+            markers_settled(docs, states) or any(e is not None for e in exited))
 
 
 def _log_tail(path: str | None) -> list[str]:
@@ -368,6 +359,20 @@ OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
        "fetch": op_fetch, "read": op_read, "write": op_write, "wait_markers": op_wait_markers,
        "warm": op_warm}
+assert set(OPS) == set(REQUESTS), "every op has its request model (protocol/nodeops.py)"
+
+
+class BadRequest(ValueError):
+    """A request that is not its op's request model."""
+
+
+def serve(op: str, req: dict) -> dict:
+    """Run op ``op`` on the request object ``req`` (parsed into its model first); its answer object."""
+    try:
+        parsed = REQUESTS[op].model_validate(req)
+    except ValidationError as e:
+        raise BadRequest(f"bad request: {pydantic_line(e, op)}") from None
+    return OPS[op](parsed).wire()
 
 SESSION_DRAIN_S = 60.0  # after the coordinator went away: how long requests still running may take to finish
 
@@ -392,7 +397,9 @@ def session(stdin=None, stdout=None) -> int:
 
     def handle(rid, op: str, req: dict) -> None:
         try:
-            answer({"id": rid, "answer": OPS[op](req)})
+            answer({"id": rid, "answer": serve(op, req)})
+        except BadRequest as e:
+            answer({"id": rid, "error": str(e)[:500]})
         except ClusterctlError as e:
             answer({"id": rid, "error": e.message, "kind": type(e).__name__})
         except Exception as e:  # the answer is always a JSON line
@@ -430,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         req = json.loads(sys.stdin.buffer.read(REQUEST_LIMIT) or b"{}")
-        result = OPS[argv[0]](req)
+        result = serve(argv[0], req)
     except Exception as e:  # the answer is always one JSON document
         json.dump({"error": f"{type(e).__name__}: {e}"[:2000]}, sys.stdout)
         return 1

@@ -11,30 +11,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 import psutil
 
-from clusterctl.protocol.identity import boot_id, start_time_of  # noqa: F401  (one copy for both sides)
+from clusterctl.protocol.identity import Identity, boot_id, start_time_of  # noqa: F401  (one copy for both sides)
+from clusterctl.protocol.nodeops import Status, StopResult
 
 NONCE_ENV = "CLUSTERCTL_NONCE"
-Status = Literal["alive", "dead", "foreign", "unverifiable"]
 START_TOLERANCE = 0.02
-
-
-@dataclass(frozen=True)
-class Identity:
-    pid: int
-    start_time: float | None
-    nonce: str | None
-    pgid: int | None = None
-    boot_id: str | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Identity":
-        return cls(pid=int(d["pid"]), start_time=d.get("start_time"), nonce=d.get("nonce"), pgid=d.get("pgid"),
-                   boot_id=d.get("boot_id"))
+EPERM = "cannot inspect or signal it (EPERM)"
 
 
 def _nonce_of(proc: psutil.Process) -> str | None:
@@ -126,16 +111,6 @@ def group_members(pgid: int, nonce: str | None) -> list[Identity]:
     return out
 
 
-@dataclass
-class StopResult:
-    pid: int
-    status: Literal["gone", "not-ours", "survived", "permission-denied"]
-    detail: str = ""
-
-    def to_json(self) -> dict:
-        return {"pid": self.pid, "status": self.status, "detail": self.detail}
-
-
 def stop(idents: list[Identity], *, grace: float, kill_retries: int = 3) -> list[StopResult]:
     """TERM (with CONT), wait up to ``grace``, KILL, verify, re-KILL with backoff, then report per process."""
     targets: list[Identity] = []
@@ -145,11 +120,12 @@ def stop(idents: list[Identity], *, grace: float, kill_retries: int = 3) -> list
         if st == "alive":
             targets.append(ident)
         elif st == "foreign":
-            results[ident.pid] = StopResult(ident.pid, "not-ours", "pid belongs to another process now: not signalled")
+            results[ident.pid] = StopResult(pid=ident.pid, status="not-ours",
+                                            detail="pid belongs to another process now: not signalled")
         elif st == "unverifiable":
-            results[ident.pid] = StopResult(ident.pid, "permission-denied", "cannot inspect or signal it (EPERM)")
+            results[ident.pid] = StopResult(pid=ident.pid, status="permission-denied", detail=EPERM)
         else:
-            results[ident.pid] = StopResult(ident.pid, "gone")
+            results[ident.pid] = StopResult(pid=ident.pid, status="gone", detail="")
         # children left in the group after the leader exited
         if ident.pgid and st in ("dead", "alive"):
             for m in group_members(ident.pgid, ident.nonce):
@@ -176,11 +152,12 @@ def stop(idents: list[Identity], *, grace: float, kill_retries: int = 3) -> list
     for t in targets:
         st = status_of(t)
         if st in ("dead", "foreign"):
-            results.setdefault(t.pid, StopResult(t.pid, "gone"))
+            results.setdefault(t.pid, StopResult(pid=t.pid, status="gone", detail=""))
         elif st == "unverifiable":
-            results[t.pid] = StopResult(t.pid, "permission-denied", "cannot inspect or signal it (EPERM)")
+            results[t.pid] = StopResult(pid=t.pid, status="permission-denied", detail=EPERM)
         else:
-            results[t.pid] = StopResult(t.pid, "survived", f"still running after SIGKILL (state {_state(t.pid)})")
+            results[t.pid] = StopResult(pid=t.pid, status="survived",
+                                       detail=f"still running after SIGKILL (state {_state(t.pid)})")
     return [results[i.pid] for i in idents if i.pid in results] + \
         [r for pid, r in results.items() if pid not in {i.pid for i in idents}]
 

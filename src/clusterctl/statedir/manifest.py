@@ -20,7 +20,8 @@ from clusterctl.errors import IntegrityError, pydantic_line
 from clusterctl.names import Ident, Name
 from clusterctl.protocol.nodespec import Node
 from clusterctl.protocol.signing import PublicKey, SigningKey, sign_payload, verify_signed
-from clusterctl.node.procs import Identity, boot_id, start_time_of, status_of
+from clusterctl.node.procs import boot_id, start_time_of, status_of
+from clusterctl.protocol.identity import Identity
 
 KIND = "launch-manifest"
 SCHEMA_VERSION = 1
@@ -33,6 +34,10 @@ class Coordinator(BaseModel):
     start_time: float | None
     boot_id: str | None
     detached: bool = False
+
+    def identity(self) -> Identity:
+        """This coordinator's process (no nonce: it has none)."""
+        return Identity(pid=self.pid, start_time=self.start_time, boot_id=self.boot_id)
 
 
 class RankRecord(BaseModel):
@@ -54,6 +59,11 @@ class RankRecord(BaseModel):
     start_time: float | None = None
     boot_id: str | None = None
     state: Literal["pending", "started", "ready", "stopped", "failed"] = "pending"
+
+    def identity(self, nonce: str) -> Identity:
+        """The rank's process as its node checks it (pid, start time, the job's nonce): only once it has a pid."""
+        assert self.pid is not None, f"rank {self.rank} has not started"
+        return Identity(pid=self.pid, start_time=self.start_time, nonce=nonce, pgid=self.pgid, boot_id=self.boot_id)
 
 
 class LaunchManifest(BaseModel):
@@ -178,4 +188,4 @@ def coordinator_alive(c: Coordinator) -> bool:
         return True  # another machine's coordinator: not ours to judge
     if c.boot_id and boot_id() and c.boot_id != boot_id():
         return False
-    return status_of(Identity(pid=c.pid, start_time=c.start_time, nonce=None)) in ("alive", "unverifiable")
+    return status_of(c.identity()) in ("alive", "unverifiable")

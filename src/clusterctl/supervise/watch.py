@@ -13,6 +13,7 @@ from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
 from clusterctl.launch.status import rank_state
 from clusterctl.protocol.runtimefiles import followed_a_peer
+from clusterctl.protocol.nodeops import AliveAnswer, AliveRequest, MarkersRequest, ProbeRequest
 
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
 UP = ("loading", "ready", "serving")
@@ -30,28 +31,25 @@ async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict
 
     async def one(node: str, recs: list) -> None:
         h = hs[node]
-        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
-                    "boot_id": r.boot_id} for r in recs if r.pid]
+        targets = [r.identity(m.nonce) for r in recs if r.pid]
 
-        async def alive_op() -> dict:
-            return await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
+        async def alive_op() -> AliveAnswer:
+            return await h.ask(AliveRequest(targets=targets), timeout=LOOK_TIMEOUT) if targets else AliveAnswer()
 
         try:
             ans, alive = await asyncio.gather(
-                h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id}, timeout=LOOK_TIMEOUT),
+                h.ask(MarkersRequest(runtime_dir=recs[0].runtime_dir, job_id=m.job_id), timeout=LOOK_TIMEOUT),
                 alive_op())
         except ClusterctlError as e:
             markers.update({r.rank: {"error": e.message} for r in recs})
             unreachable[node] = True
             return
         unreachable[node] = False
-        for x in ans.get("markers", []):
-            doc = x.get("marker") or {}
-            if isinstance(doc.get("rank"), int) and doc.get("node") == node:
-                markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
-        st = alive.get("status") if isinstance(alive, dict) else None
-        if isinstance(st, list) and len(st) == len(targets):
-            procs.update({r.rank: str(s) for r, s in zip([r for r in recs if r.pid], st)})
+        for x in ans.markers:
+            if x.rank is not None and x.marker.get("node") == node:
+                markers[x.rank] = {"marker": x.marker, "age": x.age}
+        if len(alive.status) == len(targets):
+            procs.update({r.rank: s for r, s in zip([r for r in recs if r.pid], alive.status)})
 
     await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
     return markers, procs
@@ -79,11 +77,11 @@ async def probe_nodes(dep, names: list[str], ssh) -> dict[str, bool]:
 
     async def one(n: str) -> bool:
         try:
-            ans = await hs[n].op("probe", {"model_path": dep.path_map.get(n),
-                                            "runtime_dir": hs[n].runtime_dir}, timeout=LOOK_TIMEOUT)
+            ans = await hs[n].ask(ProbeRequest(model_path=dep.path_map.get(n), runtime_dir=hs[n].runtime_dir),
+                                  timeout=LOOK_TIMEOUT)
         except ClusterctlError:
             return False
-        return bool(ans.get("model", {}).get("ok")) and bool(ans.get("runtime_dir", {}).get("ok"))
+        return ans.model is not None and ans.model.ok and ans.runtime_dir is not None and ans.runtime_dir.ok
 
     try:
         ok = await asyncio.wait_for(asyncio.gather(*(one(n) for n in names)), LOOK_TIMEOUT + 5)

@@ -27,6 +27,8 @@ from clusterctl.modelfiles.copycheck import check_copy, needed_files
 from clusterctl.modelfiles.manifest import Manifest, build_manifest, HashCache
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
 from clusterctl.launch.hubmodel import hub_resolve_url
+from clusterctl.protocol.nodeops import (FetchRequest, ModelPrepareRequest, ModelStatusAnswer, ModelStatusRequest,
+                                        RsyncFacts)
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync
 from clusterctl.locks import Lock
 
@@ -60,7 +62,7 @@ class NodeSync:
     needed: list[str] = field(default_factory=list)
     bytes_needed: int = 0
     free_bytes: int | None = None
-    rsync: dict = field(default_factory=dict)
+    rsync: RsyncFacts = field(default_factory=RsyncFacts)
     result: str | None = None  # after: ok | failed | skipped | would-sync
     error: str | None = None
     exit_code: int = 0
@@ -111,9 +113,10 @@ Emit = Callable[[dict], None]
 
 # ---- step 1: where every node stands -------------------------------------------------------------------------
 
-async def node_status(h: NodeHandle, manifest: Manifest, path: str, *, verify: bool, only=None) -> dict:
-    return await h.op("model_status", {"manifest": manifest.model_dump(mode="json"), "path": path,
-                                       "verify": verify, "only": only}, timeout=STATUS_TIMEOUT)
+async def node_status(h: NodeHandle, manifest: Manifest, path: str, *, verify: bool,
+                      only=None) -> ModelStatusAnswer:
+    return await h.ask(ModelStatusRequest(manifest=manifest.model_dump(mode="json"), path=path, verify=verify,
+                                          only=only), timeout=STATUS_TIMEOUT)
 
 
 def _unreachable(e: ClusterctlError) -> bool:
@@ -133,14 +136,14 @@ async def survey(hs: dict[str, NodeHandle], dep, manifest: Manifest, *, verify: 
             ns.state, ns.detail = ("unreachable" if _unreachable(e) else "error"), e.message
             ns.exit_code = int(e.exit_code)
         else:
-            ns.state, ns.detail = st["state"], st.get("detail")
-            ns.needed = needed_files(manifest, st)
+            ns.state, ns.detail = st.state, st.detail
+            ns.needed = needed_files(manifest, st.copy_state())
             ns.bytes_needed = sum(sizes[p] for p in ns.needed)
-            ns.free_bytes, ns.rsync = st.get("free_bytes"), st.get("rsync") or {}
-            if ns.state == "stale" and st.get("stale"):
-                ns.detail = ns.detail or f"{len(st['stale'])} file(s) differ, e.g. {st['stale'][0]}"
+            ns.free_bytes, ns.rsync = st.free_bytes, st.rsync
+            if ns.state == "stale" and st.stale:
+                ns.detail = ns.detail or f"{len(st.stale)} file(s) differ, e.g. {st.stale[0]}"
             elif ns.state == "partial":
-                ns.detail = f"{len(st['missing'])} of {len(manifest.files)} file(s) missing"
+                ns.detail = f"{len(st.missing)} of {len(manifest.files)} file(s) missing"
         emit({"event": "status", "node": ns.node, "path": ns.path, "state": ns.state, "detail": ns.detail,
               "files_needed": len(ns.needed), "bytes_needed": ns.bytes_needed})
         return ns
@@ -230,7 +233,7 @@ async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state
     emit({"event": "start", "node": f"staging from {h.name}", "source": f"{h.name}:{ns.path}", "mode": "rsync",
           "files": len(files), "bytes": manifest.total_bytes})
     remote = ssh_target(h.node, ssh)
-    res = await run_rsync(Endpoint(ns.path, remote, gnu_version(ns.rsync.get("version"))) if remote else Endpoint(ns.path),
+    res = await run_rsync(Endpoint(ns.path, remote, gnu_version(ns.rsync.version)) if remote else Endpoint(ns.path),
                           Endpoint(str(folder)), files, progress=progress, protect_args=opts.protect_args)
     if res.error:
         raise SyncFailed(f"staging the model from node {h.name} failed: {res.error}")
@@ -243,8 +246,8 @@ async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state
 async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh: SshOptions, opts: SyncOptions,
                emit: Emit) -> None:
     progress = _Progress(emit, ns.node, ns.bytes_needed)
-    prep = await h.op("model_prepare", {"path": ns.path})
-    free = prep.get("free_bytes")
+    prep = await h.ask(ModelPrepareRequest(path=ns.path))
+    free = prep.free_bytes
     if free is not None and ns.bytes_needed > free:
         raise CannotWrite(f"needs {human_bytes(ns.bytes_needed)} at {ns.path}, only {human_bytes(free)} free there",
                           hint="free space on the node, or move its model folder (path_map) and plan again")
@@ -254,10 +257,10 @@ async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh
         if h.node.is_local:
             dest = Endpoint(ns.path)
         else:
-            if not ns.rsync.get("path"):
+            if not ns.rsync.path:
                 raise SyncFailed(f"rsync is not installed on node {ns.node}",
                                  hint="install rsync there, or sync with --mode download --url MIRROR")
-            dest = Endpoint(ns.path, ssh_target(h.node, ssh), gnu_version(ns.rsync.get("version")))
+            dest = Endpoint(ns.path, ssh_target(h.node, ssh), gnu_version(ns.rsync.version))
         res = await run_rsync(Endpoint(src.folder), dest, ns.needed, progress=progress,
                               protect_args=opts.protect_args)
         if res.error:
@@ -268,21 +271,21 @@ async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh
         sizes = {f.path: f.size for f in manifest.files}
         mdoc = manifest.model_dump(mode="json")
         for rel in ns.needed:  # one file per call: progress per file, and a failure names its file
-            ans = await h.op("fetch", {"url": src.url, "path": ns.path, "manifest": mdoc, "files": [rel]},
-                             timeout=FETCH_TIMEOUT)
-            if ans.get("failed"):
-                err = ans["failed"][0]["error"]
+            ans = await h.ask(FetchRequest(url=src.url, path=ns.path, manifest=mdoc, files=[rel]),
+                              timeout=FETCH_TIMEOUT)
+            if ans.failed:
+                err = ans.failed[0].error
                 if "No space left" in err:
                     raise CannotWrite(f"no space left at {ns.path} while downloading {rel}")
                 raise SyncFailed(f"download of {rel} failed: {err}")
-            ns.bytes_sent += int(ans.get("bytes", 0))
+            ns.bytes_sent += ans.bytes
             done += sizes[rel]
             progress(done)
     progress(ns.bytes_needed, force=True)
     # the node re-hashes what it received: only then is it ok
     st = await node_status(h, manifest, ns.path, verify=True, only=ns.needed)
-    if st["state"] != "ok":
-        wrong = (st.get("stale") or []) + (st.get("missing") or [])
+    if st.state != "ok":
+        wrong = st.stale + st.missing
         raise SyncFailed(f"after the transfer {len(wrong)} file(s) still do not match the manifest"
                          + (f", e.g. {wrong[0]}" if wrong else ""))
 
