@@ -27,6 +27,7 @@ from pathlib import Path
 
 from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
 from clusterctl.errors import ClusterctlError
+from clusterctl.protocol.versions import node_versions
 from clusterctl.protocol.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import Identity, boot_id, status_of, stop
@@ -40,18 +41,6 @@ def default_runtime_dir() -> str:
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
         return os.path.join(xdg, "clusterctl")
     return f"/tmp/clusterctl-{os.getuid()}"
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": ".".join(map(str, sys.version_info[:3]))}
-    for dist in ("clusterctl", "mlx", "mlx-lm"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -70,7 +59,7 @@ def _port_free(host: str, port: int) -> bool:
 def op_probe(req: dict) -> dict:
     import psutil
 
-    out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": _versions(),
+    out = {"hostname": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "versions": node_versions(),
            "mem_available": psutil.virtual_memory().available, "mem_total": psutil.virtual_memory().total,
            "default_runtime_dir": default_runtime_dir()}
     backend = req.get("backend")
