@@ -6,8 +6,9 @@ import asyncio
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.statedir.manifest import coordinator_alive, job_ref, manifest_store
-from clusterctl.connect.nodes import SshOptions, close_all, handles
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
+from clusterctl.connect.nodes import SshOptions
+from clusterctl.launch.look import look_at_job
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
 from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
 from clusterctl.protocol.deployment import decode
@@ -35,38 +36,10 @@ def rank_state(marker_state: str | None, process: str | None, stale: bool, reach
     return marker_state
 
 
-async def _processes(m, hs) -> dict[int, str]:
-    """Each started rank's process as its node sees it: alive, dead, foreign or unverifiable (node op ``alive``);
-    a rank whose node does not answer is left out."""
-    out: dict[int, str] = {}
-    by_node: dict[str, list] = {}
-    for r in m.ranks:
-        if r.pid:
-            by_node.setdefault(r.node, []).append(r)
-
-    async def one(node: str, recs: list) -> None:
-        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
-                    "boot_id": r.boot_id} for r in recs]
-        try:
-            ans = await hs[node].op("alive", {"targets": targets}, timeout=30)
-        except ClusterctlError:
-            return
-        st = ans.get("status") if isinstance(ans, dict) else None
-        if isinstance(st, list) and len(st) == len(recs):
-            out.update({r.rank: str(x) for r, x in zip(recs, st)})
-
-    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
-    return out
-
-
 async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
     """A job's markers and its ranks' processes, over one session per node (``pool``'s, kept open after)."""
-    hs = pool.handles(m.nodes) if pool is not None else handles(m.nodes, ssh)
-    try:
-        return await asyncio.gather(read_rank_markers(m, ssh, hs=hs), _processes(m, hs))
-    finally:
-        if pool is None:
-            await close_all(hs)
+    seen = await look_at_job(m, ssh, pool=pool)
+    return seen.markers, seen.procs
 
 
 def _serving_defaults(state, deployment_id: str) -> dict | None:

@@ -10,6 +10,7 @@ import contextlib
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.connect.nodes import close_all, handles
+from clusterctl.launch.look import look
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
 from clusterctl.launch.status import rank_state
 from clusterctl.protocol.runtimefiles import followed_a_peer
@@ -21,40 +22,16 @@ FOLLOWER_EXIT = 69  # a foreground rank's keeper: its rank left because a peer, 
 
 async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
     """Job ``m``'s markers (rank -> {"marker", "age"} or {"error"}) and processes (rank -> alive/dead/...) over
-    the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer)."""
-    markers: dict[int, dict] = {}
-    procs: dict[int, str] = {}
-    by_node: dict[str, list] = {}
+    the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer both questions: then
+    each of its ranks has the error and no process)."""
+    seen = await look(m, hs, timeout=LOOK_TIMEOUT)
     for r in m.ranks:
-        by_node.setdefault(r.node, []).append(r)
-
-    async def one(node: str, recs: list) -> None:
-        h = hs[node]
-        targets = [{"pid": r.pid, "start_time": r.start_time, "nonce": m.nonce, "pgid": r.pgid,
-                    "boot_id": r.boot_id} for r in recs if r.pid]
-
-        async def alive_op() -> dict:
-            return await h.op("alive", {"targets": targets}, timeout=LOOK_TIMEOUT) if targets else {}
-
-        try:
-            ans, alive = await asyncio.gather(
-                h.op("markers", {"runtime_dir": recs[0].runtime_dir, "job_id": m.job_id}, timeout=LOOK_TIMEOUT),
-                alive_op())
-        except ClusterctlError as e:
-            markers.update({r.rank: {"error": e.message} for r in recs})
-            unreachable[node] = True
-            return
-        unreachable[node] = False
-        for x in ans.get("markers", []):
-            doc = x.get("marker") or {}
-            if isinstance(doc.get("rank"), int) and doc.get("node") == node:
-                markers[doc["rank"]] = {"marker": doc, "age": x.get("age")}
-        st = alive.get("status") if isinstance(alive, dict) else None
-        if isinstance(st, list) and len(st) == len(targets):
-            procs.update({r.rank: str(s) for r, s in zip([r for r in recs if r.pid], st)})
-
-    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
-    return markers, procs
+        why = seen.failed.get(r.node)
+        unreachable[r.node] = why is not None
+        if why is not None:
+            seen.markers[r.rank] = {"error": why}
+            seen.procs.pop(r.rank, None)
+    return seen.markers, seen.procs
 
 
 def rank_record(r, info: dict, process: str | None, running=None) -> dict:
