@@ -11,16 +11,16 @@ from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasO
                                     ChatTemplateArgsOpt, ChatTemplateOpt, CorsOpt, DrainOpt, FrontOpt, GraceOpt,
                                     HostOpt, JsonOpt, KnownHostsOpt, MaxQueueOpt, MaxTokensOpt, MinPOpt, NoApiKeyOpt,
                                     PortOpt, QuietOpt, SeedOpt, StateOpt, TemperatureOpt, TimeoutOpt, TopKOpt,
-                                    TopPOpt, api_key_of, app, complete_targets, number, output, serving_of,
-                                    set_access, ssh_options, state_of)
+                                    TopPOpt, app, complete_targets, number, output, ssh_options, state_of)
 from clusterctl.errors import Exit, UsageError
 from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
                                     RejoinDrainOpt, heal_policy)
-from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt, kv_options, lease_from_env
+from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt
 from clusterctl.statedir import history as hist
 from clusterctl.cli.frontcmds import front_for, stop_started
-from clusterctl.cli.replanview import (ReplanHeadroomOpt, ReplanPromptCacheOpt, confirmed, parse_path_map, preview,
-                                       replan_given, unchanged)
+from clusterctl.cli.launchflags import LaunchFlags
+from clusterctl.cli.replanview import (PlanFlags, ReplanHeadroomOpt, ReplanPromptCacheOpt, ReplanRequest,
+                                       run_replan)
 from clusterctl.render import heal_line, history_line, serving_line, status_table, watch_view
 
 
@@ -62,16 +62,10 @@ def launch(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.launch.jobplan import LaunchOptions
-
-    opts = LaunchOptions(timeout=timeout, grace=grace, detach=detach, http_host=host or "127.0.0.1", http_port=port,
-                         api_key=api_key_of(api_key_env, no_api_key), seed=seed, max_queue=max_queue,
-                         ssh=ssh_options(known_hosts, accept_new_host_keys), verify_model=verify,
-                         lease_seconds=lease_from_env())
-    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
-               model_alias=model_alias)
-    if lease is not None:
-        opts.lease_seconds = lease
+    opts = LaunchFlags(timeout=timeout, grace=grace, host=host, port=port, api_key_env=api_key_env,
+                       api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
+                       model_alias=model_alias, seed=seed, max_queue=max_queue, known_hosts=known_hosts,
+                       accept_new_host_keys=accept_new_host_keys, lease=lease, verify=verify).options(detach=detach)
     if heal and detach:
         raise UsageError("--heal supervises in the foreground: leave out --detach, or launch detached and run "
                          "`clusterctl supervise` (docs/heal.md)")
@@ -196,37 +190,21 @@ def replan(
     """Preview a new plan for a running deployment, then drain, stop verified, swap the deployment file and
     relaunch. Whatever is not given is derived from the current deployment."""
     o = output(ctx, json, quiet)
-    import asyncio
-
-    from clusterctl.launch import replan as rp
-
     if detach and foreground:
         raise UsageError("--detach and --foreground contradict each other: give one")
-    state, ssh = state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys)
-    given = replan_given(serving_of(temperature, top_p, top_k, min_p, max_tokens, chat_template, chat_template_args),
-                         kv_options(kv_bits, kv_group_size, quantized_kv_start, replan=True),
-                         allocation=allocation, backend=backend, parallel=parallel, schedule=schedule,
-                         context=context, batch=batch, prompt_cache_gb=prompt_cache_gb, headroom_gb=headroom_gb)
-    node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
-    p = rp.propose(state, target, cluster_file=cluster, nodes=node_list, options=given,
-                   path_map=parse_path_map(path_map), to=to)
-    p.jobs = asyncio.run(rp.live_jobs_of(state, p, ssh))
-    doc = p.to_json()
-    preview(o, p)
-    if unchanged(o, p, doc):
-        raise typer.Exit(0)
-    # a model folder the new deployment would be the first to use is checked on its node before anything stops
-    doc["paths_checked"] = asyncio.run(rp.check_new_paths(state, p, ssh))
-    if not yes and not confirmed(o, doc):
-        raise typer.Exit(int(Exit.NOT_APPLIED))
-    # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
-    opts = rp.relaunch_options(p, ssh, detach=True if detach else False if foreground else None, timeout=timeout,
-                               grace=grace, api_key=api_key_of(api_key_env, no_api_key), seed=seed,
-                               max_queue=max_queue, host=host, lease_seconds=lease_from_env())
-    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
-               model_alias=model_alias)
-    front_for(o, state, front, lambda: p.old.cluster, known_hosts, accept_new_host_keys)
-    raise typer.Exit(rp.apply(state, p, ssh, opts, grace=grace, drain=drain, out=o, doc=doc))
+    req = ReplanRequest(
+        target=target, detach=True if detach else False if foreground else None, drain=drain, yes=yes, front=front,
+        plan=PlanFlags(cluster=cluster, nodes=nodes, allocation=allocation, backend=backend, parallel=parallel,
+                       schedule=schedule, context=context, batch=batch, prompt_cache_gb=prompt_cache_gb,
+                       headroom_gb=headroom_gb, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                       quantized_kv_start=quantized_kv_start, temperature=temperature, top_p=top_p, top_k=top_k,
+                       min_p=min_p, max_tokens=max_tokens, chat_template=chat_template,
+                       chat_template_args=chat_template_args, path_map=path_map, to=to),
+        launch=LaunchFlags(timeout=timeout, grace=grace, host=host, api_key_env=api_key_env,
+                           api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
+                           model_alias=model_alias, seed=seed, max_queue=max_queue, known_hosts=known_hosts,
+                           accept_new_host_keys=accept_new_host_keys))
+    raise typer.Exit(run_replan(o, state_of(state_dir), req))
 
 
 @app.command()

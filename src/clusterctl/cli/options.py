@@ -251,18 +251,6 @@ def api_keys_of(path: Path | None, default_key: str | None, no_key: bool) -> dic
     return api_keys_from_file(str(path) if path is not None else None, default_key=default_key)
 
 
-def set_access(opts, *, api_keys_file: Path | None, no_api_key: bool, cors_origin: list[str] | None,
-               model_alias: list[str] | None, host: str | None = None) -> None:
-    """Who may call the relaunched rank 0, for launch, replan and supervise alike: the API keys (the file's,
-    else ``opts.api_key``), CORS origins and model aliases set on ``opts``, then the exposure checked (a key is
-    needed off loopback). ``host``: the address checked when ``opts`` has none yet."""
-    from clusterctl.front.apikey import check_exposure
-
-    opts.api_keys = api_keys_of(api_keys_file, opts.api_key, no_api_key)
-    opts.cors_origins, opts.model_aliases = list(cors_origin or []), list(model_alias or [])
-    check_exposure(opts.http_host or host or "127.0.0.1", opts.api_key or bool(opts.api_keys), no_key=no_api_key)
-
-
 def complete_targets(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of what names a deployment: deployment and job ids of the state dir, and deployment
     files (``*.json``) and folders under the word typed so far. Reads file names only; never fails."""

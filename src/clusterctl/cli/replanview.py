@@ -1,15 +1,20 @@
-"""What `clusterctl replan` reads and shows around its core call (launch/replan.py): its own flags, the options
-it was given, the preview, the "unchanged" note and the confirmation."""
+"""What `clusterctl replan` reads and shows around its core calls (launch/replan.py): its own flags, the request
+they make (ReplanRequest: the new plan's flags, how the new job serves, how to apply), the options it was given,
+the preview, the "unchanged" note, the confirmation, and the run from preview to relaunch."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import number
-from clusterctl.errors import UsageError
+from clusterctl.cli.frontcmds import front_for
+from clusterctl.cli.launchflags import LaunchFlags
+from clusterctl.cli.options import kv_options, number, serving_of
+from clusterctl.errors import Exit, UsageError
 
 # replan's own flags: each defaults to the current deployment's value
 ReplanPromptCacheOpt = Annotated[Optional[float], typer.Option(
@@ -80,3 +85,83 @@ def confirmed(o, doc: dict) -> bool:
             o.data({**doc, "action": "previewed"})
         return False
     return True
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """replan's flags for the new plan, as parsed (None: not given, the current deployment's)."""
+
+    cluster: Path | None = None
+    nodes: str | None = None  # comma list, in rank order
+    allocation: str | None = None
+    backend: str | None = None
+    parallel: str | None = None
+    schedule: str | None = None
+    context: int | None = None
+    batch: int | None = None
+    prompt_cache_gb: float | None = None
+    headroom_gb: float | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    quantized_kv_start: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    chat_template: Path | None = None
+    chat_template_args: str | None = None
+    path_map: str | None = None
+    to: str | None = None
+
+    def change(self):
+        """The plan change they ask for (launch/replan.PlanChange): the chat template read, every value checked."""
+        from clusterctl.launch.replan import PlanChange
+
+        given = replan_given(serving_of(self.temperature, self.top_p, self.top_k, self.min_p, self.max_tokens,
+                                        self.chat_template, self.chat_template_args),
+                             kv_options(self.kv_bits, self.kv_group_size, self.quantized_kv_start, replan=True),
+                             allocation=self.allocation, backend=self.backend, parallel=self.parallel,
+                             schedule=self.schedule, context=self.context, batch=self.batch,
+                             prompt_cache_gb=self.prompt_cache_gb, headroom_gb=self.headroom_gb)
+        nodes = [n.strip() for n in self.nodes.split(",") if n.strip()] if self.nodes is not None else None
+        return PlanChange(cluster_file=self.cluster, nodes=nodes, options=given,
+                          path_map=parse_path_map(self.path_map), to=self.to)
+
+
+@dataclass(frozen=True)
+class ReplanRequest:
+    """`clusterctl replan` as given: the deployment, the new plan, how the new job serves, how to apply."""
+
+    target: str | None
+    plan: PlanFlags
+    launch: LaunchFlags
+    detach: bool | None = None  # the new job detached (True) or in the foreground (False); None: as the old one
+    drain: float = 0.0
+    yes: bool = False
+    front: str | None = None
+
+
+def run_replan(o, state, req: ReplanRequest) -> int:
+    """Propose, preview, check the new paths, confirm, then apply (launch/replan.py). Returns the exit code."""
+    import asyncio
+
+    from clusterctl.launch import replan as rp
+
+    ssh = req.launch.ssh()
+    p = rp.propose(state, req.target, req.plan.change())
+    p.jobs = asyncio.run(rp.live_jobs_of(state, p, ssh))
+    doc = p.to_json()
+    preview(o, p)
+    if unchanged(o, p, doc):
+        return 0
+    # a model folder the new deployment would be the first to use is checked on its node before anything stops
+    doc["paths_checked"] = asyncio.run(rp.check_new_paths(state, p, ssh))
+    if not req.yes and not confirmed(o, doc):
+        return int(Exit.NOT_APPLIED)
+    # everything the relaunch needs is settled before anything stops: a missing key ends the replan here
+    host, port, was_detached = rp.relaunch_endpoint(p)
+    opts = req.launch.options(detach=was_detached if req.detach is None else req.detach, default_host=host,
+                              default_port=port)
+    front_for(o, state, req.front, lambda: p.old.cluster, req.launch.known_hosts, req.launch.accept_new_host_keys)
+    return rp.apply(state, p, opts, drain=req.drain, out=o, doc=doc)

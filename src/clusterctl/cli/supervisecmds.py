@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
+from clusterctl.cli.launchflags import LaunchFlags
 from clusterctl.cli.options import (AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt, CorsOpt, GraceOpt,
                                     HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, HostOpt, JsonOpt,
                                     KnownHostsOpt, MaxQueueOpt, NoApiKeyOpt, QuietOpt, RejoinAfterOpt, RejoinDrainOpt,
-                                    SeedOpt, StateOpt, TimeoutOpt, api_key_of, app, complete_targets, set_access,
-                                    heal_policy, lease_from_env, output, ssh_options, state_of)
+                                    SeedOpt, StateOpt, TimeoutOpt, app, complete_targets, heal_policy, output,
+                                    state_of)
 
 
 @app.command()
@@ -48,13 +49,12 @@ def supervise(
     o = output(ctx, json, quiet)
     import asyncio
 
-    from clusterctl.launch.jobplan import LaunchOptions
     from clusterctl.supervise.run import run_supervised
 
     policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain)
-    opts = LaunchOptions(timeout=timeout, grace=grace, detach=True, http_host=host or "", seed=seed,
-                         api_key=api_key_of(api_key_env, no_api_key), max_queue=max_queue,
-                         ssh=ssh_options(known_hosts, accept_new_host_keys), lease_seconds=lease_from_env())
-    set_access(opts, api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
-               model_alias=model_alias, host=host)
+    # a relaunch binds the running job's host (""), unless --host says another
+    opts = LaunchFlags(timeout=timeout, grace=grace, host=host, api_key_env=api_key_env, api_keys_file=api_keys_file,
+                       no_api_key=no_api_key, cors_origin=cors_origin, model_alias=model_alias, seed=seed,
+                       max_queue=max_queue, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys
+                       ).options(detach=True, default_host="")
     raise typer.Exit(asyncio.run(run_supervised(o, state_of(state_dir), deployment, opts, policy, take_over=True)))

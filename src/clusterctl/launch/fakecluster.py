@@ -20,17 +20,13 @@ from pathlib import Path
 
 from clusterctl.connect.faketransport import ScriptedOps
 from clusterctl.launch.jobplan import LaunchOptions, contract_payload, mlx_view, plan_job, rank_addresses
-from clusterctl.launch.preflight import coordinator_versions as mine
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import ModelFacts
 from clusterctl.plan.planner import make_deployment
 from clusterctl.protocol.contract import deployment_proof, encode_contract
 from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
-
-
-def coordinator_versions() -> dict:
-    return {"python": ".".join(map(str, __import__("sys").version_info[:3])), **mine()}
+from clusterctl.protocol.versions import coordinator_versions, python_version
 
 
 @dataclass
@@ -48,7 +44,7 @@ class SimulatedNode(ScriptedOps):
         return {"imported": list(req.get("modules", [])), "failed": {}}
 
     def _op_probe(self, req: dict) -> dict:
-        out = {"hostname": "fake", "boot_id": "fake-boot", "time": time.time(), "versions": coordinator_versions(),
+        out = {"hostname": "fake", "boot_id": "fake-boot", "time": time.time(), "versions": {"python": python_version(), **coordinator_versions()},
                "mem_available": 1 << 40, "mem_total": 1 << 40, "default_runtime_dir": self.runtime_dir,
                "runtime_dir": {"path": req.get("runtime_dir") or self.runtime_dir, "ok": True}}
         if req.get("backend"):

@@ -151,28 +151,46 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = None) -> int:
-    """Start a launch (``start()`` -> Running), print it ready through the output ``o``, and in the foreground
-    supervise it until a stop or a rank failure. Returns the exit code."""
+def stop_on_signals() -> asyncio.Event:
+    """An event Ctrl-C, SIGTERM and SIGHUP set (on the running loop)."""
     stop = asyncio.Event()
     install_stop_signals(stop)
+    return stop
+
+
+async def start_unless_stopped(start, stop: asyncio.Event):
+    """Run ``start()`` until it ends or ``stop`` is set, whichever comes first. A stop first cancels it (what it
+    started, it stops) and returns None once it has ended so; else its task, done (``.result()`` raises what it
+    raised). ``stop`` is cleared either way, for what runs after."""
     starting = asyncio.ensure_future(start())
     stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
     if not starting.done():
         starting.cancel()
         try:
             await starting
         except asyncio.CancelledError:
-            o.error("launch interrupted; everything it started was stopped")
-            return 130
-    stopper.cancel()
+            return None
+    stop.clear()
+    return starting
+
+
+async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = None) -> int:
+    """Start a launch (``start()`` -> Running), print it ready through the output ``o``, and in the foreground
+    supervise it until a stop or a rank failure. Returns the exit code."""
+    stop = stop_on_signals()
+    starting = await start_unless_stopped(start, stop)
+    if starting is None:
+        o.error("launch interrupted; everything it started was stopped")
+        return 130
     try:
         running = starting.result()
     except ClusterctlError as e:
         _say_rank_log(o, e)
         raise
-    stop.clear()
     doc = running.summary()
     _say_ready(o, running, doc, detach, ready_extra)
     if detach:

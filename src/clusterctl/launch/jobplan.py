@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from clusterctl.launch import hostfile
 from clusterctl.protocol import runtimefiles as rf
@@ -25,8 +27,13 @@ DEFAULT_LEASE = 30.0  # (the CLI reads CLUSTERCTL_LAUNCHER_LEASE: cli/options.py
 # environment)
 
 
-@dataclass
-class LaunchOptions:
+class LaunchOptions(BaseModel):
+    """How a job is launched, as its command settled it (cli/launchflags.py builds it from the flags of launch,
+    replan and supervise). Frozen: what changes later (a supervisor's port and host) is a copy,
+    ``opts.model_copy(update=...)``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     timeout: float = 600.0
     grace: float = DEFAULT_GRACE
     lease_seconds: float = DEFAULT_LEASE
@@ -34,21 +41,21 @@ class LaunchOptions:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     api_key: str | None = None
-    api_keys: dict[str, str] = field(default_factory=dict)  # more tenants: name -> key (docs/security.md)
-    cors_origins: list[str] = field(default_factory=list)  # browser origins rank 0 answers with CORS headers
-    model_aliases: list[str] = field(default_factory=list)  # more names rank 0 answers to as `model`
+    api_keys: dict[str, str] = Field(default_factory=dict)  # more tenants: name -> key (docs/security.md)
+    cors_origins: list[str] = Field(default_factory=list)  # browser origins rank 0 answers with CORS headers
+    model_aliases: list[str] = Field(default_factory=list)  # more names rank 0 answers to as `model`
+    seed: int = 0
+    max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
+    canary: bool = True
+    ssh: SshOptions = Field(default_factory=SshOptions)
+    check_model: bool = True
+    verify_model: bool = False  # preflight re-hashes every byte of each node's model copy
+    reap_first: bool = True
 
     @property
     def any_key(self) -> str | None:
         """A key rank 0 accepts (the canary's): the default tenant's, else the first other tenant's."""
         return self.api_key or next(iter(self.api_keys.values()), None)
-    seed: int = 0
-    max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
-    canary: bool = True
-    ssh: SshOptions = field(default_factory=SshOptions)
-    check_model: bool = True
-    verify_model: bool = False  # preflight re-hashes every byte of each node's model copy
-    reap_first: bool = True
 
 
 def mlx_view(rank_env: dict[str, str]) -> dict[str, str]:

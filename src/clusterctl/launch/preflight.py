@@ -9,15 +9,14 @@ check: the deployment still plans the same from its inputs.
 from __future__ import annotations
 
 import asyncio
-import functools
 from pathlib import Path
 
-from clusterctl import __version__
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, LaunchFailed
 from clusterctl.connect.nodes import NODEOP_TIMEOUT, NodeHandle, first_error_code
 from clusterctl.protocol.deployment import Deployment, diff_placement
 from clusterctl.protocol.nodeops import (BadAnswer, CopySummary, ModelStatusAnswer, ModelStatusRequest, ProbeAnswer,
                                         ProbeRequest, WarmRequest)
+from clusterctl.protocol.versions import coordinator_versions
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import replan_same_inputs
 
@@ -28,21 +27,6 @@ class PortsBusy(LaunchFailed):
     def __init__(self, message: str, busy: set[int], **kw):
         super().__init__(message, **kw)
         self.busy = busy
-
-
-@functools.cache
-def coordinator_versions() -> dict[str, str | None]:
-    """This machine's clusterctl, mlx and mlx-lm: looked up once per command (each lookup walks sys.path), not
-    once per node."""
-    from importlib import metadata
-
-    ours = {"clusterctl": __version__}
-    for dist in ("mlx", "mlx-lm"):
-        try:
-            ours[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            ours[dist] = None
-    return ours
 
 
 def _version_problems(probe: ProbeAnswer, node: str) -> tuple[list[str], list[str]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from clusterctl.errors import Busy, ClusterctlError
-from clusterctl.connect.nodes import SshOptions, close_all, handles
-from clusterctl.protocol.nodeops import MarkersRequest
+from clusterctl.errors import Busy
+from clusterctl.connect.nodes import SshOptions
+from clusterctl.launch.look import look_at_job
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
@@ -23,29 +23,7 @@ async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
     """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
     a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
     handles to reuse (left open); without, opened and closed here."""
-    markers: dict[int, dict] = {}
-    own = hs is None
-    hs = hs or handles(m.nodes, ssh)
-    try:
-        dirs = {(r.node, r.runtime_dir) for r in m.ranks}
-
-        async def one(node: str, d: str) -> None:
-            try:
-                ans = await hs[node].ask(MarkersRequest(runtime_dir=d, job_id=m.job_id), timeout=30)
-            except ClusterctlError as e:
-                for r in m.ranks:
-                    if r.node == node:
-                        markers[r.rank] = {"error": e.message}
-                return
-            for x in ans.markers:
-                if x.rank is not None:
-                    markers[x.rank] = {"marker": x.marker, "age": x.age}
-
-        await asyncio.gather(*(one(n, d) for n, d in dirs))
-    finally:
-        if own:
-            await close_all(hs)
-    return markers
+    return (await look_at_job(m, ssh, hs=hs, processes=False)).markers
 
 
 def clean_marker(mk: dict) -> dict:

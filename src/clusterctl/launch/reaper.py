@@ -13,39 +13,24 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
-from clusterctl.connect.nodes import NodePool, SshOptions, close_all, handles
+from clusterctl.connect.nodes import NodePool, SshOptions
+from clusterctl.launch.look import look_at_job
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
-from clusterctl.protocol.identity import Identity
-from clusterctl.protocol.nodeops import AliveRequest
-
-
 
 
 async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
-    """Does any rank of the job still run? Unreachable nodes count as yes (we cannot tell). ``pool``
-    (nodes.NodePool): the node sessions to ask over, left open."""
-    import asyncio
-
-    by_node: dict[str, list[Identity]] = {}
-    for r in m.ranks:
-        if r.pid:
-            by_node.setdefault(r.node, []).append(r.identity(m.nonce))
-    if not by_node:
+    """Does any rank of the job still run? A process its node could not verify, or did not answer for, counts
+    as yes (we cannot tell). ``pool`` (nodes.NodePool): the node sessions to ask over, left open."""
+    started = [r for r in m.ranks if r.pid]
+    if not started:
         return False
-    asked = [n for n in m.nodes if n.name in by_node]
-    hs = pool.handles(asked) if pool is not None else handles(asked, ssh)
     try:
-        answers = await asyncio.gather(*(hs[n].ask(AliveRequest(targets=t), timeout=30) for n, t in by_node.items()),
-                                       return_exceptions=True)
-    finally:
-        if pool is None:
-            await close_all(hs)
-    for a in answers:
-        if isinstance(a, BaseException) or any(st in ("alive", "unverifiable") for st in a.status):
-            return True
-    return False
+        seen = await look_at_job(m, ssh, pool=pool, markers=False)
+    except Exception:
+        return True
+    return any(seen.procs.get(r.rank, "unverifiable") in ("alive", "unverifiable") for r in started)
 
 
 async def job_is_live(m, ssh: SshOptions, pool=None) -> bool:

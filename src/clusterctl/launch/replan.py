@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, IntegrityError, LaunchFailed, MissingInput, UsageError
 from clusterctl.protocol.deployment import Deployment, decode, identity_changes
@@ -21,7 +24,7 @@ from clusterctl.statedir import history
 from clusterctl.atomic import atomic_write_bytes, read_capped, stage_bytes
 from clusterctl.launch.foreground import run_foreground
 from clusterctl.launch.hubmodel import refetch, with_hub
-from clusterctl.launch.jobplan import DEFAULT_LEASE, LaunchOptions
+from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.statedir.manifest import manifest_store, now_iso
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.plannedmodel import planned_manifest, record_manifest
@@ -83,12 +86,25 @@ def resolve_current(state, ref: str | None) -> tuple[Path, Deployment, Path | No
     return path, loaded.deployment, operator_file
 
 
-def propose(state, ref: str | None, *, cluster_file: Path | None = None, nodes: list[str] | None = None,
-            options: dict | None = None, path_map: dict[str, str] | None = None, to: str | None = None
-            ) -> Proposal:
+class PlanChange(BaseModel):
+    """What a replan asks of the new plan (the operator's flags, or a heal's nodes); whatever it leaves out comes
+    from the current deployment (plan/replan.py derive). ``to``: a previous deployment as it is, alone."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cluster_file: Path | None = None  # a cluster.toml whose nodes replace the current ones
+    nodes: list[str] | None = None  # the nodes to plan on, in rank order
+    options: dict[str, Any] | None = None  # PlanOptions fields given (a key present = given, even when None)
+    path_map: dict[str, str] | None = None  # per-node model paths ({}: every node its model_path)
+    to: str | None = None  # a previous deployment id
+
+
+def propose(state, ref: str | None, change: PlanChange = PlanChange()) -> Proposal:
     """The preview. ``jobs`` lists every launch manifest of the current deployment (``live_jobs`` narrows it to
     the live ones once SSH is at hand)."""
 
+    cluster_file, nodes, options, path_map, to = (change.cluster_file, change.nodes, change.options,
+                                                  change.path_map, change.to)
     old_path, old, operator_file = resolve_current(state, ref)
     new_bytes = None
     if to is not None:
@@ -288,9 +304,8 @@ async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) 
                 hint=f"stop what is left, then `clusterctl teardown {m.job_id}` and replan again")
 
 
-def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, grace: float, api_key: str | None,
-                     seed: int, max_queue: int, host: str | None = None, lease_seconds: float = DEFAULT_LEASE):
-    """Launch options for the new job: the old job's endpoint (host and port) and mode unless told otherwise."""
+def relaunch_endpoint(p: Proposal) -> tuple[str, int | None, bool]:
+    """Where and how the new job runs unless told otherwise: the old job's host, port and mode (detached)."""
 
     m = p.jobs[0] if p.jobs else None
     old_host, port = "127.0.0.1", None
@@ -298,11 +313,7 @@ def relaunch_options(p: Proposal, ssh, *, detach: bool | None, timeout: float, g
         hostport = m.endpoint.split("://", 1)[-1]
         h, _, pt = hostport.rpartition(":")
         old_host, port = h.strip("[]") or old_host, int(pt) if pt.isdigit() else m.http_port
-    was_detached = m.coordinator.detached if m is not None else True
-    host = host or old_host
-    return LaunchOptions(timeout=timeout, grace=grace, detach=was_detached if detach is None else detach,
-                         http_host=host, http_port=port, api_key=api_key, seed=seed, max_queue=max_queue, ssh=ssh,
-                         lease_seconds=lease_seconds)
+    return old_host, port, m.coordinator.detached if m is not None else True
 
 
 def deployment_ref(p: Proposal) -> str:
@@ -323,10 +334,13 @@ async def live_jobs_of(state, p: Proposal, ssh) -> list:
                            p.old.deployment_id)
 
 
-def apply(state, p: Proposal, ssh, opts, *, grace: float, drain: float, out, doc: dict) -> int:
-    """Apply a previewed replan under the cluster's replan lock (see the module docstring); ``out`` is the
-    command's output, ``doc`` the preview as data. Returns the exit code (of the new job, in the foreground)."""
+def apply(state, p: Proposal, opts: LaunchOptions, *, drain: float, out, doc: dict) -> int:
+    """Apply a previewed replan under the cluster's replan lock (see the module docstring): the old job stopped
+    with ``opts``' SSH options and grace, the new one launched with ``opts``; ``out`` is the command's output,
+    ``doc`` the preview as data. Returns the exit code (of the new job, in the foreground)."""
     import asyncio
+
+    ssh, grace = opts.ssh, opts.grace
 
     lock = lock_for(state, p)
     try:

@@ -6,12 +6,12 @@ import asyncio
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.statedir.manifest import coordinator_alive, job_ref, manifest_store
-from clusterctl.connect.nodes import SshOptions, close_all, handles
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, read_rank_markers, judge
+from clusterctl.connect.nodes import SshOptions
+from clusterctl.launch.look import look_at_job
+from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
 from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
 from clusterctl.protocol.deployment import decode
-from clusterctl.protocol.nodeops import AliveRequest
 from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
@@ -36,36 +36,10 @@ def rank_state(marker_state: str | None, process: str | None, stale: bool, reach
     return marker_state
 
 
-async def _processes(m, hs) -> dict[int, str]:
-    """Each started rank's process as its node sees it: alive, dead, foreign or unverifiable (node op ``alive``);
-    a rank whose node does not answer is left out."""
-    out: dict[int, str] = {}
-    by_node: dict[str, list] = {}
-    for r in m.ranks:
-        if r.pid:
-            by_node.setdefault(r.node, []).append(r)
-
-    async def one(node: str, recs: list) -> None:
-        targets = [r.identity(m.nonce) for r in recs]
-        try:
-            ans = await hs[node].ask(AliveRequest(targets=targets), timeout=30)
-        except ClusterctlError:
-            return
-        if len(ans.status) == len(recs):
-            out.update({r.rank: x for r, x in zip(recs, ans.status)})
-
-    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
-    return out
-
-
 async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
     """A job's markers and its ranks' processes, over one session per node (``pool``'s, kept open after)."""
-    hs = pool.handles(m.nodes) if pool is not None else handles(m.nodes, ssh)
-    try:
-        return await asyncio.gather(read_rank_markers(m, ssh, hs=hs), _processes(m, hs))
-    finally:
-        if pool is None:
-            await close_all(hs)
+    seen = await look_at_job(m, ssh, pool=pool)
+    return seen.markers, seen.procs
 
 
 def _serving_defaults(state, deployment_id: str) -> dict | None:

@@ -38,6 +38,7 @@ from clusterctl.protocol.nodeops import (REQUESTS, AliveAnswer, AliveRequest, Ca
                                         WaitMarkersRequest, WarmAnswer, WarmRequest, WatchedRank, WriteAnswer,
                                         WriteRequest)
 from clusterctl.protocol.runtimefiles import MARKER_LIMIT, belongs_to_job, is_cancel_or_ack, marker_rank
+from clusterctl.protocol.versions import node_versions
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import boot_id, status_of, stop
 
@@ -49,18 +50,6 @@ def default_runtime_dir() -> str:
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
         return os.path.join(xdg, "clusterctl")
     return f"/tmp/clusterctl-{os.getuid()}"
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": ".".join(map(str, sys.version_info[:3]))}
-    for dist in ("clusterctl", "mlx", "mlx-lm"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -79,7 +68,7 @@ def _port_free(host: str, port: int) -> bool:
 def op_probe(req: ProbeRequest) -> ProbeAnswer:
     import psutil
 
-    out = ProbeAnswer(hostname=socket.gethostname(), boot_id=boot_id(), time=time.time(), versions=_versions(),
+    out = ProbeAnswer(hostname=socket.gethostname(), boot_id=boot_id(), time=time.time(), versions=node_versions(),
                       mem_available=psutil.virtual_memory().available, mem_total=psutil.virtual_memory().total,
                       default_runtime_dir=default_runtime_dir())
     if req.backend:

@@ -31,7 +31,7 @@ from clusterctl.supervise.watch import LOOK_TIMEOUT, look_at, probe_nodes, rank_
 from clusterctl.statedir.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.quiescence import STALE_AFTER, judge
-from clusterctl.launch.replan import changes_of, deployment_ref, lock_for, propose, record, write_new
+from clusterctl.launch.replan import PlanChange, changes_of, deployment_ref, lock_for, propose, record, write_new
 from clusterctl.launch.reaper import live_jobs
 from clusterctl.launch.start import launch
 from clusterctl.launch.teardown import teardown_command
@@ -84,9 +84,9 @@ class Supervisor:
             return
         port, host = doc.get("http_port"), doc.get("http_host")
         if self.opts.http_port is None and isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-            self.opts.http_port = port
+            self.opts = self.opts.model_copy(update={"http_port": port})
         if not self.opts.http_host and isinstance(host, str) and host:
-            self.opts.http_host = host
+            self.opts = self.opts.model_copy(update={"http_host": host})
         if doc.get("deployment") != self.current or not isinstance(doc.get("original"), str):
             return
         with contextlib.suppress(ClusterctlError):
@@ -319,7 +319,7 @@ class Supervisor:
             self.phase("degraded", f"no node answers a probe ({', '.join(asked)}; lost: {lost})")
             return
         try:
-            p = await asyncio.to_thread(propose, self.state, self.ref, nodes=nodes)
+            p = await asyncio.to_thread(propose, self.state, self.ref, PlanChange(nodes=nodes))
         except ClusterctlError as e:
             self.pending = None  # nothing to do until a lost node is back: the rejoin probes it
             self.phase("degraded", f"the model does not fit on {', '.join(nodes)} ({lost} lost): {e.message}")
@@ -351,7 +351,7 @@ class Supervisor:
         lost = list(self.book.lost)
         self.phase("healing", f"rejoin: {', '.join(lost)} healthy again; back to {self.original}")
         try:
-            p = await asyncio.to_thread(propose, self.state, self.ref, to=self.original)
+            p = await asyncio.to_thread(propose, self.state, self.ref, PlanChange(to=self.original))
         except ClusterctlError as e:
             self.phase("degraded", f"rejoin to {self.original} refused: {e.message}")
             return
@@ -394,10 +394,10 @@ class Supervisor:
             lock.release()
 
     async def launch(self, ref: str) -> Job:
-        opts = dataclasses.replace(self.opts, detach=self.detach)
+        opts = self.opts.model_copy(update={"detach": self.detach})
         running = await launch(ref, self.state, opts, log=self.log)
-        if self.opts.http_port is None and running.manifest.http_port:
-            self.opts.http_port = running.manifest.http_port  # every relaunch binds the same port
+        if self.opts.http_port is None and running.manifest.http_port:  # every relaunch binds the same port
+            self.opts = self.opts.model_copy(update={"http_port": running.manifest.http_port})
         return Job(running.manifest, None if self.detach else running)
 
     async def take_over(self) -> None:
@@ -414,11 +414,11 @@ class Supervisor:
             return
         if not self.opts.http_host:  # "": the running job's host (else the default), as replan keeps it
             host = (jobs[0].endpoint or "").split("://", 1)[-1].rpartition(":")[0].strip("[]") if jobs else ""
-            self.opts.http_host = host or "127.0.0.1"
+            self.opts = self.opts.model_copy(update={"http_host": host or "127.0.0.1"})
         if jobs:
             self.job = Job(jobs[0])
             if self.opts.http_port is None:
-                self.opts.http_port = jobs[0].http_port
+                self.opts = self.opts.model_copy(update={"http_port": jobs[0].http_port})
             self.log(f"supervising job {jobs[0].job_id} of deployment {self.current}")
             return
         self.log(f"deployment {self.current} is not running: launching it")

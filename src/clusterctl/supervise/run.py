@@ -5,12 +5,11 @@ leaves (docs/heal.md)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from clusterctl.statedir import healfile
 from clusterctl.supervise.policy import HealPolicy
 from clusterctl.supervise.loop import Supervisor
-from clusterctl.launch.foreground import install_stop_signals
+from clusterctl.launch.foreground import start_unless_stopped, stop_on_signals
 from clusterctl.locks import Lock
 
 
@@ -20,15 +19,13 @@ async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_o
     the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
     code."""
 
-    stop = asyncio.Event()
-    install_stop_signals(stop)
+    stop = stop_on_signals()
     sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
                      event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
     lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
     try:
         if not await _started(o, sup, stop, take_over):
             return 130
-        stop.clear()
         await sup.run(stop)
         if take_over:
             o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
@@ -52,14 +49,8 @@ async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> 
         else:
             sup.job = await sup.launch(sup.ref)
 
-    starting = asyncio.ensure_future(first())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
+    starting = await start_unless_stopped(first, stop)
+    if starting is None:
         o.error("interrupted; everything it started was stopped")
         return False
     starting.result()

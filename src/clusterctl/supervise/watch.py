@@ -10,10 +10,11 @@ import contextlib
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.connect.nodes import close_all, handles
+from clusterctl.launch.look import look
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
 from clusterctl.launch.status import rank_state
 from clusterctl.protocol.runtimefiles import followed_a_peer
-from clusterctl.protocol.nodeops import AliveAnswer, AliveRequest, MarkersRequest, ProbeRequest
+from clusterctl.protocol.nodeops import ProbeRequest
 
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
 UP = ("loading", "ready", "serving")
@@ -22,37 +23,16 @@ FOLLOWER_EXIT = 69  # a foreground rank's keeper: its rank left because a peer, 
 
 async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
     """Job ``m``'s markers (rank -> {"marker", "age"} or {"error"}) and processes (rank -> alive/dead/...) over
-    the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer)."""
-    markers: dict[int, dict] = {}
-    procs: dict[int, str] = {}
-    by_node: dict[str, list] = {}
+    the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer both questions: then
+    each of its ranks has the error and no process)."""
+    seen = await look(m, hs, timeout=LOOK_TIMEOUT)
     for r in m.ranks:
-        by_node.setdefault(r.node, []).append(r)
-
-    async def one(node: str, recs: list) -> None:
-        h = hs[node]
-        targets = [r.identity(m.nonce) for r in recs if r.pid]
-
-        async def alive_op() -> AliveAnswer:
-            return await h.ask(AliveRequest(targets=targets), timeout=LOOK_TIMEOUT) if targets else AliveAnswer()
-
-        try:
-            ans, alive = await asyncio.gather(
-                h.ask(MarkersRequest(runtime_dir=recs[0].runtime_dir, job_id=m.job_id), timeout=LOOK_TIMEOUT),
-                alive_op())
-        except ClusterctlError as e:
-            markers.update({r.rank: {"error": e.message} for r in recs})
-            unreachable[node] = True
-            return
-        unreachable[node] = False
-        for x in ans.markers:
-            if x.rank is not None and x.marker.get("node") == node:
-                markers[x.rank] = {"marker": x.marker, "age": x.age}
-        if len(alive.status) == len(targets):
-            procs.update({r.rank: s for r, s in zip([r for r in recs if r.pid], alive.status)})
-
-    await asyncio.gather(*(one(n, recs) for n, recs in by_node.items()))
-    return markers, procs
+        why = seen.failed.get(r.node)
+        unreachable[r.node] = why is not None
+        if why is not None:
+            seen.markers[r.rank] = {"error": why}
+            seen.procs.pop(r.rank, None)
+    return seen.markers, seen.procs
 
 
 def rank_record(r, info: dict, process: str | None, running=None) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
 
 from clusterctl.errors import ConfigError, IntegrityError
 from clusterctl.protocol.rankspec import RankSpec
@@ -17,6 +18,31 @@ from clusterctl.protocol.rankspec import RankSpec
 HEADER_WORDS = 8
 MAGIC = 0x434C5354  # "CLST": a stale rank of another protocol/job sums to something else
 MAX_PAYLOAD = 64 << 20
+
+
+class MeetingWords(NamedTuple):
+    """A meeting's int32 vector (one all_sum), by name. Rank 0 writes the header's content (the others zeros);
+    every rank adds its stop vote, a 1 to ``heads`` (the sum: how many met), its own load words and its grammar
+    compiles still running. On the wire: the HEADER_WORDS header words in this order, the load words, the
+    compiles."""
+
+    magic: int  # MAGIC
+    kind: int  # steploop's KIND_IDLE or KIND_REQUEST
+    length: int  # bytes of batch changes shared after the header (0: none)
+    stop: int  # stop votes
+    seq: int  # the meeting's number
+    heads: int  # ranks that met
+    epoch: int  # rank 0's newest cancel epoch
+    gap: int  # steps until the next meeting
+    load: list[int]  # 3 words per rank (steploop.LoadWords)
+    compiling: int  # grammar compiles still running, summed over the ranks
+
+    def to_words(self) -> list[int]:
+        return [*self[:HEADER_WORDS], *self.load, self.compiling]
+
+    @classmethod
+    def from_words(cls, words: list[int]) -> MeetingWords:
+        return cls(*words[:HEADER_WORDS], words[HEADER_WORDS:-1], words[-1])
 
 
 class GroupStandIn:

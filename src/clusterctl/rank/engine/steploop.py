@@ -14,7 +14,7 @@ from clusterctl.errors import IntegrityError
 from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Failed, Logprob, RequestQueue, Text
 from clusterctl.rank.api.wire import ApiError
 from clusterctl.rank.engine.generation import GenResult
-from clusterctl.rank.engine.group import HEADER_WORDS, MAGIC, agree_on_tokens, share_payload, share_words
+from clusterctl.rank.engine.group import MAGIC, MeetingWords, agree_on_tokens, share_payload, share_words
 from clusterctl.rank.engine.schedule import FIRST_CHECKPOINT, MAX_CHECKPOINT, Cadence, IdleWait, idle_interval
 from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.watchdog import PeerLost, peer_loss
@@ -214,34 +214,35 @@ class StepLoop:
             return False, gap
         # the last word: this rank's grammar compiles still running (rank 0 lets an announced request join once every
         # rank has compiled it)
-        mine = [0] * HEADER_WORDS + self.load.words() + [self.compiler.pending if self.compiler is not None else 0]
-        mine[3], mine[5] = stop_vote, 1
+        pending = self.compiler.pending if self.compiler is not None else 0
         if self.leader:
-            mine[0:3] = [MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload)]
-            mine[4], mine[6], mine[7] = self.seq, self.epoch, gap
+            mine = MeetingWords(MAGIC, KIND_REQUEST if payload else KIND_IDLE, len(payload), stop_vote, self.seq, 1,
+                                self.epoch, gap, self.load.words(), pending)
+        else:
+            mine = MeetingWords(0, 0, 0, stop_vote, 0, 1, 0, 0, self.load.words(), pending)
         self.checkpoints += 1 if self.batch else 0
         with self._guard("meeting" if self.batch else "idle meeting"):
-            head = share_words(self.group, mine)
-        self._check_ring(head[0] == MAGIC and head[4] == self.seq and head[5] == self.world
-                         and 1 <= head[7] <= MAX_CHECKPOINT,
-                         f"meeting header magic {head[0]:#x}, seq {head[4]} (want {self.seq}), "
-                         f"{head[5]} of {self.world} ranks, next in {head[7]} steps")
+            met = MeetingWords.from_words(share_words(self.group, mine.to_words()))
+        self._check_ring(met.magic == MAGIC and met.seq == self.seq and met.heads == self.world
+                         and 1 <= met.gap <= MAX_CHECKPOINT,
+                         f"meeting header magic {met.magic:#x}, seq {met.seq} (want {self.seq}), "
+                         f"{met.heads} of {self.world} ranks, next in {met.gap} steps")
         self.seq += 1
         self.idle.met(self.seq - 1)
-        self.report_load(head[HEADER_WORDS:-1])
+        self.report_load(met.load)
         if self.leader:  # the compiles run in order on each rank: those announced first are done
-            self.sched.compiled(announced - head[-1])
-        self.ack(head[6])
-        if head[3] > 0:
+            self.sched.compiled(announced - met.compiling)
+        self.ack(met.epoch)
+        if met.stop > 0:
             self._end_all()
             return True, gap
-        if head[2] > 0:
+        if met.length > 0:
             with self._guard("batch changes"):
-                data = share_payload(self.group, payload if self.leader else None, head[2])
+                data = share_payload(self.group, payload if self.leader else None, met.length)
             if not self.leader:
                 changes = BatchChanges.decode(data)
         self.apply(changes)
-        return False, head[7]
+        return False, met.gap
 
     def report_load(self, words: list[int]) -> None:
         stats = self.load.read(words)
