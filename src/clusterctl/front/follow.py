@@ -23,6 +23,7 @@ from clusterctl.connect.nodes import close_all, handles
 from clusterctl.protocol.contract import MAX_CONTRACT_BYTES, contract_kind
 from clusterctl.protocol.rankspec import parse_rank_spec
 from clusterctl.protocol.signing import verify_signed
+from clusterctl.statedir.state import StateDir
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def rules_of_spec(spec) -> Rules:
                  cors_origins=tuple(spec.cors_origins))
 
 
-async def read_rules(state, m, ssh) -> Rules:
+async def read_rules(state: StateDir, m, ssh) -> Rules:
     """Rank 0's keys and CORS origins from its contract on its node, the signature checked with this state
     dir's keys. ClusterctlError when the contract cannot be read or verified."""
 

@@ -370,7 +370,7 @@ async def _stream(front: Front, req: Request, up: Response, t: Target, timing: t
 
 # ---- the process --------------------------------------------------------------------------------------------------
 
-async def serve(state, cluster: str, host: str, port: int, *, ssh=None, linger: float = 0.0, auto: bool = False,
+async def serve(state: StateDir, cluster: str, host: str, port: int, *, ssh=None, linger: float = 0.0, auto: bool = False,
                 ready=None) -> int:
     """Listen on host:port and serve until SIGTERM/SIGINT/SIGHUP (or the linger); returns the exit code."""
     def log(msg: str) -> None:

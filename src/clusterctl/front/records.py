@@ -88,7 +88,7 @@ def log_path(state: StateDir, host: str, port: int) -> Path:
 
 # ---- records ------------------------------------------------------------------------------------------------------
 
-def write_record(state, rec: FrontRecord) -> Path:
+def write_record(state: StateDir, rec: FrontRecord) -> Path:
     p = record_path(state, rec.bind_host, rec.port)
     atomic_write_bytes(p, dumps(rec.model_dump(mode="json")), mode=0o600)
     return p
@@ -123,7 +123,7 @@ def is_alive(rec: FrontRecord) -> bool:
     return status_of(identity_of(rec)) in ("alive", "unverifiable")
 
 
-def live_fronts(state, cluster: str | None = None) -> list[FrontRecord]:
+def live_fronts(state: StateDir, cluster: str | None = None) -> list[FrontRecord]:
     """Every running front (of ``cluster``); a record whose front is gone is removed on the way."""
     out = []
     for p, rec in records(state):
@@ -149,7 +149,7 @@ def remove_record(path: Path, rec: FrontRecord | None = None) -> None:
 
 # ---- starting and stopping a detached front -----------------------------------------------------------------------
 
-def front_argv(state, cluster: str, host: str, port: int, *, linger: float, auto: bool,
+def front_argv(state: StateDir, cluster: str, host: str, port: int, *, linger: float, auto: bool,
                known_hosts: Path | None = None, accept_new: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "clusterctl.front.proxy", "--state-dir", str(state.root), "--cluster", cluster,
             "--host", host, "--port", str(port), "--linger", f"{linger:g}"]
@@ -162,7 +162,7 @@ def front_argv(state, cluster: str, host: str, port: int, *, linger: float, auto
     return argv
 
 
-def ensure_front(state, cluster: str, host: str, port: int, *, linger: float = 300.0, auto: bool = True,
+def ensure_front(state: StateDir, cluster: str, host: str, port: int, *, linger: float = 300.0, auto: bool = True,
                  known_hosts: Path | None = None, accept_new: bool = False,
                  timeout: float = 20.0) -> tuple[FrontRecord, bool]:
     """The front serving ``host:port`` for ``cluster``: the running one, or a detached one started now.
@@ -180,7 +180,7 @@ def ensure_front(state, cluster: str, host: str, port: int, *, linger: float = 3
                        timeout=timeout), True
 
 
-def spawn_front(state, argv: list[str], host: str, port: int, *, timeout: float = 20.0) -> FrontRecord:
+def spawn_front(state: StateDir, argv: list[str], host: str, port: int, *, timeout: float = 20.0) -> FrontRecord:
     """Start a front detached (its own session, stdin closed, output to its log) and wait until it listens."""
     log = log_path(state, host, port)
     log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -219,7 +219,7 @@ def _last_line(log: Path, start: int) -> str:
     return one_line(line.removeprefix("error: "))
 
 
-def stop_front(state, rec: FrontRecord, *, grace: float = 10.0) -> bool:
+def stop_front(state: StateDir, rec: FrontRecord, *, grace: float = 10.0) -> bool:
     """TERM the front (identity checked), wait up to ``grace``, then KILL; True once it is gone."""
 
     if rec.host != socket.gethostname():
@@ -245,7 +245,7 @@ def summary(rec: FrontRecord) -> dict:
             "linger_s": rec.linger_s}
 
 
-def cluster_of_deployment(state, deployment_id: str, deployment_file: str | None = None) -> str | None:
+def cluster_of_deployment(state: StateDir, deployment_id: str, deployment_file: str | None = None) -> str | None:
     """The cluster of a deployment, read only (the state dir's record, else the file a launch was given)."""
 
     for path in (state.deployments / f"{deployment_id}.json", deployment_file):
@@ -259,7 +259,7 @@ def cluster_of_deployment(state, deployment_id: str, deployment_file: str | None
     return None
 
 
-def clusters_with_jobs(state) -> set[str]:
+def clusters_with_jobs(state: StateDir) -> set[str]:
     """The clusters that have a launch manifest (live or not) in the state dir."""
 
     if not state.launches.is_dir():
@@ -268,7 +268,7 @@ def clusters_with_jobs(state) -> set[str]:
     return {c for _, m in good if (c := cluster_of_deployment(state, m.deployment_id, m.deployment_file))}
 
 
-def stop_idle_auto_fronts(state, *, grace: float = 10.0) -> list[FrontRecord]:
+def stop_idle_auto_fronts(state: StateDir, *, grace: float = 10.0) -> list[FrontRecord]:
     """After a teardown: every front a launch started (``auto``) whose cluster has no job left, stopped."""
     fronts = [r for r in live_fronts(state) if r.auto]
     if not fronts:
@@ -298,7 +298,7 @@ def front_health(rec: FrontRecord, timeout: float = 1.0) -> str:
     return "serving" if st == "ok" else str(st or "unreachable")
 
 
-def annotate_jobs(state, jobs: list[dict]) -> list[dict]:
+def annotate_jobs(state: StateDir, jobs: list[dict]) -> list[dict]:
     """For ``status``: every running front (url, cluster, pid...), and on each job of a cluster with a front
     ``front`` = its URL (None without one). Reads files only."""
     fronts = live_fronts(state)

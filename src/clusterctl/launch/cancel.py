@@ -16,6 +16,7 @@ from clusterctl.statedir.manifest import job_ref, manifest_store
 from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.protocol.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
                                             ack_path, cancel_path, new_cancel_nonce as new_nonce, next_epoch)
+from clusterctl.statedir.state import StateDir
 
 ACK_POLL = 0.02
 
@@ -24,7 +25,7 @@ class CancelNotAcked(ClusterctlError):
     exit_code = Exit.FAILED
 
 
-def resolve_jobs(state, target: str) -> list:
+def resolve_jobs(state: StateDir, target: str) -> list:
     """Launch manifests of a job id, a deployment id, or the deployment FILE that `launch` was given."""
 
     ref = job_ref(state, target)
@@ -126,7 +127,7 @@ def valid_cancel(doc: dict | None):
         return None
 
 
-async def cancel_command(state, target: str, ssh: SshOptions, *, requests: list[str] | None,
+async def cancel_command(state: StateDir, target: str, ssh: SshOptions, *, requests: list[str] | None,
                          wait: float = 0.0) -> list[dict]:
     check_requests(requests)
     jobs = resolve_jobs(state, target)

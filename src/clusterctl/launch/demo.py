@@ -25,6 +25,7 @@ from clusterctl.launch.status import status
 from clusterctl.render import deployment_table, status_table
 from clusterctl.protocol.runtimefiles import parse_marker
 from clusterctl.modelfiles.tiny import build
+from clusterctl.statedir.state import StateDir
 
 DEMO_CLUSTER = """\
 # Written by `clusterctl demo`: two local nodes on this machine. The memory split (2 : 6 GiB) makes the
@@ -142,7 +143,7 @@ def _model(workdir: Path, which: str, out) -> Path:
     return path
 
 
-async def run_demo(state, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
+async def run_demo(state: StateDir, workdir: Path, *, prompt: str, max_tokens: int, out, model: str = "smollm2",
                    check: bool = True, lease_seconds: float = DEFAULT_LEASE) -> DemoResult:
     res = DemoResult(model=model)
     workdir.mkdir(parents=True, exist_ok=True)

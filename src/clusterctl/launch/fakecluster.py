@@ -27,6 +27,7 @@ from clusterctl.protocol.contract import deployment_proof, encode_contract
 from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS
 from clusterctl.protocol.versions import coordinator_versions, python_version
+from clusterctl.statedir.state import StateDir
 
 
 @dataclass
@@ -122,7 +123,7 @@ class SimulatedNode(ScriptedOps):
         return len(self.calls)
 
 
-def simulated_deployment(state, nodes: int, *, layers: int | None = None, ips: bool = True) -> str:
+def simulated_deployment(state: StateDir, nodes: int, *, layers: int | None = None, ips: bool = True) -> str:
     """A signed deployment of ``nodes`` remote nodes ``n0000``... (each with ``ips``: no name lookups, unless
     ``ips=False``: then each is host ``n0000.sim`` and launch resolves it) over a
     synthetic model of ``layers`` (default: one per node), saved in ``state``; returns its path. Launch it with
@@ -143,7 +144,7 @@ def simulated_deployment(state, nodes: int, *, layers: int | None = None, ips: b
     return str(state.save_deployment(dep)[-1])
 
 
-def simulated_contracts(state, path: str) -> dict[str, bytes]:
+def simulated_contracts(state: StateDir, path: str) -> dict[str, bytes]:
     """Every rank's signed contract for a launch of the simulated deployment at ``path``, planned and signed as
     launch plans and signs them (job id and nonce fixed), with no node to talk to: what bench/scale.py and the
     tests measure of contracts per node. Node name -> contract bytes."""

@@ -13,16 +13,17 @@ from clusterctl.errors import IntegrityError, MissingInput
 from clusterctl.modelfiles.manifest import HashCache, Manifest, build_manifest, load_manifest, save_manifest
 from clusterctl.plan.commands import plan_deployment
 from clusterctl.launch.hubmodel import resolve_model, with_hub
+from clusterctl.statedir.state import StateDir
 
 
-def manifest_of_folder(state, folder: str | Path, *, name: str | None = None) -> Manifest:
+def manifest_of_folder(state: StateDir, folder: str | Path, *, name: str | None = None) -> Manifest:
     """Manifest of a folder on this machine (hashes from this machine's cache), stored in the state dir."""
     m = build_manifest(folder, name=name, cache=HashCache())
     save_manifest(state.manifests, m)
     return m
 
 
-def planned_manifest(state, dep) -> Manifest | None:
+def planned_manifest(state: StateDir, dep) -> Manifest | None:
     """The manifest ``dep`` was planned with; None for a deployment planned before manifests existed.
 
     Looked up in the state dir; when it is not there (a deployment copied from another coordinator) it is
@@ -50,7 +51,7 @@ def planned_manifest(state, dep) -> Manifest | None:
     return m
 
 
-def planned_adapter_manifest(state, dep) -> Manifest | None:
+def planned_adapter_manifest(state: StateDir, dep) -> Manifest | None:
     """The manifest of the LoRA adapter ``dep`` serves (None: no adapter): from the state dir, else rebuilt from
     the coordinator's copy, which must hash to the planned value."""
     if dep.adapter is None:
@@ -73,7 +74,7 @@ def planned_adapter_manifest(state, dep) -> Manifest | None:
     return m
 
 
-def record_manifest(state, dep, folder: str | Path):
+def record_manifest(state: StateDir, dep, folder: str | Path):
     """``dep`` with the manifest hash of the model at ``folder`` (built here, stored in the state dir): the
     content every node's copy must match (launch preflight and `clusterctl sync` check it)."""
     manifest = manifest_of_folder(state, Path(folder), name=dep.model.name)
@@ -81,7 +82,7 @@ def record_manifest(state, dep, folder: str | Path):
     return dep
 
 
-def plan_and_record(cluster_file: Path, model: str | Path, *, out: Path | None, state, probe_remote=None,
+def plan_and_record(cluster_file: Path, model: str | Path, *, out: Path | None, state: StateDir, probe_remote=None,
                     progress: bool = False, **options):
     """``clusterctl plan``: the model found (a folder, or a hub name downloaded: hubmodel.py), planned
     (plan/commands.py), its manifest recorded, signed and written. Returns (deployment, the files written)."""

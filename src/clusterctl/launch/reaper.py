@@ -18,6 +18,7 @@ from clusterctl.launch.look import look_at_job
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
 from clusterctl.locks import Lock, deployment_lock_path, locked
+from clusterctl.statedir.state import StateDir
 
 
 async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
@@ -66,7 +67,7 @@ class ReapReport:
                 "malformed": self.malformed, "skipped": self.skipped}
 
 
-async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
+async def reap(state: StateDir, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
                log=lambda msg: None, held: frozenset[str] = frozenset()) -> ReapReport:
     """``held``: deployment ids whose lock the caller already holds (a launch reaping its own dead jobs).
     One connection and session per node for every job on it (nodes.NodePool); the jobs' checks concurrent."""
@@ -82,7 +83,7 @@ async def reap(state, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run:
     return report
 
 
-async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grace: float, dry_run: bool, log,
+async def _reap_locked(state: StateDir, ssh: SshOptions, pool, report: ReapReport, *, grace: float, dry_run: bool, log,
                        held: frozenset[str]) -> None:
     import asyncio
 
@@ -110,7 +111,7 @@ async def _reap_locked(state, ssh: SshOptions, pool, report: ReapReport, *, grac
             lock.release()
 
 
-async def _reap_jobs(state, store, ssh: SshOptions, pool, report: ReapReport, jobs: list, *, grace: float,
+async def _reap_jobs(state: StateDir, store, ssh: SshOptions, pool, report: ReapReport, jobs: list, *, grace: float,
                      dry_run: bool, log, held: frozenset[str], healing: set[str]) -> None:
     for m in jobs:
         if dry_run:

@@ -41,6 +41,7 @@ from clusterctl.plan.model import inspect_model
 from clusterctl.plan.adapter import carried
 from clusterctl.plan.planner import make_deployment
 from clusterctl.plan.replan import derive, placement_diff
+from clusterctl.statedir.state import StateDir
 
 
 @dataclass
@@ -61,14 +62,14 @@ class Proposal:
                 "deployment_file": str(self.operator_file or self.old_path), "rollback_to": self.rollback_to}
 
 
-def _manifests(state):
+def _manifests(state: StateDir):
     if not state.launches.is_dir():
         return []
     good, _ = manifest_store(state).all()
     return [m for _, m in good]
 
 
-def resolve_current(state, ref: str | None) -> tuple[Path, Deployment, Path | None]:
+def resolve_current(state: StateDir, ref: str | None) -> tuple[Path, Deployment, Path | None]:
     """The deployment to replan: FILE, deployment id, job id, or (no ref) the one deployment that runs."""
     jobs = _manifests(state)
     if ref is None:
@@ -99,7 +100,7 @@ class PlanChange(BaseModel):
     to: str | None = None  # a previous deployment id
 
 
-def propose(state, ref: str | None, change: PlanChange = PlanChange()) -> Proposal:
+def propose(state: StateDir, ref: str | None, change: PlanChange = PlanChange()) -> Proposal:
     """The preview. ``jobs`` lists every launch manifest of the current deployment (``live_jobs`` narrows it to
     the live ones once SSH is at hand)."""
 
@@ -156,7 +157,7 @@ def _named(old: Deployment, new: Deployment) -> Deployment:
     return new
 
 
-async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
+async def check_new_paths(state: StateDir, p: Proposal, ssh) -> list[str]:
     """Before anything stops: every model folder the new deployment uses that the current one does not (a new
     --path-map entry, a node that joins, a deployment gone back to) is checked on its node the way launch
     preflight checks it (the folder and its files, and the copy against the planned manifest). One error naming
@@ -202,7 +203,7 @@ async def check_new_paths(state, p: Proposal, ssh) -> list[str]:
     return [f"{n}={path}" for n, path in todo.items()]
 
 
-def speeds_seen(state, cluster: str) -> dict[str, float]:
+def speeds_seen(state: StateDir, cluster: str) -> dict[str, float]:
     """Node speeds recorded by the cluster's earlier deployments (history), the newest winning."""
 
     out: dict[str, float] = {}
@@ -216,11 +217,11 @@ def speeds_seen(state, cluster: str) -> dict[str, float]:
     return out
 
 
-def lock_for(state, p: Proposal):
+def lock_for(state: StateDir, p: Proposal):
     return Lock(state.locks / f"replan-{p.old.cluster}.lock").acquire(what=f"replan of cluster {p.old.cluster}")
 
 
-def write_new(state, p: Proposal):
+def write_new(state: StateDir, p: Proposal):
     """The new deployment signed into the state dir, and staged (written, fsynced, not yet in place) over the
     file the operator named: ``.commit()`` swaps it in, ``.discard()`` drops it. Done before the old job is
     stopped, so a full disk or a read-only folder stops the replan while the old job still serves. Returns an
@@ -232,7 +233,7 @@ def write_new(state, p: Proposal):
     return state.stage_deployment(p.new, p.operator_file) or _NothingStaged()
 
 
-def _keep(state, p: Proposal) -> None:
+def _keep(state: StateDir, p: Proposal) -> None:
     """The current deployment into the state dir as the very bytes it was read from (so `--to` gives back the
     same file, even one written by an older clusterctl), or re-signed when those bytes no longer say it."""
 
@@ -255,7 +256,7 @@ class _NothingStaged:
         pass
 
 
-def record(state, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
+def record(state: StateDir, p: Proposal, *, changes: list[str], relaunched: str | None, kind: str | None = None) -> None:
     """A history entry; ``kind`` ``heal`` or ``rejoin`` when the supervisor made it (supervise/loop.py)."""
 
     history.append(state, p.old.cluster, {
@@ -285,7 +286,7 @@ def changes_of(p: Proposal) -> list[str]:
     return out
 
 
-async def stop_old(state, p: Proposal, ssh, *, grace: float, drain: float, log) -> None:
+async def stop_old(state: StateDir, p: Proposal, ssh, *, grace: float, drain: float, log) -> None:
     """Refuse unless idle, then verified teardown of every job of the old deployment."""
 
     if not p.jobs:
@@ -320,12 +321,12 @@ def deployment_ref(p: Proposal) -> str:
     return str(p.operator_file) if p.operator_file else p.new.deployment_id
 
 
-def way_back(state, p: Proposal) -> str:
+def way_back(state: StateDir, p: Proposal) -> str:
     return f"clusterctl replan {os.fspath(p.operator_file) if p.operator_file else p.new.deployment_id} " \
            f"--to {p.old.deployment_id} --yes"
 
 
-async def live_jobs_of(state, p: Proposal, ssh) -> list:
+async def live_jobs_of(state: StateDir, p: Proposal, ssh) -> list:
     """The live jobs of the current deployment (``p.jobs`` lists its launch manifests, live or not)."""
 
     if not p.jobs:
@@ -334,7 +335,7 @@ async def live_jobs_of(state, p: Proposal, ssh) -> list:
                            p.old.deployment_id)
 
 
-def apply(state, p: Proposal, opts: LaunchOptions, *, drain: float, out, doc: dict) -> int:
+def apply(state: StateDir, p: Proposal, opts: LaunchOptions, *, drain: float, out, doc: dict) -> int:
     """Apply a previewed replan under the cluster's replan lock (see the module docstring): the old job stopped
     with ``opts``' SSH options and grace, the new one launched with ``opts``; ``out`` is the command's output,
     ``doc`` the preview as data. Returns the exit code (of the new job, in the foreground)."""
@@ -371,7 +372,7 @@ def apply(state, p: Proposal, opts: LaunchOptions, *, drain: float, out, doc: di
         lock.release()
 
 
-async def _relaunch(state, p: Proposal, opts, lock, log):
+async def _relaunch(state: StateDir, p: Proposal, opts, lock, log):
     try:
         running = await launch(deployment_ref(p), state, opts, log=log)
     except ClusterctlError as e:

@@ -40,18 +40,19 @@ from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_man
 from clusterctl.launch.reaper import live_jobs, reap
 from clusterctl.launch.teardown import reports_dir
 from clusterctl.protocol.rankspec import MLX_ENV_DEFAULTS, abort_grace_from_env, compute_nice_from_env
+from clusterctl.statedir.state import StateDir
 
 PORT_ATTEMPTS = 5
 POLL = 0.5  # longest wait of one marker long poll (it answers as soon as the markers are there)
 YIELD_EVERY = 64  # ranks looked at between two turns of the event loop
 
 
-async def launch(dep_ref: str, state, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
+async def launch(dep_ref: str, state: StateDir, opts: LaunchOptions, *, log=lambda msg: None) -> Running:
     with _frozen_heap():
         return await _launch(dep_ref, state, opts, log=log)
 
 
-async def _launch(dep_ref: str, state, opts: LaunchOptions, *, log) -> Running:
+async def _launch(dep_ref: str, state: StateDir, opts: LaunchOptions, *, log) -> Running:
     # verified and re-hashed in a thread: hundreds of KB at hundreds of nodes
     dep_path, loaded = await asyncio.to_thread(state.load_deployment, dep_ref)
     dep: Deployment = loaded.deployment
@@ -127,7 +128,7 @@ async def _preflight_ports(dep: Deployment, hs, store: ManifestStore, opts: Laun
     raise AssertionError("unreachable")
 
 
-def _plan(dep: Deployment, state, opts: LaunchOptions, hs, block: list[int], addrs: list[str], job_id: str,
+def _plan(dep: Deployment, state: StateDir, opts: LaunchOptions, hs, block: list[int], addrs: list[str], job_id: str,
           nonce: str) -> JobPlan:
     # the ranks' settings read from this machine's environment, and the MLX environment every rank applies
     pub = state.keyring.public_keys()[0]
@@ -137,7 +138,7 @@ def _plan(dep: Deployment, state, opts: LaunchOptions, hs, block: list[int], add
                     mlx_env=mlx_view(MLX_ENV_DEFAULTS))
 
 
-async def _launch_locked(dep, dep_path, state, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
+async def _launch_locked(dep, dep_path, state: StateDir, store, key, lock, opts: LaunchOptions, log, hs, *, manifest=None,
                          dep_ref: str | None = None, adapter_manifest=None) -> Running:
     job_id, nonce = new_job_id(dep.deployment_id), new_nonce()
     try:

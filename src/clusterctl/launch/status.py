@@ -13,6 +13,7 @@ from clusterctl.atomic import read_capped
 from clusterctl.statedir.healfile import read_all
 from clusterctl.protocol.deployment import decode
 from clusterctl.front.records import annotate_jobs  # the front door of each job's cluster (docs/front.md)
+from clusterctl.statedir.state import StateDir
 
 LIVE_STATES = ("loading", "ready", "serving", "stopping")  # what a marker says while its rank works
 DOWN = ("dead", "lost", "failed")  # a job's ranks_down counts these
@@ -42,7 +43,7 @@ async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
     return seen.markers, seen.procs
 
 
-def _serving_defaults(state, deployment_id: str) -> dict | None:
+def _serving_defaults(state: StateDir, deployment_id: str) -> dict | None:
     """Rank 0's defaults for what requests leave out, as the deployment sets them (None: OpenAI's own, or the
     deployment file is not at hand)."""
 
@@ -60,7 +61,7 @@ def _serving_defaults(state, deployment_id: str) -> dict | None:
     return doc or None
 
 
-async def status(state, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None,
+async def status(state: StateDir, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None,
                  pool=None) -> dict:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
     concurrently. ``pool`` (nodes.NodePool): node sessions kept between calls (``status --watch``)."""
@@ -127,7 +128,7 @@ def heal_condition(h: dict, jobs: list[dict], probed: bool) -> str | None:
     return f"supervisor dead; job {up[0]} serving unsupervised" if up else "supervisor dead, nothing serving"
 
 
-def _heal_states(state, ref: str | None, deployments: set[str]) -> list[dict]:
+def _heal_states(state: StateDir, ref: str | None, deployments: set[str]) -> list[dict]:
     """Every supervisor's state file (or those of ``ref``'s deployments, current or original)."""
 
     return [h for h in read_all(state) if ref is None or {h.get("deployment"), h.get("original"), h.get("job")}

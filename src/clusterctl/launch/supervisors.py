@@ -25,6 +25,7 @@ from clusterctl.statedir import healfile
 from clusterctl.statedir.manifest import Coordinator, manifest_store, now_iso
 from clusterctl.locks import Lock
 from clusterctl.node.procs import Identity, signal_process
+from clusterctl.statedir.state import StateDir
 
 STOP_TIMEOUT = 60.0  # a supervisor cancels its step at once; its cleanup (a launch cut short) takes seconds
 
@@ -44,11 +45,11 @@ class Held:
         return {x for x in (self.doc.get("deployment"), self.doc.get("job")) if isinstance(x, str)}
 
 
-def heal_lock_path(state, cluster: str):
+def heal_lock_path(state: StateDir, cluster: str):
     return state.locks / f"heal-{cluster}.lock"
 
 
-def _cluster_of(state, ref: str) -> str | None:
+def _cluster_of(state: StateDir, ref: str) -> str | None:
     """The cluster a deployment id, deployment file or job id belongs to (None when unknown)."""
     with contextlib.suppress(ClusterctlError, OSError):
         return state.load_deployment(ref)[1].deployment.cluster
@@ -64,7 +65,7 @@ def _matches(doc: dict, ref: str | None, cluster: str | None) -> bool:
         or (cluster is not None and doc.get("cluster") == cluster)
 
 
-async def hold_supervisors(state, ref: str | None, *, log=lambda msg: None,
+async def hold_supervisors(state: StateDir, ref: str | None, *, log=lambda msg: None,
                            timeout: float = STOP_TIMEOUT) -> list[Held]:
     """Every supervision of ``ref``'s cluster (all of them when ``ref`` is None) stopped and held off: the
     caller tears down, then calls ``release``. Busy (75) when one cannot be stopped from here."""
@@ -82,7 +83,7 @@ async def hold_supervisors(state, ref: str | None, *, log=lambda msg: None,
     return held
 
 
-async def _hold(state, doc: dict, log, timeout: float) -> Held:
+async def _hold(state: StateDir, doc: dict, log, timeout: float) -> Held:
     c = doc["cluster"]
     lock = Lock(heal_lock_path(state, c))
     with contextlib.suppress(Busy):
@@ -117,7 +118,7 @@ def _identity(doc: dict) -> Coordinator | None:
         return None
 
 
-def _refuse_starting(state, ref: str | None, cluster: str | None, seen: set[str]) -> None:
+def _refuse_starting(state: StateDir, ref: str | None, cluster: str | None, seen: set[str]) -> None:
     """A supervisor that has not written its state file yet (its first launch under way) still holds its lock."""
     folder = state.locks
     for p in sorted(folder.glob("heal-*.lock")) if folder.is_dir() else []:
@@ -132,7 +133,7 @@ def _refuse_starting(state, ref: str | None, cluster: str | None, seen: set[str]
                             "first") from None
 
 
-def release(state, held: list[Held], *, stopped: bool = True) -> None:
+def release(state: StateDir, held: list[Held], *, stopped: bool = True) -> None:
     """After the teardown: each stopped supervision's state file says so (``degraded``, nothing serving), and
     its lock is let go."""
     for h in held:
@@ -144,7 +145,7 @@ def release(state, held: list[Held], *, stopped: bool = True) -> None:
             h.lock.release()
 
 
-def say_stopped(state, doc: dict, reason: str) -> None:
+def say_stopped(state: StateDir, doc: dict, reason: str) -> None:
     """The state file of a supervision that ended with nothing serving: ``degraded``, no job, ``reason``."""
     out = {**doc, "state": "degraded", "since": now_iso(), "job": None, "leaving_out": None,
            "updated_at": now_iso(), "reason": reason}
@@ -154,7 +155,7 @@ def say_stopped(state, doc: dict, reason: str) -> None:
         healfile.write(state, doc["cluster"], out)
 
 
-def dead_heals(state) -> list[tuple[dict, Lock]]:
+def dead_heals(state: StateDir) -> list[tuple[dict, Lock]]:
     """The heals whose supervisor died in them (state ``healing``, its process gone here), each with its
     cluster's supervision lock, held: no successor starts while the caller (``reap``) rolls it back."""
     out = []

@@ -174,7 +174,7 @@ def malformed_line(bad) -> str:
     return "malformed launch manifest(s), kept and not acted on: " + "; ".join(f"{p}: {why}" for p, why in bad)
 
 
-async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
+async def teardown_command(state: StateDir, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
                            force: bool = False, drain: float = 0.0, log=lambda msg: None,
                            malformed: list | None = None, supervisors: bool = False) -> list[TeardownReport]:
     """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
@@ -223,7 +223,7 @@ async def teardown_command(state, ref: str | None, ssh: SshOptions, *, grace: fl
         await asyncio.gather(*(close_all(hs) for hs in hs_of.values()))
 
 
-def _select(state, store, ref: str | None, also: set[str] = frozenset()) -> tuple[list, list]:
+def _select(state: StateDir, store, ref: str | None, also: set[str] = frozenset()) -> tuple[list, list]:
     """The sound and the malformed manifests of ``ref`` (every one when None) or of what ``also`` names."""
     good, bad = store.all() if state.launches.is_dir() else ([], [])
     if ref is None:
@@ -233,7 +233,7 @@ def _select(state, store, ref: str | None, also: set[str] = frozenset()) -> tupl
             [(p, why) for p, why in bad if any(p.stem == n or p.stem.startswith(n + "-") for n in names)])
 
 
-async def _teardown_jobs(state, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:
+async def _teardown_jobs(state: StateDir, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:
     import os
     import signal as _signal
     import time

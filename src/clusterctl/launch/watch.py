@@ -15,6 +15,7 @@ from typing import Callable
 
 from clusterctl.connect.nodes import NodePool
 from clusterctl.launch.status import status
+from clusterctl.statedir.state import StateDir
 
 
 def with_rates(doc: dict, prev: dict | None, dt: float) -> dict:
@@ -27,7 +28,7 @@ def with_rates(doc: dict, prev: dict | None, dt: float) -> dict:
     return doc
 
 
-async def _looks(state, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
+async def _looks(state: StateDir, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
                  count: int | None) -> None:
     pool = NodePool(ssh)  # each node's connection and session kept between refreshes; a dropped one reopened
     prev, t_prev, n = None, None, 0
@@ -43,7 +44,7 @@ async def _looks(state, ssh, ref: str | None, interval: float, show: Callable[[d
         await pool.close()
 
 
-def watch(state, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
+def watch(state: StateDir, ssh, ref: str | None, interval: float, show: Callable[[dict], None],
           count: int | None = None) -> None:
     """Show a fresh status every ``interval`` seconds until Ctrl-C (returns normally then)."""
     try:

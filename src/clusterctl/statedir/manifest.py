@@ -22,6 +22,7 @@ from clusterctl.protocol.nodespec import Node
 from clusterctl.protocol.signing import PublicKey, SigningKey, sign_payload, verify_signed
 from clusterctl.node.procs import boot_id, start_time_of, status_of
 from clusterctl.protocol.identity import Identity
+from clusterctl.statedir.state import StateDir
 
 KIND = "launch-manifest"
 SCHEMA_VERSION = 1
@@ -161,14 +162,14 @@ class ManifestStore:
         return move_aside(path, "malformed")
 
 
-def manifest_store(state, key: SigningKey | None = None) -> ManifestStore:
+def manifest_store(state: StateDir, key: SigningKey | None = None) -> ManifestStore:
     """The state dir's launch manifests, checked against the keyring's public keys (``key``: the one that signs
     new ones, for ``launch``). With no launch ever recorded there is nothing to check, so no key is read."""
     trusted = state.keyring.public_keys() if key is not None or state.launches.is_dir() else []
     return ManifestStore(state.launches, key, trusted)
 
 
-def job_ref(state, target: str) -> str:
+def job_ref(state: StateDir, target: str) -> str:
     """What an operator names a running deployment by: a job id, a deployment id, or the deployment FILE that
     `launch` was given (its signature checked; its deployment id returned)."""
     import os

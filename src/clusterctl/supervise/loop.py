@@ -35,6 +35,7 @@ from clusterctl.launch.replan import PlanChange, changes_of, deployment_ref, loc
 from clusterctl.launch.reaper import live_jobs
 from clusterctl.launch.start import launch
 from clusterctl.launch.teardown import teardown_command
+from clusterctl.statedir.state import StateDir
 
 POLL_S = 1.0
 PROBE_EVERY_S = 2.0
@@ -51,7 +52,7 @@ class Job:
 
 
 class Supervisor:
-    def __init__(self, state, ref: str, opts, policy: HealPolicy, *, log=lambda msg: None, detach: bool = False,
+    def __init__(self, state: StateDir, ref: str, opts, policy: HealPolicy, *, log=lambda msg: None, detach: bool = False,
                  event=lambda doc: None, clock=time.monotonic):
         _, loaded = state.load_deployment(ref)
         dep = loaded.deployment

@@ -11,9 +11,10 @@ from clusterctl.supervise.policy import HealPolicy
 from clusterctl.supervise.loop import Supervisor
 from clusterctl.launch.foreground import start_unless_stopped, stop_on_signals
 from clusterctl.locks import Lock
+from clusterctl.statedir.state import StateDir
 
 
-async def run_supervised(o, state, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
+async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
     """``launch --heal`` (``take_over`` False: launched here in the foreground; a stop tears it down verified)
     and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
     the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit

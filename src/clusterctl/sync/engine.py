@@ -31,6 +31,7 @@ from clusterctl.protocol.nodeops import (FetchRequest, ModelPrepareRequest, Mode
                                         RsyncFacts)
 from clusterctl.sync.rsync import Endpoint, gnu_version, local_rsync, run_rsync
 from clusterctl.locks import Lock
+from clusterctl.statedir.state import StateDir
 
 MODES = ("auto", "rsync", "download")
 STATUS_TIMEOUT = 3600.0  # a --verify re-hash of a big model on a slow disk
@@ -222,7 +223,7 @@ class _Progress:
             self.emit({"event": "progress", "node": self.node, "bytes": min(done, self.total), "total": self.total})
 
 
-async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state, ssh: SshOptions,
+async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state: StateDir, ssh: SshOptions,
                           opts: SyncOptions, emit: Emit) -> str:
     """Pull the whole model from a node holding a verified copy into <state>/staging/<hash>/, verified here."""
 
@@ -292,7 +293,7 @@ async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh
 
 # ---- the command --------------------------------------------------------------------------------------------------
 
-async def sync_deployment(state, dep_ref: str, opts: SyncOptions, emit: Emit = lambda e: None) -> SyncReport:
+async def sync_deployment(state: StateDir, dep_ref: str, opts: SyncOptions, emit: Emit = lambda e: None) -> SyncReport:
     if opts.mode not in MODES:
         raise UsageError(f"--mode: {opts.mode!r} is not valid (choose from {', '.join(MODES)})")
     if opts.url is not None and not opts.url.startswith(("http://", "https://")):
@@ -323,7 +324,7 @@ async def sync_deployment(state, dep_ref: str, opts: SyncOptions, emit: Emit = l
         lock.release()
 
 
-async def _sync(state, dep, manifest: Manifest, hs: dict[str, NodeHandle], opts: SyncOptions,
+async def _sync(state: StateDir, dep, manifest: Manifest, hs: dict[str, NodeHandle], opts: SyncOptions,
                 emit: Emit, *, paths: dict[str, str] | None = None, source_path: str | None = None) -> SyncReport:
     nodes = await survey(hs, dep, manifest, verify=opts.verify, emit=emit, paths=paths)
     todo = [n for n in nodes if n.state in ("missing", "partial", "stale")]
