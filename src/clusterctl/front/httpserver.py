@@ -31,6 +31,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from clusterctl.protocol.httpedge import body_too_large, error_document, error_type
+
 MAX_HEAD = 64 << 10  # request line and headers, bytes
 KEEPALIVE_S = 75.0  # an idle kept-alive connection is closed after this long (aiohttp's and nginx's default)
 REQUEST_S = 300.0  # a request (head and body) must arrive whole in this long
@@ -46,9 +48,8 @@ class Gone(ConnectionError):
 
 
 def error_doc(status: int, message: str, *, code: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": code}}
+    """OpenAI's error shape (protocol/httpedge.py), its type by the status."""
+    return error_document(message, type=error_type(status), code=code)
 
 
 _date = [0, ""]
@@ -327,7 +328,7 @@ class Connection(asyncio.Protocol):
                             p.should_keep_alive() and not p.should_upgrade())
         declared = self._lookup.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
-            self.refuse(413, f"request body over {self.server.max_body} bytes")
+            self.refuse(413, body_too_large(self.server.max_body))
             raise httptools.HttpParserCallbackError("refused")
         if (self._lookup.get("expect", "").lower() == "100-continue" and self._req.http11 and self.task is None
                 and not self.queue):
@@ -336,7 +337,7 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self.server.max_body:
-            self.refuse(413, f"request body over {self.server.max_body} bytes")
+            self.refuse(413, body_too_large(self.server.max_body))
             raise httptools.HttpParserCallbackError("refused")
         self._body.append(body)
 

@@ -21,18 +21,19 @@ import signal
 import sys
 import time
 
-from clusterctl.front.follow import Follower, Rules, Target
+from clusterctl.front.follow import Follower, Target
 from clusterctl.front.records import FrontRecord, record_path, remove_record, url_of, write_record
 from clusterctl.statedir.healfile import read_state as read_heal
-from clusterctl.front.httpserver import Gone, Request, Server, error_doc
+from clusterctl.front.httpserver import Gone, Request, Server
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.front.upstream import Lost, NotSent, Pool, Response
 from clusterctl.statedir.state import StateDir
+from clusterctl.protocol.httpedge import (CHALLENGE, MAX_BODY, UNAUTHORIZED_CODE, UNAUTHORIZED_MESSAGE, Access,
+                                          ErrorType, FrontOutcome, error_document, front_outcome)
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
 HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
-MAX_BODY = 4 << 20  # rank 0's own bound (rank/api/handler.py): a larger body is refused here the same way
 RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "server", "expect"}  # rank 0's Date is kept
@@ -75,7 +76,7 @@ class Front:
             self.m_state.labels(s).set(1 if s == self.state else 0)
         self._outcomes: dict = {}
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: FrontOutcome) -> None:
         """One answered request (the labelled child looked up once per outcome: this is on every request)."""
         child = self._outcomes.get(outcome)
         if child is None:
@@ -89,7 +90,7 @@ class Front:
         return self.follower.target
 
     @property
-    def rules(self) -> Rules | None:
+    def rules(self) -> Access | None:
         t = self.follower.target
         return t.rules if t is not None else self.follower.last_rules
 
@@ -199,50 +200,47 @@ def make_server(front: Front) -> Server:
         except asyncio.CancelledError:
             if not req.gone:
                 raise
-            outcome = "client_gone"  # our client left: what was asked of rank 0 is closed, so it cancels
-        if outcome != "-":
+            outcome = FrontOutcome.CLIENT_GONE  # our client left: what was asked of rank 0 is closed, so it cancels
+        if outcome is not None:
             front.count(outcome)
 
     def refusal_headers(lookup: dict) -> list:
         rules = front.rules
-        return list(rules.cors_headers(lookup.get("origin")).items()) if rules else []
+        return list(rules.cors.headers(lookup.get("origin")).items()) if rules else []
 
-    return Server(handle, name=SERVER, max_body=MAX_BODY, refused=lambda status: front.count(_outcome(status)),
+    return Server(handle, name=SERVER, max_body=MAX_BODY, refused=lambda status: front.count(front_outcome(status)),
                   refusal_headers=refusal_headers)
 
 
-def _outcome(status: int) -> str:
-    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
-
-
 def _json(front: Front, req: Request, status: int, doc: dict, extra: dict | None = None,
-          outcome: str | None = None) -> str:
+          outcome: FrontOutcome | None = None) -> FrontOutcome:
     rules = front.rules
-    cors = rules.cors_headers(req.header("origin")).items() if rules else ()
+    cors = rules.cors.headers(req.header("origin")).items() if rules else ()
     req.json(status, doc, [*cors, *(extra or {}).items()])
-    return outcome or _outcome(status)
+    return outcome or front_outcome(status)
 
 
-def _unavailable(front: Front, req: Request, message: str | None = None) -> str:
+def _unavailable(front: Front, req: Request, message: str | None = None) -> FrontOutcome:
     msg = message or {"healing": "the deployment is healing; retry shortly",
                       "degraded": f"the deployment is degraded: {front.reason or 'no plan fits'}"}.get(
         front.state, "no rank 0 serves this deployment right now; retry shortly")
-    return _json(front, req, 503, error_doc(503, msg, code="service_unavailable"),
-                 {"Retry-After": front.retry_after()}, outcome="unavailable")
+    return _json(front, req, 503, error_document(msg, type=ErrorType.SERVER, code="service_unavailable"),
+                 {"Retry-After": front.retry_after()}, outcome=FrontOutcome.UNAVAILABLE)
 
 
-async def _route(front: Front, req: Request) -> str:
-    """Answer one request; its outcome for the metrics ("-": not counted)."""
+async def _route(front: Front, req: Request) -> FrontOutcome | None:
+    """Answer one request; its outcome for the metrics (None: not counted)."""
     method, path = req.method, req.path
     rules = front.rules
     if path == "/health" and method in ("GET", "HEAD"):
         ok = front.state == "serving"
         extra = {} if ok else {"Retry-After": front.retry_after()}
-        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra, outcome="-")
-    if method == "OPTIONS" and rules is not None and rules.cors_origins:
+        _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra)
+        return None
+    if method == "OPTIONS" and rules is not None and rules.cors.enabled:
         origin = req.header("origin")
-        req.respond(204, [*rules.cors_headers(origin).items(), *rules.preflight_headers(origin).items()])
-        return "-"
+        req.respond(204, [*rules.cors.headers(origin).items(), *rules.cors.preflight_headers(origin).items()])
+        return None
     open_metrics = path in ("/metrics", "/upstream/metrics") and front.metrics_open
     upstream_health = path == "/upstream/health" and method in ("GET", "HEAD")
     if rules is None and not (open_metrics or upstream_health):
@@ -251,20 +249,20 @@ async def _route(front: Front, req: Request) -> str:
         if rules is None:
             return _unavailable(front, req)  # no job seen yet: nobody can be told apart
     if not (open_metrics or upstream_health) and not rules.authorized(req.header("authorization")):
-        return _json(front, req, 401, error_doc(401, "invalid or missing API key", code="invalid_api_key"),
-                     {"WWW-Authenticate": "Bearer"})
+        return _json(front, req, 401, error_document(UNAUTHORIZED_MESSAGE, type=ErrorType.INVALID_REQUEST,
+                                                     code=UNAUTHORIZED_CODE), CHALLENGE)
     if path == "/metrics":
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         req.respond(200, [("Content-Type", CONTENT_TYPE_LATEST)], generate_latest(front.registry))
-        return "-"
+        return None
     target = req.target  # as sent (still percent-encoded), query included
     if path in ("/upstream/health", "/upstream/metrics"):  # /upstream/... on the front is /... on rank 0
         target = path[len("/upstream"):] + (f"?{req.query}" if req.query else "")
     return await _forward(front, req, target)
 
 
-async def _forward(front: Front, req: Request, target: str) -> str:
+async def _forward(front: Front, req: Request, target: str) -> FrontOutcome:
     t = front.target if front.healthy else await front.refresh_now()
     if t is None:
         return _unavailable(front, req)
@@ -294,7 +292,7 @@ async def _forward(front: Front, req: Request, target: str) -> str:
         if req.method == "HEAD":  # rank 0 declared the length of the body it did not send
             length = next((int(v) for k, v in up.headers if k.lower() == "content-length" and v.isdigit()), 0)
         req.respond(up.status, [*_copy_headers(up), _timing(t0)], data, length=length)
-        return _outcome(up.status)
+        return front_outcome(up.status)
     finally:
         up.release()
 
@@ -338,7 +336,7 @@ class _Relay:
             self.up.pause()  # resumed by the client's connection once it drains (on_writable)
 
 
-async def _stream(front: Front, req: Request, up: Response, t: Target, timing: tuple[str, str]) -> str:
+async def _stream(front: Front, req: Request, up: Response, t: Target, timing: tuple[str, str]) -> FrontOutcome:
     """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
     ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
     req.start(up.status, [*_copy_headers(up), timing])  # the head at once, as rank 0 sent it (first-byte timeouts)
@@ -352,20 +350,20 @@ async def _stream(front: Front, req: Request, up: Response, t: Target, timing: t
         req.conn.on_writable = None
         up.close()
     if relay.gone or req.gone:
-        return "client_gone"
+        return FrontOutcome.CLIENT_GONE
     if not relay.done:
         front.healthy = False
         front._wake.set()
-        err = error_doc(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
-                        code="upstream_lost")
+        err = error_document(f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
+                             type=ErrorType.SERVER, code="upstream_lost")
         try:
             await req.send(f"data: {json.dumps(err)}\n\n".encode() + DONE)
         except Gone:
-            return "client_gone"
+            return FrontOutcome.CLIENT_GONE
         req.end()
-        return "upstream_lost"
+        return FrontOutcome.UPSTREAM_LOST
     req.end()
-    return _outcome(up.status)
+    return front_outcome(up.status)
 
 
 # ---- the process --------------------------------------------------------------------------------------------------
