@@ -32,12 +32,11 @@ async def answers(tmp_path, origins: tuple[str, ...], requests: list) -> list:
     front.follower.last_rules = Access(Keys.of({"default": KEY}), Cors(origins))  # as a contract would say
     server = front.server = make_server(front)
     await server.listen("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]
     try:
-        return [await asyncio.to_thread(ask, port, *r) for r in requests]
+        return [await asyncio.to_thread(ask, server.port, *r) for r in requests]
     finally:
         await server.close(grace=0.5)
-        front.pool.close()
+        await front.pool.close()
 
 
 def test_any_origin_is_said_on_the_fronts_own_answers_with_or_without_an_origin_header(tmp_path):
