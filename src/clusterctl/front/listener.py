@@ -137,6 +137,8 @@ class Listener:
             return self.refusal(request, 413, body_too_large(self.max_body))
         if request.version >= HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
             await request.writer.write(CONTINUE)
+        if not request.body_exists:  # nothing to wait for (most GETs): no timer
+            return await self._answer(request, b"")
         try:
             async with asyncio.timeout(REQUEST_S):
                 body = await request.read()
@@ -144,6 +146,9 @@ class Listener:
             return self.refusal(request, 413, body_too_large(self.max_body))
         except TimeoutError:
             return self.refusal(request, 408, f"the request did not arrive whole in {REQUEST_S:g} s")
+        return await self._answer(request, body)
+
+    async def _answer(self, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
         resp = await self.handler(request, body)
         if "Upgrade" in request.headers:  # no protocol but HTTP/1.1 here: what follows on the connection is not read
             resp.force_close()

@@ -27,7 +27,7 @@ from multidict import CIMultiDict
 from clusterctl.front.follow import Follower, Target
 from clusterctl.front.records import FrontRecord, record_path, remove_record, url_of, write_record
 from clusterctl.statedir.healfile import read_state as read_heal
-from clusterctl.front.listener import STALL_S, Listener
+from clusterctl.front.listener import Listener
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.front.upstream import Lost, NotSent, Pool, Response
@@ -316,17 +316,13 @@ def _timing(t0: float) -> tuple[str, str]:
     return "Server-Timing", f"upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}"
 
 
-async def _send(req: web.BaseRequest, resp: web.StreamResponse, data: bytes) -> bool:
-    """Part of a stream to the client; False if it left (or read nothing for STALL_S: it is cut off)."""
+async def _send(resp: web.StreamResponse, data: bytes) -> bool:
+    """Part of a stream to the client; False if it left (one that reads nothing for STALL_S is cut off by the
+    listener's sweep, which ends this write: no timer per event here)."""
     try:
-        async with asyncio.timeout(STALL_S):
-            await resp.write(data)
+        await resp.write(data)
         return True
     except ConnectionError:
-        return False
-    except TimeoutError:
-        if req.transport is not None:
-            req.transport.abort()
         return False
 
 
@@ -347,7 +343,7 @@ async def _stream(front: Front, req: web.BaseRequest, up: Response, t: Target, t
             if cut < 0:
                 continue
             out, pending = pending[:cut + 2], pending[cut + 2:]
-            if not await _send(req, resp, out):
+            if not await _send(resp, out):
                 return resp, FrontOutcome.CLIENT_GONE  # our client left: closing upstream cancels it on rank 0
             done = out.endswith(DONE)
     except Lost:
@@ -361,7 +357,7 @@ async def _stream(front: Front, req: web.BaseRequest, up: Response, t: Target, t
         front._wake.set()
         err = error_document(f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
                              type=ErrorType.SERVER, code="upstream_lost")
-        if not await _send(req, resp, f"data: {json.dumps(err)}\n\n".encode() + DONE):
+        if not await _send(resp, f"data: {json.dumps(err)}\n\n".encode() + DONE):
             return resp, FrontOutcome.CLIENT_GONE
         outcome = FrontOutcome.UPSTREAM_LOST
     else:
