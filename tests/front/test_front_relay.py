@@ -1,5 +1,5 @@
 """The front's stream relay (front/proxy.py `_stream`) between real sockets: a scripted rank 0 (test_upstream's
-`Scripted`) writes server-sent events cut at awkward places, the front's own server (front/httpserver.py) relays
+`Scripted`) writes server-sent events cut at awkward places, the front's own server (front/listener.py) relays
 them to a raw client: whole events only, in order, `[DONE]` at the end; a rank 0 cut mid-event gives the events
 before the cut, an error event and `[DONE]`, never half an event."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from test_upstream import Scripted
 
+from clusterctl.front.listener import Listener
 from clusterctl.front.proxy import DONE, _stream
-from clusterctl.front.httpserver import Server
 from clusterctl.front.upstream import Pool
 
 EVENTS = [b'data: {"n": %d, "text": "%s"}\n\n' % (i, b"x" * (i * 37 % 200)) for i in range(50)]
@@ -34,20 +34,21 @@ async def relay(answer) -> tuple[bytes, list]:
         pool = Pool()
         front = SimpleNamespace(healthy=True, _wake=asyncio.Event())
 
-        async def handle(req):
+        async def handle(req, body):
             up = await pool.request(rank0.endpoint, "POST", "/v1/completions", [], b"{}")
             t = SimpleNamespace(job_id="j1")
-            outcomes.append(await _stream(front, req, up, t, ("Server-Timing", "upstream;dur=1")))
+            resp, outcome = await _stream(front, req, up, t, ("Server-Timing", "upstream;dur=1"))
+            outcomes.append(outcome)
+            return resp
 
-        server = Server(handle, name="clusterctl", max_body=1 << 20)
+        server = Listener(handle, name="clusterctl", max_body=1 << 20)
         await server.listen("127.0.0.1", 0)
-        port = server._server.sockets[0].getsockname()[1]
-        r, w = await asyncio.open_connection("127.0.0.1", port)
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
         w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         data = await r.read()
         w.close()
         await server.close(grace=0.5)
-        pool.close()
+        await pool.close()
     return data, outcomes
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace as N
 import pytest
 
 from clusterctl.statedir.state import StateDir
-from clusterctl.front.follow import Rules, reachable
+from clusterctl.front.follow import reachable
+from clusterctl.protocol.httpedge import Access, Cors, Keys
 from clusterctl.front.records import parse_front, url_of
 from clusterctl.statedir.healfile import read_state as read_heal
 
@@ -28,12 +29,13 @@ def test_parse_front_refuses(value):
 
 
 def test_rules_keys_and_cors():
-    r = Rules(keys=(b"k" * 16, b"j" * 16), cors_origins=("https://a.example",))
+    r = Access(Keys((("a", b"k" * 16), ("b", b"j" * 16))), Cors(("https://a.example",)))
     assert r.authorized("Bearer " + "k" * 16) and r.authorized("Bearer " + "j" * 16)
     assert not r.authorized(None) and not r.authorized("Bearer nope") and not r.authorized("k" * 16)
-    assert r.cors_headers("https://a.example") == {"Access-Control-Allow-Origin": "https://a.example", "Vary": "Origin"}
-    assert r.cors_headers("https://b.example") == {} and r.preflight_headers(None) == {}
-    assert Rules().authorized(None) and Rules(cors_origins=("*",)).cors_headers("x") == {"Access-Control-Allow-Origin": "*"}
+    assert r.cors.headers("https://a.example") == {"Access-Control-Allow-Origin": "https://a.example",
+                                                   "Vary": "Origin"}
+    assert r.cors.headers("https://b.example") == {} and r.cors.preflight_headers(None) == {}
+    assert Access().authorized(None) and Cors(("*",)).headers("x") == {"Access-Control-Allow-Origin": "*"}
 
 
 def test_reachable():

@@ -9,7 +9,6 @@ enforces exactly what rank 0 enforces, for any job however it was launched (laun
 
 from __future__ import annotations
 
-import hmac
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,47 +20,10 @@ from clusterctl.front.records import cluster_of_deployment
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.protocol.contract import MAX_CONTRACT_BYTES, contract_kind
+from clusterctl.protocol.httpedge import Access
 from clusterctl.protocol.rankspec import parse_rank_spec
 from clusterctl.protocol.signing import verify_signed
 from clusterctl.statedir.state import StateDir
-
-
-@dataclass(frozen=True)
-class Rules:
-    """Who may call: rank 0's keys (none: an open API) and CORS origins, as its contract says."""
-
-    keys: tuple[bytes, ...] = ()
-    cors_origins: tuple[str, ...] = ()
-
-    def authorized(self, header: str | None) -> bool:
-        if not self.keys:
-            return True
-        if not header or not header.startswith("Bearer "):
-            return False
-        given = header[7:].strip().encode()
-        ok = False
-        for key in self.keys:  # every key compared, in constant time each
-            ok = hmac.compare_digest(given, key) or ok
-        return ok
-
-    def _allowed(self, origin: str | None) -> str | None:
-        if not self.cors_origins or not origin:
-            return None
-        if "*" in self.cors_origins:
-            return "*"
-        return origin if origin in self.cors_origins else None
-
-    def cors_headers(self, origin: str | None) -> dict:
-        allowed = self._allowed(origin)
-        if allowed is None:
-            return {}
-        return {"Access-Control-Allow-Origin": allowed, **({"Vary": "Origin"} if allowed != "*" else {})}
-
-    def preflight_headers(self, origin: str | None) -> dict:
-        if self._allowed(origin) is None:
-            return {}
-        return {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"}
 
 
 @dataclass(frozen=True)
@@ -69,15 +31,14 @@ class Target:
     job_id: str
     deployment_id: str
     endpoint: str  # rank 0's base URL
-    rules: Rules
+    rules: Access  # who may call, from which origins (the edge's rules: protocol/httpedge.py)
 
 
-def rules_of_spec(spec) -> Rules:
-    return Rules(keys=tuple(k.encode() for k in spec.tenant_keys().values()),
-                 cors_origins=tuple(spec.cors_origins))
+def rules_of_spec(spec) -> Access:
+    return Access.of(spec.tenant_keys(), spec.cors_origins)
 
 
-async def read_rules(state: StateDir, m, ssh) -> Rules:
+async def read_rules(state: StateDir, m, ssh) -> Access:
     """Rank 0's keys and CORS origins from its contract on its node, the signature checked with this state
     dir's keys. ClusterctlError when the contract cannot be read or verified."""
 
@@ -118,7 +79,7 @@ class Follower:
     cluster: str
     ssh: object
     target: Target | None = None
-    last_rules: Rules | None = None  # the last job's rules: still enforced while no rank 0 serves
+    last_rules: Access | None = None  # the last job's rules: still enforced while no rank 0 serves
     has_jobs: bool = False  # any launch manifest of this cluster (live or not)
     _files: dict = field(default_factory=dict)  # path -> ((mtime_ns, size), manifest | None)
     _clusters: dict = field(default_factory=dict)  # deployment id -> cluster name

@@ -7,8 +7,8 @@ its own ``/health`` and ``/metrics`` is forwarded to rank 0 (rank 0's are under 
 ``/upstream/metrics``), streams chunk by chunk as they arrive. The front enforces rank 0's API keys and CORS
 origins itself (so it can refuse while nothing serves); while no rank 0 serves it answers 503 with
 ``Retry-After``; a rank 0 lost mid-answer ends the stream with an error event and ``data: [DONE]`` (503 before
-any byte was sent). The server is front/httpserver.py, rank 0 is reached through front/upstream.py (both on
-httptools, docs/dependencies.md). docs/front.md.
+any byte was sent). The clients' side is aiohttp's server (front/listener.py), rank 0 is reached through aiohttp's
+client (front/upstream.py; docs/dependencies.md); the rules at the edge are protocol/httpedge.py's. docs/front.md.
 """
 
 from __future__ import annotations
@@ -21,18 +21,22 @@ import signal
 import sys
 import time
 
-from clusterctl.front.follow import Follower, Rules, Target
+from aiohttp import web
+from multidict import CIMultiDict
+
+from clusterctl.front.follow import Follower, Target
 from clusterctl.front.records import FrontRecord, record_path, remove_record, url_of, write_record
 from clusterctl.statedir.healfile import read_state as read_heal
-from clusterctl.front.httpserver import Gone, Request, Server, error_doc
+from clusterctl.front.listener import Listener
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.front.upstream import Lost, NotSent, Pool, Response
 from clusterctl.statedir.state import StateDir
+from clusterctl.protocol.httpedge import (CHALLENGE, MAX_BODY, UNAUTHORIZED_CODE, UNAUTHORIZED_MESSAGE, Access,
+                                          ErrorType, FrontOutcome, error_document, front_outcome)
 
 POLL_S = 0.25  # how often the launch manifests and the heal file are looked at
 HEALTH_EVERY_S = 1.0  # how often rank 0's /health is asked
-MAX_BODY = 4 << 20  # rank 0's own bound (rank/api/handler.py): a larger body is refused here the same way
 RETRY_AFTER = {"unavailable": 2, "healing": 5, "degraded": 30}
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
        "transfer-encoding", "upgrade", "host", "content-length", "server", "expect"}  # rank 0's Date is kept
@@ -50,7 +54,7 @@ class Front:
         self.linger = linger
         self.metrics_open = metrics_open
         self.pool = Pool()  # connections to rank 0
-        self.server: Server | None = None  # the clients' side (serve() sets it; the watcher sweeps it)
+        self.server: Listener | None = None  # the clients' side (serve() sets it; the watcher sweeps it)
         self.healthy = False  # rank 0 of the target answered /health 200 last time
         self.state, self.reason, self.since = "unavailable", None, time.time()
         self.nothing_since = time.monotonic()
@@ -75,7 +79,7 @@ class Front:
             self.m_state.labels(s).set(1 if s == self.state else 0)
         self._outcomes: dict = {}
 
-    def count(self, outcome: str) -> None:
+    def count(self, outcome: FrontOutcome) -> None:
         """One answered request (the labelled child looked up once per outcome: this is on every request)."""
         child = self._outcomes.get(outcome)
         if child is None:
@@ -89,7 +93,7 @@ class Front:
         return self.follower.target
 
     @property
-    def rules(self) -> Rules | None:
+    def rules(self) -> Access | None:
         t = self.follower.target
         return t.rules if t is not None else self.follower.last_rules
 
@@ -164,7 +168,6 @@ class Front:
         while not self.stop.is_set():
             with contextlib.suppress(Exception):
                 await self.refresh()
-            self.pool.sweep()
             if self.server is not None:
                 self.server.sweep()
             if self.linger and time.monotonic() - self.nothing_since > self.linger:
@@ -189,60 +192,62 @@ class Front:
 
 # ---- the server ---------------------------------------------------------------------------------------------------
 
-def make_server(front: Front) -> Server:
-    """One handler for every request (the front routes by itself); the server's own refusals (a malformed
+Answer = tuple[web.StreamResponse, FrontOutcome | None]  # an answer and its outcome (None: not counted)
+
+
+def make_server(front: Front) -> Listener:
+    """One handler for every request (the front routes by itself); the listener's own refusals (a malformed
     request, a body too large) counted like the front's and given its CORS headers."""
 
-    async def handle(req: Request) -> None:
+    async def handle(req: web.BaseRequest, body: bytes) -> web.StreamResponse:
         try:
-            outcome = await _route(front, req)
+            resp, outcome = await _route(front, req, body)
         except asyncio.CancelledError:
-            if not req.gone:
-                raise
-            outcome = "client_gone"  # our client left: what was asked of rank 0 is closed, so it cancels
-        if outcome != "-":
+            # our client left (aiohttp cancels its handler): what was asked of rank 0 is closed, so it cancels there
+            if req.transport is None or req.transport.is_closing():
+                front.count(FrontOutcome.CLIENT_GONE)
+            raise
+        if outcome is not None:
             front.count(outcome)
+        return resp
 
-    def refusal_headers(lookup: dict) -> list:
+    def refusal_headers(headers) -> dict[str, str]:
         rules = front.rules
-        return list(rules.cors_headers(lookup.get("origin")).items()) if rules else []
+        return rules.cors.headers(headers.get("Origin")) if rules else {}
 
-    return Server(handle, name=SERVER, max_body=MAX_BODY, refused=lambda status: front.count(_outcome(status)),
-                  refusal_headers=refusal_headers)
-
-
-def _outcome(status: int) -> str:
-    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+    return Listener(handle, name=SERVER, max_body=MAX_BODY, refused=lambda status: front.count(front_outcome(status)),
+                    refusal_headers=refusal_headers)
 
 
-def _json(front: Front, req: Request, status: int, doc: dict, extra: dict | None = None,
-          outcome: str | None = None) -> str:
+def _json(front: Front, req: web.BaseRequest, status: int, doc: dict, extra: dict | None = None,
+          outcome: FrontOutcome | None = None) -> Answer:
     rules = front.rules
-    cors = rules.cors_headers(req.header("origin")).items() if rules else ()
-    req.json(status, doc, [*cors, *(extra or {}).items()])
-    return outcome or _outcome(status)
+    cors = rules.cors.headers(req.headers.get("Origin")) if rules else {}
+    resp = web.Response(status=status, body=json.dumps(doc).encode(),
+                        headers={"Content-Type": "application/json", **cors, **(extra or {})})
+    return resp, outcome or front_outcome(status)
 
 
-def _unavailable(front: Front, req: Request, message: str | None = None) -> str:
+def _unavailable(front: Front, req: web.BaseRequest, message: str | None = None) -> Answer:
     msg = message or {"healing": "the deployment is healing; retry shortly",
                       "degraded": f"the deployment is degraded: {front.reason or 'no plan fits'}"}.get(
         front.state, "no rank 0 serves this deployment right now; retry shortly")
-    return _json(front, req, 503, error_doc(503, msg, code="service_unavailable"),
-                 {"Retry-After": front.retry_after()}, outcome="unavailable")
+    return _json(front, req, 503, error_document(msg, type=ErrorType.SERVER, code="service_unavailable"),
+                 {"Retry-After": front.retry_after()}, outcome=FrontOutcome.UNAVAILABLE)
 
 
-async def _route(front: Front, req: Request) -> str:
-    """Answer one request; its outcome for the metrics ("-": not counted)."""
+async def _route(front: Front, req: web.BaseRequest, body: bytes) -> Answer:
+    """Answer one request."""
     method, path = req.method, req.path
     rules = front.rules
     if path == "/health" and method in ("GET", "HEAD"):
         ok = front.state == "serving"
         extra = {} if ok else {"Retry-After": front.retry_after()}
-        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra, outcome="-")
-    if method == "OPTIONS" and rules is not None and rules.cors_origins:
-        origin = req.header("origin")
-        req.respond(204, [*rules.cors_headers(origin).items(), *rules.preflight_headers(origin).items()])
-        return "-"
+        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra)[0], None
+    if method == "OPTIONS" and rules is not None and rules.cors.enabled:
+        origin = req.headers.get("Origin")
+        return web.Response(status=204, headers={**rules.cors.headers(origin),
+                                                 **rules.cors.preflight_headers(origin)}), None
     open_metrics = path in ("/metrics", "/upstream/metrics") and front.metrics_open
     upstream_health = path == "/upstream/health" and method in ("GET", "HEAD")
     if rules is None and not (open_metrics or upstream_health):
@@ -250,29 +255,29 @@ async def _route(front: Front, req: Request) -> str:
         rules = front.rules
         if rules is None:
             return _unavailable(front, req)  # no job seen yet: nobody can be told apart
-    if not (open_metrics or upstream_health) and not rules.authorized(req.header("authorization")):
-        return _json(front, req, 401, error_doc(401, "invalid or missing API key", code="invalid_api_key"),
-                     {"WWW-Authenticate": "Bearer"})
+    if not (open_metrics or upstream_health) and not rules.authorized(req.headers.get("Authorization")):
+        return _json(front, req, 401, error_document(UNAUTHORIZED_MESSAGE, type=ErrorType.INVALID_REQUEST,
+                                                     code=UNAUTHORIZED_CODE), CHALLENGE)
     if path == "/metrics":
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        req.respond(200, [("Content-Type", CONTENT_TYPE_LATEST)], generate_latest(front.registry))
-        return "-"
-    target = req.target  # as sent (still percent-encoded), query included
+        return web.Response(body=generate_latest(front.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}), None
+    raw = req.raw_path  # as sent (still percent-encoded), query included; an absolute-form target: its path
+    target = raw if raw.startswith("/") else req.rel_url.raw_path_qs
     if path in ("/upstream/health", "/upstream/metrics"):  # /upstream/... on the front is /... on rank 0
-        target = path[len("/upstream"):] + (f"?{req.query}" if req.query else "")
-    return await _forward(front, req, target)
+        target = path[len("/upstream"):] + (f"?{req.query_string}" if req.query_string else "")
+    return await _forward(front, req, target, body)
 
 
-async def _forward(front: Front, req: Request, target: str) -> str:
+async def _forward(front: Front, req: web.BaseRequest, target: str, body: bytes) -> Answer:
     t = front.target if front.healthy else await front.refresh_now()
     if t is None:
         return _unavailable(front, req)
-    headers = [(k, v) for k, v in req.headers if k.lower() not in HOP]
+    headers = [(k, v) for k, v in req.headers.items() if k.lower() not in HOP]
     for attempt in (0, 1):
         t0 = time.perf_counter()
         try:
-            up = await front.pool.request(t.endpoint, req.method, target, headers, req.body)
+            up = await front.pool.request(t.endpoint, req.method, target, headers, body)
             break
         except NotSent:  # never reached rank 0: safe to send again
             t2 = await front.refresh_now()
@@ -290,11 +295,13 @@ async def _forward(front: Front, req: Request, target: str) -> str:
         except Lost:
             await front.refresh_now()
             return _unavailable(front, req, f"rank 0 (job {t.job_id}) was lost before it answered; retry shortly")
-        length = None
+        headers = CIMultiDict([*_copy_headers(up), _timing(t0)])
         if req.method == "HEAD":  # rank 0 declared the length of the body it did not send
-            length = next((int(v) for k, v in up.headers if k.lower() == "content-length" and v.isdigit()), 0)
-        req.respond(up.status, [*_copy_headers(up), _timing(t0)], data, length=length)
-        return _outcome(up.status)
+            resp = web.StreamResponse(status=up.status, headers=headers)
+            declared = up.header("Content-Length")
+            resp.content_length = int(declared) if declared and declared.isdigit() else 0
+            return resp, front_outcome(up.status)
+        return web.Response(status=up.status, body=data, headers=headers), front_outcome(up.status)
     finally:
         up.release()
 
@@ -309,63 +316,55 @@ def _timing(t0: float) -> tuple[str, str]:
     return "Server-Timing", f"upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}"
 
 
-class _Relay:
-    """A stream's events, written to the client from the upstream connection's own callback as they arrive: no
-    task switch per token. Only whole events are sent (a partial one waits for its end); a client that reads
-    slower than rank 0 writes holds back reading from rank 0."""
-
-    def __init__(self, req: Request, up: Response):
-        self.req, self.up = req, up
-        self.pending, self.done, self.gone = b"", False, False
-
-    def feed(self, chunk: bytes) -> None:
-        if self.gone:
-            return
-        pending = self.pending + chunk if self.pending else chunk
-        cut = pending.rfind(b"\n\n")
-        if cut < 0:
-            self.pending = pending
-            return
-        out, self.pending = pending[:cut + 2], pending[cut + 2:]
-        try:
-            self.req.write(out)
-        except Gone:
-            self.gone = True  # our client left: closing upstream cancels it on rank 0
-            self.up.close()
-            return
-        self.done = out.endswith(DONE)
-        if self.req.conn.paused:
-            self.up.pause()  # resumed by the client's connection once it drains (on_writable)
-
-
-async def _stream(front: Front, req: Request, up: Response, t: Target, timing: tuple[str, str]) -> str:
-    """Forward the events as they arrive; an upstream that ends without ``[DONE]`` gets an error event and
-    ``[DONE]`` from here (a partial event at the cut is dropped, never sent half)."""
-    req.start(up.status, [*_copy_headers(up), timing])  # the head at once, as rank 0 sent it (first-byte timeouts)
-    relay = _Relay(req, up)
-    req.conn.on_writable = up.resume
+async def _send(resp: web.StreamResponse, data: bytes) -> bool:
+    """Part of a stream to the client; False if it left (one that reads nothing for STALL_S is cut off by the
+    listener's sweep, which ends this write: no timer per event here)."""
     try:
-        await up.pipe(relay.feed)
+        await resp.write(data)
+        return True
+    except ConnectionError:
+        return False
+
+
+async def _stream(front: Front, req: web.BaseRequest, up: Response, t: Target, timing: tuple[str, str]) -> Answer:
+    """Forward the events as they arrive (only whole events: a partial one waits for its end); an upstream that
+    ends without ``[DONE]`` gets an error event and ``[DONE]`` from here (a partial event at the cut is dropped,
+    never sent half)."""
+    resp = web.StreamResponse(status=up.status, headers=CIMultiDict([*_copy_headers(up), timing]))
+    writer = await resp.prepare(req)
+    send_headers = getattr(writer, "send_headers", None)  # aiohttp otherwise holds the head until the first event
+    if send_headers is not None:
+        send_headers()  # the head at once, as rank 0 sent it (first-byte timeouts)
+    pending, done = b"", False
+    try:
+        async for chunk in up.chunks():
+            pending = pending + chunk if pending else chunk
+            cut = pending.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            out, pending = pending[:cut + 2], pending[cut + 2:]
+            if not await _send(resp, out):
+                return resp, FrontOutcome.CLIENT_GONE  # our client left: closing upstream cancels it on rank 0
+            done = out.endswith(DONE)
     except Lost:
-        pass  # rank 0's side broke (or we closed it: the client left): said below
+        pass  # rank 0's side broke: said below
     finally:
-        req.conn.on_writable = None
         up.close()
-    if relay.gone or req.gone:
-        return "client_gone"
-    if not relay.done:
+    if not done:
+        if req.transport is None or req.transport.is_closing():
+            return resp, FrontOutcome.CLIENT_GONE
         front.healthy = False
         front._wake.set()
-        err = error_doc(503, f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
-                        code="upstream_lost")
-        try:
-            await req.send(f"data: {json.dumps(err)}\n\n".encode() + DONE)
-        except Gone:
-            return "client_gone"
-        req.end()
-        return "upstream_lost"
-    req.end()
-    return _outcome(up.status)
+        err = error_document(f"rank 0 (job {t.job_id}) was lost mid-answer; retry the request",
+                             type=ErrorType.SERVER, code="upstream_lost")
+        if not await _send(resp, f"data: {json.dumps(err)}\n\n".encode() + DONE):
+            return resp, FrontOutcome.CLIENT_GONE
+        outcome = FrontOutcome.UPSTREAM_LOST
+    else:
+        outcome = front_outcome(up.status)
+    with contextlib.suppress(ConnectionError):
+        await resp.write_eof()
+    return resp, outcome
 
 
 # ---- the process --------------------------------------------------------------------------------------------------
@@ -405,7 +404,7 @@ async def serve(state: StateDir, cluster: str, host: str, port: int, *, ssh=None
         watcher.cancel()
         remove_record(record_path(state, host, port), rec)
         await server.close()
-        front.pool.close()
+        await front.pool.close()
     log("front: stopped")
     return 0
 

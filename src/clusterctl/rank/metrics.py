@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
+from clusterctl.protocol.httpedge import RankOutcome, rank_outcome
+
 OPEN_ENV = "CLUSTERCTL_METRICS_OPEN"  # "1" on rank 0: /metrics answers without the API key
-OUTCOMES = ("ok", "cancelled", "4xx", "429", "5xx")
+OUTCOMES = tuple(str(o) for o in RankOutcome)  # ok, cancelled, 4xx, 429, 5xx (protocol/httpedge.py)
 LADDER_STAGES = ("suspect", "abort", "recovered", "lost")
 RUN_ENDS = ("stop", "empty")  # why an overlapped run ended (scheduler.RunEnd)
 # first tokens: tens of ms on a small model, seconds for a long prompt or a queue; per output token: ms to 1 s
@@ -29,14 +31,9 @@ def metrics_open(environ=None) -> bool:
 
 
 def outcome_of(status: int) -> str:
-    """An HTTP status as a request outcome: ok, 4xx, 429 or 5xx (cancelled is the API's own verdict)."""
-    if status == 429:
-        return "429"
-    if status >= 500:
-        return "5xx"
-    if status >= 400:
-        return "4xx"
-    return "ok"
+    """An HTTP status as a request outcome: ok, 4xx, 429 or 5xx (cancelled is the API's own verdict); the edge's
+    rule (protocol/httpedge.py)."""
+    return rank_outcome(status)
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

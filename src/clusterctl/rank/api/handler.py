@@ -11,11 +11,10 @@ import socket
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
-from clusterctl.rank.metrics import outcome_of
+from clusterctl.protocol.httpedge import (CHALLENGE, MAX_BODY, body_too_large, error_document, error_type,
+                                          is_too_large, rank_outcome)
 from clusterctl.rank.api import routes
 from clusterctl.rank.api.wire import UNAUTHORIZED, ApiError
-
-MAX_BODY = 4 << 20
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -56,7 +55,7 @@ class Handler(BaseHTTPRequestHandler):
             self.rfile.close()
 
     def send_response(self, code, message=None):
-        self.outcome = outcome_of(code)
+        self.outcome = rank_outcome(code)
         super().send_response(code, message)
 
     def end_headers(self):
@@ -89,7 +88,7 @@ class Handler(BaseHTTPRequestHandler):
             phrase = HTTPStatus(code).phrase
         except ValueError:
             phrase = "error"
-        self.error(ApiError(code, message or phrase, type="invalid_request_error" if code < 500 else "server_error"))
+        self.error(ApiError(code, message or phrase, type=error_type(code)))
 
     def json(self, status: int, obj: dict, extra: dict | None = None) -> None:
         data = json.dumps(obj).encode()
@@ -103,14 +102,14 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def error(self, e: ApiError) -> None:
-        """The one place an error becomes an HTTP answer."""
-        extra = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        """The one place an error becomes an HTTP answer (the document and the rules: protocol/httpedge.py)."""
+        extra = dict(CHALLENGE) if e.status == 401 else {}
         if e.status >= 500 or e.status in (429, 408, 411, 413) or self.close_connection:
             extra["Connection"] = "close"
             self.close_connection = True
         if e.retry_after is not None:
             extra["Retry-After"] = str(e.retry_after)
-        self.json(e.status, e.body(), extra)
+        self.json(e.status, error_document(e.message, type=e.type, param=e.param, code=e.code), extra)
 
     def no_content(self, extra: dict | None = None) -> None:
         self.send_response(204)
@@ -156,7 +155,7 @@ class Handler(BaseHTTPRequestHandler):
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             n = 0
-        if 0 < n <= MAX_BODY:
+        if 0 < n and not is_too_large(n):
             try:
                 self.rfile.read(n)
             except (TimeoutError, OSError):
@@ -172,9 +171,9 @@ class Handler(BaseHTTPRequestHandler):
         if n < 0:
             self.close_connection = True
             raise ApiError(411, "Content-Length is required")
-        if n > MAX_BODY:
+        if is_too_large(n):
             self.close_connection = True
-            raise ApiError(413, f"request body over {MAX_BODY} bytes")
+            raise ApiError(413, body_too_large(MAX_BODY))
         try:
             raw = self.rfile.read(n)
         except (TimeoutError, OSError):

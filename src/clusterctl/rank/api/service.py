@@ -5,7 +5,6 @@ the routes routes.py, the answers respond.py; generation itself is the step loop
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import socket
 import threading
@@ -19,6 +18,7 @@ from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Fai
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.api.openai import ApiError, RequestBuilder
 from clusterctl.rank.engine.generation import GenResult
+from clusterctl.protocol.httpedge import Access
 from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.api.admission import Preparer
 from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused, Refusal
@@ -43,6 +43,7 @@ class Api:
         self.active = active or ActiveSet()
         self.model_name = model_name
         self.model_names = {model_name, *SERVED_MODEL_ALIASES, *spec.model_aliases}
+        self.access = Access.of(spec.tenant_keys(), spec.cors_origins)  # keys and CORS (protocol/httpedge.py)
         self.cors_origins = list(spec.cors_origins)
         # what the answers' system_fingerprint says: this deployment and its placement (a replan changes it)
         self.fingerprint = "fp_" + hashlib.sha256(json.dumps(
@@ -51,7 +52,6 @@ class Api:
         self.builder: RequestBuilder | None = None
         self.preparer = None  # admission.Preparer: templates and tokenizer, off the step loop
         self.compiler: Compiler | None = None  # grammars, off the step loop (compiler.py)
-        self._keys = [(name, key.encode()) for name, key in spec.tenant_keys().items()]
         self._inflight = 0  # requests accepted and not yet answered (in the batch, queued, or being written)
         self._requests: dict[str, ApiRequest] = {}  # those requests, for the batch occupancy a scrape reads
         self.capacity = spec.max_batch + spec.max_queue
@@ -186,18 +186,8 @@ class Api:
         return sum(1 for r in accepted if r.started_at is not None and r.finished_at is None)
 
     def tenant(self, header: str | None) -> str | None:
-        """The caller's tenant by its key (every key compared, in constant time each); "" for an open API; None
-        for a missing or wrong key."""
-        if not self._keys:
-            return ""
-        if not header or not header.startswith("Bearer "):
-            return None
-        given = header[7:].strip().encode()
-        found = None
-        for name, key in self._keys:
-            if hmac.compare_digest(given, key) and found is None:
-                found = name
-        return found
+        """The caller's tenant by its key; "" for an open API; None for a missing or wrong key."""
+        return self.access.keys.tenant(header)
 
     def authorized(self, header: str | None) -> bool:
         return self.tenant(header) is not None
@@ -225,25 +215,11 @@ class Api:
         shown = name if len(name) <= 80 else name[:77] + "..."
         return ApiError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
 
-    # -- browsers (CORS)
-
-    def _allowed_origin(self, origin: str | None) -> str | None:
-        if not self.cors_origins:
-            return None
-        if "*" in self.cors_origins:
-            return "*"
-        return origin if origin in self.cors_origins else None
+    # -- browsers (CORS): the edge's rule (protocol/httpedge.py), the same as the front's
 
     def cors_headers(self, origin: str | None) -> dict:
         """On every answer when the operator allowed origins: who may read it from a browser."""
-        allowed = self._allowed_origin(origin)
-        if allowed is None:
-            return {}
-        return {"Access-Control-Allow-Origin": allowed, **({"Vary": "Origin"} if allowed != "*" else {})}
+        return self.access.cors.headers(origin)
 
     def preflight_headers(self, origin: str | None) -> dict:
-        if self._allowed_origin(origin) is None:
-            return {}
-        return {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type",
-                "Access-Control-Max-Age": "600"}
+        return self.access.cors.preflight_headers(origin)
