@@ -61,7 +61,8 @@ class FunctionDef(_Kept):
 
 class Tool(_Kept):
     type: Annotated[Literal["function"], said("{where}: only function tools are supported", whole=True)] = "function"
-    function: Annotated[FunctionDef, said("{where} must be an object with a name")]
+    function: Annotated[FunctionDef, said("{where} must be an object with a name")] = Field(None,
+                                                                                            validate_default=True)
 
     def as_template(self) -> dict:
         return self.as_dict(type="function", function=self.function.as_dict())
@@ -124,7 +125,8 @@ class FunctionCall(_Kept):
 class ToolCall(_Kept):
     type: Annotated[Literal["function"], said('{where} must be "function"', whole=True)] = "function"
     id: Annotated[Optional[str], said("{where} must be a string", whole=True)] = None
-    function: Annotated[FunctionCall, said("{where} must be an object with a name")]
+    function: Annotated[FunctionCall, said("{where} must be an object with a name")] = Field(None,
+                                                                                             validate_default=True)
 
     def as_template(self) -> dict:
         fn = self.function

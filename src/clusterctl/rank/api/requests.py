@@ -35,7 +35,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 
-Request = TypeVar("Request", bound="_Common")
+Request = TypeVar("Request", bound="_Refused")  # a route's model
 
 
 def _only(*fine: Any) -> AfterValidator:
@@ -54,16 +54,12 @@ Unsupported = Annotated[Any, _only(None)]
 
 Stop = Annotated[Union[str, Annotated[list[str], Field(max_length=MAX_STOPS)]],
                  said(f"{{where}} must be a string or a list of at most {MAX_STOPS} strings", whole=True)]
-FORMAT_SAID = "{where}.type must be text, json_object or json_schema"
 
 
-def _format(rf: Optional[dict]) -> Optional[dict]:
+def _check_format(rf: Optional[dict]) -> None:
+    """response_format: text, json_object or json_schema (its schema is checked when its grammar compiles)."""
     if rf is not None and rf != {"type": "text"} and rf.get("type") not in ("json_object", "json_schema"):
-        raise sentence(FORMAT_SAID)
-    return rf
-
-
-ResponseFormat = Annotated[Optional[dict[str, Any]], said(FORMAT_SAID), AfterValidator(_format)]
+        raise refuse(("response_format",), "{where}.type must be text, json_object or json_schema")
 
 
 def _modalities(value: Any) -> Any:
@@ -93,14 +89,29 @@ class _Common(BaseModel):
     frequency_context_size: Optional[int] = Field(None, ge=1)
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(None, max_length=MAX_BIAS)
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: Optional[Stop] = None
     n: Optional[int] = None
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_SALT)  # vLLM's: a prompt-cache partition
-    response_format: ResponseFormat = None
+    response_format: Optional[dict[str, Any]] = None  # its type: the routes' rules (_check_format)
     return_token_ids: Optional[bool] = None  # an extension: the choice's token ids
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
     user: Optional[str] = None
-    # what rank 0 cannot honour (each with the values that ask for nothing): refused rather than ignored
+    def grammar(self) -> Optional[dict]:
+        """The request's grammar as it travels to the ranks (its response_format), or None."""
+        rf = self.response_format
+        return None if rf is None or rf == {"type": "text"} else {"response_format": rf}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _Refused(BaseModel):
+    """What both routes check after the fields each takes (the order rank 0 has always checked them in: a body
+    wrong twice names the same field): the fields rank 0 cannot honour (each with the values that ask for
+    nothing: refused rather than ignored), then the stop strings. A route is ``Route(_Refused, _RouteFields)``."""
+
+    model_config = Plain
+
     best_of: Annotated[Any, _only(None, 1)] = None
     suffix: Annotated[Any, _only(None, "")] = None
     functions: Unsupported = None
@@ -113,18 +124,10 @@ class _Common(BaseModel):
     xtc_threshold: Unsupported = None
     num_draft_tokens: Annotated[Any, _only(None, 0)] = None
     adapters: Unsupported = None
+    stop: Optional[Stop] = None
 
     def stops(self) -> list[str]:
         return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
-
-    def grammar(self) -> Optional[dict]:
-        """The request's grammar as it travels to the ranks (its response_format), or None."""
-        rf = self.response_format
-        return None if rf is None or rf == {"type": "text"} else {"response_format": rf}
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
 
 
 # -- the routes
@@ -151,16 +154,17 @@ Prompt = Annotated[Union[str, TokenIds, Annotated[list[Union[str, TokenIds]], Fi
 ForChat = Annotated[None, said("{where} is for /v1/chat/completions", whole=True)]
 
 
-class CompletionRequest(_Common):
-    """/v1/completions. ``logprobs`` is the legacy integer: that many alternatives per token (with ``echo``, per
-    prompt token too)."""
-
-    prompt: Prompt = Field(None, validate_default=True)  # a string or token ids (inside the vocabulary: openai.py)
+class _CompletionFields(_Common):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
     echo: Optional[bool] = None  # the prompt's text (and, with logprobs, its tokens' log-probabilities) first
     max_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOKENS)  # 0: with echo, score the prompt only
-    top_logprobs: Annotated[None, said("top_logprobs is for chat; /v1/completions takes an integer logprobs",
-                                       whole=True)] = None
+    prompt: Prompt = Field(None, validate_default=True)  # a string or token ids (inside the vocabulary: openai.py)
+
+
+class CompletionRequest(_Refused, _CompletionFields):
+    """/v1/completions. ``logprobs`` is the legacy integer: that many alternatives per token (with ``echo``, per
+    prompt token too)."""
+
     chat_template_kwargs: ForChat = None
     tools: ForChat = None
     tool_choice: ForChat = None
@@ -169,6 +173,9 @@ class CompletionRequest(_Common):
     def _scoring(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:
             raise refuse(("max_tokens",), "max_tokens 0 makes nothing: it is for echo: true (score the prompt)")
+        _check_format(self.response_format)
+        if self.top_logprobs is not None:
+            raise refuse(("top_logprobs",), "top_logprobs is for chat; /v1/completions takes an integer logprobs")
         return self
 
     @property
@@ -185,34 +192,38 @@ class CompletionRequest(_Common):
         return -1 if self.logprobs is None else self.logprobs
 
 
-class ChatRequest(_Common):
-    """/v1/chat/completions."""
-
-    messages: Messages = Field(None, validate_default=True)
+class _ChatFields(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None
     tools: Tools = None
     tool_choice: Optional[ToolChoice] = None
-    parallel_tool_calls: Optional[bool] = None
+    messages: Messages = Field(None, validate_default=True)
     chat_template_kwargs: Annotated[Optional[dict[str, Any]], said("{where} must be an object"),
                                     AfterValidator(_template_kwargs)] = None
-    echo: Annotated[Any, _only(None, False)] = None
+    echo: Annotated[Any, _only(None, False)] = None  # completions' (the first field refused here)
+
+
+class ChatRequest(_Refused, _ChatFields):
+    """/v1/chat/completions."""
 
     @model_validator(mode="after")
     def _agree(self) -> "ChatRequest":
-        """The rules between fields: a forced call needs its tools and leaves no room for a response_format;
-        top_logprobs needs logprobs."""
+        """The rules between fields (in the order clients have been told about them): a forced call needs its
+        tools, a response_format a known type, top_logprobs logprobs, and a forced call leaves no room for a
+        response_format."""
         if self.tool_choice == "required" and not self.tools:
             raise refuse(("tool_choice",), 'tool_choice "required" needs tools')
         if isinstance(self.tool_choice, NamedChoice):
             name = self.tool_choice.function.name
             if not any(t.function.name == name for t in self.tools or ()):
                 raise refuse(("tool_choice",), f"tool_choice names function {name!r}, which is not in tools")
+        _check_format(self.response_format)
+        if self.top_logprobs and not self.logprobs:
+            raise refuse(("top_logprobs",), "top_logprobs needs logprobs: true")
         if self.tool_mode in ("required", "function") and self.grammar() is not None:
             raise refuse(("response_format",), "a forced tool call (tool_choice required or a function) and a "
                                                "response_format cannot both shape one answer")
-        if self.top_logprobs and not self.logprobs:
-            raise refuse(("top_logprobs",), "top_logprobs needs logprobs: true")
         return self
 
     @property
@@ -242,7 +253,7 @@ class ChatRequest(_Common):
         return None if self.tools is None else [t.as_template() for t in self.tools]
 
 
-REQUESTS: dict[str, type[_Common]] = {"completion": CompletionRequest, "chat": ChatRequest}  # by route kind
+REQUESTS: dict[str, type[_Refused]] = {"completion": CompletionRequest, "chat": ChatRequest}  # by route kind
 
 
 def _where(loc: list) -> str:
