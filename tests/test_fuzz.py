@@ -317,6 +317,7 @@ def tokenizer():
 def test_request_bodies(tokenizer):
     """Any JSON body: an ApiRequest whose prepare() yields a request within the context, or a 4xx ApiError."""
     from clusterctl.rank.api.openai import ApiError, RequestBuilder
+    from clusterctl.rank.api.requests import REQUESTS, parse
     from clusterctl.protocol.rankspec import RankSpec
 
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
@@ -333,7 +334,7 @@ def test_request_bodies(tokenizer):
 
     def one(kind, body):
         try:
-            job = builder.chat(body) if kind == "chat" else builder.completion(body)
+            job = builder.build(parse(REQUESTS[kind], body))
             req = preparer.prepare(job)
         except ApiError as e:
             assert 400 <= e.status < 500 and e.message, (e.status, e.message)
@@ -370,6 +371,7 @@ def test_constrained_chat_bodies_on_a_thinking_template(tmp_path_factory):
     from clusterctl.rank.api.admission import Limits, Preparer
     from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused
     from clusterctl.rank.api.openai import ApiError, RequestBuilder
+    from clusterctl.rank.api.requests import ChatRequest, parse
     from clusterctl.protocol.rankspec import RankSpec
 
     tok = load(toolmodels.write_tokenizer(tmp_path_factory.mktemp("thinktok") / "t"))
@@ -400,7 +402,7 @@ def test_constrained_chat_bodies_on_a_thinking_template(tmp_path_factory):
 
     def one(body, seed):
         try:
-            job = builder.chat(body)
+            job = builder.chat(parse(ChatRequest, body))
             req = preparer.prepare(job)
             c = compiler.admit(req)  # admitted: it compiled, within its bounds (a GrammarRefused is a 400)
         except ApiError as e:

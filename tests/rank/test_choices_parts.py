@@ -8,6 +8,7 @@ import queue
 import pytest
 
 from clusterctl.errors import IntegrityError
+from clusterctl.rank.api.requests import REQUESTS, parse
 from clusterctl.rank.choices import (MAX_SHARES, PROMPT, ChoiceEvent, PromptShares, choice_rows, choice_seed,
                                      prompt_row, shareable)
 from clusterctl.rank.engine.generation import GenRequest, GenResult
@@ -112,20 +113,25 @@ def _builder(max_n: int | None):
     return RequestBuilder(spec, limits_for(json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096))
 
 
+def _build(b, body: dict):
+    """An ApiRequest from a body as rank 0 makes one: parsed into its route's model (requests.py), then built."""
+    return b.build(parse(REQUESTS["chat" if "messages" in body else "completion"], body))
+
+
 @pytest.mark.slow  # (a real tokenizer: transformers' import)
 @pytest.mark.parametrize("max_n, fine, refused", [(None, 8, 9), (2, 2, 3), (128, 128, 129)])
 def test_n_is_bounded_by_the_operators_limit(max_n, fine, refused):
     from clusterctl.rank.api.wire import ApiError
 
     b = _builder(max_n)
-    assert b.completion({"prompt": "hello", "n": fine}).n == fine
-    assert b.chat({"messages": [{"role": "user", "content": "hi"}], "n": fine}).n == fine
+    assert _build(b, {"prompt": "hello", "n": fine}).n == fine
+    assert _build(b, {"messages": [{"role": "user", "content": "hi"}], "n": fine}).n == fine
     for n in (refused, 0, -1):
         with pytest.raises(ApiError) as e:
-            b.completion({"prompt": "hello", "n": n})
+            _build(b, {"prompt": "hello", "n": n})
         assert e.value.status == 400 and e.value.param == "n" and f"between 1 and {fine}" in e.value.message
     with pytest.raises(ApiError) as e:
-        b.completion({"prompt": "hello", "n": 2, "best_of": 2})
+        _build(b, {"prompt": "hello", "n": 2, "best_of": 2})
     assert e.value.param == "best_of"
 
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from clusterctl.rank.api.requests import REQUESTS, parse
 from rankharness import RankCluster, _loaded, tiny_model_path
 
 TOL = 2e-3
@@ -107,8 +108,13 @@ def test_a_request_scoring_its_prompt_takes_no_prefix_from_the_prompt_cache():
     assert scored.took is None and scored.cache_len == 0
 
 
+def _build(b, body: dict):
+    """An ApiRequest from a body as rank 0 makes one: parsed into its route's model (requests.py), then built."""
+    return b.build(parse(REQUESTS["chat" if "messages" in body else "completion"], body))
+
+
 def test_echo_is_answered_on_completions_and_refused_where_it_means_nothing(tokens):
-    from clusterctl.rank.api.admission import limits_for
+    from clusterctl.rank.api.admission import Preparer, limits_for
     from clusterctl.rank.api.openai import RequestBuilder
     from clusterctl.rank.api.wire import ApiError
     from clusterctl.protocol.rankspec import RankSpec
@@ -118,18 +124,18 @@ def test_echo_is_answered_on_completions_and_refused_where_it_means_nothing(toke
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
                     marker_path="/r/m", gate_path="/r/g")
     b = RequestBuilder(spec, limits_for(json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096))
-    r = b.completion({"prompt": tokens, "echo": True, "logprobs": 3, "max_tokens": 0})
-    req = r.prepare(tok)
+    r = _build(b, {"prompt": tokens, "echo": True, "logprobs": 3, "max_tokens": 0})
+    req = Preparer(tok).prepare(r)
     assert (req.prompt_logprobs, req.logprobs, req.max_tokens) == (3, 3, 1)
     assert r.echo.score_only and r.echo.text == tok.decode(tokens)
-    assert b.completion({"prompt": "x", "echo": True}).prepare(tok).prompt_logprobs == -1  # no logprobs asked
+    assert Preparer(tok).prepare(_build(b, {"prompt": "x", "echo": True})).prompt_logprobs == -1  # no logprobs asked
     for body, param in (({"prompt": "x", "max_tokens": 0}, "max_tokens"),
                         ({"prompt": "x", "echo": "yes"}, "echo")):
         with pytest.raises(ApiError) as e:
-            b.completion(body)
+            _build(b, body)
         assert e.value.param == param
     with pytest.raises(ApiError) as e:
-        b.chat({"messages": [{"role": "user", "content": "x"}], "echo": True})
+        _build(b, {"messages": [{"role": "user", "content": "x"}], "echo": True})
     assert e.value.param == "echo"
 
 

@@ -10,6 +10,7 @@ import toolmodels
 
 from clusterctl.rank.api import splitter as S
 from clusterctl.rank.api import tools as T
+from clusterctl.rank.api.requests import ChatRequest, parse
 from clusterctl.rank.engine.generation import StopMatcher
 
 WEATHER = {"type": "function", "function": {
@@ -93,6 +94,11 @@ def test_markers_are_tokens_and_inferred(toks):
 
 # ---- request side ---------------------------------------------------------------------------------------------
 
+def chat_of(body: dict) -> T.ChatTools:
+    """A chat body's tool and template fields, as rank 0 takes them (parsed, then ChatTools.of)."""
+    return T.ChatTools.of(parse(ChatRequest, body))
+
+
 def test_render_matches_mlx_lm_server(toks):
     """tools and tool-call history reach the template as mlx_lm.server passes them."""
     import copy
@@ -100,7 +106,7 @@ def test_render_matches_mlx_lm_server(toks):
     from mlx_lm.server import process_message_content
 
     tok = toks["json"]
-    chat = T.ChatTools.from_body({"messages": copy.deepcopy(HISTORY), "tools": TOOLS})
+    chat = chat_of({"messages": copy.deepcopy(HISTORY), "tools": TOOLS})
     text = T.render(tok, chat)
     ref_messages = copy.deepcopy(HISTORY)
     process_message_content(ref_messages)
@@ -116,14 +122,14 @@ def test_render_matches_mlx_lm_server(toks):
 
 def test_chat_template_kwargs_and_defaults(toks):
     tok = toks["json"]
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}],
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}],
                                   "chat_template_kwargs": {"enable_thinking": False}})
     assert T.render_kwargs(tok, chat, {"enable_thinking": True, "x": 1}) == \
         {"enable_thinking": False, "x": 1, "tools": None}
     text = T.render(tok, chat)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert T.initial_state(tok, tok.encode(text, add_special_tokens=False)) == "normal"
-    on = T.render(tok, T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]}))
+    on = T.render(tok, chat_of({"messages": [{"role": "user", "content": "hi"}]}))
     assert on.endswith("<think>\n")  # mlx-lm's wrapper turns thinking on by default for a thinking vocabulary
     assert T.initial_state(toks["plain"], toks["plain"].encode(on)) == "normal"
 
@@ -131,7 +137,7 @@ def test_chat_template_kwargs_and_defaults(toks):
 def test_template_refusal_is_a_bad_request(toks):
     bad = [{"role": "user", "content": "hi"},
            {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather", "arguments": "[1]"}}]}]
-    chat = T.ChatTools.from_body({"messages": bad, "tools": TOOLS})
+    chat = chat_of({"messages": bad, "tools": TOOLS})
     with pytest.raises(T.ToolsError, match="chat template refused") as e:
         T.render(toks["xml"], chat)  # its template iterates the arguments' items
     assert e.value.param == "messages" and "\n" not in str(e.value)
@@ -139,77 +145,48 @@ def test_template_refusal_is_a_bad_request(toks):
 
 
 def test_tools_refused_without_tool_calling(toks):
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
     with pytest.raises(T.ToolsError, match="cannot call tools") as e:
         T.render_kwargs(toks["plain"], chat)
     assert e.value.param == "tools"
     # no tools: the plain model renders as before
-    plain = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})
+    plain = chat_of({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})
     assert T.render(toks["plain"], plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.mark.parametrize("body,param,words", [
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
-    ({"tools": {"a": 1}}, "tools", "must be a list"),
-    ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools[0].function.name"),
-    ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
-    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
-    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
-    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
-    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs", "chat_template"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
-     "messages", "messages[0].tool_calls[0].function.arguments is not valid JSON"),
-    ({"messages": [{"role": "user", "tool_calls": []}]}, "messages", "only assistant"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text content parts"),
-    ({"messages": []}, "messages", "non-empty"),
-])
-def test_bad_fields_name_the_field(body, param, words):
-    body = {"messages": [{"role": "user", "content": "hi"}], **body}
-    with pytest.raises(T.ToolsError) as e:
-        T.ChatTools.from_body(body)
-    assert isinstance(e.value, ValueError) and e.value.param == param
-    assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_tool_choice_modes():
     msgs = [{"role": "user", "content": "hi"}]
-    assert T.ChatTools.from_body({"messages": msgs}).choice == "none"
-    auto = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})
+    assert chat_of({"messages": msgs}).choice == "none"
+    auto = chat_of({"messages": msgs, "tools": TOOLS})
     assert (auto.choice, auto.parse_calls) == ("auto", True)
-    none = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
+    none = chat_of({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
     assert (none.choice, none.parse_calls, none.tools) == ("none", False, TOOLS)
-    named = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS,
+    named = chat_of({"messages": msgs, "tools": TOOLS,
                                    "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert (named.choice, named.function) == ("function", "get_time")
-    assert T.ChatTools.from_body({"messages": msgs, "tools": []}).tools is None
+    assert chat_of({"messages": msgs, "tools": []}).tools is None
     # the answer to a call gets the called function's name (templates that render it)
-    m = T.normalize_messages(HISTORY)
+    m = chat_of({"messages": HISTORY}).messages
     assert m[3]["name"] == "get_weather" and m[2]["content"] == "" and m[2]["tool_calls"][0]["id"] == "call_1"
 
 
 def test_banned_token_ids(toks):
     tok = toks["json"]
     msgs = [{"role": "user", "content": "hi"}]
-    none = T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
+    none = chat_of({"messages": msgs, "tools": TOOLS, "tool_choice": "none"})
     assert T.banned_token_ids(tok, none) == [tok.tool_call_start_tokens[0]]
-    assert T.banned_token_ids(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})) == []
-    assert T.banned_token_ids(tok, T.ChatTools.from_body({"messages": msgs})) == []
+    assert T.banned_token_ids(tok, chat_of({"messages": msgs, "tools": TOOLS})) == []
+    assert T.banned_token_ids(tok, chat_of({"messages": msgs})) == []
 
 
 def test_call_constraint_schema(toks):
     tok = toks["json"]
     msgs = [{"role": "user", "content": "hi"}]
-    assert T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS})) is None
-    req = T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
+    assert T.call_constraint(tok, chat_of({"messages": msgs, "tools": TOOLS})) is None
+    req = T.call_constraint(tok, chat_of({"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
     assert (req.start, req.end, req.min_calls, req.max_calls) == ("<tool_call>", "</tool_call>", 1, None)
     assert req.think == ("<think>", "</think>")
-    named = T.call_constraint(tok, T.ChatTools.from_body({
+    named = T.call_constraint(tok, chat_of({
         "messages": msgs, "tools": TOOLS, "parallel_tool_calls": True,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
     assert named.max_calls == 1
@@ -225,7 +202,7 @@ def test_call_constraint_schema(toks):
         jsonschema.validate({"name": "get_time", "arguments": {"x": 1}}, req.schema)
     # what the schema accepts, the model's own parser reads back as the same call
     assert tok.tool_parser(json.dumps(ok), TOOLS) == ok
-    sequential = T.call_constraint(tok, T.ChatTools.from_body(
+    sequential = T.call_constraint(tok, chat_of(
         {"messages": msgs, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}))
     assert sequential.max_calls == 1
 
@@ -241,7 +218,7 @@ def test_call_grammar_in_llguidance(toks):
     msgs = [{"role": "user", "content": "hi"}]
 
     def grammar(initial, **fields):
-        c = T.call_constraint(tok, T.ChatTools.from_body({"messages": msgs, "tools": TOOLS, **fields}), initial)
+        c = T.call_constraint(tok, chat_of({"messages": msgs, "tools": TOOLS, **fields}), initial)
         g = llguidance.LLMatcher.grammar_from_lark(c.lark())
         return lambda text: accepts(g, text)
 
@@ -267,18 +244,18 @@ def test_call_grammar_in_llguidance(toks):
     named = grammar("normal", tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named(weather) and named("<think>Rain?</think>" + weather)
     assert not named(clock) and not named(weather + "\n" + weather)  # one call of that function
-    no_think = T.call_constraint(toks["nothink"], T.ChatTools.from_body(
+    no_think = T.call_constraint(toks["nothink"], chat_of(
         {"messages": msgs, "tools": TOOLS, "tool_choice": "required"}))
     assert no_think.lark().startswith("start: calls\n") and no_think.think is None
 
 
 def test_forced_call_refused_for_other_formats(toks):
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
     with pytest.raises(T.ToolsError, match="qwen3_coder") as e:
         T.render_kwargs(toks["xml"], chat)
     assert e.value.param == "tool_choice"
-    T.render_kwargs(toks["xml"], T.ChatTools.from_body({"messages": chat.messages, "tools": TOOLS}))
+    T.render_kwargs(toks["xml"], chat_of({"messages": chat.messages, "tools": TOOLS}))
 
 
 # ---- response side --------------------------------------------------------------------------------------------
@@ -370,8 +347,8 @@ def test_stream_events(toks):
 
 def test_reasoning_opened_by_the_prompt(toks):
     tok = toks["json"]
-    text = T.render(tok, T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]}))
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}]})
+    text = T.render(tok, chat_of({"messages": [{"role": "user", "content": "hi"}]}))
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}]})
     out = "\nHmm, a greeting.\n</think>\n\nHello  there!"
     for cut in range(len(out) + 1):
         s = chat.splitter(tok, tok.encode(text, add_special_tokens=False))
@@ -395,7 +372,7 @@ def test_no_tools_or_tool_choice_none_keep_markup_as_text(toks):
     tok = toks["json"]
     call = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
     assert summary(run(S.OutputSplitter(tok, None), [call])) == (call, "", [], "stop")
-    none = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    none = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "none"})
     s = none.splitter(tok, [])
     assert summary(run(s, ["<think>ok</think>", call])) == (call, "ok", [], "stop")
@@ -434,7 +411,7 @@ def test_arguments_given_as_json_text_are_not_encoded_twice(toks):
 
 def test_parallel_tool_calls_false_stops_after_one(toks):
     tok = toks["json"]
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "parallel_tool_calls": False})
     s = chat.splitter(tok, [])
     events = s.feed(REPLY)
@@ -465,7 +442,7 @@ def test_another_call_format_through_the_same_splitter(toks):
 def test_a_format_without_end_marker(toks):
     """mistral: after [TOOL_CALLS] the rest of the reply is calls, parsed when it ends."""
     tok = toks["mistral"]
-    history = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
+    history = T.render(tok, chat_of({"messages": HISTORY, "tools": TOOLS}))
     assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}' in history
     out = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
     want = ("Sure.", "", [("get_weather", {"city": "Paris"}), ("get_time", {})], "tool_calls")
@@ -479,7 +456,7 @@ def test_a_format_without_end_marker(toks):
     assert summary(run(s, token_pieces(tok, cut), "length")) == (cut, "", [], "length")
     # the forced call is not this module's to shape for this format
     with pytest.raises(T.ToolsError, match="mistral"):
-        T.call_constraint(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS,
+        T.call_constraint(tok, chat_of({"messages": HISTORY, "tools": TOOLS,
                                                       "tool_choice": "required"}))
 
 
@@ -512,7 +489,7 @@ def test_tool_model_folder_serves(tmp_path):
     folder = toolmodels.tool_model(tmp_path / "m")
     model, tok = load(str(folder))
     assert tok.has_tool_calling and tok.has_thinking
-    prompt = T.render(tok, T.ChatTools.from_body({"messages": HISTORY, "tools": TOOLS}))
+    prompt = T.render(tok, chat_of({"messages": HISTORY, "tools": TOOLS}))
     ids = tok.encode(prompt, add_special_tokens=False)
     s = S.OutputSplitter(tok, TOOLS, initial_state=T.initial_state(tok, ids))
     assert model.model.embed_tokens.weight.shape[0] == len(tok) and tok.think_start_id in ids
@@ -559,8 +536,10 @@ def answer(tok, body: dict, model) -> tuple[S.Reply, list[int]]:
 
     from clusterctl.rank.grammar.mask import GrammarFactory
 
-    api_req = _builder(tok).chat(body)
-    req = api_req.prepare(tok)
+    from clusterctl.rank.api.admission import Preparer
+
+    api_req = _builder(tok).chat(parse(ChatRequest, body))
+    req = Preparer(tok).prepare(api_req)
     factory = GrammarFactory(tok)
     factory.rollout_seconds = None  # as lockstep ranks run it: the result must not depend on the machine's load
     c = factory.compile_request(req.grammar, req.max_tokens) if req.grammar is not None else None
@@ -658,7 +637,7 @@ def test_required_calls_finish_tool_calls_when_they_close(toks):
 
 def test_a_cut_forced_call_never_reaches_the_content(toks):
     tok = toks["json"]
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     s = chat.splitter(tok, [])
@@ -717,7 +696,7 @@ def test_thinking_grammars_are_admitted_and_announced_alike(toks):
     tok = toks["json"]
     rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
         "type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}}}
-    chat = T.ChatTools.from_body({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+    chat = chat_of({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                   "tool_choice": "required"})
     grammars = {"reasoned json": {"lark": T.reasoned_json(tok, json_schema(rf), "reasoning"), "response_format": rf},
                 "forced call": {"lark": T.call_constraint(tok, chat, "reasoning").lark()}}

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from clusterctl.rank.api.requests import REQUESTS, parse
 from rankharness import tiny_model_path
 
 PROMPT = "def main(argv):"
@@ -106,6 +107,11 @@ def _builder(tok, context=4096):
                                            context))
 
 
+def _build(b, body: dict):
+    """An ApiRequest from a body as rank 0 makes one: parsed into its route's model (requests.py), then built."""
+    return b.build(parse(REQUESTS["chat" if "messages" in body else "completion"], body))
+
+
 @pytest.mark.slow
 def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
     from clusterctl.rank.api.admission import Preparer
@@ -114,7 +120,7 @@ def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
     slow = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     tok = _tokenizer_with_template(tmp_path, slow)
-    job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    job = _build(_builder(tok), {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     t0 = time.monotonic()
     with pytest.raises(ApiError) as e:
         Preparer(tok, budget_s=0.5).prepare(job)
@@ -125,8 +131,8 @@ def test_a_template_that_runs_past_its_budget_is_interrupted(tmp_path):
 
     assert sys.gettrace() is None
     fine = _tokenizer_with_template(tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    req = Preparer(fine, budget_s=0.5).prepare(_builder(fine).chat({"messages": [{"role": "user", "content": "hi"}],
-                                                                   "max_tokens": 4}))
+    req = Preparer(fine, budget_s=0.5).prepare(_build(_builder(fine), {"messages": [{"role": "user", "content": "hi"}],
+                                                                       "max_tokens": 4}))
     assert req.tokens
 
 
@@ -138,11 +144,11 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     cap = b.limits.prompt_bytes
     assert b.limits.context == 64 and cap == 64 * b.limits.token_bytes
     with pytest.raises(ApiError) as e:  # refused by the builder itself: no ApiRequest, no tokenizer
-        b.completion({"prompt": "x" * (cap + 1), "max_tokens": 4})
+        _build(b, {"prompt": "x" * (cap + 1), "max_tokens": 4})
     assert e.value.code == "context_length_exceeded" and "planned context of 64 tokens" in e.value.message
     with pytest.raises(ApiError):
-        b.chat({"messages": [{"role": "user", "content": "é" * (cap // 2 + 1)}], "max_tokens": 4})
-    assert b.completion({"prompt": "x" * 10, "max_tokens": 4}) is not None
+        _build(b, {"messages": [{"role": "user", "content": "é" * (cap // 2 + 1)}], "max_tokens": 4})
+    assert _build(b, {"prompt": "x" * 10, "max_tokens": 4}) is not None
 
 
 # Template expressions that make one large value in one step (issue 41 item 7): the line tracer cannot see time
@@ -201,7 +207,7 @@ def test_one_step_past_the_cap_is_refused_before_it_is_made(tmp_path, template):
     from clusterctl.rank.api.openai import ApiError
 
     tok = _tokenizer_with_template(tmp_path, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    job = _build(_builder(tok), {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     t0 = time.monotonic()
     with _peak_mb() as peak, pytest.raises(ApiError) as e:
         Preparer(tok, budget_s=5.0).prepare(job)
@@ -225,8 +231,8 @@ def test_fuzzed_templates_render_or_are_refused_within_their_budget(tmp_path):
         d = tmp_path / str(n)
         d.mkdir()
         tok = _tokenizer_with_template(d, _random_template(rng))
-        job = _builder(tok).chat({"messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
-                                  "max_tokens": 2})
+        job = _build(_builder(tok), {"messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
+                                     "max_tokens": 2})
         t0 = time.monotonic()
         with _peak_mb() as peak:
             try:

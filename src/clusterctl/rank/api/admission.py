@@ -101,8 +101,8 @@ class Preparer:
         self._one = threading.Lock()
 
     def prepare(self, api_req):
-        """The request's GenRequest, or an ApiError: 503 when others held the tokenizer past ``wait_s``, 400 when
-        its own preparation ran past the budget."""
+        """The request's GenRequest (its echo and splitters put on it), or an ApiError: 503 when others held the
+        tokenizer past ``wait_s``, 400 when its own preparation ran past the budget."""
         if not self._one.acquire(timeout=self.wait_s):
             raise ApiError(503, f"busy preparing other prompts for {self.wait_s:g} s", type="server_error",
                            retry_after=1)
@@ -110,7 +110,10 @@ class Preparer:
             t0 = time.monotonic()
             try:
                 with template_budget(self.budget_s):
-                    return api_req.prepare(self.tokenizer)
+                    prepared = api_req.prepare(self.tokenizer)
+                api_req.echo, api_req.splitters = prepared.echo, prepared.splitters
+                api_req.splitter = None if prepared.splitters is None else prepared.splitters()
+                return prepared.req
             except BudgetExceeded:
                 raise ApiError(400, f"rendering the chat template took over {self.budget_s:g} s",
                                code="prompt_budget_exceeded") from None

@@ -1,6 +1,7 @@
-"""OpenAI request bodies (/v1/completions, /v1/chat/completions) checked and turned into ApiRequests
-(requestqueue.py) whose tokenization runs next, on the request's HTTP thread (admission.py ``Preparer``), and
-OpenAI's error shape (``ApiError``): what a client may ask, refused with a 4xx before it reaches the ranks."""
+"""OpenAI requests (requests.py's models, one per route) turned into ApiRequests (requestqueue.py) whose
+tokenization runs next, on the request's HTTP thread (admission.py ``Preparer``): what the served model and the plan
+allow a request (its context, its vocabulary, the operator's limits and defaults), refused with a 4xx before it
+reaches the ranks."""
 
 from __future__ import annotations
 
@@ -9,31 +10,15 @@ import json
 import secrets
 import threading
 
-from clusterctl.rank.engine.requestqueue import ApiRequest, Echo
+from clusterctl.rank.engine.requestqueue import ApiRequest, Echo, Prepared
 from clusterctl.rank.choices import DEFAULT_MAX_N
 from clusterctl.rank.engine.generation import GenRequest
-from clusterctl.rank.api.wire import ApiError, ChatBody, CompletionBody, parse
+from clusterctl.rank.api.requests import ChatRequest, CompletionRequest
+from clusterctl.rank.api.wire import ApiError
 from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.api import tools as tl
 
 BANNED = -1e9  # the logit bias of a token the request may never get (finite: it travels as JSON)
-# fields OpenAI (or mlx_lm.server) defines that rank 0 cannot honour: refused (400, naming the field) rather than
-# accepted and ignored; each with the value that asks for nothing
-UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "functions": (None,),
-    "function_call": (None, "none"), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
-    "xtc_probability": (None, 0, 0.0), "xtc_threshold": (None,), "num_draft_tokens": (None, 0), "adapters": (None,),
-}
-
-
-def _response_format(body: dict) -> dict | None:
-    """OpenAI's response_format as the request's grammar (checked against the tokenizer when it is prepared)."""
-    rf = body.get("response_format")
-    if rf is None or rf == {"type": "text"}:
-        return None
-    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
-        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
-    return {"response_format": rf}
 
 
 def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
@@ -51,24 +36,13 @@ def _reasoned(tokenizer, response_format: dict, tokens: list[int]) -> dict:
     return {"response_format": response_format} if lark is None else {"lark": lark, "response_format": response_format}
 
 
-def refuse_unsupported(body: dict, honoured: tuple[str, ...] = ()) -> None:
-    """A field that would change the answer but cannot be honoured is a 400 naming it, never silently ignored;
-    ``honoured``: the ones this route answers (completions: echo)."""
-    for name, fine in UNSUPPORTED.items():
-        if name in honoured:
-            continue
-        if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise ApiError(400, "only the text modality is supported", param="modalities")
 # below this temperature a request is served greedy: 1/temperature overflows float32 near 1e-38 and the scaled
 # logits become -inf or NaN (random tokens where a near-greedy answer was asked); the argmax is the limit anyway
 GREEDY_BELOW = 1e-6
 
 
 class RequestBuilder:
-    """Turns an OpenAI request body into an ApiRequest whose ``prepare`` builds the GenRequest."""
+    """Turns a parsed request (requests.py) into an ApiRequest whose ``prepare`` builds the GenRequest."""
 
     def __init__(self, spec: RankSpec, limits):
         self.spec = spec
@@ -77,38 +51,28 @@ class RequestBuilder:
         self._count = 0
         self._lock = threading.Lock()
 
-    def _seed(self, b: CompletionBody | ChatBody) -> int:
-        if b.seed is not None:
-            return b.seed + (1 << 64) if b.seed < 0 else b.seed  # one-to-one onto MLX's unsigned 64-bit seeds
+    def build(self, request: CompletionRequest | ChatRequest, tenant: str | None = None) -> ApiRequest:
+        return self.chat(request, tenant) if isinstance(request, ChatRequest) else self.completion(request, tenant)
+
+    def _seed(self, r: CompletionRequest | ChatRequest) -> int:
+        if r.seed is not None:
+            return r.seed + (1 << 64) if r.seed < 0 else r.seed  # one-to-one onto MLX's unsigned 64-bit seeds
         with self._lock:
             self._count += 1
             return (self.spec.seed * 1_000_003 + self._count) & 0x7FFFFFFF
 
     @staticmethod
-    def _partition(b: CompletionBody | ChatBody, tenant: str | None) -> str:
+    def _partition(r: CompletionRequest | ChatRequest, tenant: str | None) -> str:
         """The prompt-cache partition of a request: its caller's tenant and its cache_salt (promptcache.py)."""
-        ident = json.dumps([tenant or "", b.cache_salt]).encode("utf-8", "surrogatepass")
+        ident = json.dumps([tenant or "", r.cache_salt]).encode("utf-8", "surrogatepass")
         return hashlib.sha256(ident).hexdigest()[:32]
 
-    @staticmethod
-    def _logprobs(b: CompletionBody | ChatBody) -> int:
-        """-1: none; else the alternatives per token (chat: logprobs true and top_logprobs; completions: the
-        integer logprobs, as OpenAI's legacy API has it)."""
-        if isinstance(b, ChatBody):
-            if b.top_logprobs and not b.logprobs:
-                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-            return (b.top_logprobs or 0) if b.logprobs else -1
-        if b.top_logprobs is not None:
-            raise ApiError(400, "top_logprobs is for chat; /v1/completions takes an integer logprobs",
-                           param="top_logprobs")
-        return -1 if b.logprobs is None else b.logprobs
-
-    def _n(self, b: CompletionBody | ChatBody) -> int:
+    def _n(self, r: CompletionRequest | ChatRequest) -> int:
         """How many choices (OpenAI's ``n``): 1 to the operator's limit (plan --max-n, else DEFAULT_MAX_N)."""
         limit = self.spec.serving.max_n or DEFAULT_MAX_N
-        if b.n is not None and not 1 <= b.n <= limit:
+        if r.n is not None and not 1 <= r.n <= limit:
             raise ApiError(400, f"n must be between 1 and {limit} on this deployment", param="n")
-        return b.n or 1
+        return r.n or 1
 
     def _max_tokens(self, asked: int | None) -> int | None:
         """The request's max_tokens, else the operator's default, else None: until the context is full."""
@@ -121,50 +85,47 @@ class RequestBuilder:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def _common(self, body: dict, b: CompletionBody | ChatBody, tenant: str | None = None,
-                honoured: tuple[str, ...] = ()) -> dict:
-        refuse_unsupported(body, honoured)
-        d = self.spec.serving  # the operator's defaults, else OpenAI's
-        asked = b.max_completion_tokens if isinstance(b, ChatBody) and b.max_completion_tokens is not None \
-            else b.max_tokens
-        temperature = b.temperature if b.temperature is not None else (
+    def _common(self, r: CompletionRequest | ChatRequest, tenant: str | None = None) -> dict:
+        """The GenRequest's settings both routes share: the request's, else the operator's defaults, else OpenAI's."""
+        d = self.spec.serving
+        temperature = r.temperature if r.temperature is not None else (
             1.0 if d.temperature is None else d.temperature)
-        top_k = b.top_k if b.top_k is not None else (d.top_k or 0)
+        top_k = r.top_k if r.top_k is not None else (d.top_k or 0)
         for k in ("repetition", "presence", "frequency"):
-            size = getattr(b, f"{k}_context_size")
+            size = getattr(r, f"{k}_context_size")
             if size is not None and size > self.context:
                 raise ApiError(400, f"{k}_context_size must be between 1 and {self.context}",
                                param=f"{k}_context_size")
         return dict(
-            max_tokens=self._max_tokens(asked),
+            max_tokens=self._max_tokens(r.asked_max_tokens()),
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=b.top_p if b.top_p is not None else (1.0 if d.top_p is None else d.top_p),
+            top_p=r.top_p if r.top_p is not None else (1.0 if d.top_p is None else d.top_p),
             top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
-            min_p=b.min_p if b.min_p is not None else (d.min_p or 0.0),
-            repetition_penalty=b.repetition_penalty,
-            presence_penalty=b.presence_penalty or 0.0,
-            frequency_penalty=b.frequency_penalty or 0.0,
-            **{f"{k}_context_size": getattr(b, f"{k}_context_size") or 20 for k in ("repetition", "presence",
+            min_p=r.min_p if r.min_p is not None else (d.min_p or 0.0),
+            repetition_penalty=r.repetition_penalty,
+            presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0,
+            **{f"{k}_context_size": getattr(r, f"{k}_context_size") or 20 for k in ("repetition", "presence",
                                                                                      "frequency")},
-            logit_bias=self._logit_bias(b),
-            seed=self._seed(b),
-            stop=b.stops(),
-            partition=self._partition(b, tenant),
-            grammar=_response_format(body),
-            logprobs=self._logprobs(b),
+            logit_bias=self._logit_bias(r),
+            seed=self._seed(r),
+            stop=r.stops(),
+            partition=self._partition(r, tenant),
+            grammar=r.grammar(),
+            logprobs=r.alternatives(),
         )
 
-    def _logit_bias(self, b: CompletionBody | ChatBody) -> dict[str, float] | None:
+    def _logit_bias(self, r: CompletionRequest | ChatRequest) -> dict[str, float] | None:
         """OpenAI's logit_bias: token id (a string, as JSON keys are) -> a bias in [-100, 100], at most 300."""
         out = {}
-        for k, v in (b.logit_bias or {}).items():
+        for k, v in (r.logit_bias or {}).items():
             if not (k.isascii() and k.isdigit() and int(k) < self.limits.vocab):
                 raise ApiError(400, f"logit_bias: {k[:20]!r} is not a token id of this model (0 to "
                                     f"{self.limits.vocab - 1})", param="logit_bias")
             out[str(int(k))] = float(v)
         return out or None
 
-    def _request(self, rid: str, tokens: list[int], params: dict, tokenizer=None) -> GenRequest:
+    def _request(self, rid: str, tokens: list[int], params: dict) -> GenRequest:
         """The request to generate: max_tokens resolved (none given: until the context is full) and checked (its
         grammar is compiled next, off the preparer's lock: Api.admit, compiler.py)."""
         max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
@@ -185,28 +146,12 @@ class RequestBuilder:
                                 f"model stands for more than {self.limits.token_bytes} bytes)",
                            code="context_length_exceeded")
 
-    def completion(self, body: dict, tenant: str | None = None) -> ApiRequest:
-        b = parse(CompletionBody, body)
-        prompt = b.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        elif not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        score_only = b.max_tokens == 0
-        if score_only and not b.echo:
-            raise ApiError(400, "max_tokens 0 makes nothing: it is for echo: true (score the prompt)",
-                           param="max_tokens")
-        if score_only:  # one token is made inside and dropped (Echo): every request ends in a step of the batch
-            b = b.model_copy(update={"max_tokens": 1})
-        params = self._common(body, b, tenant, honoured=("echo",))
+    def completion(self, request: CompletionRequest, tenant: str | None = None) -> ApiRequest:
+        """A prompt as text (tokenized by ``prepare``) or token ids (inside the vocabulary and the context)."""
+        prompt = request.prompt
+        params = self._common(request, tenant)
         # echo with logprobs: the prompt's tokens are scored too (promptlogprobs.py), as many alternatives each
-        params["prompt_logprobs"] = params["logprobs"] if b.echo else -1
-        for name in ("chat_template_kwargs", "tools", "tool_choice"):
-            if body.get(name) is not None:
-                raise ApiError(400, f"{name} is for /v1/chat/completions", param=name)
+        params["prompt_logprobs"] = params["logprobs"] if request.echo else -1
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
         elif len(prompt) + (params["max_tokens"] or 1) > self.context:
@@ -214,42 +159,33 @@ class RequestBuilder:
         elif any(t < 0 or t >= self.limits.vocab for t in prompt):
             raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         rid = "cmpl-" + secrets.token_hex(12)
-        api_req = None
 
-        def prepare(tokenizer) -> GenRequest:
+        def prepare(tokenizer) -> Prepared:
             if isinstance(prompt, str):
                 add = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
                 tokens = tokenizer.encode(prompt, add_special_tokens=add)
             else:
                 tokens = list(prompt)
-            if b.echo:
-                text = prompt if isinstance(prompt, str) else tokenizer.decode(tokens)
-                api_req.echo = Echo(text=text, score_only=score_only)
-            return self._request(rid, tokens, params, tokenizer)
+            echo = None
+            if request.echo:
+                echo = Echo(text=prompt if isinstance(prompt, str) else tokenizer.decode(tokens),
+                            score_only=request.score_only)
+            return Prepared(self._request(rid, tokens, params), echo=echo)
 
-        api_req = ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(b.stream), n=self._n(b))
-        return api_req
+        return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(request.stream),
+                          n=self._n(request))
 
-    def chat(self, body: dict, tenant: str | None = None) -> ApiRequest:
-        """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: checked
-        here (tools.py); rendered and tokenized by ``prepare`` on the request's HTTP thread."""
-
-        b = parse(ChatBody, body)
-        try:
-            chat = tl.ChatTools.from_body(body)
-        except tl.ToolsError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        params = self._common(body, b, tenant)
-        if chat.choice in ("required", "function") and params["grammar"] is not None:
-            raise ApiError(400, "a forced tool call (tool_choice required or a function) and a response_format "
-                                "cannot both shape one answer", param="response_format")
+    def chat(self, request: ChatRequest, tenant: str | None = None) -> ApiRequest:
+        """Messages (with tool calls and tool results), tools and tool_choice, the template's arguments: rendered
+        and tokenized by ``prepare`` on the request's HTTP thread (tools.py)."""
+        chat = tl.ChatTools.of(request)
+        params = self._common(request, tenant)
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass"))
                               for m in chat.messages))
         defaults = self.spec.serving.chat_template_args
         rid = "chatcmpl-" + secrets.token_hex(12)
-        api_req = None
 
-        def prepare(tokenizer) -> GenRequest:
+        def prepare(tokenizer) -> Prepared:
             if not getattr(tokenizer, "has_chat_template", True):
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
             # rendered, then measured, then tokenized (what tokenize=True does in one call): a template can make
@@ -260,24 +196,27 @@ class RequestBuilder:
                 raise ApiError(400, str(e), param=e.param) from None
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")))
             tokens = tokenizer.encode(text, add_special_tokens=False)
-            try:
-                forced = chat.constraint(tokenizer, tokens)  # tool_choice required / a function: its grammar
-            except tl.ToolsError as e:
-                raise ApiError(400, str(e), param=e.param) from None
-            if forced is not None:
-                params["grammar"] = {"lark": forced.lark()}
-            elif params["grammar"] is not None:  # response_format: after the reasoning, when the model reasons
-                params["grammar"] = _reasoned(tokenizer, params["grammar"]["response_format"], tokens)
-            elif (text := tl.no_call_lark(tokenizer, chat)) is not None:  # "none", a marker of several tokens
-                params["grammar"] = {"lark": text}
-            req = self._request(rid, tokens, params, tokenizer)
+            shaped = {**params, "grammar": _chat_grammar(tokenizer, chat, tokens, params["grammar"])}
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:
-                req.logit_bias = {**(req.logit_bias or {}), **{str(t): BANNED for t in banned}}
-            api_req.splitters = lambda: chat.splitter(tokenizer, req.tokens)  # one per choice (choices.py)
-            api_req.splitter = api_req.splitters()
-            return req
+                shaped["logit_bias"] = {**(params["logit_bias"] or {}), **{str(t): BANNED for t in banned}}
+            gen = self._request(rid, tokens, shaped)
+            return Prepared(gen, splitters=lambda: chat.splitter(tokenizer, gen.tokens))  # one per choice
 
-        api_req = ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(b.stream), n=self._n(b))
-        return api_req
+        return ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(request.stream), n=self._n(request))
 
+
+def _chat_grammar(tokenizer, chat: "tl.ChatTools", tokens: list[int], grammar: dict | None) -> dict | None:
+    """A chat request's grammar on this model: a forced call's (tool_choice required or a function), else its
+    response_format's (after the reasoning, when the model reasons), else, under tool_choice "none" with a call
+    marker of several tokens, any text without that marker; None: free text."""
+    try:
+        forced = chat.constraint(tokenizer, tokens)
+    except tl.ToolsError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    if forced is not None:
+        return {"lark": forced.lark()}
+    if grammar is not None:
+        return _reasoned(tokenizer, grammar["response_format"], tokens)
+    text = tl.no_call_lark(tokenizer, chat)
+    return None if text is None else {"lark": text}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from clusterctl.rank.engine.requestqueue import ApiRequest, Done, Failed, Logprob, RequestEvent, Text
 from clusterctl.rank.metrics import outcome_of
 from clusterctl.rank.engine.generation import GenResult
+from clusterctl.rank.api.requests import REQUESTS, ChatRequest, CompletionRequest, parse
 from clusterctl.rank.api.wire import ApiError, ChatChoice, ChatCompletion, ChatDelta, Completion, TextChoice, Usage
 from clusterctl.rank.engine.logprobs import chat_shape, completion_shape
 from clusterctl.rank.api.splitter import Event, Reply, delta
@@ -28,10 +29,8 @@ class Shape:
     token_ids: bool = False  # return_token_ids (an extension): the choice's token ids
 
     @classmethod
-    def of(cls, body: dict) -> "Shape":
-        so = body.get("stream_options")
-        return cls(include_usage=bool(so.get("include_usage")) if isinstance(so, dict) else False,
-                   token_ids=bool(body.get("return_token_ids")))
+    def of(cls, request: CompletionRequest | ChatRequest) -> "Shape":
+        return cls(include_usage=request.include_usage, token_ids=bool(request.return_token_ids))
 
 
 class Listener:
@@ -65,16 +64,17 @@ class Listener:
 
 
 def accept(api, h, kind: str) -> tuple[ApiRequest, "Shape"] | None:
-    """Admission of /v1/completions ("completion") and /v1/chat/completions ("chat"): the request built, prepared
-    and admitted (choices.py queues it), or None when its error was answered."""
+    """Admission of /v1/completions ("completion") and /v1/chat/completions ("chat"): the body parsed into its
+    route's model (requests.py), the request built from it, prepared and admitted (choices.py queues it), or None
+    when its error was answered."""
     try:
         body = h.body()
         if not api.state.serving or api.builder is None:
             raise ApiError(503, f"not serving ({api.state.now.value})", type="server_error")
-        api.check_model(body.get("model"))
-        build = api.builder.chat if kind == "chat" else api.builder.completion
-        api_req = build(body, h.tenant())
-        shape = Shape.of(body)
+        api.check_model(body.get("model"))  # first, as OpenAI: a model not served is a 404 whatever else is wrong
+        request = parse(REQUESTS[kind], body)
+        api_req = api.builder.build(request, h.tenant())
+        shape = Shape.of(request)
         api.admit(api_req, enqueue=api_req.n == 1)
     except ApiError as e:
         h.error(e)

@@ -1,14 +1,16 @@
 """The request side of tool calls and reasoning in rank 0's chat API, on top of what mlx-lm already knows about a
-model: the OpenAI fields checked, the prompt rendered, a forced call's grammar, the tokens "none" bans.
-
-``ChatTools.from_body`` checks the OpenAI fields (``messages`` with assistant ``tool_calls`` and ``tool`` messages,
-``tools``, ``tool_choice``, ``parallel_tool_calls``, ``chat_template_kwargs``) without a tokenizer; ``render_kwargs``
-adds what the model's ``TokenizerWrapper`` says and gives the keyword arguments of ``apply_chat_template``. The
-response side (content, reasoning and tool-call events out of the detokenized text) is splitter.py.
+model: the prompt rendered, a forced call's grammar, the tokens "none" bans. The OpenAI fields (``messages`` with
+assistant ``tool_calls`` and ``tool`` messages, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``chat_template_kwargs``) are checked by requests.py's ``ChatRequest``; ``ChatTools.of`` takes them as the
+template, the grammar and the splitter need them; ``render_kwargs`` adds what the model's ``TokenizerWrapper``
+says and gives the keyword arguments of ``apply_chat_template``. What only the tokenizer can tell (the template
+refuses the messages, the model cannot call tools, its call format cannot be forced) is a ``ToolsError`` (a 400
+naming ``e.param``). The response side (content, reasoning and tool-call events out of the detokenized text) is
+splitter.py.
 
 Use, on rank 0::
 
-    chat = ChatTools.from_body(body)                # ToolsError (a ValueError) -> 400 naming e.param
+    chat = ChatTools.of(parse(ChatRequest, body))  # requests.py: a 400 naming the field
     text = render(tokenizer, chat, template_args)   # the operator's template arguments under the request's
     tokens = tokenizer.encode(text, add_special_tokens=False)
     chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
@@ -33,18 +35,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from clusterctl.rank.api.requests import ChatRequest
 from clusterctl.rank.api.splitter import OutputSplitter
 
-# apply_chat_template's own parameters: a request's chat_template_kwargs must not reach them (a per-request
-# template, tokenize=True, ...), nor the arguments clusterctl sets
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
-MAX_NAME = 256  # characters of a function name (OpenAI: 64 of [a-zA-Z0-9_-]; mlx_lm.server: anything)
 JSON_CALL_FORMATS = frozenset({"json_tools"})  # call formats whose body is one JSON object {"name", "arguments"}
 
 
@@ -56,155 +51,10 @@ class ToolsError(ValueError):
         self.param = param
 
 
-# ---- request side ------------------------------------------------------------------------------------------
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-        raise ToolsError(f"{where}.content: only text content parts are supported", "messages")
-    raise ToolsError(f"{where}.content must be a string or a list of text parts", "messages")
-
-
-def _name(value: Any, where: str, param: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_NAME \
-            or any(c.isspace() or not c.isprintable() for c in value):
-        raise ToolsError(f"{where} must be a function name: 1 to {MAX_NAME} printable characters, no spaces", param)
-    return value
-
-
-def _arguments(value: Any, where: str) -> Any:
-    """A call's arguments as templates expect them: JSON text decoded (as mlx_lm.server does); "" means none."""
-    if isinstance(value, dict):
-        return value
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            raise ToolsError(f"{where} is not valid JSON", "messages") from None
-    raise ToolsError(f"{where} must be a JSON string", "messages")
-
-
-def normalize_messages(messages: Any) -> list[dict]:
-    """Copies of the chat messages as chat templates take them: content as text, assistant ``tool_calls`` with
-    decoded arguments, ``tool`` messages with their ``tool_call_id`` (and the called function's ``name`` when
-    the message has none). Other keys (``name``, ``reasoning_content``, ...) are kept for templates that use them."""
-    if not isinstance(messages, list) or not messages:
-        raise ToolsError("messages must be a non-empty list", "messages")
-    called: dict[str, str] = {}  # call id -> function name, for the tool messages that answer it
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ToolsError(f"{where} needs a role", "messages")
-        msg = dict(m)
-        msg["content"] = _text(m.get("content"), where)
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if m["role"] != "assistant":
-                raise ToolsError(f"{where}.tool_calls: only assistant messages make tool calls", "messages")
-            if not isinstance(calls, list):
-                raise ToolsError(f"{where}.tool_calls must be a list", "messages")
-            msg["tool_calls"] = []
-            for j, c in enumerate(calls):
-                at = f"{where}.tool_calls[{j}]"
-                if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
-                    raise ToolsError(f"{at} must be {{\"type\": \"function\", \"function\": {{...}}}}", "messages")
-                if c.get("type", "function") != "function":
-                    raise ToolsError(f"{at}.type must be \"function\"", "messages")
-                if c.get("id") is not None and not isinstance(c["id"], str):
-                    raise ToolsError(f"{at}.id must be a string", "messages")
-                fn = c["function"]
-                name = _name(fn.get("name"), f"{at}.function.name", "messages")
-                call = dict(c, type="function",
-                            function=dict(fn, name=name, arguments=_arguments(fn.get("arguments"),
-                                                                              f"{at}.function.arguments")))
-                if isinstance(c.get("id"), str):
-                    called[c["id"]] = name
-                msg["tool_calls"].append(call)
-        if m["role"] == "tool":
-            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
-                raise ToolsError(f"{where}.tool_call_id is required in a tool message", "messages")
-            if m.get("name") is None and m["tool_call_id"] in called:
-                msg["name"] = called[m["tool_call_id"]]
-        out.append(msg)
-    return out
-
-
-def parse_tools(value: Any) -> Optional[list[dict]]:
-    """The request's function tools, or None when it has none ([] counts as none, as in mlx_lm.server)."""
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list):
-        raise ToolsError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
-    seen: set[str] = set()
-    out = []
-    for i, t in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise ToolsError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
-        if t.get("type", "function") != "function":
-            raise ToolsError(f"{where}.type: only function tools are supported", "tools")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise ToolsError(f"{where}.function must be an object with a name", "tools")
-        name = _name(fn.get("name"), f"{where}.function.name", "tools")
-        if name in seen:
-            raise ToolsError(f"{where}.function.name: {name!r} is defined twice", "tools")
-        seen.add(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ToolsError(f"{where}.function.description must be a string", "tools")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise ToolsError(f"{where}.function.parameters must be a JSON schema object", "tools")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise ToolsError(f"{where}.function.strict must be a boolean", "tools")
-        out.append(dict(t, type="function", function=dict(fn)))
-    return out
-
-
-def parse_tool_choice(value: Any, tools: Optional[list[dict]]) -> tuple[str, Optional[str]]:
-    """(mode, function name): mode is "none", "auto", "required" or "function" (then the name is set).
-    Absent: "auto" with tools, "none" without (OpenAI's defaults). "none" and "auto" need no tools (clients send
-    them always); "required" and a named function do."""
-    if value is None:
-        return ("auto" if tools else "none"), None
-    if value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise ToolsError("tool_choice \"required\" needs tools", "tool_choice")
-        return value, None
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
-        name = value["function"].get("name")
-        if not isinstance(name, str) or not any(t["function"]["name"] == name for t in tools or []):
-            raise ToolsError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-        return "function", name
-    raise ToolsError("tool_choice must be \"none\", \"auto\", \"required\" or "
-                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-
-
-def parse_template_kwargs(value: Any) -> dict:
-    """``chat_template_kwargs``: extra variables of the chat template (e.g. ``enable_thinking``). What a template
-    does not use, it does not read: that is the model's template, as in mlx_lm.server."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ToolsError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    bad = sorted(str(k) for k in value if not isinstance(k, str) or not k.isidentifier()
-                 or k in RESERVED_TEMPLATE_KWARGS)
-    if bad:
-        raise ToolsError(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
-    return dict(value)
-
-
 @dataclass(frozen=True)
 class ChatTools:
-    """The tool and template fields of one chat request, checked; no tokenizer needed."""
+    """The tool and template fields of one chat request (requests.ChatRequest, checked) as the template, the
+    grammar and the splitter take them; no tokenizer needed."""
 
     messages: list[dict]
     tools: Optional[list[dict]] = None
@@ -214,15 +64,10 @@ class ChatTools:
     template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
-    def from_body(cls, body: dict) -> "ChatTools":
-        tools = parse_tools(body.get("tools"))
-        choice, function = parse_tool_choice(body.get("tool_choice"), tools)
-        parallel = body.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise ToolsError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-        return cls(messages=normalize_messages(body.get("messages")), tools=tools, choice=choice,
-                   function=function, parallel=True if parallel is None else parallel,
-                   template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")))
+    def of(cls, request: ChatRequest) -> "ChatTools":
+        return cls(messages=request.template_messages(), tools=request.template_tools(), choice=request.tool_mode,
+                   function=request.forced_function, parallel=request.parallel_tool_calls is not False,
+                   template_kwargs=dict(request.chat_template_kwargs or {}))
 
     @property
     def parse_calls(self) -> bool:

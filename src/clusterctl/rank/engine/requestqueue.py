@@ -55,6 +55,17 @@ class Echo:
     score_only: bool = False
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What preparing a request (its template and tokenizer) makes: the request to generate, completions' echo,
+    and chat's splitters (a fresh one per call: one per choice, choices.py). The preparer puts them on the
+    ApiRequest (admission.py); ``prepare`` itself writes into nothing."""
+
+    req: GenRequest
+    echo: Echo | None = None
+    splitters: Callable[[], Any] | None = None
+
+
 @dataclass
 class ApiRequest:
     """One HTTP request waiting for, or in, generation. ``prepare`` (template and tokenizer) runs on its HTTP
@@ -62,7 +73,7 @@ class ApiRequest:
 
     id: str
     kind: str  # "chat" | "completion"
-    prepare: Callable[[Any], GenRequest]
+    prepare: Callable[[Any], Prepared]
     stream: bool
     req: GenRequest | None = None
     prepare_s: float = 0.0  # how long its template and tokenizer took
