@@ -12,6 +12,8 @@ from typing import Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from clusterctl.protocol.httpedge import UNAUTHORIZED_CODE, UNAUTHORIZED_MESSAGE, error_document
+
 
 class ApiError(Exception):
     """A request that ends in an HTTP error, in OpenAI's shape (``body``); handler.py's ``error`` is the one place
@@ -24,10 +26,10 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_document(self.message, type=self.type, param=self.param, code=self.code)
 
 
-UNAUTHORIZED = ApiError(401, "invalid or missing API key", code="invalid_api_key")  # (the handler's and the routes')
+UNAUTHORIZED = ApiError(401, UNAUTHORIZED_MESSAGE, code=UNAUTHORIZED_CODE)  # (the handler's and the routes')
 
 
 # -- request errors as sentences: what requests.parse makes the 400 say, with the path of the value put in where
