@@ -21,7 +21,7 @@ LIMIT = 4 << 20
 
 
 def path_of(state, cluster: str) -> Path:
-    return state.root / "history" / f"{cluster}.json"
+    return state.history / f"{cluster}.json"
 
 
 def entries(state, cluster: str) -> list[dict]:
@@ -53,7 +53,7 @@ def current(state, cluster: str) -> str | None:
 def clusters_of(state, target: str | None) -> list[str]:
     """The clusters ``clusterctl history TARGET`` shows: every one with a history, the one named, or the cluster
     of the deployment (file or id) named."""
-    folder = state.root / "history"
+    folder = state.history
     if target is None:
         return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
     if (folder / f"{target}.json").exists():

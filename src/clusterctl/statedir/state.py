@@ -83,6 +83,11 @@ class StateDir:
         return self.root / "locks"
 
     @property
+    def history(self) -> Path:
+        """The replan histories, one per cluster (statedir/history.py)."""
+        return self.root / "history"
+
+    @property
     def heal(self) -> Path:
         """The heal supervisors' state files (statedir/healfile.py)."""
         return self.root / "heal"
