@@ -15,7 +15,7 @@ import pytest
 
 from clusterctl.connect.faketransport import ScriptedOps, fake_ssh
 from clusterctl.connect.nodes import close_all, handles
-from clusterctl.errors import RemoteCommandFailed
+from clusterctl.errors import ClusterctlError, RemoteCommandFailed
 from clusterctl.node import nodeops
 from clusterctl.plan.inventory import Node
 from clusterctl.protocol import nodeops as wire
@@ -55,6 +55,7 @@ SAMPLES: dict[str, tuple[wire.Request, wire.Answer]] = {
                      wire.WaitMarkersAnswer(markers=[{"state": "ready"}, None],
                                             exited=[None, wire.Exited(log_tail=["boom"])])),
     "read": (wire.ReadRequest(path="/f", limit=10), wire.ReadAnswer(data="eA==")),
+    "tail": (wire.TailRequest(path="/log", limit=10), wire.TailAnswer(size=11, data="eA==")),
     "write": (wire.WriteRequest(path="/f", data="eA==", mode=0o644), wire.WriteAnswer(written=1)),
     "warm": (wire.WarmRequest(modules=["psutil"]), wire.WarmAnswer(imported=["psutil"], failed={"x": "no"})),
     "model_status": (wire.ModelStatusRequest(manifest=MANIFEST, path="/m", verify=False, only=None),
@@ -115,7 +116,24 @@ def test_the_node_answers_real_requests_with_its_models(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["f", "other-rank0.json"]
 
 
+def test_the_tail_of_a_log_is_its_last_bytes_and_its_size_never_through_a_link_or_a_fifo(tmp_path):
+    """A rank's log kept after a failed launch is read by this op (launch/ranklogs.py), not by a program sent to
+    the node's Python."""
+    log = tmp_path / "j-rank0.log"
+    log.write_bytes(b"line one\nline two\nthe last line\n")
+    ans = wire.TailAnswer.model_validate(nodeops.serve("tail", {"path": str(log), "limit": 14}))
+    assert ans.size == 32 and base64.b64decode(ans.data) == b"the last line\n"
+    whole = wire.TailAnswer.model_validate(nodeops.serve("tail", {"path": str(log)}))
+    assert base64.b64decode(whole.data) == log.read_bytes()
+    (tmp_path / "link.log").symlink_to(log)
+    os.mkfifo(tmp_path / "fifo.log")
+    for name, why in [("link.log", "cannot open"), ("fifo.log", "not a regular file"), ("gone.log", "cannot open")]:
+        with pytest.raises(ClusterctlError, match=why):
+            nodeops.serve("tail", {"path": str(tmp_path / name)})
+
+
 @pytest.mark.parametrize("op, req, why", [
+    ("tail", {"path": "/log", "limit": -1}, "limit"),
     ("clean", {}, "runtime_dir: Field required"),
     ("alive", {"targets": [{"pid": "x"}]}, "targets.0.pid"),
     ("read", {"path": "/f", "limit": "lots"}, "limit"),

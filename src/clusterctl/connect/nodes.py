@@ -26,7 +26,7 @@ from clusterctl.protocol.nodespec import Node
 from clusterctl.connect import fdlimit
 from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.node.nodeops import look_at_markers
-from clusterctl.protocol.nodeops import (Answer, BadAnswer, ProbeAnswer, ProbeRequest, ReadRequest, Request,
+from clusterctl.protocol.nodeops import (Answer, BadAnswer, ProbeAnswer, ProbeRequest, ReadRequest, Request, TailRequest,
                                         WaitMarkersAnswer, WaitMarkersRequest, WatchedRank, WriteRequest,
                                         parse_answer)
 
@@ -297,6 +297,13 @@ class NodeHandle:
         import base64
 
         return base64.b64decode((await self.ask(ReadRequest(path=path, limit=limit))).data)
+
+    async def read_tail(self, path: str, limit: int, *, timeout: float = NODEOP_TIMEOUT) -> tuple[int, bytes]:
+        """A log's size on the node and its last ``limit`` bytes (node op ``tail``: a local node answers the same)."""
+        import base64
+
+        ans = await self.ask(TailRequest(path=path, limit=limit), timeout=timeout)
+        return ans.size, base64.b64decode(ans.data)
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         """Replace a file on the node atomically."""

@@ -24,31 +24,6 @@ TAIL_LINES = 20  # of the failing rank, in --json (the error line carries the la
 LINE_CHARS = 500
 READ_TIMEOUT = 60.0
 
-# Run on the node with its own Python (argv: path, limit): the file's size on the first line, then its last
-# ``limit`` bytes. Never follows a symlink, never blocks on a FIFO planted at the path, reads regular files only.
-_TAIL_PY = r"""
-import os, stat, sys
-path, limit = sys.argv[1], int(sys.argv[2])
-try:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-except OSError as e:
-    sys.stderr.write(f"cannot open {path}: {e.strerror or e}\n"); sys.exit(3)
-st = os.fstat(fd)
-if not stat.S_ISREG(st.st_mode):
-    sys.stderr.write(f"{path} is not a regular file\n"); sys.exit(3)
-os.lseek(fd, max(0, st.st_size - limit), 0)
-out = sys.stdout.buffer
-out.write(b"%d\n" % st.st_size)
-left = limit
-while left > 0:
-    b = os.read(fd, min(left, 1 << 20))
-    if not b:
-        break
-    out.write(b); left -= len(b)
-out.flush()
-"""
-
-
 def printable(text: str, limit: int = LINE_CHARS) -> str:
     """One line of untrusted output (a rank's log) made safe for a terminal and a one-line error: control and
     format characters (ANSI escapes, carriage returns, bidi overrides) shown as escapes, trailing blanks
@@ -105,13 +80,8 @@ class KeptLogs:
 
 
 async def _read_node_log(h, path: str) -> tuple[int, bytes]:
-    """(size, last KEEP_BYTES) of a log on a node, through its transport (a local node runs the same)."""
-    res = await h.transport.run([h.transport.python, "-c", _TAIL_PY, path, str(KEEP_BYTES)], timeout=READ_TIMEOUT)
-    if res.returncode != 0:
-        why = res.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise ClusterctlError(printable(why[-1]) if why else f"reading {path} exited {res.returncode}")
-    head, _, data = res.stdout.partition(b"\n")
-    return int(head), data
+    """(size, last KEEP_BYTES) of a log on a node: its node op ``tail`` (never through a symlink or a FIFO)."""
+    return await h.read_tail(path, KEEP_BYTES, timeout=READ_TIMEOUT)
 
 
 async def _read_end(run, rec, k: KeptLog) -> None:

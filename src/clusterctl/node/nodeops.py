@@ -34,9 +34,9 @@ from clusterctl.protocol.identity import Identity
 from clusterctl.protocol.nodeops import (REQUESTS, AliveAnswer, AliveRequest, CanaryAnswer, CanaryRequest, CleanAnswer,
                                         CleanRequest, Exited, MarkerEntry, MarkersAnswer, MarkersRequest, ProbeAnswer,
                                         ProbeRequest, ReadAnswer, ReadRequest, RuntimeDirCheck, SpawnAnswer,
-                                        SpawnRequest, StopAnswer, StopRequest, SweepRequest, WaitMarkersAnswer,
-                                        WaitMarkersRequest, WarmAnswer, WarmRequest, WatchedRank, WriteAnswer,
-                                        WriteRequest)
+                                        SpawnRequest, StopAnswer, StopRequest, SweepRequest, TailAnswer, TailRequest,
+                                        WaitMarkersAnswer, WaitMarkersRequest, WarmAnswer, WarmRequest, WatchedRank,
+                                        WriteAnswer, WriteRequest)
 from clusterctl.protocol.runtimefiles import MARKER_LIMIT, belongs_to_job, is_cancel_or_ack, marker_rank
 from clusterctl.protocol.versions import node_versions
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
@@ -248,6 +248,28 @@ def op_read(req: ReadRequest) -> ReadAnswer:
     return ReadAnswer(data=base64.b64encode(data).decode())
 
 
+def op_tail(req: TailRequest) -> TailAnswer:
+    """The end of a log: its size and its last ``limit`` bytes (O_NOFOLLOW, O_NONBLOCK, regular files only)."""
+    import base64
+
+    try:
+        fd = os.open(req.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ClusterctlError(f"cannot open {req.path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ClusterctlError(f"{req.path} is not a regular file")
+        os.lseek(fd, max(0, st.st_size - req.limit), os.SEEK_SET)
+        chunks, left = [], req.limit
+        while left > 0 and (b := os.read(fd, min(left, 1 << 20))):
+            chunks.append(b)
+            left -= len(b)
+    finally:
+        os.close(fd)
+    return TailAnswer(size=st.st_size, data=base64.b64encode(b"".join(chunks)).decode())
+
+
 def op_write(req: WriteRequest) -> WriteAnswer:
     """Replace a file atomically (temp file, fsync, rename), creating its folder."""
     import base64
@@ -346,7 +368,7 @@ def markers_settled(docs: list[dict | None], states: set[str]) -> bool:
 
 OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
-       "fetch": op_fetch, "read": op_read, "write": op_write, "wait_markers": op_wait_markers,
+       "fetch": op_fetch, "read": op_read, "tail": op_tail, "write": op_write, "wait_markers": op_wait_markers,
        "warm": op_warm}
 assert set(OPS) == set(REQUESTS), "every op has its request model (protocol/nodeops.py)"
 

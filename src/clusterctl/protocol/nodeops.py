@@ -216,6 +216,21 @@ class ReadRequest(Request):
     limit: int = 65536
 
 
+class TailAnswer(Answer):
+    size: int  # the file's whole size
+    data: str  # base64: its last ``limit`` bytes at most
+
+
+class TailRequest(Request):
+    """The end of a log (a rank's, kept when a launch fails): its size and its last ``limit`` bytes. Never through
+    a symlink, never blocking on a FIFO planted at the path, regular files only."""
+
+    op: ClassVar[str] = "tail"
+    answer: ClassVar[type[Answer]] = TailAnswer
+    path: str
+    limit: int = Field(default=4 << 20, ge=0, le=64 << 20)
+
+
 class WriteAnswer(Answer):
     written: Optional[int] = None
 
@@ -400,5 +415,5 @@ class FetchRequest(Request):
 
 REQUESTS: dict[str, type[Request]] = {r.op: r for r in (
     ProbeRequest, StopRequest, AliveRequest, SweepRequest, CleanRequest, SpawnRequest, CanaryRequest,
-    MarkersRequest, ModelStatusRequest, ModelPrepareRequest, FetchRequest, ReadRequest, WriteRequest,
+    MarkersRequest, ModelStatusRequest, ModelPrepareRequest, FetchRequest, ReadRequest, TailRequest, WriteRequest,
     WaitMarkersRequest, WarmRequest)}
