@@ -143,7 +143,7 @@ class OverlapBatch:
     overlapped = True
 
     def __init__(self, model, tokenizer, *, rank: int, world: int, group, max_batch: int, pcache=None,
-                 shares=None):
+                 shares=None, fine_chunks: bool = True):
         self.model, self.tokenizer, self.group = model, tokenizer, group
         self.max_batch = max_batch
         self.rank, self.world = rank, world
@@ -153,6 +153,9 @@ class OverlapBatch:
         self.steps = 0
         self.pcache = pcache  # promptcache.PromptCache: finished requests' KV is kept there
         self.shares = shares  # choices.PromptShares: a prompt row's KV is kept there for its choices
+        # a short prompt cut finer so that its chunks fill the stages (scheduler.prefill_chunk); not with a quantized
+        # KV cache, which mlx-lm quantizes after the pass that reaches its start: the chunks' bounds decide its answers
+        self.fine_chunks = fine_chunks
         self.produced = 0  # rank 0: tokens generated for requests not yet answered (EOS included)
 
     # -- the batch's membership (the same calls, in the same order, on every rank)
@@ -383,7 +386,8 @@ class OverlapBatch:
         started = {id(r) for p in mb.prefill for r in p.rows}
         new = [r for r in mb.fresh if id(r) not in started]
         for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in new]):
-            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused, self.world))
+            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused,
+                                             self.world if self.fine_chunks else 1))
         plan = prefill_plan([(len(p.rows), p.left) for p in mb.prefill], any(m.rows for m in self.mbs))
         for p, cols in zip(list(mb.prefill), plan):
             p.advance(self.model, cols)

@@ -404,7 +404,9 @@ def prefill_chunk(columns: int, stages: int, largest: int = PREFILL_CHUNK) -> in
     prompt of k chunks on S stages takes about t / S * (1 + (S - 1) / k): a 300-token prompt in chunks of 256 on 2
     stages is 2 chunks (0.75x one process at best), in chunks of 48 it is 7 (0.57x). On this CPU a token costs no
     more in a chunk of 32-128 columns than of 256 (bench/README.md). Every rank computes the same chunk from the
-    group's shape, so the stages' sends and receives agree. One stage (or tensor parallelism): ``largest``."""
+    group's shape, so the stages' sends and receives agree. One stage (or tensor parallelism): ``largest``; so is a
+    quantized KV cache (plan --kv-bits: mlx-lm quantizes it after the pass that reaches its start, so the chunks'
+    bounds decide its answers; overlap.py passes one stage)."""
     if stages <= 1:
         return largest
     want = -(-columns // (CHUNKS_PER_STAGE * stages))

@@ -148,7 +148,8 @@ class StepLoop:
             from clusterctl.rank.engine.overlap import OverlapBatch
 
             return OverlapBatch(self.model, self.tokenizer, rank=self.spec.rank, world=self.world, group=self.group,
-                                max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
+                                max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares,
+                                fine_chunks=self.spec.kv_bits is None)
         return Batch(self.model, self.tokenizer, max_batch=self.spec.max_batch, pcache=self.pcache, shares=self.shares)
 
     @property
