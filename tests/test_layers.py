@@ -57,19 +57,26 @@ def _is_module(name: str) -> bool:
     return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
 
 
-def import_nodes(path: Path, text: str | None = None) -> list[tuple[ast.AST, set[str], bool]]:
+def import_nodes(path: Path, text: str | None = None, *,
+                 runtime: bool = False) -> list[tuple[ast.AST, set[str], bool]]:
     """Each import statement of ``path``: (node, the modules it names, whether it is at the module's top).
 
     ``from a.b import c`` names a.b.c when that is a module, else a.b; an import under ``if TYPE_CHECKING`` or in
-    a try at the top counts as the top."""
+    a try at the top counts as the top. ``runtime``: without the imports under ``if TYPE_CHECKING`` (annotations
+    only: they are a dependency of the design, so they count for layers and cycles, but nothing loads them)."""
     tree = ast.parse(path.read_text() if text is None else text, str(path))
     me = module_name(path)
     top: set[int] = set()
+    typing_only: set[int] = set()
     for stmt in tree.body:
         for n in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]:
             top.add(id(n))
+            if isinstance(stmt, ast.If) and ast.unparse(stmt.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                typing_only.add(id(n))
     out = []
     for node in ast.walk(tree):
+        if runtime and id(node) in typing_only:
+            continue
         names: set[str] = set()
         if isinstance(node, ast.Import):
             names = {a.name for a in node.names}
@@ -95,8 +102,9 @@ def modules() -> dict[str, Path]:
 
 
 @cache
-def graph(top_only: bool) -> dict[str, set[str]]:
-    return {name: {i for node, names, top in import_nodes(path) for i in names if top or not top_only}
+def graph(top_only: bool, runtime: bool = False) -> dict[str, set[str]]:
+    return {name: {i for node, names, top in import_nodes(path, runtime=runtime)
+                   for i in names if top or not top_only}
             for name, path in modules().items()}
 
 
@@ -112,7 +120,7 @@ def package(module: str) -> str:
 def reach(module: str) -> frozenset[str]:
     """The third-party top-level names ``module`` loads when imported (through its top-level imports)."""
     seen, todo, out = set(), [module], set()
-    g = graph(True)
+    g = graph(True, runtime=True)
     while todo:
         m = todo.pop()
         if m in seen:

@@ -57,7 +57,3 @@ def locked(path: Path, *, what: str | None = None, blocking: bool = False) -> It
     finally:
         lock.release()
 
-
-def deployment_lock_path(state, deployment_id: str) -> Path:
-    """The lock a launch holds while its job runs, and that teardown and reap take before they act on it."""
-    return state.locks / f"deploy-{deployment_id}.lock"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from clusterctl.cli.options import (AcceptNewOpt, JsonOpt, KnownHostsOpt, QuietOpt, StateOpt, app, complete_targets,
                                     number, output, ssh_options, state_of)
 from clusterctl.errors import ClusterctlError, Exit, UsageError
+
+if TYPE_CHECKING:
+    from clusterctl.statedir.state import StateDir
 
 
 @app.command()
@@ -85,7 +88,7 @@ def front(
     raise typer.Exit(code)
 
 
-def _cluster_named(state, target: str) -> str:
+def _cluster_named(state: StateDir, target: str) -> str:
     """A cluster name, or the cluster of a deployment (file or id)."""
     from clusterctl.names import NAME_RE
 
@@ -97,7 +100,7 @@ def _cluster_named(state, target: str) -> str:
         raise
 
 
-def front_for(o, state, front: str | None, cluster_of, known_hosts, accept_new):
+def front_for(o, state: StateDir, front: str | None, cluster_of, known_hosts, accept_new):
     """--front: the front of the deployment's cluster on that address, found or started detached before any
     rank starts (so a port in use ends the command with nothing started). Returns its record if started here."""
     if front is None:
@@ -111,7 +114,7 @@ def front_for(o, state, front: str | None, cluster_of, known_hosts, accept_new):
     return rec if started else None
 
 
-def stop_started(state, rec) -> None:
+def stop_started(state: StateDir, rec) -> None:
     if rec is not None:
         from clusterctl.front.records import stop_front
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -22,6 +22,9 @@ from clusterctl.cli.launchflags import LaunchFlags
 from clusterctl.cli.replanview import (PlanFlags, ReplanHeadroomOpt, ReplanPromptCacheOpt, ReplanRequest,
                                        run_replan)
 from clusterctl.render import heal_line, history_line, serving_line, status_table, watch_view
+
+if TYPE_CHECKING:
+    from clusterctl.statedir.state import StateDir
 
 
 @app.command()
@@ -128,7 +131,7 @@ def teardown(
     raise typer.Exit(0 if ok else int(Exit.FAILED))
 
 
-async def _launched(o, state, deployment: str, opts, detach: bool, policy) -> int:
+async def _launched(o, state: StateDir, deployment: str, opts, detach: bool, policy) -> int:
     """The launch in the foreground (or detached), or under the supervisor with --heal (supervise/loop.py)."""
     if policy is not None:
         from clusterctl.supervise.run import run_supervised
@@ -348,7 +351,7 @@ def status(
             o.info(heal_line(h, plain=True))
 
 
-def _watch(o, state, ssh, target, interval: float) -> None:
+def _watch(o, state: StateDir, ssh, target, interval: float) -> None:
     """The live view: a Rich table redrawn in place on a terminal, one JSON line per refresh with --json."""
     from clusterctl.launch.watch import watch
     if o.json:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -15,6 +15,9 @@ from clusterctl.cli.frontcmds import front_for
 from clusterctl.cli.launchflags import LaunchFlags
 from clusterctl.cli.options import kv_options, number, serving_of
 from clusterctl.errors import Exit, UsageError
+
+if TYPE_CHECKING:
+    from clusterctl.statedir.state import StateDir
 
 # replan's own flags: each defaults to the current deployment's value
 ReplanPromptCacheOpt = Annotated[Optional[float], typer.Option(
@@ -142,7 +145,7 @@ class ReplanRequest:
     front: str | None = None
 
 
-def run_replan(o, state, req: ReplanRequest) -> int:
+def run_replan(o, state: StateDir, req: ReplanRequest) -> int:
     """Propose, preview, check the new paths, confirm, then apply (launch/replan.py). Returns the exit code."""
     import asyncio
 

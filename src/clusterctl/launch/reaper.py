@@ -17,7 +17,7 @@ from clusterctl.connect.nodes import NodePool, SshOptions
 from clusterctl.launch.look import look_at_job
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
-from clusterctl.locks import Lock, deployment_lock_path, locked
+from clusterctl.locks import Lock, locked
 from clusterctl.statedir.state import StateDir
 
 
@@ -119,7 +119,7 @@ async def _reap_jobs(state: StateDir, store, ssh: SshOptions, pool, report: Reap
                                   "ranks": [{"rank": r.rank, "node": r.node, "pid": r.pid} for r in m.ranks]})
             continue
         try:
-            lock = Lock(deployment_lock_path(state, m.deployment_id))
+            lock = Lock(state.deployment_lock(m.deployment_id))
             if m.deployment_id not in held:
                 lock.acquire(what=f"deployment {m.deployment_id}")
         except Busy:

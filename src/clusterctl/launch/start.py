@@ -32,7 +32,7 @@ from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, manifest
 from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
 from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
-from clusterctl.locks import Lock, deployment_lock_path
+from clusterctl.locks import Lock
 from clusterctl.protocol.deployment import Deployment
 from clusterctl.protocol.nodeops import AliveRequest, CanaryRequest, SpawnRequest, WatchedRank
 from clusterctl.connect import fdlimit
@@ -70,7 +70,7 @@ async def _launch(dep_ref: str, state: StateDir, opts: LaunchOptions, *, log) ->
             adapter_manifest = await asyncio.to_thread(planned_adapter_manifest, state, dep)
         key = state.keyring.signing_key()
         store = manifest_store(state, key)
-        lock = Lock(deployment_lock_path(state, dep.deployment_id)).acquire(what=f"deployment {dep.deployment_id}")
+        lock = Lock(state.deployment_lock(dep.deployment_id)).acquire(what=f"deployment {dep.deployment_id}")
     except BaseException:
         warming.cancel()
         await close_all(hs)

@@ -22,7 +22,7 @@ from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
 from clusterctl.launch.supervisors import hold_supervisors, release
-from clusterctl.locks import Lock, deployment_lock_path
+from clusterctl.locks import Lock
 from clusterctl.node.procs import signal_process, status_of
 from clusterctl.protocol.nodeops import CleanRequest, SweepRequest
 
@@ -248,7 +248,7 @@ async def _teardown_jobs(state: StateDir, store, jobs, ssh: SshOptions, hs_of: d
             deadline = time.monotonic() + grace + 60
             while time.monotonic() < deadline and status_of(ident) == "alive":
                 await asyncio.sleep(0.1)  # never time.sleep here: the node sessions' keepalives run on this loop
-        lock = Lock(deployment_lock_path(state, m.deployment_id))
+        lock = Lock(state.deployment_lock(m.deployment_id))
         try:
             lock.acquire(blocking=False, what=f"deployment {m.deployment_id}")
         except Busy:

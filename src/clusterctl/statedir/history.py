@@ -13,18 +13,22 @@ serialises writers.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clusterctl.atomic import atomic_write_bytes, dumps, read_json
 from clusterctl.errors import ClusterctlError, IntegrityError
 
+if TYPE_CHECKING:
+    from clusterctl.statedir.state import StateDir
+
 LIMIT = 4 << 20
 
 
-def path_of(state, cluster: str) -> Path:
+def path_of(state: StateDir, cluster: str) -> Path:
     return state.history / f"{cluster}.json"
 
 
-def entries(state, cluster: str) -> list[dict]:
+def entries(state: StateDir, cluster: str) -> list[dict]:
     p = path_of(state, cluster)
     if not p.exists():
         return []
@@ -39,18 +43,18 @@ def entries(state, cluster: str) -> list[dict]:
     return doc["entries"]
 
 
-def append(state, cluster: str, entry: dict) -> None:
+def append(state: StateDir, cluster: str, entry: dict) -> None:
     items = entries(state, cluster) + [entry]
     atomic_write_bytes(path_of(state, cluster), dumps({"cluster": cluster, "entries": items}))
 
 
-def current(state, cluster: str) -> str | None:
+def current(state: StateDir, cluster: str) -> str | None:
     """The deployment id the last applied replan made current (None before the first replan)."""
     items = entries(state, cluster)
     return items[-1]["to"] if items else None
 
 
-def clusters_of(state, target: str | None) -> list[str]:
+def clusters_of(state: StateDir, target: str | None) -> list[str]:
     """The clusters ``clusterctl history TARGET`` shows: every one with a history, the one named, or the cluster
     of the deployment (file or id) named."""
     folder = state.history

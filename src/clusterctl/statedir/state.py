@@ -82,6 +82,10 @@ class StateDir:
     def locks(self) -> Path:
         return self.root / "locks"
 
+    def deployment_lock(self, deployment_id: str) -> Path:
+        """The lock a launch holds while its job runs, and that teardown and reap take before they act on it."""
+        return self.locks / f"deploy-{deployment_id}.lock"
+
     @property
     def history(self) -> Path:
         """The replan histories, one per cluster (statedir/history.py)."""
