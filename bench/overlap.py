@@ -22,9 +22,10 @@ Then the peak RSS of every rank (its marker's peak) next to what the plan reserv
 requests arrive at random (Poisson, exponential gaps; the same seeded schedule for every arm) at SHARE (e.g. 0.8)
 of the request rate that arm reaches with the largest --clients closed-loop clients sending the same mix of prompt
 lengths (the short chat prompts, and every fourth one a ~300-token prompt), each streamed by its own client. Reported:
-throughput (requests/s from the first arrival to the last answer, and its ratio to the rate at which this draw of
-the schedule's requests actually arrived, n / the last arrival's time: a short draw comes faster or slower than the
-nominal rate, and served above 1.0x of the nominal rate says only that), time to first token p50/p99 (and the closed loop's
+throughput (served: requests/s from the start to the last answer; answered: the answers' own rate, first
+to last answer, against the rate at which this draw's requests arrived, first to last arrival: a short draw comes
+faster or slower than its nominal rate, and the last answer's service time is a tail the arrivals have not, so only
+these two are compared; a server that keeps up answers at the arrival rate, ~1.0x), time to first token p50/p99 (and the closed loop's
 p99 beside it), time per output token p50/p99 (end of stream - first token, over the tokens after the first), and
 for clusterctl the overlapped runs that ended meanwhile (each a drained pipeline and a meeting: a run ends when
 nothing is left in flight, never for an arrival) and the parked micro-batches a join revived, from rank 0's /metrics.
@@ -128,22 +129,27 @@ def open_loop(base: str, rate: float, n: int, tokens: int, seed: int = 42) -> di
             got.append((st, time.monotonic()))
 
     counts0 = run_counts(base)
-    threads, t0, at = [], time.monotonic(), 0.0
+    threads, t0, at, arrivals = [], time.monotonic(), 0.0, []
     for i in range(n):
         at += rng.expovariate(rate)
+        arrivals.append(at)
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         threads.append(threading.Thread(target=one, args=(mix_prompt(i),), daemon=True))
         threads[-1].start()
     for t in threads:
         t.join(900)
     wall = max((end for _, end in got), default=time.monotonic()) - t0
-    arrived = n / at if at > 0 else rate  # the rate this draw of the schedule offered (n gaps; the nominal rate's
-    # draw of 24 requests can come 1.4x faster or slower than the rate itself: served is compared with this)
+    # Arrivals and answers as rates over the same kind of span (first to last: n - 1 gaps each), so that a short
+    # draw's own pace (seed 42's 24 arrivals come 1.48x faster than the nominal rate) and the last request's own
+    # service time (a tail the arrivals have not) both cancel: a server that keeps up answers at the arrival rate.
+    arrived = (n - 1) / (arrivals[-1] - arrivals[0]) if n > 1 and arrivals[-1] > arrivals[0] else rate
+    ends = sorted(end for _, end in got)
+    answered = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else 0.0
     time.sleep(0.5)  # the last run ends a slot after the last answer
     counts1 = run_counts(base)
     runs = [b - a for a, b in zip(counts0, counts1)] if counts0 and counts1 else None
-    return {"offered": rate, "arrived": arrived, "done": len(got), "errors": errors[0], "req_s": len(got) / wall if wall > 0 else 0.0,
-            "runs": runs,
+    return {"offered": rate, "arrived": arrived, "answered": answered, "done": len(got), "errors": errors[0],
+            "req_s": len(got) / wall if wall > 0 else 0.0, "runs": runs,
             "tok_s": sum(st.tokens for st, _ in got) / wall if wall > 0 else 0.0,
             "ttft": [st.first for st, _ in got],
             "tpot": [(st.seconds - st.first) / (st.tokens - 1) for st, _ in got if st.tokens > 1]}
@@ -350,9 +356,9 @@ def open_loop_report(by: dict, ns) -> None:
         tpot = [x for o in ol for x in o["tpot"]]
         closed_p99 = med([pct(r.closed_ttft, 0.99) for r in rounds if getattr(r, "closed_ttft", None)])
         offered, arrived = med([o["offered"] for o in ol]), med([o["arrived"] for o in ol])
-        req_s = med([o["req_s"] for o in ol])
-        rows.append([a, fmt(offered, "", 2), fmt(arrived, "", 2), fmt(req_s, "", 2),
-                     fmt(req_s / arrived if arrived else None, "x"),
+        req_s, answered = med([o["req_s"] for o in ol]), med([o["answered"] for o in ol])
+        rows.append([a, fmt(offered, "", 2), fmt(arrived, "", 2), fmt(req_s, "", 2), fmt(answered, "", 2),
+                     fmt(answered / arrived if arrived else None, "x"),
                      fmt(pct(ttft, 0.5), "", 2), fmt(pct(ttft, 0.99), "", 2), fmt(closed_p99, "", 2),
                      fmt(pct(ttft, 0.99) / closed_p99 if closed_p99 else None, "x"),
                      fmt(1e3 * pct(tpot, 0.5), "", 0) if tpot else "n/a", fmt(1e3 * pct(tpot, 0.99), "", 0) if tpot
@@ -362,7 +368,8 @@ def open_loop_report(by: dict, ns) -> None:
     at = f"{ns.open_rate:g} req/s" if ns.open_rate else f"{ns.open_loop:.0%} of each arm's closed-loop rate"
     say(f"\nopen loop: Poisson arrivals at {at} at {c} clients, "
         f"{ns.open_requests} requests (every 4th a ~300-token prompt):")
-    say(table(rows, ["arm", "offered req/s", "arrived req/s", "served req/s", "served/arrived", "TTFT p50 s", "TTFT p99 s",
+    say(table(rows, ["arm", "offered req/s", "arrived req/s", "served req/s", "answered req/s", "answered/arrived",
+                     "TTFT p50 s", "TTFT p99 s",
                      "closed p99 s", "p99 open/closed", "TPOT p50 ms", "TPOT p99 ms", "errors",
                      "runs ended/revivals"]))
 
