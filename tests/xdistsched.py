@@ -25,8 +25,8 @@ SHARED_GROUP = "shared-clusters"
 COST: dict[str, float] = {
     "tests/launch/test_launch_local.py": 650,
     "tests/launch/test_replan.py": 500,
-    "tests/rank/test_architectures.py": 490,
-    "tests/rank/test_rank_pipeline.py": 400,
+    "tests/rank/test_architectures.py": 390,  # 2026-12-06: shorter LONG (its family tests 91 s -> 61 s alone)
+    "tests/rank/test_rank_pipeline.py": 240,  # 2026-12-06: shorter prompts, answers once (441 s -> 261 s alone)
     "tests/sync/test_sync.py": 380,
     "shared-clusters": 420,  # with test_prompt_logprobs.py (its lm-eval run and a tensor-parallel cluster)
     "tests/cli/test_fuzz_cli.py": 250,

@@ -23,7 +23,7 @@ def models():
     return {f: build(f, REPO / ".cache" / "arch-models" / f, tok) for f in FAMILIES}
 
 
-LONG = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(40))  # ~600 tokens: 3 prompt chunks
+LONG = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(12))  # 172 tokens: 6 chunks on 2 stages
 
 
 def completions(c, prompt: str, max_tokens: int, **body) -> list[dict]:
@@ -41,8 +41,15 @@ def completions(c, prompt: str, max_tokens: int, **body) -> list[dict]:
 
 def _check(c, path, *, long: bool = False):
     """One request, then all of PROMPTS at once: each identical to one process serving it alone. ``long``: first a
-    prompt of several chunks (each family's caches fed chunk after chunk, as mlx-lm feeds them)."""
+    prompt of several chunks (each family's caches fed chunk after chunk, as mlx-lm feeds them; more chunks than
+    stages, so they flow through the pipeline; longer than the sliding windows of 6)."""
     if long:
+        from mlx_lm.utils import load_tokenizer
+
+        from clusterctl.rank.engine.scheduler import prefill_chunk
+
+        n = len(load_tokenizer(path).encode(LONG))
+        assert n > 3 * prefill_chunk(n, c.world), n
         assert complete(c, LONG, 6)["token_ids"] == reference_tokens(path, LONG, 6)
     want = {p: reference_tokens(path, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)}
     assert complete(c, PROMPTS[0], 10)["token_ids"] == want[PROMPTS[0]]

@@ -18,6 +18,11 @@ pytestmark = pytest.mark.slow  # every test here starts real ranks
 PROMPTS = ["def main(argv):", "import sys\nclass Foo"]
 
 
+def _defs(n: int) -> str:
+    """A prompt of n small functions: 17-20 tokens each (n=12: 208 tokens, 36: 664, 60: 1,120)."""
+    return "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(n))
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model_path()
@@ -330,13 +335,21 @@ def test_requests_join_leave_and_disconnect_while_others_are_in_flight(cluster, 
     assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.find(stop)]
 
 
+LOCKSTEP_LONG = _defs(36)  # 664 tokens: 3 chunks in lockstep, whose batch generator cuts fixed PREFILL_CHUNKs
+
+
 def test_the_lockstep_schedule_still_serves_identically(model, tmp_path):
     """--schedule lockstep: every step on every rank together (the old behaviour, kept for the benchmark and for
-    operators who want it). A long prompt's chunks skip the final all_sum (their logits are never used) and flow
-    through the stages: the same tokens."""
+    operators who want it). A long prompt's chunks (a first, a middle and a last one of PREFILL_CHUNK columns at
+    most) skip the final all_sum (their logits are never used) and flow through the stages: the same tokens."""
+    from mlx_lm import load
+
+    from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
+
+    assert len(load(str(model))[1].encode(LOCKSTEP_LONG)) > 2 * PREFILL_CHUNK
     with RankCluster(tmp_path, model, [5, 3], overrides={"schedule": "lockstep"}, tag="lock") as c:
         c.up()
-        for p in [*PROMPTS, LONG]:
+        for p in [*PROMPTS, LOCKSTEP_LONG]:
             assert _complete(c, prompt=p, max_tokens=24, temperature=0, return_token_ids=True)["token_ids"] == \
                 reference_tokens(model, p, 24)
         assert "decode schedule lockstep" in c.logs(0)
@@ -411,27 +424,34 @@ def test_a_second_turn_reuses_the_first_turn_s_kv_and_answers_identically(cluste
     assert got == {p: reference_tokens(model, p, 12) for p in prompts}
 
 
-LONG = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))  # ~1,000 tokens: 4 chunks
+LONG = _defs(12)  # 208 tokens: 7 prompt chunks (of 32 columns) on 2 stages and on 3 (prefill_chunk)
 
 
 def test_a_long_prompt_in_chunks_is_token_identical_to_one_process(cluster, model):
-    """A prompt of several PREFILL_CHUNK chunks (their hidden states flow through the stages chunk by chunk), then
-    a second turn whose first part the prompt cache gives and whose chunked rest is computed: both as one
-    process computes them whole."""
+    """A prompt of several chunks on this pipeline (``prefill_chunk``: their hidden states flow through the stages
+    chunk by chunk, more chunks than stages), then a second turn whose first part the prompt cache gives and whose
+    rest, several chunks too, is computed: both as one process computes them whole."""
     from mlx_lm import load
 
-    from clusterctl.rank.engine.scheduler import PREFILL_CHUNK
+    from clusterctl.rank.engine.scheduler import prefill_chunk
 
     _, tok = load(str(model))
-    assert len(tok.encode(LONG)) > 3 * PREFILL_CHUNK
+    n = len(tok.encode(LONG))
+    assert n > 3 * prefill_chunk(n, cluster.world)
     got = _complete(cluster, prompt=LONG, max_tokens=12, temperature=0, return_token_ids=True)["token_ids"]
     assert got == reference_tokens(model, LONG, 12)
     before = _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total")
-    second = tok.decode(tok.encode(LONG) + got) + "\n" + LONG.replace("x", "y")[:2500]
-    assert len(tok.encode(second)) - len(tok.encode(LONG)) > 2 * PREFILL_CHUNK
+    second = tok.decode(tok.encode(LONG) + got) + "\n" + LONG.replace("x", "y")
+    rest = len(tok.encode(second)) - n - len(got) - 1  # columns the cache cannot give (the last is the first step's)
+    assert rest > 2 * prefill_chunk(rest, cluster.world)
     again = _complete(cluster, prompt=second, max_tokens=12, temperature=0, return_token_ids=True)["token_ids"]
     assert again == reference_tokens(model, second, 12)
     assert _metric(cluster, "clusterctl_prompt_cache_hit_tokens_total") - before >= len(tok.encode(LONG))
+
+
+# the stream's tokens: 17-19 of its 375 text events (of 400 tokens) came before the first long answer (2 and 3
+# ranks, load 4.6 on 2 cores), so 200 outlast the joins with room for a slow start of the joining clients
+STREAMED = 200
 
 
 def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
@@ -445,8 +465,9 @@ def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
     from clusterctl.rank.engine.scheduler import DECODE_BUDGET
 
     _, tok = load(str(model))
-    # prompts no other test sent: the prompt cache (on in this module) must not give them a prefix
-    other = LONG.replace("return", "yield")
+    # prompts no other test sent: the prompt cache (on in this module) must not give them a prefix; long enough
+    # that the shorter is many DECODE_BUDGETs (12), which the threshold below tells from a whole prompt at once
+    other = _defs(60).replace("return", "yield")
     short, longs = "import os\n", [other, other[: len(other) * 2 // 3].replace("x", "z")]
     events: list[tuple[float, str]] = []  # (time, who): each text event of the stream; each long one's answer
     lock = threading.Lock()
@@ -457,7 +478,7 @@ def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
 
         conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=300)
         conn.request("POST", "/v1/completions", body=json.dumps({
-            "prompt": short, "max_tokens": 400, "temperature": 0, "return_token_ids": True, "stream": True}),
+            "prompt": short, "max_tokens": STREAMED, "temperature": 0, "return_token_ids": True, "stream": True}),
             headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         for line in r:
@@ -494,7 +515,7 @@ def test_running_streams_keep_decoding_while_long_prompts_join(cluster, model):
     during = sum(1 for when, who in events if who == "stream" and sent < when < first_long)
     chunks = len(tok.encode(longs[1])) // DECODE_BUDGET
     assert during >= chunks // 2, (during, chunks, sent, [(round(w - sent, 3), who[:5]) for w, who in events])  # whole prompts at once: 2 or 3 stream events in between
-    assert got[short] == reference_tokens(model, short, 400)
+    assert got[short] == reference_tokens(model, short, STREAMED)
     for p in longs:
         assert got[p] == reference_tokens(model, p, 8), p
 
