@@ -304,9 +304,11 @@ def running(tmp_path_factory, tiny):
         shutil.move(str(_plan(root, tiny, env)), dep)
         yield SimpleNamespace(root=root, env=env, dep=dep, small=small, mount_error=mount_error, job=_launch(dep, env))
     finally:
-        cli("teardown", "--force", env=env)
-        if mount_error is None:
-            subprocess.run(["umount", "-l", str(small)], capture_output=True)
+        try:
+            teardown(env)
+        finally:
+            if mount_error is None:
+                subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
 def _as_launched(running) -> None:
