@@ -201,3 +201,23 @@ def test_an_fp8_checkpoint_plans_as_mlx_lm_loads_it(tmp_path):
     params = dict(tree_flatten(build_lazy(json.loads(json.dumps(DEEPSEEK_V3_FP8))).parameters()))
     assert {n: s for n, (_, s) in kept.items()} == {n: list(p.shape) for n, p in params.items()}
     assert {d for d, _ in kept.values()} <= {"BF16", "F32"}  # dequantized: what a rank holds, 2 bytes a weight
+
+
+def test_the_batching_probe_is_tried_once_per_class_and_args(tmp_path, monkeypatch):
+    """plan's batching probe (modelfiles/archs.py) keeps its answer per (class, args): a config that differs only
+    in a key the class never reads is not tried again; one that differs in a key it reads, or of another class, is
+    tried, and gets its own answer (a gemma2 that cannot batch after a qwen2 that can)."""
+    from clusterctl.modelfiles import archs
+
+    tries = []
+    real = archs._try_batching
+    monkeypatch.setattr(archs, "_try_batching", lambda model: tries.append(type(model).__module__) or real(model))
+    monkeypatch.setattr(archs, "_BATCHING_TRIED", {})
+    qwen = json.loads((make_model(tmp_path / "q", layers=2) / "config.json").read_text())
+    assert archs.batching(qwen) == (True, None)
+    assert archs.batching({**qwen, "sliding_window_pattern": 10**12}) == (True, None) and len(tries) == 1
+    assert archs.batching({**qwen, "rope_theta": 500.0}) == (True, None) and len(tries) == 2
+    gemma = json.loads((make_model(tmp_path / "g", layers=2, model_type="gemma2") / "config.json").read_text())
+    ok, why = archs.batching({**gemma, "head_dim": 16, "query_pre_attn_scalar": 16})
+    assert ok is False and "cannot be broadcast" in why
+    assert tries == ["mlx_lm.models.qwen2"] * 2 + ["mlx_lm.models.gemma2"]

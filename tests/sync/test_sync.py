@@ -25,6 +25,7 @@ from clusterctl.connect.nodes import SshOptions
 from clusterctl.statedir.state import StateDir
 from clusterctl.sync.engine import SyncOptions, sync_deployment
 from clusterctl.modelfiles.manifest import build_manifest
+from fuzzutil import run_cli
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -86,9 +87,11 @@ runtime_dir = "{tmp}/run-b"
 {extra_nodes}"""
         (tmp / "cluster.toml").write_text(text)
         self.dep = str(tmp / "dep.json")
-        p = cli("plan", "-c", str(tmp / "cluster.toml"), "-m", str(source), "--context", "256", "-o", self.dep, "-q",
-                *plan_args, env=self.env)
-        assert p.returncode == 0, p.stderr
+        # the plan is this bed's setup, not what a test here checks: the CLI in this process (fuzzutil.run_cli)
+        # spares each test a Python that imports mlx-lm (1-2 s); sync and launch below run as processes
+        p = run_cli(["plan", "-c", str(tmp / "cluster.toml"), "-m", str(source), "--context", "256", "-o", self.dep,
+                     "-q", *plan_args], env=self.env)
+        assert p.code == 0, p.stderr
 
     def sync(self, *args) -> subprocess.CompletedProcess:
         return cli("sync", self.dep, "--json", "--known-hosts", str(self.sshd.known_hosts), *args, env=self.env)
@@ -282,7 +285,7 @@ def test_interrupted_transfer_resumes(tmp_path, sshd, tiny, have_rsync):
     src = tmp_path / "src"
     shutil.copytree(tiny, src)
     with open(src / "extra-weights.bin", "wb") as f:  # big enough that the transfer is caught in the middle
-        for _ in range(48):
+        for _ in range(16):  # 128 MiB: caught past 16 MiB, 112 MiB still to go (~2 s at this VM's ~50 MB/s)
             f.write(os.urandom(8 << 20))
     bed = Bed(tmp_path, sshd, src)
     dest = Path(bed.path_b)
@@ -303,9 +306,11 @@ def test_interrupted_transfer_resumes(tmp_path, sshd, tiny, have_rsync):
         pytest.skip(f"the transfer finished before it could be interrupted (rc {proc.returncode})")
     assert proc.returncode == 130, err
     assert "sync interrupted" in err
-    time.sleep(0.5)
+    gone = time.monotonic() + 0.5  # rsync (the node's too) stopped within half a second of sync's exit
+    while subprocess.run(["pgrep", "-f", f"rsync.*{dest}"], capture_output=True).stdout:
+        assert time.monotonic() < gone, "rsync still runs after sync was interrupted"
+        time.sleep(0.05)
     assert not (dest / "extra-weights.bin").exists()  # never a half file under its real name
-    assert not subprocess.run(["pgrep", "-f", f"rsync.*{dest}"], capture_output=True).stdout  # rsync stopped
     partial = dest / ".rsync-partial" / "extra-weights.bin"
     assert partial.is_file() and partial.stat().st_size > 0  # kept for the resume
     p = bed.sync()
