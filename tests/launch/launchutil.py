@@ -16,6 +16,7 @@ from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankReco
 from clusterctl.node.procs import boot_id
 from clusterctl.plan.inventory import Node
 from clusterctl.statedir.state import StateDir
+from procstate import running, start_time
 from diskutil import fill_disk  # noqa: F401  (the disk-full tests and bench/faults.py take it from here)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if running(p)]
         time.sleep(0.1)
     return alive
 
@@ -241,8 +242,7 @@ def make_job(state: Path, procs: list[subprocess.Popen | None], nonce: str, *, n
     m = LaunchManifest(job_id=job, deployment_id="dep-x", plan_hash="0" * 64, deployment_file="/nonexistent",
                        created_at=now_iso(), nonce=nonce,
                        coordinator={"host": os.uname().nodename, "pid": coordinator_pid,
-                                    "start_time": psutil.Process(coordinator_pid).create_time()
-                                    if psutil.pid_exists(coordinator_pid) else 1.0, "boot_id": coordinator_boot_id or boot_id()},
+                                    "start_time": start_time(coordinator_pid) or 1.0, "boot_id": coordinator_boot_id or boot_id()},
                        nodes=nodes, ranks=ranks)
     store.save(m)
     return m

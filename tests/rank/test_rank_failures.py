@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 
+from procstate import running
 from rankharness import PY, RankCluster, tiny_model_path
 
 from clusterctl.protocol.runtimefiles import EndReason
@@ -146,7 +147,7 @@ def test_a_rank_whose_parent_dies_exits(model, tmp_path):
     out = subprocess.run([PY, "-c", code], env=env, capture_output=True, timeout=30, text=True)
     pid = int(out.stdout.strip())
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while running(pid):
         assert time.monotonic() < deadline, "orphaned rank is still running"
         time.sleep(0.1)
     m = c.marker(0)
