@@ -37,9 +37,22 @@ def local_cluster(tmp: Path, mems=(2, 6), *, extra: dict | None = None, shared_r
     return p
 
 
+# Commands that only read their inputs and write files, run in the test's own process (fuzzutil.run_cli: the same
+# CLI main, stdout and stderr as a process would give them): a `plan` process costs ~1.3 CPU-s, most of it importing
+# mlx-lm (and transformers) again, and the suite plans a few hundred times. Everything that starts, signals or
+# watches processes (launch, teardown, reap, replan, supervise, front, ...) stays a process of its own.
+IN_PROCESS = frozenset({"plan", "verify", "manifest"})
+
+
 def cli(*args: str, env: dict | None = None, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "clusterctl", *args], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=timeout, stdin=subprocess.DEVNULL)
+    if args and args[0] in IN_PROCESS:
+        from fuzzutil import run_cli
+
+        r = run_cli(list(args), env=env)
+        p = subprocess.CompletedProcess([sys.executable, "-m", "clusterctl", *args], r.code, r.stdout, r.stderr)
+    else:
+        p = subprocess.run([sys.executable, "-m", "clusterctl", *args], capture_output=True, text=True,
+                           env={**os.environ, **(env or {})}, timeout=timeout, stdin=subprocess.DEVNULL)
     if check and p.returncode != 0:
         raise AssertionError(f"clusterctl {' '.join(args)} exited {p.returncode}:\n{p.stderr}")
     return p
