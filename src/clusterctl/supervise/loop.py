@@ -382,15 +382,15 @@ class Supervisor:
             ref = deployment_ref(p)
             self.ref, self.current = ref, p.new.deployment_id
             self.save(force=True)  # the state file names what now is current (a successor resumes from it)
+            job = None
             try:
-                self.job = await self.launch(ref)
+                job = self.job = await self.launch(ref)
             except ClusterctlError as e:
-                if not unchanged:
-                    record(self.state, p, changes=changes_of(p), relaunched=None, kind=kind)
                 self.phase("degraded", f"{kind} to {p.new.deployment_id} did not launch: {e.message}")
                 return False
-            if not unchanged:
-                record(self.state, p, changes=changes_of(p), relaunched=self.job.manifest.job_id, kind=kind)
+            finally:  # the file names the new deployment now, so does the history: also when a stop cut the launch
+                if not unchanged:  # short (teardown, SIGTERM), after which ``launch FILE`` starts that deployment
+                    record(self.state, p, changes=changes_of(p), relaunched=job and job.manifest.job_id, kind=kind)
             return True
         finally:
             lock.release()
