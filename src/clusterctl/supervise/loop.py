@@ -231,9 +231,8 @@ class Supervisor:
 
     # ---- acting ---------------------------------------------------------------------------------------------
     async def lose(self, blame: list[str], why: str) -> None:
-        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``
-        (recorded first: a successor finishes the heal if this supervisor dies during the teardown). What the
-        line says is what the heal plans on: one value (a loss that blames every node leaves none out)."""
+        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``, as
+        said and recorded first (one value: a successor finishes the heal if this one dies in the teardown)."""
         plan = self.pending = heal_nodes(self.node_order, self.book.lost, blame)
         self.phase("healing", f"{why}; {plan.words()}")
         await self.stop_job(unreachable=frozenset(n for n in blame if self.unreachable.get(n)))
