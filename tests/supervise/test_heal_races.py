@@ -137,9 +137,12 @@ def test_a_killed_rank0_heals_onto_rank1s_node_whenever_rank1_follows(tmp_path, 
 
 def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_spending_the_budget(tmp_path):
     """Both ranks killed, no follower: no culprit. Both nodes answer: the same plan relaunched, no plan change;
-    never "no node answers" of nodes that answered."""
+    never "no node answers" of nodes that answered, and never "leaving out" (the log, the state file) a node
+    the relaunch then plans on (issue 49: "leaving out b", then relaunched on b)."""
     nodes = {A: SimulatedNode(), B: SimulatedNode()}
     state, sup, clock = _supervised(tmp_path, nodes)
+    said, docs = [], []
+    sup.log, sup.event = said.append, docs.append
 
     async def go():
         await sup.take_over()
@@ -155,6 +158,9 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
         assert sup.book.phase == "serving" and sup.current == original and sup.book.lost == []
         assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
         assert sup.book.changes == [] and sup.book.wait(clock.t) == 0
+        [healing] = [d for d in docs if d["state"] == "healing"]
+        assert healing["leaving_out"] == [] and "no node to blame" in healing["reason"], healing
+        assert not [line for line in said if "leaving out" in line], said
 
     asyncio.run(go())
 
@@ -173,7 +179,7 @@ async def _die_mid_heal(sup: Supervisor, clock: Clock, nodes: dict) -> str:
         if not dying.done():
             break
         clock.t += 1.0
-    assert sup.book.phase == "healing" and sup.pending == [A]
+    assert sup.book.phase == "healing" and sup.pending.leave_out == (A,)
     dying.cancel()
     await asyncio.gather(dying, return_exceptions=True)
     await sup._close_looks()
@@ -225,7 +231,7 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
         opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="",
                              ssh=fake_ssh(nodes))
         second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)
-        assert second.opts.http_port == 27570 and second.pending == [A]
+        assert second.opts.http_port == 27570 and second.pending.leave_out == (A,)
         await second.take_over()
         assert not any(f"/{job}-rank" in p for n in nodes.values() for p in n.running.values())
         for _ in range(5):

@@ -281,3 +281,49 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         assert (doc["state"], doc["lost_nodes"], doc["supervisor"]["pid"]) == ("serving", [], second.me["pid"])
 
     asyncio.run(go())
+
+
+def test_a_heal_cut_short_in_its_relaunch_leaves_the_file_and_the_history_naming_one_deployment(tmp_path):
+    """A stop (``teardown``, SIGTERM) during the heal's relaunch (its rank's spawn on a never answers; the step is
+    cancelled, as ``run`` cancels it). The heal swapped the operator's deployment file before launching (docs/
+    heal.md: as ``replan`` does), so ``launch FILE`` afterwards starts the healed deployment: the history must
+    say so (its last entry: this heal, to that deployment, relaunched nothing), the way back (``replan FILE --to``
+    the original) named there. Issue 49: ``launch tiny.json`` after a teardown during a heal started an id no
+    history entry explained."""
+    from clusterctl.launch.start import launch
+
+    bed = Bed(tmp_path)
+    sup = bed.supervisor()
+    reached, never = asyncio.Event(), asyncio.Event()
+
+    async def spawn_that_hangs(req):
+        reached.set()
+        await never.wait()
+
+    async def go():
+        await sup.take_over()
+        bed.cut(B, sup.job.manifest)
+        bed.nodes[A].answers["spawn"] = spawn_that_hangs  # the relaunch's rank on a: started, never answering
+        for _ in range(30):
+            step = asyncio.ensure_future(sup.step())
+            while not step.done() and not reached.is_set():
+                await asyncio.sleep(0.01)
+            if reached.is_set():
+                break
+            bed.clock.t += 1.0
+        assert reached.is_set() and sup.book.phase == "healing", sup.book.reason
+        step.cancel()  # the stop
+        await asyncio.gather(step, return_exceptions=True)
+        await sup._close_looks()
+        del bed.nodes[A].answers["spawn"]
+        in_file = bed.state.load_deployment(bed.file)[1].deployment.deployment_id
+        assert in_file != bed.original  # the heal's plan: what the file now names
+        last = history.entries(bed.state, "sim")[-1]
+        assert (last.get("kind"), last["from"], last["to"], last["relaunched"]) == ("heal", bed.original, in_file,
+                                                                                     None), last
+        o = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_port=PORT,
+                          ssh=fake_ssh(bed.nodes))
+        running = await launch(bed.file, bed.state, o)  # the operator's `launch FILE`: the file's deployment
+        assert running.manifest.deployment_id == in_file == last["to"]
+
+    asyncio.run(go())

@@ -223,6 +223,8 @@ def _json(front: Front, req: web.BaseRequest, status: int, doc: dict, extra: dic
           outcome: FrontOutcome | None = None) -> Answer:
     rules = front.rules
     cors = rules.cors.headers(req.headers.get("Origin")) if rules else {}
+    if status == 503:  # every 503 of the front says when to come back (docs/front.md), whoever builds it
+        extra = {"Retry-After": front.retry_after(), **(extra or {})}
     resp = web.Response(status=status, body=json.dumps(doc).encode(),
                         headers={"Content-Type": "application/json", **cors, **(extra or {})})
     return resp, outcome or front_outcome(status)
@@ -233,7 +235,7 @@ def _unavailable(front: Front, req: web.BaseRequest, message: str | None = None)
                       "degraded": f"the deployment is degraded: {front.reason or 'no plan fits'}"}.get(
         front.state, "no rank 0 serves this deployment right now; retry shortly")
     return _json(front, req, 503, error_document(msg, type=ErrorType.SERVER, code="service_unavailable"),
-                 {"Retry-After": front.retry_after()}, outcome=FrontOutcome.UNAVAILABLE)
+                 outcome=FrontOutcome.UNAVAILABLE)
 
 
 async def _route(front: Front, req: web.BaseRequest, body: bytes) -> Answer:
@@ -242,8 +244,7 @@ async def _route(front: Front, req: web.BaseRequest, body: bytes) -> Answer:
     rules = front.rules
     if path == "/health" and method in ("GET", "HEAD"):
         ok = front.state == "serving"
-        extra = {} if ok else {"Retry-After": front.retry_after()}
-        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state}, extra)[0], None
+        return _json(front, req, 200 if ok else 503, {"status": "ok" if ok else front.state})[0], None
     if method == "OPTIONS" and rules is not None and rules.cors.enabled:
         origin = req.headers.get("Origin")
         return web.Response(status=204, headers={**rules.cors.headers(origin),
@@ -295,7 +296,7 @@ async def _forward(front: Front, req: web.BaseRequest, target: str, body: bytes)
         except Lost:
             await front.refresh_now()
             return _unavailable(front, req, f"rank 0 (job {t.job_id}) was lost before it answered; retry shortly")
-        headers = CIMultiDict([*_copy_headers(up), _timing(t0)])
+        headers = _relayed_headers(front, up, _timing(t0))
         if req.method == "HEAD":  # rank 0 declared the length of the body it did not send
             resp = web.StreamResponse(status=up.status, headers=headers)
             declared = up.header("Content-Length")
@@ -308,6 +309,15 @@ async def _forward(front: Front, req: web.BaseRequest, target: str, body: bytes)
 
 def _copy_headers(up: Response) -> list[tuple[str, str]]:
     return [(k, v) for k, v in up.headers if k.lower() not in HOP]
+
+
+def _relayed_headers(front: Front, up: Response, timing: tuple[str, str]) -> CIMultiDict:
+    """Rank 0's headers as the front passes them on; a 503 of rank 0 that names no Retry-After (an older rank)
+    gets the front's: no 503 leaves the front without one."""
+    headers = CIMultiDict([*_copy_headers(up), timing])
+    if up.status == 503 and "Retry-After" not in headers:
+        headers["Retry-After"] = front.retry_after()
+    return headers
 
 
 def _timing(t0: float) -> tuple[str, str]:
@@ -330,7 +340,7 @@ async def _stream(front: Front, req: web.BaseRequest, up: Response, t: Target, t
     """Forward the events as they arrive (only whole events: a partial one waits for its end); an upstream that
     ends without ``[DONE]`` gets an error event and ``[DONE]`` from here (a partial event at the cut is dropped,
     never sent half)."""
-    resp = web.StreamResponse(status=up.status, headers=CIMultiDict([*_copy_headers(up), timing]))
+    resp = web.StreamResponse(status=up.status, headers=_relayed_headers(front, up, timing))
     writer = await resp.prepare(req)
     send_headers = getattr(writer, "send_headers", None)  # aiohttp otherwise holds the head until the first event
     if send_headers is not None:

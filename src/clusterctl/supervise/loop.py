@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError, MissingInput
 from clusterctl.statedir import healfile
-from clusterctl.supervise.policy import Book, HealPolicy, culprits, state_doc
+from clusterctl.supervise.policy import Book, HealNodes, HealPolicy, culprits, heal_nodes, state_doc
 from clusterctl.supervise.watch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
 from clusterctl.statedir.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.connect.nodes import close_all, handles
@@ -64,7 +64,7 @@ class Supervisor:
         self.since_iso = now_iso()
         self.job: Job | None = None
         self.hs: dict = {}  # sessions for looking at the job, opened per job
-        self.pending: list[str] | None = None  # a lost job's nodes to leave out at the next heal
+        self.pending: HealNodes | None = None  # whom the next heal asks and leaves out (said, then planned)
         self.leftovers: list[str] = []  # jobs whose teardown could not be verified: retried
         self.idle = False
         self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
@@ -98,7 +98,7 @@ class Supervisor:
             self.book.heals = int(doc.get("heals") or 0)
             out = doc.get("leaving_out")
             if doc.get("state") == "healing" and isinstance(out, list):
-                self.pending = [n for n in out if n in self.node_order]
+                self.pending = heal_nodes(self.node_order, self.book.lost, out)
                 self.unfinished = doc
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class Supervisor:
                 # where the cluster serves, and the nodes a heal under way leaves out: a successor (this one
                 # killed) relaunches on the same host and port and finishes the heal
                 "http_host": self.opts.http_host or None, "http_port": self.opts.http_port,
-                "leaving_out": list(self.pending) if self.pending is not None else None,
+                "leaving_out": list(self.pending.leave_out) if self.pending is not None else None,
                 "supervisor": self.me, "updated_at": now_iso()}
 
     def save(self, force: bool = False) -> None:
@@ -231,10 +231,10 @@ class Supervisor:
 
     # ---- acting ---------------------------------------------------------------------------------------------
     async def lose(self, blame: list[str], why: str) -> None:
-        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``
-        (recorded first: a successor finishes the heal if this supervisor dies during the teardown)."""
-        self.pending = blame
-        self.phase("healing", f"{why}; leaving out {', '.join(blame)}")
+        """The job lost a rank or a node: stop every rank verified; the next step heals without ``blame``, as
+        said and recorded first (one value: a successor finishes the heal if this one dies in the teardown)."""
+        plan = self.pending = heal_nodes(self.node_order, self.book.lost, blame)
+        self.phase("healing", f"{why}; {plan.words()}")
         await self.stop_job(unreachable=frozenset(n for n in blame if self.unreachable.get(n)))
 
     def _ssh(self, within: float = LOOK_TIMEOUT):
@@ -292,17 +292,13 @@ class Supervisor:
         loss that blames every node of the job found no culprit: every one is asked, those that answer serve
         again (the same plan when all do: a relaunch, no plan change, nothing spent from the budget)."""
 
-        blame = self.pending or []
-        job_nodes = [n for n in self.node_order if n not in self.book.lost]
-        if not job_nodes:  # every node is lost: nothing to heal onto; the rejoin probes bring them back
+        plan = self.pending
+        if not plan.ask:  # every node is lost: nothing to heal onto; the rejoin probes bring them back
             self.pending = None
             self.phase("degraded", f"every node is lost ({', '.join(self.book.lost)}), probed for the rejoin")
             return
-        asked = [n for n in job_nodes if n not in blame]
-        no_culprit = not asked
-        if no_culprit:
-            asked = job_nodes
-        elif self._held(now):
+        asked, no_culprit = list(plan.ask), plan.no_culprit
+        if not no_culprit and self._held(now):
             return
         # a node that answered the last look of the lost job just now needs no probe of its own (one SSH
         # connection and one Python start-up less before the relaunch); the others are asked
@@ -310,13 +306,13 @@ class Supervisor:
         self.unreachable = {}
         answers = await self.probe([n for n in asked if n not in fresh]) if set(asked) - fresh else {}
         nodes = [n for n in asked if n in fresh or answers.get(n)]
-        leave_out = [n for n in asked if n not in nodes] if no_culprit else blame
+        leave_out = [n for n in asked if n not in nodes] if no_culprit else list(plan.leave_out)
         if no_culprit and leave_out and self._held(self.clock()):
             return
         self.book.healed(now, leave_out, plan_change=bool(leave_out))
         lost = ", ".join(self.book.lost) or "none"
         if not nodes:
-            self.pending = []  # tried again after the backoff
+            self.pending = self._retry()  # tried again after the backoff
             self.phase("degraded", f"no node answers a probe ({', '.join(asked)}; lost: {lost})")
             return
         try:
@@ -330,9 +326,13 @@ class Supervisor:
             self.phase("serving", f"on {', '.join(nodes)}; {lost} lost, probed for the rejoin" if self.book.lost
                        else f"on {', '.join(nodes)}; relaunched (no node to blame)")
         else:
-            self.pending = []
+            self.pending = self._retry()
             if not leave_out:  # a relaunch that failed: the next one waits for the backoff like any other
                 self.book.changes.append(now)
+
+    def _retry(self) -> HealNodes:
+        """A heal tried again (after the backoff): every node of the job not lost is asked."""
+        return heal_nodes(self.node_order, self.book.lost)
 
     def _held(self, now: float) -> bool:
         """The budget holds a plan change back: ``degraded``, said once (a countdown would rewrite the state
@@ -363,7 +363,7 @@ class Supervisor:
             self.phase("serving")
             return
         self.book.lost = lost  # back on the survivors at the next step (after the backoff)
-        self.pending = []
+        self.pending = self._retry()
 
     async def apply(self, p, kind: str) -> bool:
         """Swap in the new deployment (unless it is the current one), record it in the history as ``kind``,
@@ -381,15 +381,15 @@ class Supervisor:
             ref = deployment_ref(p)
             self.ref, self.current = ref, p.new.deployment_id
             self.save(force=True)  # the state file names what now is current (a successor resumes from it)
+            job = None
             try:
-                self.job = await self.launch(ref)
+                job = self.job = await self.launch(ref)
             except ClusterctlError as e:
-                if not unchanged:
-                    record(self.state, p, changes=changes_of(p), relaunched=None, kind=kind)
                 self.phase("degraded", f"{kind} to {p.new.deployment_id} did not launch: {e.message}")
                 return False
-            if not unchanged:
-                record(self.state, p, changes=changes_of(p), relaunched=self.job.manifest.job_id, kind=kind)
+            finally:  # the file names the new deployment now, so does the history: also when a stop cut the launch
+                if not unchanged:  # short (teardown, SIGTERM), after which ``launch FILE`` starts that deployment
+                    record(self.state, p, changes=changes_of(p), relaunched=job and job.manifest.job_id, kind=kind)
             return True
         finally:
             lock.release()
@@ -427,8 +427,7 @@ class Supervisor:
             self.job = await self.launch(self.ref)
         except ClusterctlError as e:  # e.g. restarted while a node is away: heal onto the nodes that answer
             self.phase("degraded", f"deployment {self.current} did not launch: {e.message}")
-            self.pending = []
-
+            self.pending = self._retry()
 
     async def _finish_heal(self, jobs: list) -> None:
         """Its predecessor died healing (SIGKILL, a crash): what is left of the lost job, or of a relaunch cut

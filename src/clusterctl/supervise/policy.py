@@ -177,3 +177,32 @@ def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
     if not blamed and not insist and len(down) < len(ranks):
         return []
     return sorted({r["node"] for r in (blamed or down)})
+
+
+@dataclass(frozen=True)
+class HealNodes:
+    """Whom a heal asks and whom it leaves out, decided once from the loss: the log line and the state file
+    (``leaving_out``) say this value and the relaunch plans on it (supervise/loop.py), so a node said to be left
+    out is never planned."""
+
+    ask: tuple[str, ...]  # probed; those that answer are the new plan's nodes, in this order
+    leave_out: tuple[str, ...] = ()  # blamed: neither asked nor planned
+    no_culprit: bool = False  # the loss blamed every node of the job: every one is asked, nothing spent
+
+    def words(self) -> str:
+        if self.leave_out:
+            return f"leaving out {', '.join(self.leave_out)}"
+        if self.no_culprit:
+            return f"no node to blame: asking every one ({', '.join(self.ask)})"
+        return f"asking {', '.join(self.ask) or 'no node'}"
+
+
+def heal_nodes(order: list[str], lost: list[str], blame=()) -> HealNodes:
+    """The nodes of the original deployment (``order``) not lost yet, less those ``blame``d; a loss that
+    blames every one of them has no culprit (every one is asked, none left out). No ``blame``: a retry,
+    every node of the job asked."""
+    job = tuple(n for n in order if n not in lost)
+    out = tuple(n for n in job if n in blame)
+    if out and len(out) == len(job):
+        return HealNodes(ask=job, no_culprit=True)
+    return HealNodes(ask=tuple(n for n in job if n not in out), leave_out=out)

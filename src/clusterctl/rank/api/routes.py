@@ -7,13 +7,14 @@ unauthenticated caller learns nothing, not even which routes exist."""
 
 from __future__ import annotations
 
-from clusterctl.rank.api.wire import UNAUTHORIZED, ApiError
+from clusterctl.rank.api.wire import RETRY_503_S, UNAUTHORIZED, ApiError
 from clusterctl.rank.choices import serve
 
 
 def health(api, h) -> None:
     ok = api.state.serving
-    h.json(200 if ok else 503, {"status": "ok" if ok else api.state.now.value})
+    h.json(200 if ok else 503, {"status": "ok" if ok else api.state.now.value},
+           None if ok else {"Retry-After": str(RETRY_503_S)})  # every 503 says when to come back
     h.outcome = None
 
 

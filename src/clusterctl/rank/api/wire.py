@@ -15,15 +15,19 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from clusterctl.protocol.httpedge import UNAUTHORIZED_CODE, UNAUTHORIZED_MESSAGE, error_document
 
 
+RETRY_503_S = 2  # a 503 that names no time of its own (rank 0 loading or stopping): retry shortly
+
+
 class ApiError(Exception):
     """A request that ends in an HTTP error, in OpenAI's shape (``body``); handler.py's ``error`` is the one place
-    it becomes an answer (status, Retry-After, WWW-Authenticate, Connection)."""
+    it becomes an answer (status, Retry-After, WWW-Authenticate, Connection). Every 503 has a ``retry_after``
+    (docs/api.md): one made without it gets ``RETRY_503_S``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after = retry_after
+        self.retry_after = RETRY_503_S if retry_after is None and status == 503 else retry_after
 
     def body(self) -> dict:
         return error_document(self.message, type=self.type, param=self.param, code=self.code)
