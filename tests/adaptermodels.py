@@ -46,9 +46,10 @@ def adapted_tokens(model: Path, adapter: Path, prompt: str, n: int) -> list[int]
     return out
 
 
-def adapted_logits(model: Path, adapter: Path, tokens: list[int], *, rank_side: bool):
+def adapted_logits(model: Path, adapter: Path | None, tokens: list[int], *, rank_side: bool):
     """The last position's logits of ``tokens`` through the model with the adapter: one plain ``mlx_lm.load``
-    (``rank_side`` False), or the base model with the rank's ``apply_adapter`` on it (rank/engine/adapter.py)."""
+    (``rank_side`` False; ``adapter`` None: the base model), or the base model with the rank's ``apply_adapter``
+    on it (rank/engine/adapter.py)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.utils import load_model
@@ -59,7 +60,7 @@ def adapted_logits(model: Path, adapter: Path, tokens: list[int], *, rank_side: 
         m, _ = load_model(Path(model))
         apply_adapter(m, len(m.layers), str(adapter))
     else:
-        m, _ = load(str(model), adapter_path=str(adapter))
+        m, _ = load(str(model), adapter_path=None if adapter is None else str(adapter))
     out = m(mx.array([tokens]))[0, -1].astype(mx.float32)
     mx.eval(out)
     return out

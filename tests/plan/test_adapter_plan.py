@@ -116,6 +116,7 @@ CONFIG_CASES = [
     ({"num_layers": 0}, "num_layers 0 is not"),
     ({"num_layers": 10**12}, "num_layers 1000000000000 exceeds"),
     ({"num_layers": "4"}, "num_layers 4 is not"),
+    ({"num_layers": 8}, "has no weights for model.layers.0."),  # LoRA layers the ranks would find no weights for
     ({"fine_tune_type": "dora"}, "has no m for"),
     ({"fine_tune_type": ["lora"]}, "is not an adapter"),
 ]
@@ -128,15 +129,29 @@ def _with(cfg: dict, change: dict) -> str:
     return text.replace('"INF"', "Infinity").replace('"NAN"', "NaN")
 
 
+def _inspect_refused(adapter, model, words: str) -> None:
+    """The planner's check itself (what `plan --adapter` runs: 10 ms, not a whole plan's 200)."""
+    from clusterctl.errors import ConfigError
+    from clusterctl.plan.adapter import inspect_adapter
+
+    with pytest.raises(ConfigError) as e:
+        inspect_adapter(adapter, model, 8, {"a": (str(model), True)})
+    assert words in e.value.message and "\n" not in e.value.message, e.value.message
+
+
 def test_adapter_configs_that_would_serve_something_else_are_refused_by_name(c3, model, adapter, state):
     path = adapter / "adapter_config.json"
     cfg = json.loads(path.read_text())
     for change, words in CONFIG_CASES:
         path.write_text(_with(cfg, change))
-        _refused(run("plan", "-c", str(c3), "-m", str(model), "--adapter", str(adapter)), words)
+        _inspect_refused(adapter, model, words)
+    path.write_text(_with(cfg, CONFIG_CASES[0][0]))  # the issue's case, through the CLI: exit 78, one line
+    r = run("plan", "-c", str(c3), "-m", str(model), "--adapter", str(adapter))
+    _refused(r, "not valid JSON")
+    assert r.code == 78
 
 
-def test_adapter_tensors_that_match_no_lora_layer_are_refused_by_name(c3, model, adapter, state):
+def test_adapter_tensors_that_match_no_lora_layer_are_refused_by_name(model, adapter):
     import mlx.core as mx
 
     weights = adapter / "adapters.safetensors"
@@ -147,7 +162,7 @@ def test_adapter_tensors_that_match_no_lora_layer_are_refused_by_name(c3, model,
              ({k: v for k, v in good.items() if k != a}, "has no lora_a for model.layers.7.self_attn.q_proj")]
     for tensors, words in cases:
         mx.save_safetensors(str(weights), tensors)
-        _refused(run("plan", "-c", str(c3), "-m", str(model), "--adapter", str(adapter)), words)
+        _inspect_refused(adapter, model, words)
 
 
 def test_adapter_config_is_read_as_a_small_regular_file_of_the_folder(c3, model, adapter, state, tmp_path):

@@ -112,6 +112,22 @@ def _check_weights(folder: Path, model: Path, num_layers: int, cfg: AdapterConfi
     for module, have in sorted(leaves.items()):
         if need - have:
             raise ConfigError(f"--adapter {folder}: {WEIGHTS} has no {sorted(need - have)[0]} for {module}")
+    for module in sorted(_adapted(cfg, linears, num_layers) - set(leaves)):
+        keys = "every linear" if cfg.keys is None else "its keys"
+        raise ConfigError(f"--adapter {folder}: {WEIGHTS} has no weights for {module[:120]}, which its config "
+                          f"adapts (num_layers {cfg.num_layers}, {keys})")
+
+
+def _adapted(cfg: AdapterConfig, linears: dict[str, tuple[int, ...]], num_layers: int) -> set[str]:
+    """The modules the config turns into LoRA layers (the ranks need each one's weights): in the covered blocks,
+    those its keys name, else every plain linear."""
+    out = set()
+    for module, dims in linears.items():
+        m = _BLOCK.match(module)
+        if m and num_layers - cfg.num_layers <= int(m["layer"]) < num_layers and (
+                m["key"] in cfg.keys if cfg.keys is not None else len(dims) == 2):
+            out.add(module)
+    return out
 
 
 def inspect_adapter(folder: Path, model: Path, num_layers: int, nodes: dict[str, tuple[str, bool]]) -> AdapterRef:
