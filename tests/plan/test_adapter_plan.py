@@ -166,8 +166,8 @@ def test_adapter_tensors_that_match_no_lora_layer_are_refused_by_name(model, ada
 
 
 def test_adapter_config_is_read_as_a_small_regular_file_of_the_folder(c3, model, adapter, state, tmp_path):
-    """A link out of the folder (to /dev/zero: MemoryError on 5b99778), a FIFO (plan blocked forever there), a
-    file past the bound: each refused in one line, at once."""
+    """A link out of the folder (to /dev/zero: MemoryError on 5b99778), a link to itself, a FIFO (plan blocked
+    forever there), a file past the bound: each refused in one line, at once."""
     import os
     import threading
 
@@ -183,6 +183,9 @@ def test_adapter_config_is_read_as_a_small_regular_file_of_the_folder(c3, model,
     path.unlink()
     path.symlink_to(tmp_path / "elsewhere.json")
     _refused(plan(), "outside the adapter folder")
+    path.unlink()
+    path.symlink_to(path.name)
+    _refused(plan(), "is a link that loops")
     path.unlink()
     with open(path, "wb") as f:
         f.truncate((1 << 20) + 1)

@@ -41,7 +41,10 @@ class AdapterConfig:
 def _raw(folder: Path) -> bytes:
     path = folder / CONFIG
     if path.is_symlink():
-        target = path.resolve()
+        try:
+            target = path.resolve()
+        except (OSError, RuntimeError):  # a loop
+            raise ConfigError(f"{CONFIG} is a link that loops") from None
         if not target.is_relative_to(folder.resolve()):
             raise ConfigError(f"{CONFIG} is a link to {target}, outside the adapter folder")
     try:
