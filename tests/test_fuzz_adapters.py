@@ -73,6 +73,8 @@ def _change_tensors(folder: Path, how: str, pick: int) -> None:
 
     file = str(folder / "adapters.safetensors")
     weights = dict(mx.load(file))
+    if not weights:  # all dropped already
+        return
     name = sorted(weights)[pick % len(weights)]
     if how == "drop":
         weights.pop(name)
