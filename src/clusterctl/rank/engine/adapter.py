@@ -89,7 +89,10 @@ def apply_adapter(model: nn.Module, num_layers: int, adapter_path: str, planned_
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     path = Path(adapter_path)
-    cfg = read_adapter_config(path, num_layers)  # ConfigError, naming the field
+    try:
+        cfg = read_adapter_config(path, num_layers)
+    except ConfigError as e:
+        raise ConfigError(f"adapter at {path}: {e.message}") from None
     weights_file = path / "adapters.safetensors"
     if not weights_file.is_file():
         raise ConfigError(f"cannot read the adapter at {path}: no {weights_file.name}")
