@@ -96,3 +96,106 @@ def test_an_adapter_on_a_quantized_model_is_checked_by_its_linears_real_dimensio
     wide = build_adapter(make_model(tmp_path / "w", layers=8, hidden=64, quant_bits=4), tmp_path / "w-lora",
                          num_layers=4)
     _refused(run("plan", "-c", str(c3), "-m", str(q), "--adapter", str(wide)), "has shape")
+
+
+# (what the config says, words of the refusal): each one planned with exit 0 on 5b99778 (or crashed, or blocked),
+# and would serve something other than what it says (the base model, an infinite scale) or nothing at all
+CONFIG_CASES = [
+    ({"lora_parameters": {"scale": "INF"}}, "not valid JSON"),  # the text Infinity (json.dumps of inf)
+    ({"lora_parameters": {"scale": "NAN"}}, "not valid JSON"),
+    ({"lora_parameters": {"scale": 0}}, "lora_parameters.scale 0 is not"),
+    ({"lora_parameters": {"scale": "20"}}, "lora_parameters.scale 20 is not"),
+    ({"lora_parameters": {"rank": 0}}, "lora_parameters.rank 0 is not"),
+    ({"lora_parameters": {"rank": -4}}, "lora_parameters.rank -4 is not"),
+    ({"lora_parameters": {"rank": True}}, "lora_parameters.rank True is not"),
+    ({"lora_parameters": {"dropout": 1.5}}, "lora_parameters.dropout 1.5"),
+    ({"lora_parameters": {"keys": ["self_attn.nope"]}}, "keys names 'self_attn.nope'"),
+    ({"lora_parameters": {"keys": ["input_layernorm"]}}, "keys names 'input_layernorm'"),
+    ({"lora_parameters": {"keys": ["self_attn.q_proj"]}}, "which lora_parameters.keys does not name"),
+    ({"lora_parameters": {"keys": "self_attn.q_proj"}}, "keys must be a non-empty list"),
+    ({"num_layers": 0}, "num_layers 0 is not"),
+    ({"num_layers": 10**12}, "num_layers 1000000000000 exceeds"),
+    ({"num_layers": "4"}, "num_layers 4 is not"),
+    ({"num_layers": 8}, "has no weights for model.layers.0."),  # LoRA layers the ranks would find no weights for
+    ({"fine_tune_type": "dora"}, "has no m for"),
+    ({"fine_tune_type": ["lora"]}, "is not an adapter"),
+]
+
+
+def _with(cfg: dict, change: dict) -> str:
+    out = {**cfg, **{k: v for k, v in change.items() if k != "lora_parameters"}}
+    out["lora_parameters"] = {**cfg["lora_parameters"], **change.get("lora_parameters", {})}
+    text = json.dumps(out)
+    return text.replace('"INF"', "Infinity").replace('"NAN"', "NaN")
+
+
+def _inspect_refused(adapter, model, words: str) -> None:
+    """The planner's check itself (what `plan --adapter` runs: 10 ms, not a whole plan's 200)."""
+    from clusterctl.errors import ConfigError
+    from clusterctl.plan.adapter import inspect_adapter
+
+    with pytest.raises(ConfigError) as e:
+        inspect_adapter(adapter, model, 8, {"a": (str(model), True)})
+    assert words in e.value.message and "\n" not in e.value.message, e.value.message
+
+
+def test_adapter_configs_that_would_serve_something_else_are_refused_by_name(c3, model, adapter, state):
+    path = adapter / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    for change, words in CONFIG_CASES:
+        path.write_text(_with(cfg, change))
+        _inspect_refused(adapter, model, words)
+    path.write_text(_with(cfg, CONFIG_CASES[0][0]))  # the issue's case, through the CLI: exit 78, one line
+    r = run("plan", "-c", str(c3), "-m", str(model), "--adapter", str(adapter))
+    _refused(r, "not valid JSON")
+    assert r.code == 78
+
+
+def test_adapter_tensors_that_match_no_lora_layer_are_refused_by_name(model, adapter):
+    import mlx.core as mx
+
+    weights = adapter / "adapters.safetensors"
+    good = dict(mx.load(str(weights)))
+    a = "model.layers.7.self_attn.q_proj.lora_a"
+    cases = [({**good, "model.layers.7.self_attn.nope.lora_a": good[a]}, "not a linear of the model"),
+             ({**good, "model.layers.7.self_attn.q_proj.m": mx.zeros((64,))}, "not a weight of a lora layer"),
+             ({k: v for k, v in good.items() if k != a}, "has no lora_a for model.layers.7.self_attn.q_proj")]
+    for tensors, words in cases:
+        mx.save_safetensors(str(weights), tensors)
+        _inspect_refused(adapter, model, words)
+
+
+def test_adapter_config_is_read_as_a_small_regular_file_of_the_folder(c3, model, adapter, state, tmp_path):
+    """A link out of the folder (to /dev/zero: MemoryError on 5b99778), a link to itself, a FIFO (plan blocked
+    forever there), a file past the bound: each refused in one line, at once."""
+    import os
+    import threading
+
+    path = adapter / "adapter_config.json"
+    (tmp_path / "elsewhere.json").write_text(path.read_text())
+
+    def plan():
+        return run("plan", "-c", str(c3), "-m", str(model), "--adapter", str(adapter))
+
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    _refused(plan(), "outside the adapter folder")
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.json")
+    _refused(plan(), "outside the adapter folder")
+    path.unlink()
+    path.symlink_to(path.name)
+    _refused(plan(), "is a link that loops")
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate((1 << 20) + 1)
+    _refused(plan(), "is too large")
+    path.unlink()
+    os.mkfifo(adapter / "fifo")
+    path.symlink_to("fifo")
+    got = []
+    t = threading.Thread(target=lambda: got.append(plan()), daemon=True)  # blocks forever when the FIFO is opened
+    t.start()
+    t.join(30)
+    assert got, "plan blocked on a FIFO"
+    _refused(got[0], "is not a regular file")

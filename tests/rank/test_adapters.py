@@ -1,11 +1,15 @@
 """A LoRA adapter served by 2 real pipeline ranks: greedy tokens identical to one
-``mlx_lm.load(model, adapter_path=...)`` process, and different from the base model's."""
+``mlx_lm.load(model, adapter_path=...)`` process, and different from the base model's; offline, the rank's
+``apply_adapter`` gives mlx-lm's logits (an adapter trained with dropout too) and refuses, by name, a config that
+would serve something other than what it says."""
 
 from __future__ import annotations
 
 import pytest
 
-from adaptermodels import adapted_tokens, build_adapter
+import json
+
+from adaptermodels import adapted_logits, adapted_tokens, build_adapter
 from rankharness import RankCluster, complete, reference_tokens, tiny_model_path
 
 PROMPTS = ["def main(argv):", "x = ["]
@@ -14,8 +18,47 @@ PROMPTS = ["def main(argv):", "x = ["]
 @pytest.fixture(scope="module")
 def adapted(tmp_path_factory):
     model = tiny_model_path()
-    adapter = build_adapter(model, tmp_path_factory.mktemp("adapter") / "lora", num_layers=6)
-    return model, adapter
+    adapter = build_adapter(model, tmp_path_factory.mktemp("adapter") / "lora", num_layers=6, dropout=0.1)
+    return model, adapter  # trained with dropout, as mlx_lm.lora's configs are: served, nothing drops
+
+
+def test_the_rank_applies_an_adapter_trained_with_dropout_as_mlx_lm_does(adapted):
+    """A LoRA layer left in training mode drops a random 10% of its input on every call: the logits would
+    differ from mlx-lm's (by several units) and from one call to the next."""
+    import mlx.core as mx
+
+    model, adapter = adapted
+    tokens = [5, 17, 3, 99, 42, 7, 1, 64]
+    want = adapted_logits(model, adapter, tokens, rank_side=False)
+    got = [adapted_logits(model, adapter, tokens, rank_side=True) for _ in range(2)]
+    for g in got:
+        assert mx.abs(g - want).max().item() < 1e-4, mx.abs(g - want).max().item()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("scale", float("inf"), "not valid JSON"),
+    ("keys", ["self_attn.nope"], "matches no LoRA layer"),
+    ("rank", 0, "lora_parameters.rank 0"),
+])
+def test_the_rank_refuses_a_config_that_would_serve_something_else_by_name(adapted, tmp_path, field, value, words):
+    """What plan refuses, the rank refuses too when it loads (a folder planned without the check)."""
+    import shutil
+
+    from mlx_lm.utils import load_model
+
+    from clusterctl.errors import ConfigError
+    from clusterctl.rank.engine.adapter import apply_adapter
+
+    model, adapter = adapted
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["lora_parameters"][field] = value
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    m, _ = load_model(model)
+    with pytest.raises(ConfigError, match=words) as e:
+        apply_adapter(m, len(m.layers), str(bad))
+    assert "\n" not in e.value.message
 
 
 @pytest.mark.slow

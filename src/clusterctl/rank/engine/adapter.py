@@ -12,7 +12,7 @@ computes (docs/architectures.md, adapters).
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,10 +21,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from clusterctl.errors import ConfigError
 from clusterctl.rank.engine.stage import Skip, _Around, weight_name
+from clusterctl.modelfiles.adapterconfig import read_adapter_config
 from clusterctl.modelfiles.archs import text_model
 from clusterctl.modelfiles.manifest import build_manifest
 
 _ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 class _Blocks:
@@ -56,33 +58,11 @@ def check_planned(adapter_path: Path, planned_hash: str | None) -> None:
                           f"{planned_hash}): run clusterctl sync, or plan again")
 
 
-def apply_adapter(model: nn.Module, num_layers: int, adapter_path: str, planned_hash: str | None = None) -> None:
-    """Turn this rank's targeted linears into LoRA layers and load their adapter weights (after the split)."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    path = Path(adapter_path)
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-        weights_file = path / "adapters.safetensors"
-        if not weights_file.is_file():
-            raise FileNotFoundError(weights_file)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the adapter at {path}: {e}") from None
-    check_planned(path, planned_hash)
-    kind = config.get("fine_tune_type", "lora")
-    if kind not in ("lora", "dora"):
-        raise ConfigError(f"adapter at {path}: fine_tune_type {kind!r} is not served (lora, dora)")
-    inner = text_model(model)
-    blocks = [_own_block(b) for b in inner.layers]  # mlx-lm's pipeline() drops the blocks after its own
-    blocks += [nn.Module() for _ in range(num_layers - len(blocks))]
-    try:
-        linear_to_lora_layers(_Blocks(model.model_type, blocks), int(config["num_layers"]),
-                              config["lora_parameters"], use_dora=kind == "dora")
-    except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"adapter at {path}: {e}") from None
+def _matched(path: Path, model: nn.Module, weights: dict, own: set[int]) -> list[tuple[str, mx.array]]:
+    """(parameter, adapter tensor) for every LoRA leaf of this rank's layers; ConfigError when one is missing, of
+    the wrong shape, or when a tensor of this rank's blocks matches no LoRA leaf (it would be left unused)."""
     wanted = {weight_name(k): (k, v) for k, v in tree_flatten(model.parameters())
               if k.rsplit(".", 1)[-1] in _ADAPTER_LEAVES}
-    weights = mx.load(str(weights_file))
     pairs, missing = [], []
     for name, (param, current) in wanted.items():
         w = weights.get(name)
@@ -95,5 +75,38 @@ def apply_adapter(model: nn.Module, num_layers: int, adapter_path: str, planned_
             pairs.append((param, w))
     if missing:
         raise ConfigError(f"adapter at {path} lacks {len(missing)} weights this rank's layers need, e.g. {missing[0]}")
+    unused = sorted(n for n in weights if n not in wanted and (m := _LAYER.search(n)) and int(m[1]) in own)
+    if unused:
+        raise ConfigError(f"adapter at {path}: {unused[0][:120]} matches no LoRA layer of the model (it would be "
+                          f"left unused)")
+    return pairs
+
+
+def apply_adapter(model: nn.Module, num_layers: int, adapter_path: str, planned_hash: str | None = None) -> None:
+    """Turn this rank's targeted linears into LoRA layers and load their adapter weights (after the split), in
+    inference mode (mlx-lm's ``load`` calls ``eval()`` after its adapters: a LoRA layer in training mode applies
+    its dropout, and a temperature-0 request gets another answer each time)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    path = Path(adapter_path)
+    try:
+        cfg = read_adapter_config(path, num_layers)
+    except ConfigError as e:
+        raise ConfigError(f"adapter at {path}: {e.message}") from None
+    weights_file = path / "adapters.safetensors"
+    if not weights_file.is_file():
+        raise ConfigError(f"cannot read the adapter at {path}: no {weights_file.name}")
+    check_planned(path, planned_hash)
+    inner = text_model(model)
+    blocks = [_own_block(b) for b in inner.layers]  # mlx-lm's pipeline() drops the blocks after its own
+    blocks += [nn.Module() for _ in range(num_layers - len(blocks))]
+    own = {i for i, b in enumerate(blocks) if b.children()}
+    try:
+        linear_to_lora_layers(_Blocks(model.model_type, blocks), cfg.num_layers, cfg.lora_parameters(),
+                              use_dora=cfg.fine_tune_type == "dora")
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"adapter at {path}: {e}") from None
+    pairs = _matched(path, model, mx.load(str(weights_file)), own)
     model.update(tree_unflatten(pairs))
+    model.eval()
     mx.eval([w for _, w in pairs])
