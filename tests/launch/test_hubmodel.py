@@ -93,6 +93,9 @@ def test_hub_names_are_told_from_paths():
     assert parse_hub_name("org/name@refs/pr/3") == ("org/name", "refs/pr/3")
     for path in ("./org/name", "/models/m", "~/m/x", "a/b/c", "name", "../org/name", "org/na--me", "org/.x"):
         assert parse_hub_name(path) is None, path
+    # a revision is a path under refs/ in the hub cache: 5b99778 let the library read refs/ + "/etc/passwd"
+    for path in ("org/name@/etc/passwd", "org/name@a//b", "org/name@.hidden", "org/name@v1/", "org/name@a/./b"):
+        assert parse_hub_name(path) is None, path
 
 
 @pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
