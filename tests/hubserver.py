@@ -29,6 +29,12 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def lfs_pointer(data: bytes) -> bytes:
+    """The text git stores for an LFS file (git-lfs's pointer format)."""
+    return (b"version https://git-lfs.github.com/spec/v1\noid sha256:%s\nsize %d\n"
+            % (hashlib.sha256(data).hexdigest().encode(), len(data)))
+
+
 def is_lfs(path: str) -> bool:
     return path.endswith(".safetensors")
 
@@ -131,7 +137,10 @@ class FakeHub:
     def _entry(path: str, data: bytes) -> dict:
         e = {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
         if is_lfs(path):
-            e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            # as the hub lists an LFS file: the git blob id is the pointer file's, the SHA-256 the content's
+            pointer = lfs_pointer(data)
+            e["oid"] = git_blob_id(pointer)
+            e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": len(pointer)}
         return e
 
     @staticmethod

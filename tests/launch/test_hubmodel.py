@@ -18,11 +18,11 @@ import pytest
 
 from clusterctl.launch.hubmodel import parse_hub_name
 from clusterctl.modelfiles.manifest import build_manifest
+from hubcachefiles import cluster_file, one_error_line, plan_offline, write_cache
 from hubserver import FakeHub
 from modelfiles import make_model
 from testports import free_port
 
-pytestmark = pytest.mark.slow  # each plan runs the CLI against a stand-in hub (seconds each)
 
 REPO_ID = "tiny-org/tiny-4bit"
 
@@ -93,8 +93,12 @@ def test_hub_names_are_told_from_paths():
     assert parse_hub_name("org/name@refs/pr/3") == ("org/name", "refs/pr/3")
     for path in ("./org/name", "/models/m", "~/m/x", "a/b/c", "name", "../org/name", "org/na--me", "org/.x"):
         assert parse_hub_name(path) is None, path
+    # a revision is a path under refs/ in the hub cache: 5b99778 let the library read refs/ + "/etc/passwd"
+    for path in ("org/name@/etc/passwd", "org/name@a//b", "org/name@.hidden", "org/name@v1/", "org/name@a/./b"):
+        assert parse_hub_name(path) is None, path
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 def test_first_plan_downloads_and_records_the_commit_the_second_uses_the_cache(tmp_path, hub, model):
     published = tmp_path / "with-extra"
     shutil.copytree(model, published)
@@ -137,6 +141,7 @@ def test_first_plan_downloads_and_records_the_commit_the_second_uses_the_cache(t
     assert mine["model"]["num_layers"] == 2 and sum(hub.requests.values()) == before
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 def test_a_revision_pins_the_commit(tmp_path, hub, model):
     first = hub.add(REPO_ID, model, tags=("v1",))
     second = hub.add(REPO_ID, make_model(tmp_path / "second", layers=6))
@@ -155,6 +160,7 @@ def test_a_revision_pins_the_commit(tmp_path, hub, model):
     assert "no revision 'v9'" in one_error(missing, 66)
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 def test_hub_failures_are_one_line_and_leave_nothing(tmp_path, hub, model):
     bed = Bed(tmp_path, hub)
     assert "no repository tiny-org/nope" in one_error(bed.plan("tiny-org/nope"), 66)
@@ -176,6 +182,7 @@ def test_hub_failures_are_one_line_and_leave_nothing(tmp_path, hub, model):
     assert len(bed.deployments()) == 1  # only the plan that succeeded wrote a deployment
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 @pytest.mark.parametrize("how", ["flipped", "truncated"])
 def test_a_damaged_download_is_refused_and_not_kept_in_the_cache(tmp_path, hub, model, how):
     commit = hub.add(REPO_ID, model)
@@ -205,6 +212,7 @@ def test_a_damaged_download_is_refused_and_not_kept_in_the_cache(tmp_path, hub, 
     assert hub.downloads(REPO_ID)["model.safetensors"] == 2 and hub.downloads(REPO_ID)["config.json"] == 1
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 def test_replan_keeps_the_hub_reference(tmp_path, hub, model):
     commit = hub.add(REPO_ID, model)
     bed = Bed(tmp_path, hub)
@@ -303,6 +311,7 @@ runtime_dir = "{tmp_path}/run-b"
     assert hub.downloads(REPO_ID) - before == {f.name: 1 for f in model.iterdir()}
 
 
+@pytest.mark.slow  # imports the launch planner and mlx's view of it (seconds)
 def test_rank_0_is_told_the_repository_as_the_served_name(tmp_path, model):
     from clusterctl.launch.hubmodel import with_hub
     from clusterctl.launch.jobplan import LaunchOptions, mlx_view, plan_job, rank_addresses
@@ -391,6 +400,7 @@ def on_a_terminal(args: list[str], env: dict) -> tuple[int, bytes]:
     return p.returncode, seen
 
 
+@pytest.mark.slow  # plans as processes against the stand-in hub (seconds each)
 def test_progress_shows_on_a_terminal_only(tmp_path, hub, model):
     hub.add(REPO_ID, model)
     bed = Bed(tmp_path, hub)
@@ -400,3 +410,113 @@ def test_progress_shows_on_a_terminal_only(tmp_path, hub, model):
     (tmp_path / "hf").rename(tmp_path / "hf-old")  # the next plan downloads again
     code, seen = on_a_terminal(args, bed.env())
     assert code == 0 and b"Downloading bytes" in seen and b"100%" in seen, seen[:1000]
+
+
+# ---- the hub cache as the plan finds it on disk (issue 49, item 8): crafted folders, plans in this process
+# (hubcachefiles.py), offline; each of these plans the wrong weights, hangs or ends in exit 70 on 5b99778
+
+OTHER_ID = "evil-org/other"
+
+
+@pytest.fixture
+def cached(tmp_path, model):
+    """The repository's cache with the commit's listing (as a download leaves it)."""
+    return write_cache(tmp_path / "hub", REPO_ID, model), cluster_file(tmp_path), tmp_path / "state"
+
+
+@pytest.fixture
+def bare(tmp_path, model):
+    """Without the listing (an older client filled the cache): 5b99778 checked nothing then."""
+    return (write_cache(tmp_path / "hub", REPO_ID, model, with_listing=False), cluster_file(tmp_path),
+            tmp_path / "state")
+
+
+@pytest.mark.parametrize("content", ["not a commit", "", "c0ffee" + "0" * 34 + "\n", "C0FFEE" + "0" * 34])
+def test_a_ref_that_is_not_a_commit_is_refused_in_one_line(monkeypatch, bare, content):
+    """5b99778: exit 70 (ValidationError) for the empty ref, which names snapshots/ itself."""
+    repo, toml, state = bare
+    (repo.storage / "refs" / "main").write_text(content)
+    err = one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+    assert "refs/main does not hold a commit" in err
+
+
+def test_a_ref_cannot_lead_to_another_folder_on_disk(monkeypatch, tmp_path, bare):
+    repo, toml, state = bare
+    theirs = write_cache(repo.cache, OTHER_ID, make_model(tmp_path / "theirs", layers=2), commit="e" * 40)
+    (repo.storage / "refs" / "main").write_text(os.path.relpath(theirs.snapshot, repo.storage / "snapshots"))
+    r = plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID)
+    assert "does not hold a commit" in one_error_line(r)  # 5b99778 planned the other repository's 2 layers
+    assert not list(state.glob("deployments/*.json"))
+
+
+def test_a_ref_that_is_a_fifo_is_refused_not_waited_on(monkeypatch, bare):
+    repo, toml, state = bare
+    (repo.storage / "refs" / "main").unlink()
+    os.mkfifo(repo.storage / "refs" / "main")  # 5b99778: the library's open() waits for a writer forever
+    assert "not a regular file" in one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+
+
+@pytest.mark.parametrize("where", ["", "models--tiny-org--tiny-4bit", "models--tiny-org--tiny-4bit/blobs",
+                                   "models--tiny-org--tiny-4bit/snapshots/c0ffee" + "0" * 34])
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_cache_others_may_write_into_is_refused(monkeypatch, bare, where, mode):
+    repo, toml, state = bare
+    os.chmod(repo.cache / where, mode)
+    err = one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+    assert "other users may write into it" in err and f"mode {mode:04o}" in err
+    assert plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID).code == 78  # as the state dir's rule
+
+
+def test_a_symlinked_folder_in_the_cache_is_refused(monkeypatch, bare):
+    repo, toml, state = bare
+    moved = repo.storage.parent / "refs-elsewhere"  # 5b99778 read the ref through the link
+    (repo.storage / "refs").rename(moved)
+    (repo.storage / "refs").symlink_to(moved)
+    assert "is a symlink" in one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+
+
+@pytest.mark.parametrize("listing", [True, False])
+def test_bytes_swapped_after_they_were_hashed_are_refused(monkeypatch, request, listing):
+    """The blob rewritten in place with its size and mtime kept (the hash cache's key unchanged): the check
+    hashes what is on disk. 5b99778 skipped the check without the listing (and with it, took the hash cache's
+    word for an LFS file)."""
+    repo, toml, state = request.getfixturevalue("cached" if listing else "bare")
+    good = planned_in_process(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+    blob = repo.blob_of("model.safetensors")
+    st = blob.stat()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    with open(blob, "r+b") as f:
+        f.write(data)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    err = one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+    assert "model.safetensors holds bytes that do not match" in err
+    assert not blob.exists() and not os.path.lexists(repo.snapshot / "model.safetensors")  # the next plan refetches
+    assert [p.stem for p in state.glob("deployments/*.json")] == [good["deployment_id"]]
+
+
+def test_a_snapshot_file_relinked_to_another_blob_of_the_repository_is_refused(monkeypatch, cached):
+    repo, toml, state = cached
+    link = repo.snapshot / "config.json"
+    other = repo.blob_of("tokenizer_config.json") if (repo.snapshot / "tokenizer_config.json").exists() else \
+        repo.blob_of("model.safetensors")
+    link.unlink()
+    link.symlink_to(os.path.relpath(other, repo.snapshot))
+    assert "listing does not name" in one_error_line(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+
+
+def test_lfs_files_are_checked_by_their_sha256_as_the_hub_lists_them(monkeypatch, cached, model):
+    """The listing the library keeps for an LFS file has the pointer's git blob id (the hub's `oid`) and the
+    content's SHA-256: 5b99778 compared the content's git blob id with the pointer's, refused the plan and
+    deleted a good file."""
+    repo, toml, state = cached
+    dep = planned_in_process(plan_offline(monkeypatch, repo.cache, toml, state, REPO_ID))
+    assert dep["model"]["hub"] == {"repo_id": REPO_ID, "revision": None, "commit": repo.commit}
+    assert dep["model"]["source_path"] == str(repo.snapshot)
+    assert dep["model"]["manifest_hash"] == build_manifest(model, use_cache=False).manifest_hash
+    assert repo.blob_of("model.safetensors").is_file()
+
+
+def planned_in_process(r) -> dict:
+    assert r.code == 0, r.stderr
+    return json.loads(r.stdout)

@@ -3,9 +3,10 @@
 huggingface_hub does the work, as for every MLX tool (and with mlx-lm's own file patterns): ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``,
 ``HF_HOME`` / ``HF_HUB_CACHE`` mean what they mean to ``mlx_lm.generate``, and a model one of them downloaded is
 not downloaded again. A download goes to ``blobs/<etag>.<id>.incomplete`` and is renamed into place only at its
-full size (the library's rule); the content is then checked here against the hashes the hub listed for the
-commit (LFS files: SHA-256; others: the git blob id), which the library does not do: a file with the right size
-and the wrong bytes is removed from the cache again and the plan refused.
+full size (the library's rule); the cache is then checked (hubcache.py: folders only this user may write, refs
+that hold a commit, every file's bytes hashed from disk against its blob's name and the commit's listing), which
+the library does not do: a file with the right size and the wrong bytes is removed from the cache again and the
+plan refused.
 
 Which is which: a ``--model`` that exists on this machine (a folder, or a file) is a path, whatever it looks
 like; otherwise ``ORG/NAME`` or ``ORG/NAME@REVISION`` (one slash, no leading ``.``, ``/`` or ``~``) is a hub
@@ -14,7 +15,6 @@ name; anything else is a path (and its absence is the usual missing-folder error
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -22,13 +22,12 @@ from pathlib import Path
 
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, HostUnreachable, IntegrityError,
                                MissingInput, UsageError)
+from clusterctl.launch import hubcache
 from clusterctl.protocol.deployment import HubRef, with_identity
-from clusterctl.modelfiles.manifest import HashCache, hash_files, scan
 
 # the hub's own rule for a repo id (huggingface_hub.utils.validate_repo_id): letters, digits, - _ . ; no -- or ..
 _PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,95}"
 HUB_NAME = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?:@(?P<rev>[A-Za-z0-9_./-]{{1,200}}))?$")
-GIT_BLOB_MAX = 64 << 20  # non-LFS files are small (configs, tokenizers); bigger ones are not re-read
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,9 @@ def parse_hub_name(spec: str) -> tuple[str, str | None] | None:
     """(repo id, revision or None) when ``spec`` reads as a hub name, else None."""
     m = HUB_NAME.match(spec)
     if m is None or "--" in m["repo"] or ".." in spec or m["repo"].endswith("."):
+        return None
+    # a revision becomes a path under refs/ in the cache: git's own rule, no empty or hidden component
+    if m["rev"] is not None and any(not part or part.startswith(".") for part in m["rev"].split("/")):
         return None
     return m["repo"], m["rev"]
 
@@ -62,22 +64,29 @@ def download(repo: str, revision: str | None, *, progress: bool = False) -> Mode
     """The repo's snapshot at ``revision`` (default branch when None) in the hub cache, checked."""
     import huggingface_hub as hf
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, logging as hf_logging
-    # the files mlx-lm itself downloads (weights, configs, tokenizer, code): not a repository's other formats
-    # (.bin, .gguf, images), and the same snapshot mlx_lm.load finds complete
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     (enable_progress_bars if progress else disable_progress_bars)()
     # the library's own warnings (an unauthenticated request, a retry) are noise when nothing is wrong;
     # a failure reaches the operator as one line below
     hf_logging.set_verbosity_error()
+    cache = Path(hf.constants.HF_HUB_CACHE)
+    storage = hubcache.repo_folder(cache, repo)
+    # before the library reads anything there (it opens refs and listings, and uses a ref's text as a path)
+    hubcache.check_folders(cache, storage)
+    hubcache.read_ref(storage, revision or hf.constants.DEFAULT_REVISION)
+    # the files mlx-lm itself downloads (weights, configs, tokenizer, code): not a repository's other formats
+    # (.bin, .gguf, images), and the same snapshot mlx_lm.load finds complete
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
     try:
         folder = Path(hf.snapshot_download(repo, revision=revision, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except ClusterctlError:
         raise
     except Exception as e:  # the library's typed errors, mapped below; anything else is a bug worth a traceback
         raise _hub_error(e, repo, revision) from None
-    commit = folder.name
-    _check_content(hf, repo, commit, folder)
+    commit = hubcache.snapshot_commit(storage, folder)
+    hubcache.check_folders(cache, storage)  # what the download made, too
+    hubcache.check_content(repo, storage, folder)
     return ModelSource(folder, HubRef(repo_id=repo, revision=revision, commit=commit))
 
 
@@ -122,46 +131,6 @@ def _hub_error(e: Exception, repo: str, revision: str | None) -> Exception:
         return IntegrityError(f"downloading {at} failed: {str(e).splitlines()[0]}",
                               hint="run the plan again to retry the download")
     return e
-
-
-def _check_content(hf, repo: str, commit: str, folder: Path) -> None:
-    """Every file against the hash the hub listed for it; a wrong one is removed from the cache. The SHA-256s
-    go to this machine's hash cache, so the manifest that ``plan`` builds next reads no file again."""
-    try:
-        listed = {f.path: f for f in hf.get_cached_repo_tree(repo, revision=commit)}
-    except Exception:  # noqa: BLE001 -- a cache without the listing (an older client filled it): nothing to check
-        return
-    found, _ = scan(folder)
-    cache = HashCache()
-    digests = hash_files([f for f in found if f.rel in listed and listed[f.rel].lfs is not None], cache)
-    cache.save()
-    for f in found:
-        entry = listed.get(f.rel)
-        if entry is None:
-            continue
-        if entry.lfs is not None:
-            ok = digests[f.rel] == entry.lfs.sha256
-        elif f.size <= GIT_BLOB_MAX and entry.blob_id:
-            ok = _git_blob_id(Path(f.path)) == entry.blob_id
-        else:
-            continue
-        if not ok:
-            _drop(folder / f.rel)
-            raise IntegrityError(f"{repo}@{commit[:12]}: {f.rel} came with bytes that do not match the hub's "
-                                 "hash; removed from the cache", hint="run the plan again to download it again")
-
-
-def _git_blob_id(path: Path) -> str:
-    data = path.read_bytes()
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def _drop(path: Path) -> None:
-    """The snapshot's link and the blob it points at: the next download fetches the file again."""
-    blob = path.resolve()
-    path.unlink(missing_ok=True)
-    if blob != path and blob.parent.name == "blobs":
-        blob.unlink(missing_ok=True)
 
 
 def refetch(hub: HubRef) -> Path:
