@@ -737,6 +737,29 @@ def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
         assert "<tool_call>" not in tok.decode(out) and not none.tool_calls and none.content, none
 
 
+def test_tool_choice_none_allows_no_markup_that_starts_like_a_call(tmp_path, toks):
+    """issue 49 item 6: under tool_choice "none" a model set on calling (few-shot history, greedy) wrote
+    "<tool_call]", its JSON and "</tool_call>" past the ban of the literal marker. On every tools template the
+    repo knows (markers of one token and of several; json_tools, qwen3_coder, mistral) the answer holds no
+    marker's stem anywhere, and does not start the way the opener starts; the same model's prose passes."""
+    from mlx_lm.tokenizer_utils import load
+
+    text_markers = load(toolmodels.write_tokenizer(tmp_path / "text-markers", call_tokens=False))
+    body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 24, "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": False}}
+    for name, tok in [*((k, toks[k]) for k in ("json", "xml", "mistral")), ("text markers", text_markers)]:
+        opener, closer = tok.tool_call_start, tok.tool_call_end or ""
+        near = [opener[:-1] + "]" + ' {"name": "get_time", "arguments": {}}' + closer,
+                opener[:-1] + "s" + opener[-1:] + " get_time", " " + opener[:2] + "ools: none",
+                "I will call it." + closer]
+        for wish in near:
+            reply, out = answer(tok, body, wishing(tok, wish))
+            text = tok.decode(out)
+            assert not text.lstrip().startswith(opener[:2]) and not reply.tool_calls, (name, wish, text)
+            assert all(m.rstrip(">]") not in text for m in (opener, closer) if m), (name, wish, text)
+        reply, _ = answer(tok, body, wishing(tok, "It is sunny in Paris, < 30 C [hot]."))
+        assert reply.content == "It is sunny in Paris, < 30 C [hot].", (name, reply)
+
 
 @pytest.mark.slow
 def test_thinking_grammars_are_admitted_and_announced_alike(toks):
