@@ -759,6 +759,9 @@ def test_tool_choice_none_allows_no_markup_that_starts_like_a_call(tmp_path, tok
             assert all(m.rstrip(">]") not in text for m in (opener, closer) if m), (name, wish, text)
         reply, _ = answer(tok, body, wishing(tok, "It is sunny in Paris, < 30 C [hot]."))
         assert reply.content == "It is sunny in Paris, < 30 C [hot].", (name, reply)
+    # a prompt that opened <think>: the reasoning and its end marker (one token) stay allowed
+    reply, _ = answer(toks["json"], {**body, "chat_template_kwargs": {}}, wishing(toks["json"], "Hmm.</think>Sunny."))
+    assert (reply.reasoning_content, reply.content) == ("Hmm.", "Sunny."), reply
 
 
 @pytest.mark.slow
