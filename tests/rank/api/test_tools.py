@@ -526,47 +526,50 @@ def _builder(tok):
     spec = RankSpec(deployment_id="d", job_id="j", nonce="n", node="a", rank=0, world_size=1, model_path="/m",
                     start_layer=0, end_layer=8, layer_counts=[8], num_layers=8, http_port=1, runtime_dir="/r",
                     marker_path="/r/m", gate_path="/r/g")
-    return RequestBuilder(spec, limits_for(_json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096))
+    if id(tok) not in _LIMITS:  # tiny_model_path() checks the model's build (~1 s): once per tokenizer
+        _LIMITS[id(tok)] = limits_for(_json.loads((tiny_model_path() / "config.json").read_text()), tok, 4096)
+    return RequestBuilder(spec, _LIMITS[id(tok)])
+
+
+_LIMITS: dict = {}  # each test tokenizer's admission.Limits (_builder)
+
+
+_FACTORIES: dict = {}  # each test tokenizer's grammar factory (answer)
 
 
 def answer(tok, body: dict, model) -> tuple[S.Reply, list[int]]:
-    """The reply to ``body`` (a chat request) when ``model(tokens so far) -> logits`` writes it: the rank's
-    end of a row (EOS, a complete answer, max_tokens; a budget-closed answer reports "length") and its splitter."""
+    """The reply to ``body`` (a chat request, greedy unless it says otherwise) when ``model(tokens so far) ->
+    logits`` writes it: rank 0's own sampler (its processors: logit bias, the grammar's mask) and its end of a row
+    (generation.Seq: EOS, a stop string, max_tokens, the grammar's finish rule), then the request's splitter."""
+    import mlx.core as mx
     import numpy as np
 
+    from clusterctl.rank.api.admission import Preparer
+    from clusterctl.rank.engine.generation import Seq, StopMatcher
+    from clusterctl.rank.engine.sampling import RowSampler
     from clusterctl.rank.grammar.mask import GrammarFactory
 
-    from clusterctl.rank.api.admission import Preparer
-
-    api_req = _builder(tok).chat(parse(ChatRequest, body))
+    api_req = _builder(tok).chat(parse(ChatRequest, {"temperature": 0, **body}))
     req = Preparer(tok).prepare(api_req)
-    factory = GrammarFactory(tok)
-    factory.rollout_seconds = None  # as lockstep ranks run it: the result must not depend on the machine's load
+    if id(tok) not in _FACTORIES:  # one per tokenizer, as a rank has one (~1 s to make)
+        _FACTORIES[id(tok)] = factory = GrammarFactory(tok)
+        factory.rollout_seconds = None  # as lockstep ranks run it: the result must not depend on the machine's load
+    factory = _FACTORIES[id(tok)]
     c = factory.compile_request(req.grammar, req.max_tokens) if req.grammar is not None else None
-    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    out: list[int] = []
-    finish = "length"
-    for _ in range(req.max_tokens):
-        logits = np.array(model(out), dtype=np.float32)
-        for t, b in bias.items():
-            logits[t] += b
-        if c is not None:
-            logits = np.where(np.array(c.mask()), logits, -np.inf)
-        t = int(np.argmax(logits))
-        if t in tok.eos_token_ids:
-            finish = "stop"
-            break
-        out.append(t)
-        if c is not None:
-            c.advance(t)
-            if c.done:
-                finish = "stop"
-                break
-    if finish == "stop" and c is not None and c.closed_by_budget:
-        finish = "length"
+    sampler = RowSampler(req, c)
+    if c is not None:
+        c.seconds = None
+    seq = Seq(req=req, uid=0, detok=tok.detokenizer, stops=StopMatcher(req.stop), procs=sampler.procs)
+    finish = None
+    while finish is None:
+        t = int(sampler(mx.array(np.array(model(seq.tokens), dtype=np.float32))[None]).item())
+        sampler.took(t)
+        finish = seq.feed(t, eos=t in tok.eos_token_ids,
+                          otherwise="length" if len(seq.tokens) + 1 >= req.max_tokens else None)
+    result = seq.result(finish)
     sp = api_req.splitter
-    reply = S.Reply().add(sp.feed(tok.decode(out))).add(sp.finish(finish))
-    return reply, out
+    reply = S.Reply().add(sp.feed(result.text)).add(sp.finish(result.finish_reason))
+    return reply, result.tokens
 
 
 def random_model(seed: int, vocab: int):
@@ -662,6 +665,59 @@ def scripted(tok, tokens: list[int], strength: float = 50.0):
     return logits
 
 
+_TEXTS: dict[int, list[str]] = {}  # each test tokenizer's token texts (wishing)
+
+
+def wishing(tok, text: str, strength: float = 50.0):
+    """A model that means to write ``text`` (then EOS) whatever the tokens spell it with: each step its top token
+    is the longest whose text goes on with it (as a real model continues its text, not one tokenization); once the
+    text so far leaves ``text`` (the grammar forced something else) it wants to end."""
+    import numpy as np
+
+    if id(tok) not in _TEXTS:
+        _TEXTS[id(tok)] = tok._tokenizer.batch_decode([[i] for i in range(len(tok))])
+    texts = _TEXTS[id(tok)]
+    rng = np.random.default_rng(0)
+
+    def logits(out):
+        x = rng.normal(size=len(tok)).astype(np.float32)
+        so_far = tok.decode(out)
+        rest = text[len(so_far):] if text.startswith(so_far) else ""
+        best = max((i for i, t in enumerate(texts) if t and rest.startswith(t)), key=lambda i: len(texts[i]),
+                   default=tok.eos_token_id)
+        x[best] += strength
+        return x
+
+    return logits
+
+
+@pytest.mark.slow
+def test_a_whole_forced_call_finishes_tool_calls_whatever_the_budget(tmp_path, toks):
+    """issue 49 item 5: tool_choice required (and a named function), the model writing its whole call: the answer is
+    ``tool_calls`` at every max_tokens that leaves the roll-out's margin, also when the budget forced the call's end
+    the way the model wrote it (SmolLM2's markers of several tokens: the roll-out spells "<", "/", ... where the
+    model writes "</", "tool", ...; it skips the model's newline), and when the call ends at the last token. A
+    budget that closes a string the model was still writing is "length"."""
+    from mlx_lm.tokenizer_utils import load
+
+    from clusterctl.rank.grammar.mask import MARGIN
+
+    text_markers = load(toolmodels.write_tokenizer(tmp_path / "text-markers", call_tokens=False, thinking=False))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for tok in (toks["nothink"], text_markers):
+        n = len(tok.encode(call, add_special_tokens=False))
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "tool_choice": choice}
+            for max_tokens in range(n + MARGIN, n + 20, 2):
+                reply, out = answer(tok, {**body, "max_tokens": max_tokens}, wishing(tok, call))
+                calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls]
+                assert (reply.finish_reason, calls) == ("tool_calls", [CALLS[0]]), (max_tokens, out, reply)
+            city = "Paris, the capital of France, on the Seine"
+            reply, _ = answer(tok, {**body, "max_tokens": n + MARGIN}, wishing(tok, call.replace("Paris", city)))
+            cut = json.loads(reply.tool_calls[0]["function"]["arguments"])["city"]
+            assert reply.finish_reason == "length" and cut and city.startswith(cut) and cut != city, reply
+
+
 @pytest.mark.slow
 def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
     """tool_choice "none" on a template whose call marker is text of several tokens (SmolLM2's): a model set on
@@ -679,6 +735,33 @@ def test_tool_choice_none_bans_call_markup_of_several_tokens(tmp_path):
     for spelled in (call, apart):
         none, out = answer(tok, {**body, "tool_choice": "none"}, scripted(tok, spelled))
         assert "<tool_call>" not in tok.decode(out) and not none.tool_calls and none.content, none
+
+
+def test_tool_choice_none_allows_no_markup_that_starts_like_a_call(tmp_path, toks):
+    """issue 49 item 6: under tool_choice "none" a model set on calling (few-shot history, greedy) wrote
+    "<tool_call]", its JSON and "</tool_call>" past the ban of the literal marker. On every tools template the
+    repo knows (markers of one token and of several; json_tools, qwen3_coder, mistral) the answer holds no
+    marker's stem anywhere, and does not start the way the opener starts; the same model's prose passes."""
+    from mlx_lm.tokenizer_utils import load
+
+    text_markers = load(toolmodels.write_tokenizer(tmp_path / "text-markers", call_tokens=False))
+    body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 24, "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": False}}
+    for name, tok in [*((k, toks[k]) for k in ("json", "xml", "mistral")), ("text markers", text_markers)]:
+        opener, closer = tok.tool_call_start, tok.tool_call_end or ""
+        near = [opener[:-1] + "]" + ' {"name": "get_time", "arguments": {}}' + closer,
+                opener[:-1] + "s" + opener[-1:] + " get_time", " " + opener[:2] + "ools: none",
+                "I will call it." + closer]
+        for wish in near:
+            reply, out = answer(tok, body, wishing(tok, wish))
+            text = tok.decode(out)
+            assert not text.lstrip().startswith(opener[:2]) and not reply.tool_calls, (name, wish, text)
+            assert all(m.rstrip(">]") not in text for m in (opener, closer) if m), (name, wish, text)
+        reply, _ = answer(tok, body, wishing(tok, "It is sunny in Paris, < 30 C [hot]."))
+        assert reply.content == "It is sunny in Paris, < 30 C [hot].", (name, reply)
+    # a prompt that opened <think>: the reasoning and its end marker (one token) stay allowed
+    reply, _ = answer(toks["json"], {**body, "chat_template_kwargs": {}}, wishing(toks["json"], "Hmm.</think>Sunny."))
+    assert (reply.reasoning_content, reply.content) == ("Hmm.", "Sunny."), reply
 
 
 @pytest.mark.slow

@@ -151,6 +151,36 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(loaded):
     assert _build(b, {"prompt": "x" * 10, "max_tokens": 4}) is not None
 
 
+def test_a_prompt_at_the_context_is_scored_and_refusals_name_what_was_sent(loaded):
+    """issue 49 item 10: scoring (echo, max_tokens 0) needs no room to generate, so a prompt of exactly the
+    context is scored; a refusal names the values the client sent (never the one token made inside, never a
+    default it did not send), and an operator's default max_tokens is cut to what the prompt leaves."""
+    from clusterctl.rank.api.admission import Preparer
+    from clusterctl.rank.api.openai import ApiError
+
+    _, tok = loaded
+    b = _builder(tok, context=64)
+
+    def refusal(body) -> str:
+        with pytest.raises(ApiError) as e:
+            Preparer(tok).prepare(_build(b, body))
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded", e.value.message
+        return e.value.message
+
+    req = Preparer(tok).prepare(_build(b, {"prompt": [5] * 64, "echo": True, "max_tokens": 0, "logprobs": 1}))
+    assert len(req.tokens) == 64 and req.prompt_logprobs == 1
+    assert "prompt (65 tokens) exceeds" in refusal({"prompt": [5] * 65, "echo": True, "max_tokens": 0})
+    said = refusal({"prompt": [5] * 64})  # nothing sent: no room for a completion, and no max_tokens named
+    assert "prompt (64 tokens) leaves no room" in said and "max_tokens" not in said
+    assert "plus max_tokens (5)" in refusal({"prompt": [5] * 60, "max_tokens": 5})
+    chat = {"messages": [{"role": "user", "content": "hi " * 70}], "max_completion_tokens": 3}
+    assert "plus max_completion_tokens (3)" in refusal(chat)
+    b = _builder(tok, context=64)
+    b.spec = b.spec.model_copy(update={"max_tokens_default": 16})
+    assert Preparer(tok).prepare(_build(b, {"prompt": [5] * 60})).max_tokens == 4
+    assert Preparer(tok).prepare(_build(b, {"prompt": [5] * 10})).max_tokens == 16
+
+
 # Template expressions that make one large value in one step (issue 41 item 7): the line tracer cannot see time
 # or memory inside one operation or filter. {n} is a size from SIZES; at the largest each would make 200 MB to
 # 1 GB without the caps (scaled so that running them on code without the caps cannot exhaust the machine).

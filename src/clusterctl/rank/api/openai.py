@@ -74,15 +74,17 @@ class RequestBuilder:
             raise ApiError(400, f"n must be between 1 and {limit} on this deployment", param="n")
         return r.n or 1
 
-    def _max_tokens(self, asked: int | None) -> int | None:
-        """The request's max_tokens, else the operator's default, else None: until the context is full."""
+    def _max_tokens(self, r: CompletionRequest | ChatRequest) -> int | None:
+        """The request's max_tokens, else the operator's default, else None: until the context is full (a default
+        is cut to what the prompt leaves: ``_request``)."""
+        asked = r.asked_max_tokens()
         default = self.spec.serving.max_tokens or self.spec.max_tokens_default
         max_tokens = asked if asked is not None else default
         if max_tokens is not None and max_tokens >= self.context:  # a prompt holds one token at least
             if asked is None:
                 return None  # the operator's default is past this plan's context: until it is full
-            raise ApiError(400, f"max_tokens ({max_tokens}) leaves no room for a prompt in {self.limits.describe()}",
-                           param="max_tokens", code="context_length_exceeded")
+            raise ApiError(400, f"{_budget_field(r)} ({max_tokens}) leaves no room for a prompt in "
+                                f"{self.limits.describe()}", param=_budget_field(r), code="context_length_exceeded")
         return max_tokens
 
     def _common(self, r: CompletionRequest | ChatRequest, tenant: str | None = None) -> dict:
@@ -97,7 +99,7 @@ class RequestBuilder:
                 raise ApiError(400, f"{k}_context_size must be between 1 and {self.context}",
                                param=f"{k}_context_size")
         return dict(
-            max_tokens=self._max_tokens(r.asked_max_tokens()),
+            max_tokens=self._max_tokens(r),
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=r.top_p if r.top_p is not None else (1.0 if d.top_p is None else d.top_p),
             top_k=0 if top_k >= self.limits.vocab else top_k,  # k at or past the vocabulary keeps every token
@@ -125,18 +127,32 @@ class RequestBuilder:
             out[str(int(k))] = float(v)
         return out or None
 
-    def _request(self, rid: str, tokens: list[int], params: dict) -> GenRequest:
-        """The request to generate: max_tokens resolved (none given: until the context is full) and checked (its
-        grammar is compiled next, off the preparer's lock: Api.admit, compiler.py)."""
-        max_tokens = params["max_tokens"] or max(self.context - len(tokens), 1)
-        self._check_len(tokens, max_tokens)
+    def _request(self, rid: str, tokens: list[int], params: dict, r: CompletionRequest | ChatRequest) -> GenRequest:
+        """The request to generate: max_tokens resolved (none sent: the operator's default or until the context is
+        full, at most what the prompt leaves) and checked against what ``r`` sent (its grammar is compiled next, off
+        the preparer's lock: Api.admit, compiler.py)."""
+        self._check_len(tokens, r)
+        room = self.context - len(tokens)
+        max_tokens = params["max_tokens"] if r.asked_max_tokens() is not None else min(params["max_tokens"] or room,
+                                                                                        room)
         return GenRequest(id=rid, tokens=list(map(int, tokens)), **{**params, "max_tokens": max_tokens})
 
-    def _check_len(self, tokens: list[int], max_tokens: int) -> None:
+    def _check_len(self, tokens: list[int], r: CompletionRequest | ChatRequest) -> None:
+        """The prompt against the context, in the terms the client sent: max_tokens 0 with echo scores the prompt
+        (the one token made inside is dropped and never kept: it needs no room); no max_tokens needs room for one."""
         if not tokens:
             raise ApiError(400, "the prompt is empty")
-        if len(tokens) + max_tokens > self.context:
-            raise ApiError(400, f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds "
+        room, n = self.context - len(tokens), len(tokens)
+        if getattr(r, "score_only", False):
+            if room < 0:
+                raise ApiError(400, f"prompt ({n} tokens) exceeds {self.limits.describe()}: max_tokens 0 scores a "
+                                    f"prompt that fits it", code="context_length_exceeded")
+        elif r.asked_max_tokens() is None:
+            if room < 1:
+                raise ApiError(400, f"prompt ({n} tokens) leaves no room for a completion in "
+                                    f"{self.limits.describe()}", code="context_length_exceeded")
+        elif r.asked_max_tokens() > room:
+            raise ApiError(400, f"prompt ({n} tokens) plus {_budget_field(r)} ({r.asked_max_tokens()}) exceeds "
                                 f"{self.limits.describe()}", code="context_length_exceeded")
 
     def _check_bytes(self, n: int) -> None:
@@ -154,10 +170,10 @@ class RequestBuilder:
         params["prompt_logprobs"] = params["logprobs"] if request.echo else -1
         if isinstance(prompt, str):
             self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
-        elif len(prompt) + (params["max_tokens"] or 1) > self.context:
-            self._check_len(prompt, params["max_tokens"] or 1)
-        elif any(t < 0 or t >= self.limits.vocab for t in prompt):
-            raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
+        else:
+            self._check_len(prompt, request)
+            if any(t < 0 or t >= self.limits.vocab for t in prompt):
+                raise ApiError(400, "prompt has a token id outside the vocabulary", param="prompt")
         rid = "cmpl-" + secrets.token_hex(12)
 
         def prepare(tokenizer) -> Prepared:
@@ -170,7 +186,7 @@ class RequestBuilder:
             if request.echo:
                 echo = Echo(text=prompt if isinstance(prompt, str) else tokenizer.decode(tokens),
                             score_only=request.score_only)
-            return Prepared(self._request(rid, tokens, params), echo=echo)
+            return Prepared(self._request(rid, tokens, params, request), echo=echo)
 
         return ApiRequest(id=rid, kind="completion", prepare=prepare, stream=bool(request.stream),
                           n=self._n(request))
@@ -200,16 +216,21 @@ class RequestBuilder:
             banned = tl.banned_token_ids(tokenizer, chat)  # tool_choice "none": the call's opening token
             if banned:
                 shaped["logit_bias"] = {**(params["logit_bias"] or {}), **{str(t): BANNED for t in banned}}
-            gen = self._request(rid, tokens, shaped)
+            gen = self._request(rid, tokens, shaped, request)
             return Prepared(gen, splitters=lambda: chat.splitter(tokenizer, gen.tokens))  # one per choice
 
         return ApiRequest(id=rid, kind="chat", prepare=prepare, stream=bool(request.stream), n=self._n(request))
 
 
+def _budget_field(r: CompletionRequest | ChatRequest) -> str:
+    """The name of the field that set the request's budget, as the client sent it (chat: either name)."""
+    return "max_completion_tokens" if getattr(r, "max_completion_tokens", None) is not None else "max_tokens"
+
+
 def _chat_grammar(tokenizer, chat: "tl.ChatTools", tokens: list[int], grammar: dict | None) -> dict | None:
     """A chat request's grammar on this model: a forced call's (tool_choice required or a function), else its
-    response_format's (after the reasoning, when the model reasons), else, under tool_choice "none" with a call
-    marker of several tokens, any text without that marker; None: free text."""
+    response_format's (after the reasoning, when the model reasons), else, under tool_choice "none" with tools,
+    any text without call markup (tools.no_call_lark); None: free text."""
     try:
         forced = chat.constraint(tokenizer, tokens)
     except tl.ToolsError as e:

@@ -137,7 +137,10 @@ class OutputSplitter:
             elif self._held and self._kind(self._state):
                 out.append(Event(self._kind(self._state), self._held))
             self._held = ""
-        made = bool(self.calls) and (finish_reason == "stop" or self.should_stop)
+        # one call and the rest dropped (parallel_tool_calls false): the call made the answer, unless a forced call's
+        # grammar said "length" (the budget closed what the model was still writing: mask.Constraint.finish)
+        made = bool(self.calls) and (finish_reason == "stop" or (
+            self.should_stop and not (self._forced and finish_reason == "length")))
         self.finish_reason = "tool_calls" if made else finish_reason
         out.append(Event("finish", self.finish_reason))
         return out

@@ -16,14 +16,14 @@ Use, on rank 0::
     chat.constraint(tokenizer, tokens)              # forced call: the grammar of CallConstraint.lark(), or None
     reasoned_json(tokenizer, schema, initial)       # response_format after the reasoning the prompt opened
     banned_token_ids(tokenizer, chat)               # tool_choice "none": logit bias -inf on these
-    no_call_lark(tokenizer, chat)                   # ... or, the marker being several tokens, this grammar
+    no_call_lark(tokenizer, chat)                   # ... and this grammar: no call markup, however spelled
     splitter = chat.splitter(tokenizer, tokens)     # splitter.py's OutputSplitter
 
 Decisions where OpenAI and mlx-lm leave room:
 - ``tool_choice`` "none": the tools are still rendered (OpenAI's model still sees its tools; the prompt, and its
-  cached prefix, stay those of "auto"), no call is parsed, and the call's opening marker cannot be written:
-  ``banned_token_ids`` names its token for the sampler to forbid (a logit bias of -inf), or, when the marker is
-  text of several tokens, ``no_call_lark`` is a grammar of any text without it.
+  cached prefix, stay those of "auto"), no call is parsed, and no call markup can be written: ``no_call_lark`` is
+  a grammar of any text without the markers' stems nor a start like the opener's, and ``banned_token_ids`` names
+  an opener of one token for the sampler to forbid (a logit bias of -inf; it holds under a response_format too).
 - A forced call or a ``response_format`` on a prompt that opened a reasoning block comes after that block (the
   grammar module closes the reasoning in time for it): else the answer would be the reasoning.
 - "required" / a named function: ``call_constraint`` says what the grammar module must enforce (a JSON schema of
@@ -125,7 +125,8 @@ def initial_state(tokenizer, prompt_tokens: list[int]) -> str:
 
 def banned_token_ids(tokenizer, chat: ChatTools) -> list[int]:
     """Tokens the sampler must never pick for this request: the call's opening marker under tool_choice "none"
-    with tools rendered, when that marker is one token (else ``no_call_lark``)."""
+    with tools rendered, when that marker is one token (the grammar of ``no_call_lark`` bans it too; this ban
+    also holds under a ``response_format``, whose grammar takes that grammar's place)."""
     if chat.tools and chat.choice == "none" and tokenizer.has_tool_calling:
         start = tokenizer.tool_call_start_tokens or ()
         if len(start) == 1:
@@ -134,15 +135,44 @@ def banned_token_ids(tokenizer, chat: ChatTools) -> list[int]:
 
 
 def no_call_lark(tokenizer, chat: ChatTools) -> Optional[str]:
-    """tool_choice "none" with tools rendered, on a model whose call marker is several tokens: the Lark grammar of
-    any text without that marker, however it is tokenized (a logit bias bans tokens, and such a marker has many
-    spellings in tokens: "<tool_call>" as "<", "tool", "_call>", ...). None when ``banned_token_ids`` suffices."""
+    """tool_choice "none" with tools rendered: the Lark grammar of an answer without call markup, however it is
+    tokenized (a logit bias bans tokens, and a marker has many spellings in tokens: "<tool_call>" as "<", "tool",
+    "_call>", ...). Banned: each marker's stem (``_stem``: "<tool_call", "</tool_call", "[TOOL_CALLS") anywhere,
+    so no near-marker either (a model set on calling wrote "<tool_call]", its call, "</tool_call>"); and a text
+    that starts (after blanks) the way the opener starts, its first two characters ("<t", "[T"): where a call
+    would begin. One character is allowed there ("<", "[": markup, maths, a JSON array). Reasoning markers of one
+    token stay allowed between texts. None when the request needs none (not "none", no tools, no markers)."""
     if not (chat.tools and chat.choice == "none" and tokenizer.has_tool_calling) or not tokenizer.tool_call_start:
         return None
-    if len(tokenizer.tool_call_start_tokens or ()) == 1:
-        return None
-    marker = "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in tokenizer.tool_call_start)
-    return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{marker}.*)/\n"
+    stems = sorted({_stem(m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end) if m and _stem(m)})
+    opener = tokenizer.tool_call_start.lstrip()
+    banned = [f"~/(?s:.*({'|'.join(_regex(t) for t in stems)}).*)/"] if stems else []
+    if len(opener) >= 2:
+        banned.append(f"~/[ \\t\\r\\n]*{_regex(opener[:2])}(?s:.*)/")
+    lines = ["start: TEXT" + (" (think TEXT)*" if _think_tokens(tokenizer) else ""),
+             "TEXT: " + " & ".join(["/(?s:.*)/", *banned])]
+    if _think_tokens(tokenizer):
+        lines.append("think: " + " | ".join(f"<[{i}]>" for i in _think_tokens(tokenizer)))
+    return "\n".join(lines) + "\n"
+
+
+def _stem(marker: str) -> str:
+    """A marker up to its closing punctuation ("<tool_call>" -> "<tool_call"): what starts it whatever follows;
+    "" when too short to tell call markup from text."""
+    stem = marker.strip().rstrip(">]|)}:=\n ")
+    return stem if len(stem) >= 3 else ""
+
+
+def _regex(text: str) -> str:
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _think_tokens(tokenizer) -> list[int]:
+    """The reasoning markers of one token each (free text cannot take a token the grammar engine reads as special)."""
+    if not tokenizer.has_thinking:
+        return []
+    ids = [_one_token(tokenizer, m) for m in (tokenizer.think_start, tokenizer.think_end)]
+    return [i for i in ids if i is not None]
 
 
 def call_format(tokenizer) -> Optional[str]:

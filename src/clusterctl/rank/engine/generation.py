@@ -118,6 +118,7 @@ class Seq:
     parts: list[str] = field(default_factory=list)
     stops: StopMatcher = None  # type: ignore[assignment]
     stopped_by_text: bool = False
+    last: int | None = None  # the last token sampled (an EOS included): a grammar consumes it at the end
     guard: object = None  # sampling.Guard of a request whose sampling can fail (None: plain greedy)
     lp: object = None  # rank 0: logprobs.Entries of a request that asked for log-probabilities
     emit_lp: Callable[[dict], None] | None = None
@@ -140,6 +141,7 @@ class Seq:
         part of the text; any other joins the tokens and goes through the detokenizer and the stop strings into
         the text: "stop" when a stop string ends it, else ``otherwise`` (the schedule's own word: "length" at
         max_tokens, None to go on)."""
+        self.last = token
         if eos:
             return "stop"
         self.tokens.append(token)
@@ -166,9 +168,11 @@ class Seq:
                 finish = "stop"
             else:
                 self.out(self.stops.flush())
-        if finish == "stop" and self.procs and not self.stopped_by_text:
-            # a grammar that forced its answer to an end to fit max_tokens (sampling.GrammarMask): the answer parses,
-            # but the model did not end it ("length", as OpenAI reports an answer max_tokens ended)
-            if any(getattr(p, "closed_by_budget", False) is True for p in self.procs):
-                finish = "length"
+        if finish in ("stop", "length") and not self.stopped_by_text:
+            # a grammar (sampling.GrammarMask) decides: "length" when it closed the answer against the model's own
+            # choice to fit max_tokens (it parses, but the model did not end it, as OpenAI reports an answer
+            # max_tokens ended); "stop" when max_tokens came as the model made the answer whole
+            for p in self.procs:
+                if callable(getattr(p, "finish", None)):
+                    finish = p.finish(self.last, finish)
         return self.so_far(finish)

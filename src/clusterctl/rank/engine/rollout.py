@@ -102,6 +102,25 @@ def way_out(t: TokenTables, matcher, words: int, state: int, steps: int, seconds
     return []
 
 
+def agrees(t: TokenTables, way: list[int], token: int, preferred: int | None, *, layout: bool, eos: bool) -> bool:
+    """Whether the model's own choice ``preferred`` (its argmax under the grammar's mask; None: not known) went the
+    way of the way out ``way`` whose first token ``token`` the budget forced: that token itself, a token whose text
+    and the way out's agree as far as both go (the model writes "</tool" where the roll-out spells "<", "/", ...;
+    its "is" after "Par" does not), or, where blanks are ``layout`` (before a marker), a blank. A forced ``eos``
+    agrees only with itself."""
+    if preferred is None:
+        return False
+    preferred = int(preferred)
+    if preferred == token:
+        return True
+    if eos or preferred >= len(t.texts) or not way:
+        return False
+    text, mine = "".join(t.texts[i] for i in way), t.texts[preferred]
+    if layout and mine and not mine.strip():
+        return True
+    return bool(mine) and (text.startswith(mine) or mine.startswith(text))
+
+
 def think_ids(tokenizer) -> tuple[int | None, int | None]:
     """The tokens that open and close a reasoning block, when each is one token (mlx-lm's TokenizerWrapper knows
     them; a plain HF tokenizer: none)."""

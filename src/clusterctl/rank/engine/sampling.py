@@ -22,26 +22,51 @@ from clusterctl.rank.grammar.mask import ROLLOUT_SECONDS
 class GrammarMask:
     """A request's structured output (grammar/mask.py) as a logits processor: tokens the grammar does not allow now
     get -inf. Called once per sampled token (mlx-lm's batch and ``RowSampler`` alike): from the second call on,
-    the newest token of ``tokens`` is the one sampled last, which the grammar consumes first. On the ranks of a
-    lockstep pipeline every rank runs it and gets the same mask (the grammar is deterministic)."""
+    the newest token of ``tokens`` is the one sampled last, which the grammar consumes first (the last one:
+    ``finish``). On the ranks of a lockstep pipeline every rank runs it and gets the same mask (the grammar is
+    deterministic). Where the budget forces a token to close the answer, the model's own choice under the
+    grammar's mask (an argmax, read once the step's logits are computed) tells the grammar whether the budget
+    cut anything (Constraint.advance)."""
 
     def __init__(self, constraint):
         self.c = constraint
         self._started = False
+        self._preferred: mx.array | None = None  # the model's own choice at a closing step, not read yet
 
     @property
     def closed_by_budget(self) -> bool:
         """The grammar forced its answer to an end to fit max_tokens (generation.Seq reads it: finish "length")."""
         return self.c.closed_by_budget
 
+    def _consume(self, token: int) -> None:
+        preferred, self._preferred = self._preferred, None
+        self.c.advance(token, None if preferred is None else int(preferred.item()))
+
+    def finish(self, last: int | None, finish: str) -> str:
+        """The finish reason of the row the schedule ended with ``finish`` after sampling ``last`` (EOS included;
+        None: nothing sampled): the grammar consumes it, then decides (Constraint.finish)."""
+        if self._started and last is not None:
+            self._started = False
+            try:
+                self._consume(last)
+            except RuntimeError:  # a token the mask did not allow (a sampling failure's argmax): no say
+                return finish
+        return self.c.finish(finish)
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started:
-            self.c.advance(int(tokens[-1].item()))
+            self._consume(int(tokens[-1].item()))
         self._started = True
         mask = self.c.mask()
         width = logits.shape[-1]
         if mask.shape[0] < width:  # ids past the tokenizer's own (a padded head) are never allowed
             mask = mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
+        if self.c.closing is not None:
+            own = self.c.own_mask()
+            if own.shape[0] < width:
+                own = mx.concatenate([own, mx.zeros((width - own.shape[0],), dtype=mx.bool_)])
+            self._preferred = mx.argmax(mx.where(own[:width], logits, mx.array(-mx.inf, dtype=logits.dtype)),
+                                        axis=-1)
         return mx.where(mask[:width], logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 

@@ -35,9 +35,9 @@ complete answer (a greedy, deterministic roll-out on a copy of the matcher that 
 as soon as the schema allows, and otherwise takes the shortest allowed token) and, once that way needs the tokens
 left, forces it token by token; a little before that (``SLACK``), outside strings, a token that opens content
 (",", "{", "[") is allowed only when it is the way out's next token, since one such token can commit the answer to
-a whole new item (``},`` then an object with required keys). The answer then
-parses and validates (it may be shorter than the model meant); ``closed_by_budget`` tells the integrator to
-report finish "length". The model is free until the way out plus a margin of 8 tokens fills the budget (one
+a whole new item (``},`` then an object with required keys). The answer then parses and validates (it may be
+shorter than the model meant); ``closed_by_budget`` (a forced token not the model's own choice: ``advance``) tells
+the integrator to report "length" (``finish``). The model is free until the way out plus 8 tokens fills the budget (one
 sampled token can lengthen the way out, e.g. ``[{`` opens two containers; past the margin the answer could be cut).
 Reasoning before the answer (tools.py: free text closed by its end marker) is closed the same way: the roll-out
 takes the end marker first (free text would accept closing characters forever) and never opens a block, and the
@@ -73,7 +73,7 @@ import mlx.core as mx
 import numpy as np
 
 from clusterctl.rank.grammar.refusal import GrammarRefused, Refusal
-from clusterctl.rank.engine.rollout import TokenTables, think_ids, way_out
+from clusterctl.rank.engine.rollout import TokenTables, agrees, think_ids, way_out
 
 MAX_SCHEMA_BYTES = 64 * 1024
 # the lexer's fuel at compile (llguidance's default: 1,000,000). A compile's cost grows faster than its fuel: 1,000
@@ -112,7 +112,8 @@ class Constraint:
         self._backoff, self._wait = 0, 0  # after a failed roll-out: tokens to wait before the next one
         self.remaining = max_tokens  # tokens the answer may still take (None: no limit)
         self._way_out: list[int] | None = None  # the roll-out from the current state, when computed
-        self.closed_by_budget = False  # the budget forced the end of the answer
+        self.closed_by_budget = False  # the budget forced the end of the answer against the model's own choice
+        self.closing: int | None = None  # the token the budget forces now to close what the model has open
         self._window = ROLLOUT_WINDOW
         self._narrow = False  # the next mask keeps openers only as the way out's next token (``narrow``)
         self._slack = SLACK
@@ -142,8 +143,9 @@ class Constraint:
 
     # -- per step ------------------------------------------------------------------------------------------------
     def forced(self) -> int | None:
-        """The token the budget forces now, or None (the grammar's own mask applies, ``narrow``-ed near the end)."""
-        self._narrow = False
+        """The token the budget forces now, or None (the grammar's own mask applies, ``narrow``-ed near the end).
+        ``closing`` says when it closes what the model had open (``advance`` then judges it)."""
+        self._narrow, self.closing = False, None
         if self.remaining is None or self.remaining > self._window or self._m.is_stopped():
             return None
         if self._m.is_accepting():
@@ -154,8 +156,8 @@ class Constraint:
                 return self._f.eos[0]
             if self.remaining > MARGIN:
                 return None
-            self.closed_by_budget = True
-            return self._f.eos[0]
+            self.closing = self._f.eos[0]
+            return self.closing
         if self._way_out is None:
             if self._wait > 0:  # the last roll-out failed: not every step (each costs up to rollout_steps masks)
                 self._wait -= 1
@@ -169,8 +171,8 @@ class Constraint:
         # its own (``_slack`` tokens), not only the roll-out's shortest answer
         room = self._slack if self._way_out and self._way_out[0] == self._f._think[1] else 0
         if self._way_out and len(self._way_out) + MARGIN + room >= self.remaining:  # [] when none was found
-            self.closed_by_budget = True
-            return self._way_out[0]
+            self.closing = self._way_out[0]
+            return self.closing
         self._narrow = bool(self._way_out) and self._str == 0 \
             and self.remaining <= len(self._way_out) + MARGIN + self._slack
         return None
@@ -200,9 +202,21 @@ class Constraint:
         """The next token's mask, shape (vocab,), bool."""
         return self._f.masks([self])[0]
 
-    def advance(self, token: int) -> None:
-        """Consume the sampled token. A token outside the mask is a bug in the caller: RuntimeError."""
+    def own_mask(self) -> mx.array:
+        """The grammar's own mask now, (vocab,) bool: what the model may take if the budget forced nothing."""
+        row = np.empty(self._f._words, dtype=np.int32)
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
+        return mx.array(np.unpackbits(row.view(np.uint8), bitorder="little")[:self._f.vocab].view(np.bool_))
+
+    def advance(self, token: int, preferred: int | None = None) -> None:
+        """Consume the sampled token. A token outside the mask is a bug in the caller: RuntimeError. When the
+        budget forced it to close the answer (``closing``), ``preferred`` is the model's own choice under the
+        grammar's mask (its argmax; None: not known): only a different one closed what the model meant to go on
+        with (``closed_by_budget``; the same token is the model's own end, whatever the budget)."""
         token = int(token)
+        if self.closing is not None and not self._agrees(token, preferred):
+            self.closed_by_budget = True
+        self.closing = None
         # the way out stays valid while the model follows it; [] (none found) is looked for again next step
         self._way_out = self._way_out[1:] if self._way_out and self._way_out[0] == token else None
         if not self._m.consume_token(token):
@@ -211,6 +225,26 @@ class Constraint:
             self.remaining -= 1
             tables = self._f.tables()
             self._str, self._closed = tables.scan(self._str, token), tables.closes(self._closed, token)
+
+    def _agrees(self, token: int, preferred: int | None) -> bool:
+        """rollout.agrees at this closing step (blanks are layout only after a closed item, never in reasoning)."""
+        layout = self._str == 0 and self._closed and bool(self._way_out) and self._way_out[0] != self._f._think[1]
+        return agrees(self._f.tables(), self._way_out or [], token, preferred, layout=layout,
+                      eos=token in self._f.eos)
+
+    def finish(self, finish: str) -> str:
+        """The finish reason of an answer the schedule ended with ``finish`` (its last token consumed): "length"
+        when the budget closed what the model had open; "stop" when max_tokens came as the model made it whole."""
+        if finish == "stop" and self.closed_by_budget:
+            return "length"
+        if finish == "length" and self.remaining is not None and not self.closed_by_budget and self.whole:
+            return "stop"
+        return finish
+
+    @property
+    def whole(self) -> bool:
+        """The answer so far is complete and nothing in it is open (a top-level number could take more digits)."""
+        return self._m.is_accepting() and (self._m.is_stopped() or self._closed)
 
 
 class GrammarFactory:
