@@ -340,13 +340,13 @@ def test_past_max_idle_connections_the_longest_open_idle_one_is_closed(srv, monk
     busy = srv.connect()
     busy.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
     idle = []
-    for i in range(3):
+    for i in range(4):
         idle.append(srv.connect())
         idle[-1].sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
         assert idle[-1].recv(65536).startswith(b"HTTP/1.1 200 ")  # accepted, answered, kept alive: in order
     try:
-        assert read_all(idle[0]) == b""  # the third idle one closed the first
-        for s in idle[1:]:
+        assert read_all(idle[0]) == b"" and read_all(idle[1]) == b""  # the third closed the first, the fourth the
+        for s in idle[2:]:  # second (the first, closing, is not counted again)
             s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
             assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
         assert not srv.cancelled.is_set()  # the busy one is still being answered

@@ -152,7 +152,8 @@ class _Server(web.Server):
         super().connection_made(handler, transport)
         if len(self._connections) <= MAX_IDLE:
             return
-        idle = [c for c in self._connections if not getattr(c, "asked", False)]
+        idle = [c for c in self._connections if not getattr(c, "asked", False)  # (a closed one stays listed
+                and c.transport is not None and not c.transport.is_closing()]  # until its task has ended)
         if len(idle) > MAX_IDLE:
             oldest = idle[0]  # the dict keeps the order connections came in
             oldest.force_close()
