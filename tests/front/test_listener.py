@@ -19,7 +19,7 @@ from aiohttp import web
 
 from clusterctl.front import listener
 from clusterctl.front.listener import MAX_FIELD, MAX_LINE, Listener
-from clusterctl.protocol.httpedge import MAX_HEAD, head_too_large
+from clusterctl.protocol.httpedge import MAX_HEAD, body_too_slow, head_too_large
 
 BIG = 32 << 20  # an answer no socket buffer holds
 
@@ -232,11 +232,23 @@ def test_a_failing_handler_is_500_and_the_connection_closes(srv):
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408(srv, monkeypatch):
-    monkeypatch.setattr(listener, "BODY_S", 0.2)
+    """However it trickles in: a byte every 20 ms, never the whole body before the deadline."""
+    monkeypatch.setattr(listener, "BODY_S", 0.3)
     with srv.connect() as s:
-        s.sendall(b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # 7 bytes never come
-        data = read_all(s)
+        s.sendall(b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        t0 = time.monotonic()
+        s.settimeout(0.02)
+        data = b""
+        while not data and time.monotonic() - t0 < 5:
+            try:
+                s.send(b"a")
+                data = s.recv(65536)
+            except TimeoutError:
+                continue
+        s.settimeout(10)
+        data += read_all(s)
     assert data.startswith(b"HTTP/1.1 408 ") and srv.seen == [] and srv.refusals == [408]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"] == body_too_slow(0.3)
 
 
 def test_a_client_that_reads_nothing_is_cut_off_by_the_sweep(srv, monkeypatch):
