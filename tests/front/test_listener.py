@@ -1,7 +1,9 @@
 """The front's clients' side (front/listener.py: aiohttp's server as the front sets it up) on a real socket:
 keep-alive and pipelining in order, streams chunked or close-delimited, the listener's own refusals in OpenAI's
 shape with the headers the front adds, Expect: 100-continue, HEAD, a client that leaves cancelling its handler, a
-failing handler, the slow-body bound and the cut-off of a client that reads nothing."""
+failing handler, the slow-body bound and the cut-off of a client that reads nothing; what a caller holds when the
+handler answers from the head (as the front answers one without a key): a head within its bound, a body never
+read, a connection among at most MAX_IDLE."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from clusterctl.front import listener
 from clusterctl.front.listener import MAX_FIELD, MAX_LINE, Listener
+from clusterctl.protocol.httpedge import MAX_HEAD, body_too_slow, head_too_large
 
 BIG = 32 << 20  # an answer no socket buffer holds
 
@@ -41,7 +44,10 @@ class Running:
     def call(self, coro, timeout: float = 10):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def handle(self, req: web.BaseRequest, body: bytes) -> web.StreamResponse:
+    async def handle(self, req: web.BaseRequest, read) -> web.StreamResponse:
+        if req.path == "/nobody":  # answered from the head, as the front answers a caller without a key
+            return web.json_response({"path": req.path})
+        body = await read() if callable(read) else read  # (bytes: the listener before issue 49, for old-tree runs)
         raw = req.raw_path
         self.seen.append((req.method, raw if raw.startswith("/") else req.rel_url.raw_path_qs, req.path, body))
         if req.path == "/stream":
@@ -226,11 +232,24 @@ def test_a_failing_handler_is_500_and_the_connection_closes(srv):
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408(srv, monkeypatch):
-    monkeypatch.setattr(listener, "REQUEST_S", 0.2)
+    """However it trickles in: a byte every 20 ms, never the whole body before the deadline."""
+    monkeypatch.setattr(listener, "BODY_S", 0.3)
     with srv.connect() as s:
-        s.sendall(b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # 7 bytes never come
-        data = read_all(s)
+        s.sendall(b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        t0 = time.monotonic()
+        s.settimeout(0.02)
+        data = b""
+        while not data and time.monotonic() - t0 < 5:
+            try:
+                s.send(b"a")
+                data = s.recv(65536)
+            except TimeoutError:
+                continue
+        s.settimeout(10)
+        while b"}}" not in data:  # the whole document (not the close, LINGER_S later)
+            data += s.recv(65536)
     assert data.startswith(b"HTTP/1.1 408 ") and srv.seen == [] and srv.refusals == [408]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"] == body_too_slow(0.3)
 
 
 def test_a_client_that_reads_nothing_is_cut_off_by_the_sweep(srv, monkeypatch):
@@ -306,3 +325,52 @@ def test_an_idle_connection_is_closed_after_the_keepalive(monkeypatch):
             assert read_all(s) == b"" and time.monotonic() - t0 < 5
     finally:
         srv.close()
+
+
+def test_a_head_over_the_bound_is_431_though_each_header_is_within_its_own(srv):
+    headers = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * (MAX_FIELD - 100)) for i in range(MAX_HEAD // MAX_FIELD + 1))
+    with srv.connect() as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+        data = read_all(s)
+    assert data.startswith(b"HTTP/1.1 431 ") and srv.seen == [] and srv.refusals == [431]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"] == head_too_large()
+
+
+def test_a_body_the_handler_does_not_ask_for_is_not_read_and_the_connection_closes(monkeypatch):
+    """Answered from the head; what the client sends after is dropped for LINGER_S at most, then the close."""
+    monkeypatch.setattr(listener, "LINGER_S", 0.3)
+    srv = Running()
+    try:
+        with srv.connect() as s:
+            s.sendall(b"POST /nobody HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (4 << 20))
+            t0 = time.monotonic()
+            head = s.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200 ") and b'"/nobody"' in head and time.monotonic() - t0 < 2
+            s.sendall(b"x" * (1 << 20))  # dropped as it comes, never answered as a request
+            assert read_all(s) == b"" and time.monotonic() - t0 < 2.3
+    finally:
+        srv.close()
+
+
+def test_past_max_idle_connections_the_longest_open_idle_ones_are_closed(srv, monkeypatch):
+    """Idle connections count, one whose handler asked for its body does not; a burst of new ones closes as many
+    of the longest-open (one closing is not counted again while its task ends)."""
+    monkeypatch.setattr(listener, "MAX_IDLE", 2, raising=False)
+    busy = srv.connect()
+    busy.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
+    deadline = time.monotonic() + 5
+    while not srv.seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.loop.call_soon_threadsafe(time.sleep, 0.5)  # the loop busy: the four wait in the kernel's accept queue,
+    idle = [srv.connect() for _ in range(4)]  # then are taken in this order, in one go (a burst)
+    try:
+        for s in idle[:2]:
+            s.settimeout(2)
+            assert read_all(s) == b""  # closed
+        for s in idle[2:]:
+            s.sendall(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert not srv.cancelled.is_set()  # the busy one is still being answered
+    finally:
+        for s in (busy, *idle):
+            s.close()

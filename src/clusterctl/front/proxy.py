@@ -27,7 +27,7 @@ from multidict import CIMultiDict
 from clusterctl.front.follow import Follower, Target
 from clusterctl.front.records import FrontRecord, record_path, remove_record, url_of, write_record
 from clusterctl.statedir.healfile import read_state as read_heal
-from clusterctl.front.listener import Listener
+from clusterctl.front.listener import Body, Listener
 from clusterctl.statedir.manifest import now_iso, this_coordinator
 from clusterctl.connect.nodes import SshOptions
 from clusterctl.front.upstream import Lost, NotSent, Pool, Response
@@ -199,7 +199,7 @@ def make_server(front: Front) -> Listener:
     """One handler for every request (the front routes by itself); the listener's own refusals (a malformed
     request, a body too large) counted like the front's and given its CORS headers."""
 
-    async def handle(req: web.BaseRequest, body: bytes) -> web.StreamResponse:
+    async def handle(req: web.BaseRequest, body: Body) -> web.StreamResponse:
         try:
             resp, outcome = await _route(front, req, body)
         except asyncio.CancelledError:
@@ -238,8 +238,9 @@ def _unavailable(front: Front, req: web.BaseRequest, message: str | None = None)
                  outcome=FrontOutcome.UNAVAILABLE)
 
 
-async def _route(front: Front, req: web.BaseRequest, body: bytes) -> Answer:
-    """Answer one request."""
+async def _route(front: Front, req: web.BaseRequest, body: Body) -> Answer:
+    """Answer one request: from its head alone, but for what is forwarded (its body is read after the key check,
+    so a caller without a key never has one read)."""
     method, path = req.method, req.path
     rules = front.rules
     if path == "/health" and method in ("GET", "HEAD"):
@@ -267,7 +268,7 @@ async def _route(front: Front, req: web.BaseRequest, body: bytes) -> Answer:
     target = raw if raw.startswith("/") else req.rel_url.raw_path_qs
     if path in ("/upstream/health", "/upstream/metrics"):  # /upstream/... on the front is /... on rank 0
         target = path[len("/upstream"):] + (f"?{req.query_string}" if req.query_string else "")
-    return await _forward(front, req, target, body)
+    return await _forward(front, req, target, await body())
 
 
 async def _forward(front: Front, req: web.BaseRequest, target: str, body: bytes) -> Answer:

@@ -12,6 +12,15 @@ from enum import StrEnum
 from typing import Mapping
 
 MAX_BODY = 4 << 20  # bytes of a request body; a larger one is refused (413) before it is read whole
+# What a peer can hold before it has shown a key. Both servers decide who may call from the head alone, before
+# a byte of the body is read; the body is read only for a request that passed (and then within MAX_BODY and
+# BODY_S). An unread body is read and dropped, a buffer at a time, for at most LINGER_S after the answer, so the
+# client reads the answer rather than a reset; then the connection closes.
+MAX_HEAD = 128 << 10  # a request's line and headers together, bytes (431 beyond)
+BODY_S = 60.0  # a body must arrive whole within this long of its head (408 beyond): a dribbled body holds no more
+LINGER_S = 2.0  # after an answer that left the body unread, what the client still sends is dropped this long
+MAX_IDLE = 256  # connections that answer no request that passed the key check (idle kept-alive ones, heads still
+# arriving, refusals lingering): past it the longest-open of them is closed (the front; rank 0 refuses new ones)
 
 
 def body_too_large(limit: int = MAX_BODY) -> str:
@@ -21,6 +30,16 @@ def body_too_large(limit: int = MAX_BODY) -> str:
 
 def is_too_large(length: int, limit: int = MAX_BODY) -> bool:
     return length > limit
+
+
+def body_too_slow(limit_s: float = BODY_S) -> str:
+    """The message of a 408: the same words from rank 0 and the front."""
+    return f"the request body did not arrive whole in {limit_s:g} s"
+
+
+def head_too_large(limit: int = MAX_HEAD) -> str:
+    """The message of a 431 for a head whose headers together are too long."""
+    return f"the request's line and headers over {limit} bytes"
 
 
 # ---- the error document -----------------------------------------------------------------------------------------

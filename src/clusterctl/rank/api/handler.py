@@ -1,20 +1,66 @@
 """Rank 0's HTTP plumbing: one request handler class per server (``make_handler``) that reads bodies within
 bounds, answers JSON and server-sent events, maps every error to OpenAI's shape in one place (``error``), adds the
 CORS headers the operator allowed, notices clients that left, counts each request's outcome once, and hands every
-request to its route (routes.py)."""
+request to its route (routes.py).
+
+What a peer can hold before it shows a key (protocol/httpedge.py): a head of at most ``MAX_HEAD`` bytes, whole
+within the server's timeout of the connection's start (or of its last answer); the routes decide from the head,
+and a body is read only by a route that passed the key check, within ``MAX_BODY`` and ``BODY_S``, a buffer at a
+time. A body left unread is dropped for at most ``LINGER_S`` after the answer; then the connection closes. The
+server (``RankHTTPServer``) serves at most its capacity plus ``MAX_IDLE`` connections; one more is told 503."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import select
 import socket
+import threading
+import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from clusterctl.protocol.httpedge import (CHALLENGE, MAX_BODY, body_too_large, error_document, error_type,
-                                          is_too_large, rank_outcome)
+from clusterctl.protocol.httpedge import (BODY_S, CHALLENGE, LINGER_S, MAX_BODY, MAX_HEAD, MAX_IDLE, body_too_large,
+                                          body_too_slow, error_document, error_type, head_too_large, is_too_large,
+                                          rank_outcome)
 from clusterctl.rank.api import routes
 from clusterctl.rank.api.wire import UNAUTHORIZED, ApiError
+
+
+CHUNK = 64 << 10  # a body is read (or dropped) this much at a time
+
+
+class HeadTooLarge(http.client.LineTooLong):
+    """The head passed MAX_HEAD (http.server answers a LineTooLong with 431)."""
+
+    def __init__(self):
+        http.client.HTTPException.__init__(self, head_too_large())
+
+
+class _HeadReader:
+    """The connection's reader while a head arrives: its lines count against ``MAX_HEAD``, and each read may wait
+    only what is left of the head's deadline (http.server's timeout bounds one read, not the head)."""
+
+    def __init__(self, raw, sock: socket.socket, deadline: float):
+        self.raw, self.sock, self.deadline, self.left = raw, sock, deadline, MAX_HEAD
+
+    def readline(self, size: int = -1) -> bytes:
+        limit = min(size, self.left + 1) if size >= 0 else self.left + 1
+        line = bytearray()
+        while len(line) < limit and not line.endswith(b"\n"):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the head did not arrive in time")
+            self.sock.settimeout(left)
+            got = self.raw.peek(1)[:limit - len(line)]  # what is buffered, or one read's worth
+            if not got:
+                break
+            end = got.find(b"\n")
+            line += self.raw.read(len(got) if end < 0 else end + 1)
+        self.left -= len(line)
+        if self.left < 0:
+            raise HeadTooLarge()
+        return bytes(line)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -38,21 +84,50 @@ class Handler(BaseHTTPRequestHandler):
     # stream that ended in an error or a cancel, a client that left); None: not counted (/health, /metrics)
     outcome: str | None = None
 
+    body_left = False  # the request declared a body that no route read: dropped after the answer, then close
+
     def handle_one_request(self):
-        self.outcome = None
+        self.outcome, self.body_left, raw = None, False, self.rfile
+        self.rfile = _HeadReader(raw, self.connection, time.monotonic() + self.timeout)
         try:
             super().handle_one_request()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client left before the buffered answer went out
+            if self.body_left:  # what no route read is not taken for the next request: dropped, then close
+                self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True  # the client left before the answer went out, or its head never came
         finally:
+            self.rfile = raw
             if self.outcome is not None:
                 self.api.metrics.request_done(self.outcome)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # the head is read: what follows is the body, read by the routes that may
+        self.rfile = self.rfile.raw if isinstance(self.rfile, _HeadReader) else self.rfile
+        self.connection.settimeout(self.timeout)
+        if ok:
+            self.body_left = self.declares_body()
+        return ok
 
     def finish(self):
         try:
             super().finish()
         except OSError:  # the client left: what was buffered for it cannot be sent (not an error of ours)
             self.rfile.close()
+        if self.body_left:
+            self.linger()
+
+    def linger(self) -> None:
+        """The answer is out: what the client still sends is dropped (a buffer at a time, for at most LINGER_S)
+        so that it reads the answer rather than a reset; then the connection closes."""
+        deadline = time.monotonic() + LINGER_S
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            while (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                if not self.connection.recv(CHUNK):
+                    return
+        except OSError:
+            return
 
     def send_response(self, code, message=None):
         self.outcome = rank_outcome(code)
@@ -74,7 +149,9 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (a request line or header too long, too many headers, a malformed
         request line) as OpenAI-style JSON errors, never its HTML page."""
-        self.close_connection = True
+        self.close_connection = self.body_left = True  # what the client sent after the refused part is dropped
+        if isinstance(explain, str) and explain == head_too_large():
+            message, explain = explain, None
         if not str(getattr(self, "request_version", "")).startswith("HTTP/1."):
             self.request_version = "HTTP/1.1"  # unparsed request: still answer with a status line
         if not hasattr(self, "headers"):
@@ -150,17 +227,14 @@ class Handler(BaseHTTPRequestHandler):
     def tenant(self) -> str | None:
         return self.api.tenant(self.headers.get("Authorization") if self.headers is not None else None)
 
+    def declares_body(self) -> bool:
+        n = self.headers.get("Content-Length")
+        return "Transfer-Encoding" in self.headers or (n is not None and n.strip() not in ("", "0"))
+
     def drain_body(self) -> None:
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = 0
-        if 0 < n and not is_too_large(n):
-            try:
-                self.rfile.read(n)
-            except (TimeoutError, OSError):
-                self.close_connection = True
-        else:
+        """A route that answers without the body (a refusal, a preflight): it is not read (a peer without a key
+        never has a body read); what arrives of it is dropped after the answer, and the connection closes."""
+        if self.body_left:
             self.close_connection = True
 
     def body(self) -> dict:
@@ -174,11 +248,7 @@ class Handler(BaseHTTPRequestHandler):
         if is_too_large(n):
             self.close_connection = True
             raise ApiError(413, body_too_large(MAX_BODY))
-        try:
-            raw = self.rfile.read(n)
-        except (TimeoutError, OSError):
-            self.close_connection = True
-            raise ApiError(408, f"the request body did not arrive within {self.api.spec.http_timeout_s:g} s") from None
+        raw = self._read(n)
         if len(raw) < n:
             self.close_connection = True
             raise ApiError(400, f"the request body ended after {len(raw)} of {n} bytes")
@@ -189,6 +259,28 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
+
+    def _read(self, n: int) -> bytes:
+        """``n`` bytes of body (fewer if the client closed), whole within BODY_S: a client that dribbles its body
+        holds a thread and its bytes no longer than that (each read also within the server's timeout)."""
+        deadline, buf = time.monotonic() + BODY_S, bytearray()
+        try:
+            while len(buf) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(min(self.timeout, left))
+                chunk = self.rfile.read1(min(n - len(buf), CHUNK))
+                if not chunk:
+                    break
+                buf += chunk
+        except (TimeoutError, OSError):
+            self.close_connection = True
+            raise ApiError(408, body_too_slow(BODY_S)) from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        self.body_left = False
+        return bytes(buf)
 
     def client_gone(self) -> bool:
         """The client closed its side (EOF or reset) while we wait: it will never read the answer."""
@@ -201,6 +293,45 @@ class Handler(BaseHTTPRequestHandler):
             return False
         except OSError:
             return True
+
+
+BUSY = b"HTTP/1.1 503 Service Unavailable\r\nServer: clusterctl\r\nContent-Type: application/json\r\n" \
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+
+
+class RankHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` of them (the server's capacity of requests plus
+    ``MAX_IDLE``): one more is told 503 (with Retry-After) and closed at once, without a thread."""
+
+    daemon_threads = True
+    max_connections = 128 + MAX_IDLE
+
+    def __init__(self, *args, **kwargs):
+        self.open_connections, self._count = 0, threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        with self._count:
+            full = self.open_connections >= self.max_connections
+            self.open_connections += 0 if full else 1
+        if not full:
+            super().process_request(request, client_address)
+            return
+        doc = json.dumps(error_document("too many connections", type=error_type(503),
+                                        code="service_unavailable")).encode()
+        try:
+            request.setblocking(False)
+            request.send(BUSY % (len(doc), doc))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.open_connections -= 1
 
 
 def make_handler(api):

@@ -9,16 +9,15 @@ import json
 import socket
 import threading
 import time
-from http.server import ThreadingHTTPServer
 
 from clusterctl.errors import ConfigError
 from clusterctl.rank.api.phase import Phase, ServingPhase
-from clusterctl.rank.api.handler import make_handler
+from clusterctl.rank.api.handler import RankHTTPServer, make_handler
 from clusterctl.rank.engine.requestqueue import ActiveSet, ApiRequest, Done, Failed, RequestQueue
 from clusterctl.rank.metrics import Metrics, metrics_open
 from clusterctl.rank.api.openai import ApiError, RequestBuilder
 from clusterctl.rank.engine.generation import GenResult
-from clusterctl.protocol.httpedge import Access
+from clusterctl.protocol.httpedge import MAX_IDLE, Access
 from clusterctl.protocol.rankspec import RankSpec
 from clusterctl.rank.api.admission import Preparer
 from clusterctl.rank.grammar.compiler import Compiler, GrammarRefused, Refusal
@@ -62,13 +61,12 @@ class Api:
         self.metrics_open = metrics_open()  # read once, on rank 0: /metrics without the API key
         # The listen backlog holds connections not yet accepted. socketserver's default of 5 drops the SYNs of a
         # burst of clients (64 reconnecting at once): the kernel then retries after 1 s, so /health took 1 s.
-        server_class = type("RankHTTPServer", (ThreadingHTTPServer,),
-                            {"request_queue_size": max(128, 2 * self.capacity)})
+        server_class = type("RankHTTPServer", (RankHTTPServer,), {"request_queue_size": max(128, 2 * self.capacity),
+                                                                  "max_connections": self.capacity + MAX_IDLE})
         try:
             self.httpd = server_class((spec.http_host, spec.http_port), make_handler(self))
         except OSError as e:
             raise ConfigError(f"cannot listen on {spec.http_host}:{spec.http_port}: {e.strerror or e}") from None
-        self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": None},
                                         name="http", daemon=True)
