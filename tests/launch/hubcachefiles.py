@@ -51,7 +51,8 @@ def write_cache(cache: Path, repo: str, model: Path, *, commit: str = "c0ffee" +
     return CachedRepo(cache, storage, commit, snapshot)
 
 
-def cluster_file(folder: Path) -> Path:
+def cluster_file(folder: Path, extra_nodes: str = "") -> Path:
+    """cluster.toml of one local node ``a`` (runtime dir under ``folder``), then ``extra_nodes`` as written."""
     path = folder / "cluster.toml"
     path.write_text(f"""
 [cluster]
@@ -62,7 +63,7 @@ local = true
 memory_gb = 4
 ips = ["127.0.0.1"]
 runtime_dir = "{folder}/run-a"
-""")
+{extra_nodes}""")
     return path
 
 

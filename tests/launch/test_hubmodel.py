@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.launch.hubmodel import parse_hub_name
+from hubcachefiles import cluster_file
 from clusterctl.modelfiles.manifest import build_manifest
 from hubcachefiles import cluster_file, one_error_line, plan_offline, write_cache
 from hubserver import FakeHub
@@ -45,16 +46,7 @@ class Bed:
         self.state = tmp / "state"
         self.hf_home = tmp / "hf"
         tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "cluster.toml").write_text(f"""
-[cluster]
-name = "h"
-[[node]]
-name = "a"
-local = true
-memory_gb = 4
-ips = ["127.0.0.1"]
-runtime_dir = "{tmp}/run-a"
-{extra_nodes}""")
+        cluster_file(tmp, extra_nodes)
 
     def env(self, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
