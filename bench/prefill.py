@@ -2,6 +2,8 @@
 join, and what idle ranks cost; side by side in one run, on the ~100M-parameter bench model.
 
 Run: .venv/bin/python bench/prefill.py [--quick] [--rounds N] [--prompt-tokens N] [--parts chunks,ttft,gaps,idle]
+     .venv/bin/python bench/prefill.py --stall [--quick]   (issue 49.12: the 100M model, 2 streams of 300 tokens,
+     2 joining prompts of 512 tokens, arms one,base2,new2 with base2 = main before the time budget, 5b99778)
 
 Parts:
   chunks  one process: the prompt's prefill time at each chunk size (mlx-lm's loop: a forward pass per chunk, the
@@ -17,7 +19,9 @@ Parts:
                     python -m mlx_lm.server --pipeline`; the tiny models are qwen2-class); not in the default arms,
                     skipped with a printed reason without mlx.launch
   gaps    2 streams decode (greedy, --stream-tokens each) while --joins long prompts join one after another: the
-          gaps between the streams' tokens from the first join to the last answer, p50 / p99 / max, base2 vs new2.
+          gaps between the streams' tokens from the first join to the last answer, p50 / p99 / max, base2 vs new2;
+          and each joining prompt's first token (sent -> answer, 1 new token), against one process's lone prompt
+          of the same length (the ttft part's "one" arm).
   idle    every rank's CPU (utime + stime) over --idle-seconds (10) with no request in flight (3 s after the last
           answer), base2 vs new2.
 The rank arms are started by the rank test harness (tests/launch/rankharness.py: unsigned specs, the overlapped
@@ -46,6 +50,8 @@ from _common import MLX_LAUNCH, PY, fmt, machine_note, med, model, say, table  #
 from serve import Round, arm_mlx_launch, arm_single  # noqa: E402
 
 BASE_COMMIT = "23e3c7f"
+BEFORE_GAPS = 20  # the streams' gaps measured before the first join: their decode gap with no prompt joining
+STALL_BASE = "5b99778"  # main before the time budget of a joining prompt's chunks (issue 49.12)
 
 
 def split(path: Path, world: int) -> list[int]:
@@ -179,8 +185,9 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def gaps(base: str, tok, ns, seed: int) -> list[float]:
-    """The streams' gaps between tokens while long prompts join one after another."""
+def gaps(base: str, tok, ns, seed: int, joined: list[float], before: list[float]) -> list[float]:
+    """The streams' gaps between tokens while long prompts join one after another (each one's first token into
+    ``joined``; the gaps of their first BEFORE_GAPS tokens, before any join, into ``before``)."""
     import threading
 
     times: list[list[float]] = [[], []]
@@ -188,11 +195,12 @@ def gaps(base: str, tok, ns, seed: int) -> list[float]:
                                                            times[i])) for i in range(2)]
     for t in threads:
         t.start()
-    while min(len(t) for t in times) < 3:
+    while min(len(t) for t in times) < BEFORE_GAPS + 2:
         time.sleep(0.05)
     t0 = time.monotonic()
+    before.extend(b - a for ts in times for a, b in zip(ts[1:], ts[2:]) if b <= t0)  # (the first: the prompt's)
     for j in range(ns.joins):
-        complete(base, long_prompt(tok, ns.prompt_tokens, seed + j))
+        joined.append(complete(base, long_prompt(tok, ns.prompt_tokens, seed + j)))
     t1 = time.monotonic()
     for t in threads:
         t.join()
@@ -224,7 +232,12 @@ def main() -> int:
     ap.add_argument("--arms", default="one,base2,new2,new3")
     ap.add_argument("--base", default=BASE_COMMIT, help=f"the commit of the base arms (default {BASE_COMMIT})")
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle part measures")
+    ap.add_argument("--stall", action="store_true", help="issue 49.12's case: --model 100m --prompt-tokens 512 "
+                    "--joins 2 --stream-tokens 300 --parts ttft,gaps --arms one,base2,new2 --base 5b99778")
     ns = ap.parse_args()
+    if ns.stall:
+        ns.model, ns.parts, ns.arms, ns.base = "100m", "ttft,gaps", "one,base2,new2", STALL_BASE
+        ns.prompt_tokens, ns.joins, ns.stream_tokens = ns.prompt_tokens or 512, ns.joins or 2, ns.stream_tokens or 300
     ns.rounds = ns.rounds or 1 if ns.quick else ns.rounds or 2
     ns.requests = ns.requests or (1 if ns.quick else 2)
     ns.prompt_tokens = ns.prompt_tokens or (1000 if ns.quick else 2000)
@@ -256,6 +269,8 @@ def main() -> int:
 
     ttft: dict[str, list[float]] = {a: [] for a in arms}
     gap: dict[str, list[float]] = {}
+    joined: dict[str, list[float]] = {}
+    before: dict[str, list[float]] = {}
     idle: dict[str, float] = {}
     for rnd in range(ns.rounds):
         order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
@@ -267,7 +282,10 @@ def main() -> int:
                         ttft[a].append(complete(base, long_prompt(tok, ns.prompt_tokens, 1000 * rnd + i)))
                     say(f"round {rnd + 1} {a}: first token {fmt(med(ttft[a]), ' s')}")
                 if "gaps" in parts and a in ("base2", "new2"):
-                    gap.setdefault(a, []).extend(gaps(base, tok, ns, 5000 + 100 * rnd))
+                    gap.setdefault(a, []).extend(gaps(base, tok, ns, 5000 + 100 * rnd, joined.setdefault(a, []),
+                                                       before.setdefault(a, [])))
+                    say(f"round {rnd + 1} {a}: gaps p50 {fmt(pct(gap[a], 50) * 1e3, ' ms', 0)}, "
+                        f"p99 {fmt(pct(gap[a], 99) * 1e3, ' ms', 0)}; joining first token {fmt(med(joined[a]), ' s')}")
                 if "idle" in parts and a in ("base2", "new2") and rnd == 0:
                     idle[a] = idle_cpu(pids, ns.idle_seconds)
 
@@ -278,10 +296,18 @@ def main() -> int:
         say(f"\nfirst token of a lone {ns.prompt_tokens}-token prompt (median):")
         say(table(rows, ["arm", "first token", "vs one", "n"]))
     if gap:
-        rows = [[a, str(len(g)), fmt(pct(g, 50) * 1e3, " ms", 0), fmt(pct(g, 99) * 1e3, " ms", 0),
-                 fmt(max(g) * 1e3, " ms", 0), fmt(pct(g, 99) / pct(g, 50), "x")] for a, g in gap.items() if g]
-        say(f"\n2 streams' gaps between tokens while {ns.joins} prompts of {ns.prompt_tokens} tokens join:")
-        say(table(rows, ["arm", "gaps", "p50", "p99", "max", "p99/p50"]))
+        rows = [[a, fmt(pct(before[a], 50) * 1e3, " ms", 0), str(len(g)), fmt(pct(g, 50) * 1e3, " ms", 0),
+                 fmt(pct(g, 99) * 1e3, " ms", 0), fmt(max(g) * 1e3, " ms", 0), fmt(pct(g, 99) / pct(g, 50), "x"),
+                 fmt(pct(g, 99) / pct(before[a], 50), "x")] for a, g in gap.items() if g and before.get(a)]
+        say(f"\n2 streams' gaps between tokens while {ns.joins} prompts of {ns.prompt_tokens} tokens join (p50 before: "
+            f"their first {BEFORE_GAPS} gaps, before any join):")
+        say(table(rows, ["arm", "p50 before", "gaps", "p50", "p99", "max", "p99/p50", "p99/p50 before"]))
+        one = med(ttft.get("one") or [])
+        rows = [[a, fmt(med(j), " s"), fmt(med(j) / one, "x") if one else "n/a", str(len(j))]
+                for a, j in joined.items() if j]
+        say(f"\nfirst token of a {ns.prompt_tokens}-token prompt joining the streams (median; vs one process's lone "
+            "prompt):")
+        say(table(rows, ["arm", "first token", "vs one", "n"]))
     if idle:
         say(f"\nidle CPU of all ranks together ({ns.idle_seconds:g} s, no request in flight; base2 = {ns.base}), "
             "% of one core:")

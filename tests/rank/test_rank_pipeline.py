@@ -114,9 +114,11 @@ def test_concurrent_requests_are_batched_and_each_matches_one_process(cluster, m
     while any(cluster.marker(r).active_requests for r in range(cluster.world)):
         assert time.monotonic() < deadline, [cluster.marker(r).active_requests for r in range(cluster.world)]
         time.sleep(0.1)
-    if n > 1:  # served one after another, the last would see its first token after the first had finished
-        first_done = min(end for _, end in spans.values())
-        assert all(first < first_done for first, _ in spans.values()), spans
+    if n > 1:  # served one after another, no request's tokens would flow while another's do: every request's
+        # span (first text to last event) overlaps another's. (Not "all began before the first ended": while rows
+        # decode a joining prompt is cut to what 2 decode steps cost, so the 8th short prompt may join late.)
+        for p, (first, end) in spans.items():
+            assert any(f < end and first < e for q, (f, e) in spans.items() if q != p), (p, spans)
 
 
 def _stream_ids(c, **body) -> tuple[list[int], tuple[float, float]]:

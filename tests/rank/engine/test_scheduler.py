@@ -471,6 +471,51 @@ def test_a_long_prompt_joining_decoding_rows_is_done_in_bounded_slots():
     assert slots == -(-2000 // sch.DECODE_BUDGET)
 
 
+def test_a_slot_spends_the_budget_its_control_carries_and_still_progresses_below_one_column():
+    assert sch.prefill_plan([(1, 2000)], decoding=True, budget=3) == [3]
+    assert sch.prefill_plan([(2, 2000), (1, 9)], decoding=True, budget=5) == [2, 1]
+    assert sch.prefill_plan([(4, 2000)], decoding=True, budget=0) == [1]  # the floor: one column of the first group
+    assert sch.prefill_plan([(1, 2000)], decoding=False, budget=1) == [2000]  # nothing decodes: the whole prompt
+
+
+def test_the_slot_budget_is_the_prompt_work_that_fits_the_stall_in_decode_steps():
+    from clusterctl.rank.engine.slotcosts import STALL_STEPS, SlotCosts
+
+    c = SlotCosts()
+    assert c.budget() == int(STALL_STEPS)  # nothing measured: a prompt token is taken to cost a decode step
+    c.stepped(0.1)
+    assert c.budget() == int(STALL_STEPS)  # (nor is it before a token is measured)
+    for token_s, want in [(0.1, 2), (0.01, 20), (0.2, 1), (1e-5, sch.DECODE_BUDGET)]:
+        c = SlotCosts(weight=1.0)
+        c.stepped(0.1)
+        c.prompted(10, 10 * token_s)
+        assert c.budget() == want, token_s
+    c.prompted(0, 1.0)  # nothing processed, or no time: no observation
+    c.stepped(0.0)
+    assert (c.step_s, c.token_s) == (0.1, 1e-5)
+
+
+@pytest.mark.parametrize("fixed_s,per_token_s,want", [
+    (0.0, 0.1, 2),        # this CPU: a prompt token costs a decode step (0.1 s): 2 tokens a slot
+    (0.05, 0.002, 75),    # a chunk's fixed cost and cheap tokens (Apple silicon): from 2 up to the stall, capped
+    (0.05, 0.005, 30),    # ... where 0.05 + 0.005 n = 2 steps
+    (0.3, 0.001, 1),      # one column already costs more than the stall: one a slot
+])
+def test_the_budget_settles_where_a_chunk_takes_the_stall(fixed_s, per_token_s, want):
+    """A chunk of n tokens takes fixed_s + per_token_s * n; slot after slot the budget follows what the last
+    chunks cost, and settles where a chunk takes STALL_STEPS decode steps (within a token), or at a bound."""
+    from clusterctl.rank.engine.slotcosts import SlotCosts
+
+    c, seen = SlotCosts(cap=64), []
+    c.stepped(0.1)
+    for _ in range(60):
+        n = c.budget()
+        c.prompted(n, fixed_s + per_token_s * n)
+        seen.append(n)
+    assert abs(seen[-1] - min(want, 64)) <= 1, seen
+    assert all(1 <= n <= 64 for n in seen)
+
+
 def test_every_reason_a_run_ends_has_its_metric_label():
     from clusterctl.rank.metrics import RUN_ENDS
 

@@ -52,6 +52,7 @@ independent sends of one eval in either order.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -59,14 +60,15 @@ import mlx.core as mx
 
 from clusterctl.rank.engine.generation import GenRequest, GenResult, Seq, StopMatcher
 from clusterctl.rank.engine.sampling import RowSampler, sample_rows
-from clusterctl.rank.engine.prefill import Prefill
-from clusterctl.rank.engine.scheduler import prefill_plan, prompt_groups
+from clusterctl.rank.engine import prefill as prompts
+from clusterctl.rank.engine.slotcosts import SlotCosts
 from clusterctl.rank.watchdog import PeerLost
 from clusterctl.rank.engine.logprobs import Entries
 from clusterctl.rank.engine.promptlogprobs import PromptScorer
 
 END, MEET = 1, 2  # a control's flags: the micro-batch's run ends here; a rank asks rank 0 for a meeting
-CONTROL_WORDS = 5  # flags, the changes' length in bytes, the cancel epoch, the check word, the revived micro-batch
+CONTROL_WORDS = 6  # flags, the changes' length in bytes, the cancel epoch, the check word, the revived micro-batch,
+# and the prompt tokens the slot may process while rows decode (rank 0's SlotCosts.budget)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Control:
     epoch: int = 0  # the newest cancel epoch whose drops every rank has applied by now
     load: list[int] = field(default_factory=list)  # every rank's load words, summed on the way down
     revive: int = -1  # a parked micro-batch the changes' joins go to, back in the run from its next slot (-1: none)
+    budget: int = 0  # prompt tokens the slot may process while rows decode (scheduler.prefill_plan)
 
     @property
     def end(self) -> bool:
@@ -128,7 +131,7 @@ class Hooks(Protocol):
 class MicroBatch:
     rows: list[Row] = field(default_factory=list)
     fresh: list[Row] = field(default_factory=list)  # joined, prompt not processed yet (or not all of it)
-    prefill: list[Prefill] = field(default_factory=list)  # groups of ``fresh`` whose prompts are under way
+    prefill: list[prompts.Prefill] = field(default_factory=list)  # groups of ``fresh`` whose prompts are under way
     cache: list = field(default_factory=list)  # mlx-lm's per-layer batch caches of ``rows``
     inputs: mx.array | None = None  # first stage: each row's next input token (rows order)
     computed: int = 0  # rows in its last slot (the tokens rank 0 sends back for it)
@@ -156,6 +159,7 @@ class OverlapBatch:
         # a short prompt cut finer so that its chunks fill the stages (scheduler.prefill_chunk); not with a quantized
         # KV cache, which mlx-lm quantizes after the pass that reaches its start: the chunks' bounds decide its answers
         self.fine_chunks = fine_chunks
+        self.costs = SlotCosts()  # rank 0: what a decode step and a prompt token cost, for each slot's budget
         self.produced = 0  # rank 0: tokens generated for requests not yet answered (EOS included)
 
     # -- the batch's membership (the same calls, in the same order, on every rank)
@@ -214,7 +218,7 @@ class OverlapBatch:
             for i, r in enumerate(mb.fresh):
                 if r.id == rid:
                     del mb.fresh[i]
-                    self._forget_prompt(mb, r)
+                    prompts.forget(mb, r)
                     return self._result(r, finish)
             for i, r in enumerate(mb.rows):
                 if r.id == rid:
@@ -223,16 +227,6 @@ class OverlapBatch:
                     self._keep(mb, [j for j in range(len(mb.rows)) if j != i])
                     return self._result(r, finish)
         return None
-
-    @staticmethod
-    def _forget_prompt(mb: MicroBatch, r: Row) -> None:
-        """A row whose prompt is being processed leaves: its group goes on without it (its padded columns are
-        already laid out), or stops when no row of it is left."""
-        for p in mb.prefill:
-            if any(x is r for x in p.rows):
-                if p.forget(r.id):
-                    mb.prefill.remove(p)
-                return
 
     def _save(self, mb: MicroBatch, i: int) -> None:
         """Keep row ``i``'s KV in the prompt cache (a prompt row's: for its choices): its prompt and the tokens fed
@@ -295,11 +289,15 @@ class OverlapBatch:
                     continue
                 if self.last:  # the next slot's control goes out before this slot computes
                     self._send_control(hooks.decide(k, live), self._check(run_id, s + 1, k))
-                if mb.fresh:
-                    self._prompt(mb)
+                prompted = bool(mb.fresh)
+                if prompted:
+                    prompts.process(self, mb, c.budget)
                 mb.computed = len(mb.rows)
                 if mb.rows:
+                    t = time.perf_counter()
                     self._step(mb, on_done)
+                    if self.last and not prompted:
+                        self.costs.stepped(time.perf_counter() - t)
                     computed += 1
                 hooks.slot_done()
             s += 1
@@ -327,24 +325,24 @@ class OverlapBatch:
         else what the previous stage (or, on the first stage, rank 0) sent."""
         import numpy as np
 
-        if self.first and local:
-            return Control()
+        if self.first and local:  # (rank 0 decided no budget for it: a prompt token is taken to cost a step)
+            return Control(budget=prompts.budget(self, None))
         if self.first:
             ctrl, load = self._recv((CONTROL_WORDS,), 0), []
         else:
             words = self._recv((CONTROL_WORDS + 3 * self.world,), self.rank + 1)
             ctrl, load = words[:CONTROL_WORDS], words[CONTROL_WORDS:]
-        flags, length, epoch, check, revive = ctrl
-        if check != self._check(run_id, s, k) or length < 0 or flags & ~(END | MEET) \
+        flags, length, epoch, check, revive, budget = ctrl
+        if check != self._check(run_id, s, k) or length < 0 or flags & ~(END | MEET) or budget < 0 \
                 or not -1 <= revive < len(self.mbs) or (revive >= 0 and not length):
             raise PeerLost.ring(self.rank, f"slot {s} of micro-batch {k}: check word {check}, flags {flags}, "
-                                           f"{length} bytes of changes, revives {revive}")
+                                           f"{length} bytes of changes, revives {revive}, budget {budget}")
         changes = b""
         if length:
             padded = mx.distributed.recv(((length + 3) // 4,), mx.int32,
                                          0 if self.first else self.rank + 1, group=self.group)
             changes = np.array(padded, copy=True).view(np.uint8)[:length].tobytes()
-        return Control(flags=flags, changes=changes, epoch=epoch, load=load, revive=revive)
+        return Control(flags=flags, changes=changes, epoch=epoch, load=load, revive=revive, budget=budget)
 
     def _recv(self, shape: tuple[int, ...], src: int) -> list[int]:
         import numpy as np
@@ -368,50 +366,11 @@ class OverlapBatch:
         mine = hooks.load_words()
         load = [a + b for a, b in zip(mine, c.load)] if c.load else mine
         flags = c.flags | (MEET if hooks.wants_meeting() else 0)
-        self._send([flags, len(c.changes), c.epoch, check, c.revive, *load], c.changes, self.rank - 1)
+        self._send([flags, len(c.changes), c.epoch, check, c.revive, c.budget, *load], c.changes, self.rank - 1)
 
     def _send_control(self, c: Control, check: int) -> None:
         """Rank 0: the control of a micro-batch's next slot, to the first stage (its tokens follow in the step)."""
-        self._send([c.flags, len(c.changes), c.epoch, check, c.revive], c.changes, self.world - 1)
-
-    def _prompt(self, mb: MicroBatch) -> None:
-        """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
-        step's input, as in mlx-lm), in groups of similar length (a batch pads every prompt to its longest, and on
-        a CPU every padded token costs a real one), each in chunks of at most PREFILL_CHUNK columns (fewer for a
-        short prompt, so that its chunks fill the stages: ``prefill_chunk``); a group that is done joins the
-        micro-batch's rows and caches. How much of it this slot processes is ``prefill_plan``'s: all of
-        it when no row decodes (its chunks flow through the stages like micro-batches), else a budget per slot,
-        so the running rows keep their pace while a long prompt joins (a prompt the prompt cache covers whole has
-        nothing left to process)."""
-        started = {id(r) for p in mb.prefill for r in p.rows}
-        new = [r for r in mb.fresh if id(r) not in started]
-        for group in prompt_groups([len(r.req.tokens) - 1 - self._reused(r) for r in new]):
-            mb.prefill.append(Prefill.start(self.model, [new[i] for i in group], self._reused,
-                                             self.world if self.fine_chunks else 1))
-        plan = prefill_plan([(len(p.rows), p.left) for p in mb.prefill], any(m.rows for m in self.mbs))
-        for p, cols in zip(list(mb.prefill), plan):
-            p.advance(self.model, cols)
-            if not p.left:
-                mb.prefill.remove(p)
-                self._finish(mb, p)
-
-    @staticmethod
-    def _reused(r: Row) -> int:
-        return r.req.cache_len if r.prefix is not None else 0
-
-    def _finish(self, mb: MicroBatch, p: Prefill) -> None:
-        """A group's prompts are processed: its rows (those not dropped meanwhile) join the micro-batch's."""
-        from mlx_lm.generate import _extend_cache
-
-        rows = p.finish()
-        if not rows:
-            return
-        mb.cache = _extend_cache(mb.cache, p.cache)
-        mb.rows.extend(rows)
-        mb.fresh = [r for r in mb.fresh if all(r is not x for x in rows)]
-        if self.first:
-            last = mx.array([r.req.tokens[-1] for r in rows], dtype=mx.int32)
-            mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])
+        self._send([c.flags, len(c.changes), c.epoch, check, c.revive, c.budget], c.changes, self.world - 1)
 
     def _step(self, mb: MicroBatch, on_done) -> None:
         n = len(mb.rows)

@@ -1,4 +1,5 @@
-"""A group of prompts processed in chunks, over one or more slots of an overlapped micro-batch (overlap.py).
+"""A group of prompts processed in chunks, over one or more slots of an overlapped micro-batch (overlap.py), and
+a micro-batch's prompts slot by slot (``process``: grouped, cut to the slot's budget, timed on rank 0).
 
 mlx-lm's ``PromptProcessingBatch.prompt`` processes a batch of prompts in one call: it right-pads them to the
 longest, runs a forward pass per ``prefill_step_size`` columns (evaluating only the caches) and rolls the padding to
@@ -10,13 +11,15 @@ c while this one computes chunk c + 1: a long prompt's chunks flow through the p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 
 from clusterctl.rank.engine.promptlogprobs import RowChunk, score
-from clusterctl.rank.engine.scheduler import PREFILL_CHUNK, prefill_chunk
+from clusterctl.rank.engine.scheduler import DECODE_BUDGET, PREFILL_CHUNK, prefill_chunk, prefill_plan, prompt_groups
+from clusterctl.rank.engine.slotcosts import STALL_STEPS, SlotCosts
 
 
 @dataclass
@@ -94,3 +97,70 @@ class Prefill:
             for c in self.cache:
                 c.filter(keep)
         return [self.rows[i] for i in keep]
+
+
+# -- a micro-batch's prompts, slot by slot (``batch``: overlap.py's OverlapBatch, ``mb`` one of its micro-batches)
+
+def process(batch, mb, budget: int) -> None:
+    """Process the prompts of the micro-batch's new requests (all but their last token, which is their first
+    step's input, as in mlx-lm), in groups of similar length (a batch pads every prompt to its longest, and on
+    a CPU every padded token costs a real one), each in chunks of at most PREFILL_CHUNK columns (fewer for a
+    short prompt, so that its chunks fill the stages: ``prefill_chunk``); a group that is done joins the
+    micro-batch's rows and caches. How much of it this slot processes is ``prefill_plan``'s: all of it when no row
+    decodes (its chunks flow through the stages like micro-batches), else the control's ``budget`` of tokens (rank
+    0's, from what they cost: slotcosts.py), so the running rows keep their pace while a long prompt joins; rank 0
+    times that work for the next budgets."""
+    started = {id(r) for p in mb.prefill for r in p.rows}
+    new = [r for r in mb.fresh if id(r) not in started]
+    for group in prompt_groups([len(r.req.tokens) - 1 - reused(r) for r in new]):
+        mb.prefill.append(Prefill.start(batch.model, [new[i] for i in group], reused,
+                                        batch.world if batch.fine_chunks else 1))
+    decoding = any(m.rows for m in batch.mbs)
+    plan = prefill_plan([(len(p.rows), p.left) for p in mb.prefill], decoding, budget)
+    t, tokens = time.perf_counter(), sum(len(p.rows) * cols for p, cols in zip(mb.prefill, plan))
+    for p, cols in zip(list(mb.prefill), plan):
+        p.advance(batch.model, cols)
+        if not p.left:
+            mb.prefill.remove(p)
+            _finish(batch, mb, p)
+    if batch.last and decoding:
+        batch.costs.prompted(tokens, time.perf_counter() - t)
+
+
+def budget(batch, costs: SlotCosts | None) -> int:
+    """The prompt tokens a slot may process while rows decode: from ``costs`` (rank 0's), or as if a token cost a
+    step (None: a slot rank 0 decided nothing for). A quantized KV cache keeps DECODE_BUDGET: mlx-lm quantizes it
+    after the pass that reaches its start, so its chunks' bounds must not hang on timings."""
+    if not batch.fine_chunks:
+        return DECODE_BUDGET
+    return costs.budget() if costs is not None else max(1, int(STALL_STEPS))
+
+
+def reused(r) -> int:
+    """The prompt tokens a row's prompt-cache prefix gives."""
+    return r.req.cache_len if r.prefix is not None else 0
+
+
+def forget(mb, r) -> None:
+    """A row whose prompt is being processed leaves: its group goes on without it (its padded columns are already
+    laid out), or stops when no row of it is left."""
+    for p in mb.prefill:
+        if any(x is r for x in p.rows):
+            if p.forget(r.id):
+                mb.prefill.remove(p)
+            return
+
+
+def _finish(batch, mb, p: Prefill) -> None:
+    """A group's prompts are processed: its rows (those not dropped meanwhile) join the micro-batch's."""
+    from mlx_lm.generate import _extend_cache
+
+    rows = p.finish()
+    if not rows:
+        return
+    mb.cache = _extend_cache(mb.cache, p.cache)
+    mb.rows.extend(rows)
+    mb.fresh = [r for r in mb.fresh if all(r is not x for x in rows)]
+    if batch.first:
+        last = mx.array([r.req.tokens[-1] for r in rows], dtype=mx.int32)
+        mb.inputs = last if mb.inputs is None else mx.concatenate([mb.inputs, last])

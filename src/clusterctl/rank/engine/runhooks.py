@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from clusterctl.rank.engine import prefill
 from clusterctl.rank.engine.overlap import END, MEET, Control
 from clusterctl.rank.engine.scheduler import BatchChanges, OverlapRun, RunEnd
 
@@ -32,7 +33,7 @@ class RunHooks:
         d = self.plan.decide(k, live, [(r.id, r.done) for r in mb.rows], fresh=bool(mb.fresh),
                              mb_sizes=batch.sizes(), held=len(batch), stop=loop.stop.is_set())
         return Control(flags=END if d.end else 0, changes=d.changes.encode(), epoch=self.plan.epoch_out,
-                       revive=-1 if d.revive is None else d.revive)
+                       revive=-1 if d.revive is None else d.revive, budget=prefill.budget(batch, batch.costs))
 
     # -- every rank
 

@@ -412,21 +412,25 @@ def prefill_chunk(columns: int, stages: int, largest: int = PREFILL_CHUNK) -> in
     want = -(-columns // (CHUNKS_PER_STAGE * stages))
     want = -(-want // 16) * 16  # a multiple of 16 columns
     return min(largest, max(MIN_PREFILL_CHUNK, want))
-DECODE_BUDGET = 64  # prompt tokens one slot may process while rows decode, so their gap between tokens stays short
 
 
-def prefill_plan(groups: list[tuple[int, int]], decoding: bool) -> list[int]:
+DECODE_BUDGET = 64  # prompt tokens one slot may process while rows decode, at most (slotcosts.py cuts it to their cost)
+
+
+def prefill_plan(groups: list[tuple[int, int]], decoding: bool, budget: int = DECODE_BUDGET) -> list[int]:
     """Columns of each prompt group (its rows, its columns left) to process in this slot, in order. With no row
     decoding anywhere, all of them: the chunks of a prompt then flow through the stages within the slot (stage r
-    on chunk c while the stage before it computes chunk c + 1). While rows decode, about DECODE_BUDGET tokens, at
-    least one column of the first unfinished group, so a joining prompt always progresses and the running
-    streams wait for one budget per slot, not a whole prompt (vLLM's chunked prefill). Only data every rank holds
-    (the groups' shapes, whether the batch has rows) goes in, so every rank processes the same chunks."""
+    on chunk c while the stage before it computes chunk c + 1). While rows decode, about ``budget`` tokens (rank 0's
+    ``SlotCosts.budget``, sent with the slot's control), at least one column of the first unfinished group, so a
+    joining prompt always progresses and the running streams wait for one budget per slot, not a whole prompt
+    (vLLM's chunked prefill). Only data every rank holds (the groups' shapes, whether the batch has rows, the
+    control's budget) goes in, so every rank processes the same chunks."""
     if not decoding:
         return [left for _, left in groups]
-    out, budget = [], DECODE_BUDGET
+    out = []
     for rows, left in groups:
         take = min(left, max(budget // max(rows, 1), 0 if any(out) else 1))
         out.append(take)
         budget -= take * rows
     return out
+
