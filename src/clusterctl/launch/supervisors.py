@@ -45,10 +45,6 @@ class Held:
         return {x for x in (self.doc.get("deployment"), self.doc.get("job")) if isinstance(x, str)}
 
 
-def heal_lock_path(state: StateDir, cluster: str):
-    return state.locks / f"heal-{cluster}.lock"
-
-
 def _cluster_of(state: StateDir, ref: str) -> str | None:
     """The cluster a deployment id, deployment file or job id belongs to (None when unknown)."""
     with contextlib.suppress(ClusterctlError, OSError):
@@ -85,7 +81,7 @@ async def hold_supervisors(state: StateDir, ref: str | None, *, log=lambda msg: 
 
 async def _hold(state: StateDir, doc: dict, log, timeout: float) -> Held:
     c = doc["cluster"]
-    lock = Lock(heal_lock_path(state, c))
+    lock = Lock(state.heal_lock(c))
     with contextlib.suppress(Busy):
         return Held(c, doc, lock.acquire(), None)  # nobody supervises it now
     sup = _identity(doc)
@@ -164,5 +160,5 @@ def dead_heals(state: StateDir) -> list[tuple[dict, Lock]]:
                 or not isinstance(doc.get("cluster"), str):
             continue
         with contextlib.suppress(Busy):
-            out.append((doc, Lock(heal_lock_path(state, doc["cluster"])).acquire()))
+            out.append((doc, Lock(state.heal_lock(doc["cluster"])).acquire()))
     return out

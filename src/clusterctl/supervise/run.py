@@ -23,7 +23,7 @@ async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy,
     stop = stop_on_signals()
     sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
                      event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
-    lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
+    lock = Lock(state.heal_lock(sup.cluster)).acquire(what=f"supervision of cluster {sup.cluster}")
     try:
         if not await _started(o, sup, stop, take_over):
             return 130

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from clusterctl.errors import ClusterctlError
+from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.connect.nodes import close_all, handles
 from clusterctl.launch.look import look
 from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
@@ -18,7 +18,6 @@ from clusterctl.protocol.nodeops import ProbeRequest
 
 LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
 UP = ("loading", "ready", "serving")
-FOLLOWER_EXIT = 69  # a foreground rank's keeper: its rank left because a peer, its lease or its parent was lost
 
 
 async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
@@ -37,15 +36,16 @@ async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict
 
 def rank_record(r, info: dict, process: str | None, running=None) -> dict:
     """One rank as the policy takes it: ``state`` (``up`` or why not), ``follower`` (it only followed a lost
-    peer: its marker's typed reason or its ladder's ``lost``, or its keeper's exit 69 in the foreground,
-    whatever its process does now), ``silent_s`` (a frozen rank's heartbeat age)."""
+    peer: its marker's typed reason or its ladder's ``lost``, or in the foreground its keeper's exit 69, the
+    rank's ``Exit.UNAVAILABLE`` for a peer, lease or parent lost, whatever its process does now), ``silent_s``
+    (a frozen rank's heartbeat age)."""
     mk = clean_marker(info.get("marker") or {})
     age = info.get("age")
     st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
     follower = followed_a_peer(mk.get("state"), mk.get("reason"))
     if running is not None and running.exited(r.rank):
         st = "exited"
-        follower = follower or running.procs[r.rank].returncode == FOLLOWER_EXIT
+        follower = follower or running.procs[r.rank].returncode == Exit.UNAVAILABLE
     return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
             "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
 
