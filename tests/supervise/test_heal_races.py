@@ -158,8 +158,8 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
         assert sup.book.phase == "serving" and sup.current == original and sup.book.lost == []
         assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
         assert sup.book.changes == [] and sup.book.wait(clock.t) == 0
-        [healing] = [d for d in docs if d["state"] == "healing"]
-        assert healing["leaving_out"] == [] and "no node to blame" in healing["reason"], healing
+        [healing] = [d for d in docs if d.state == "healing"]
+        assert healing.leaving_out == [] and "no node to blame" in healing.reason, healing
         assert not [line for line in said if "leaving out" in line], said
 
     asyncio.run(go())
@@ -211,7 +211,7 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
         assert [r["job_id"] for r in report.reaped] == [job], report.to_json()
         assert not any(n.running for n in nodes.values())  # rank 1 (alive, frozen) reaped too
         after = healfile.read(path)
-        assert after["state"] == "degraded" and after["job"] is None and "died during a heal" in after["reason"]
+        assert after.state == "degraded" and after.job is None and "died during a heal" in after.reason
 
     asyncio.run(go())
 

@@ -13,7 +13,7 @@ this module only acts):
            no request in flight (or after the drain deadline), back to the original deployment (kind
            ``rejoin``).
 
-The state goes to ``<state>/heal/<cluster>.json`` (launch/healfile.py) at every change.
+The state goes to ``<state>/heal/<cluster>.json`` (statedir/healfile.py: SupervisorState) at every change.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError, MissingInput
 from clusterctl.statedir import healfile
-from clusterctl.supervise.policy import Book, HealNodes, HealPolicy, culprits, heal_nodes, state_doc
+from clusterctl.statedir.healfile import SupervisorState
+from clusterctl.supervise.policy import Book, HealNodes, HealPolicy, culprits, heal_nodes
 from clusterctl.supervise.watch import LOOK_TIMEOUT, look_at, probe_nodes, rank_record
 from clusterctl.statedir.manifest import manifest_store, now_iso, this_coordinator
 from clusterctl.connect.nodes import close_all, handles
@@ -70,9 +71,9 @@ class Supervisor:
         self.unreachable: dict[str, bool] = {}  # node -> its last look got no answer
         self.last_probe = float("-inf")
         self.held = False  # the reason already says the budget holds the heal back
-        self.unfinished: dict | None = None  # the state file of a predecessor that died healing
+        self.unfinished: SupervisorState | None = None  # the state file of a predecessor that died healing
         self._saved: tuple[dict, float] | None = None
-        self.me = this_coordinator().model_dump(mode="json")  # who writes the state file (its pid, start time)
+        self.me = this_coordinator()  # who writes the state file (its pid, start time)
         self._resume()
 
     def _resume(self) -> None:
@@ -80,26 +81,24 @@ class Supervisor:
         state file it left, when it names the deployment that is current now; the HTTP host and port the
         cluster serves on (every relaunch binds them, whoever supervises); and a heal it did not finish (it
         died ``healing``): the nodes it was leaving out, so this one finishes the heal (``take_over``)."""
-        doc = healfile.read(healfile.path_of(self.state, self.cluster))
-        if not doc or doc.get("cluster") != self.cluster:
+        s = healfile.read(healfile.path_of(self.state, self.cluster))
+        if s is None or s.cluster != self.cluster:
             return
-        port, host = doc.get("http_port"), doc.get("http_host")
-        if self.opts.http_port is None and isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-            self.opts = self.opts.model_copy(update={"http_port": port})
-        if not self.opts.http_host and isinstance(host, str) and host:
-            self.opts = self.opts.model_copy(update={"http_host": host})
-        if doc.get("deployment") != self.current or not isinstance(doc.get("original"), str):
+        if self.opts.http_port is None and s.http_port is not None:
+            self.opts = self.opts.model_copy(update={"http_port": s.http_port})
+        if not self.opts.http_host and s.http_host:
+            self.opts = self.opts.model_copy(update={"http_host": s.http_host})
+        if s.deployment != self.current or s.original is None:
             return
         with contextlib.suppress(ClusterctlError):
-            _, loaded = self.state.load_deployment(doc["original"])
-            self.original = doc["original"]
+            _, loaded = self.state.load_deployment(s.original)
+            self.original = s.original
             self.node_order = [r.node for r in loaded.deployment.ranks]
-            self.book.lost = [n for n in doc.get("lost_nodes") or [] if n in self.node_order]
-            self.book.heals = int(doc.get("heals") or 0)
-            out = doc.get("leaving_out")
-            if doc.get("state") == "healing" and isinstance(out, list):
-                self.pending = heal_nodes(self.node_order, self.book.lost, out)
-                self.unfinished = doc
+            self.book.lost = [n for n in s.lost_nodes if n in self.node_order]
+            self.book.heals = s.heals
+            if s.state == "healing" and s.leaving_out is not None:
+                self.pending = heal_nodes(self.node_order, self.book.lost, s.leaving_out)
+                self.unfinished = s
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -161,25 +160,24 @@ class Supervisor:
                 self.since_iso = now_iso()
             self.log(f"heal: {name}" + (f": {reason}" if reason else ""))
             self.save(force=True)
-            self.event(self.doc())
+            self.event(self.snapshot())
 
-    def doc(self) -> dict:
-        return {**state_doc(self.book, self.clock(), since_iso=self.since_iso, deployment=self.current,
-                            job=self.job.manifest.job_id if self.job else None, cluster=self.cluster,
-                            original=self.original),
-                # where the cluster serves, and the nodes a heal under way leaves out: a successor (this one
-                # killed) relaunches on the same host and port and finishes the heal
-                "http_host": self.opts.http_host or None, "http_port": self.opts.http_port,
-                "leaving_out": list(self.pending.leave_out) if self.pending is not None else None,
-                "supervisor": self.me, "updated_at": now_iso()}
+    def snapshot(self) -> SupervisorState:
+        """The supervision as its state file says it. Where the cluster serves and the nodes a heal under way
+        leaves out too: a successor (this one killed) relaunches on the same host and port and finishes it."""
+        return state_of(self.book, self.clock(), since=self.since_iso, deployment=self.current,
+                        job=self.job.manifest.job_id if self.job else None, cluster=self.cluster,
+                        original=self.original, http_host=self.opts.http_host or None, http_port=self.opts.http_port,
+                        leaving_out=list(self.pending.leave_out) if self.pending is not None else None,
+                        supervisor=self.me, updated_at=now_iso())
 
     def save(self, force: bool = False) -> None:
-        doc, now = self.doc(), self.clock()
-        key = {k: v for k, v in doc.items() if k not in ("updated_at", "degraded_seconds")}
+        s, now = self.snapshot(), self.clock()
+        key = s.model_dump(exclude={"updated_at", "degraded_seconds"})
         if not force and self._saved and self._saved[0] == key and now - self._saved[1] < SAVE_EVERY_S:
             return
         try:
-            healfile.write(self.state, self.cluster, doc)
+            healfile.write(self.state, s)
         except (ClusterctlError, OSError) as e:
             self.log(f"warning: heal state not written: {e}")
             return
@@ -433,11 +431,11 @@ class Supervisor:
         """Its predecessor died healing (SIGKILL, a crash): what is left of the lost job, or of a relaunch cut
         short, is torn down verified; the next step heals without the nodes it was leaving out, on the
         cluster's recorded host and port."""
-        doc, self.unfinished = self.unfinished, None
-        pid = (doc.get("supervisor") or {}).get("pid", "?")
-        self.phase("healing", f"{doc.get('reason') or 'a heal'}; finishing it (supervisor pid {pid} died during it)")
-        if isinstance(doc.get("job"), str) and doc["job"] not in {m.job_id for m in jobs}:
-            self.leftovers.append(doc["job"])  # its ranks may all be gone: its manifest still is to be cleared
+        s, self.unfinished = self.unfinished, None
+        pid = s.supervisor.pid if s.supervisor else "?"
+        self.phase("healing", f"{s.reason or 'a heal'}; finishing it (supervisor pid {pid} died during it)")
+        if s.job is not None and s.job not in {m.job_id for m in jobs}:
+            self.leftovers.append(s.job)  # its ranks may all be gone: its manifest still is to be cleared
         for m in jobs:
             self.job = Job(m)
             await self.stop_job()
@@ -448,3 +446,10 @@ async def _quietly(aw) -> None:
     """Close what may hang (a dead connection) in the background, within LOOK_TIMEOUT, never an error."""
     with contextlib.suppress(Exception, asyncio.TimeoutError):
         await asyncio.wait_for(aw, LOOK_TIMEOUT)
+
+
+def state_of(book: Book, now: float, **rest) -> SupervisorState:
+    """The state file of a supervision whose book is ``book`` at ``now``: its phase, why, the heals, the time
+    degraded and the lost nodes; ``rest``: the other fields."""
+    return SupervisorState(state=book.phase, reason=book.reason, heals=book.heals,
+                           degraded_seconds=round(book.degraded_seconds(now), 3), lost_nodes=list(book.lost), **rest)

@@ -156,16 +156,6 @@ class Book:
         return self.degraded_total + (max(0.0, now - self.phase_since) if self.phase == "degraded" else 0.0)
 
 
-def state_doc(book: Book, now: float, *, since_iso: str, deployment: str, job: str | None, cluster: str,
-              original: str, lost: list[str] | None = None) -> dict:
-    """The supervisor's state file (``<state>/heal/<cluster>.json``; the front door reads it): this exact
-    shape, fields only ever added."""
-    return {"schema_version": 1, "state": book.phase, "reason": book.reason, "since": since_iso,
-            "heals": book.heals, "degraded_seconds": round(book.degraded_seconds(now), 3),
-            "deployment": deployment, "job": job, "cluster": cluster, "original": original,
-            "lost_nodes": list(book.lost if lost is None else lost)}
-
-
 def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
     """The nodes to blame for a job's loss, from each rank's record ``{"node", "state", "follower"}`` (state
     ``up`` or why not): a rank that only followed a lost peer (exited 69, or its marker says a peer was lost)

@@ -22,7 +22,7 @@ async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy,
 
     stop = stop_on_signals()
     sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
-                     event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
+                     event=(lambda s: o.event("heal", s.model_dump(mode="json"))) if o.json else (lambda s: None))
     lock = Lock(state.heal_lock(sup.cluster)).acquire(what=f"supervision of cluster {sup.cluster}")
     try:
         if not await _started(o, sup, stop, take_over):
@@ -62,7 +62,7 @@ async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> 
     sup.save(force=True)
     if o.json:
         o.event("ready", {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint,
-                          "heal": sup.doc()})
+                          "heal": sup.snapshot().model_dump(mode="json")})
     elif not o.quiet:
         o.line(m.endpoint)
         o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
