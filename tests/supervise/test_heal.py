@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterctl.supervise.loop import state_of
+from clusterctl.supervise.persist import state_of
 from clusterctl.supervise.policy import Book, HealPolicy, culprits
 
 

@@ -100,7 +100,7 @@ def _healed_onto_b(state: StateDir, sup: Supervisor, original: str) -> None:
     assert sup.book.phase == "serving", sup.book.reason
     assert sup.book.lost == [A] and sup.current != original
     assert [r.node for r in sup.job.manifest.ranks] == [B]
-    assert sup.opts.http_port == 27570  # every relaunch binds the same port
+    assert sup.address.port == 27570  # every relaunch binds the same port
     assert len(sup.book.changes) == 1  # one plan change spent
 
 
@@ -182,7 +182,7 @@ async def _die_mid_heal(sup: Supervisor, clock: Clock, nodes: dict) -> str:
     assert sup.book.phase == "healing" and sup.pending.leave_out == (A,)
     dying.cancel()
     await asyncio.gather(dying, return_exceptions=True)
-    await sup._close_looks()
+    await sup.seen.close()
     del nodes[B].answers["sweep"]
     return job
 
@@ -231,8 +231,9 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
         opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="",
                              ssh=fake_ssh(nodes))
         second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)
-        assert second.opts.http_port == 27570 and second.pending.leave_out == (A,)
+        assert second.recorded.http_port == 27570 and second.pending.leave_out == (A,)
         await second.take_over()
+        assert second.address.port == 27570
         assert not any(f"/{job}-rank" in p for n in nodes.values() for p in n.running.values())
         for _ in range(5):
             if second.job is not None:

@@ -268,9 +268,10 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         Lock(lock_path).acquire(what="supervision of cluster sim").release()
         assert (second.original, second.current, second.book.lost, second.book.heals) == (
             bed.original, healed, [B], 1)
-        assert second.opts.http_port == PORT
+        assert second.recorded.http_port == PORT
         spawned = bed.nodes[A].pids
         await second.take_over()
+        assert second.address.port == PORT
         assert second.job.manifest.job_id == job and bed.nodes[A].pids == spawned  # taken over, not relaunched
         bed.nodes[B].restore()
         assert await steps(second, bed, 60, until=lambda: serving_on(second, [A, B])) is not None
@@ -314,7 +315,7 @@ def test_a_heal_cut_short_in_its_relaunch_leaves_the_file_and_the_history_naming
         assert reached.is_set() and sup.book.phase == "healing", sup.book.reason
         step.cancel()  # the stop
         await asyncio.gather(step, return_exceptions=True)
-        await sup._close_looks()
+        await sup.seen.close()
         del bed.nodes[A].answers["spawn"]
         in_file = bed.state.load_deployment(bed.file)[1].deployment.deployment_id
         assert in_file != bed.original  # the heal's plan: what the file now names

@@ -1,6 +1,6 @@
 """Self-healing, the pure part: when to heal, when not to (flapping), when to go back. No I/O, no clock of its
 own: every call takes ``now`` (seconds of one monotonic clock), so the tests drive it through hours in
-microseconds. The loop that acts on these answers is supervise/loop.py (docs/heal.md).
+microseconds. The supervisor that acts on these answers: supervise/loop.py and its verbs (docs/heal.md).
 
     grace      something (a rank, a node) must stay down this long before it is a loss; a blip is not.
     budget     at most ``max_heals`` plan changes (heals and rejoins) in any ``window_s``, and after each one
@@ -172,7 +172,7 @@ def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
 @dataclass(frozen=True)
 class HealNodes:
     """Whom a heal asks and whom it leaves out, decided once from the loss: the log line and the state file
-    (``leaving_out``) say this value and the relaunch plans on it (supervise/loop.py), so a node said to be left
+    (``leaving_out``) say this value and the relaunch plans on it (supervise/heal.py), so a node said to be left
     out is never planned."""
 
     ask: tuple[str, ...]  # probed; those that answer are the new plan's nodes, in this order
