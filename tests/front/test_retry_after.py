@@ -80,8 +80,8 @@ def test_every_503_says_retry_after(tmp_path):
             api.state.to(Phase.STOPPING)  # SIGTERM: the heal's teardown
             await at("rank 0: draining", api.port, "POST", "/v1/chat/completions", CHAT)
             await at("front: rank 0 draining", server.port, "POST", "/v1/chat/completions", CHAT)
-            healfile.write(state, "c", {"state": "healing", "reason": "rank 1 on b dead", "deployment": "d",
-                                        "cluster": "c", "supervisor": this_coordinator().model_dump(mode="json")})
+            healfile.write(state, healfile.SupervisorState(state="healing", reason="rank 1 on b dead", deployment="d",
+                                                           cluster="c", supervisor=this_coordinator()))
             front.follower.target, front.healthy = None, False
             await front.refresh()
             await at("front: healing", server.port, "POST", "/v1/chat/completions", CHAT)

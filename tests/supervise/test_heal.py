@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from clusterctl.supervise.policy import Book, HealPolicy, culprits, state_doc
+from clusterctl.supervise.persist import state_of
+from clusterctl.supervise.policy import Book, HealPolicy, culprits
 
 
 def test_a_blip_shorter_than_the_grace_is_no_loss():
@@ -164,8 +165,8 @@ def test_the_state_document_has_the_shape_the_front_door_reads():
     b = Book(HealPolicy())
     b.healed(0, ["b"])
     b.set_phase(1, "degraded", "model does not fit on a")
-    doc = state_doc(b, 3.5, since_iso="2026-12-05T12:00:00Z", deployment="t-1", job=None, cluster="t",
-                    original="t-0")
+    doc = state_of(b, 3.5, since="2026-12-05T12:00:00Z", deployment="t-1", job=None, cluster="t",
+                   original="t-0").model_dump(mode="json")
     assert {k: doc[k] for k in ("state", "reason", "since", "heals", "degraded_seconds", "deployment", "job")} == {
         "state": "degraded", "reason": "model does not fit on a", "since": "2026-12-05T12:00:00Z", "heals": 1,
         "degraded_seconds": 2.5, "deployment": "t-1", "job": None}

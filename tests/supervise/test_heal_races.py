@@ -100,7 +100,7 @@ def _healed_onto_b(state: StateDir, sup: Supervisor, original: str) -> None:
     assert sup.book.phase == "serving", sup.book.reason
     assert sup.book.lost == [A] and sup.current != original
     assert [r.node for r in sup.job.manifest.ranks] == [B]
-    assert sup.opts.http_port == 27570  # every relaunch binds the same port
+    assert sup.address.port == 27570  # every relaunch binds the same port
     assert len(sup.book.changes) == 1  # one plan change spent
 
 
@@ -158,8 +158,8 @@ def test_a_loss_that_blames_every_node_relaunches_on_those_that_answer_without_s
         assert sup.book.phase == "serving" and sup.current == original and sup.book.lost == []
         assert sorted(r.node for r in sup.job.manifest.ranks) == [A, B]
         assert sup.book.changes == [] and sup.book.wait(clock.t) == 0
-        [healing] = [d for d in docs if d["state"] == "healing"]
-        assert healing["leaving_out"] == [] and "no node to blame" in healing["reason"], healing
+        [healing] = [d for d in docs if d.state == "healing"]
+        assert healing.leaving_out == [] and "no node to blame" in healing.reason, healing
         assert not [line for line in said if "leaving out" in line], said
 
     asyncio.run(go())
@@ -182,7 +182,7 @@ async def _die_mid_heal(sup: Supervisor, clock: Clock, nodes: dict) -> str:
     assert sup.book.phase == "healing" and sup.pending.leave_out == (A,)
     dying.cancel()
     await asyncio.gather(dying, return_exceptions=True)
-    await sup._close_looks()
+    await sup.seen.close()
     del nodes[B].answers["sweep"]
     return job
 
@@ -211,7 +211,7 @@ def test_reap_rolls_back_a_heal_whose_supervisor_died_in_it(tmp_path):
         assert [r["job_id"] for r in report.reaped] == [job], report.to_json()
         assert not any(n.running for n in nodes.values())  # rank 1 (alive, frozen) reaped too
         after = healfile.read(path)
-        assert after["state"] == "degraded" and after["job"] is None and "died during a heal" in after["reason"]
+        assert after.state == "degraded" and after.job is None and "died during a heal" in after.reason
 
     asyncio.run(go())
 
@@ -231,8 +231,9 @@ def test_a_successor_finishes_a_heal_its_predecessor_died_in_on_the_recorded_por
         opts = LaunchOptions(check_model=False, detach=True, timeout=30, lease_seconds=30, grace=1, http_host="",
                              ssh=fake_ssh(nodes))
         second = Supervisor(state, original, opts, HealPolicy(grace_s=5.0), clock=clock, detach=True)
-        assert second.opts.http_port == 27570 and second.pending.leave_out == (A,)
+        assert second.recorded.http_port == 27570 and second.pending.leave_out == (A,)
         await second.take_over()
+        assert second.address.port == 27570
         assert not any(f"/{job}-rank" in p for n in nodes.values() for p in n.running.values())
         for _ in range(5):
             if second.job is not None:

@@ -26,6 +26,7 @@ from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
 from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.statedir import healfile, history
+from clusterctl.statedir.healfile import SupervisorState
 from clusterctl.statedir.manifest import manifest_store
 from clusterctl.statedir.state import StateDir
 from clusterctl.supervise.loop import PROBE_EVERY_S, Supervisor
@@ -60,7 +61,7 @@ class Bed:
         self.original = dep.deployment_id
         self.nodes = {A: SimulatedNode(), B: SimulatedNode()}
         self.clock = Clock()
-        self.events: list[dict] = []
+        self.events: list[SupervisorState] = []
 
     def supervisor(self, policy: HealPolicy = HealPolicy(), **opts) -> Supervisor:
         """``supervise`` (relaunches detached), its nodes reached through the fake connector."""
@@ -89,7 +90,7 @@ class Bed:
     def history(self) -> list[str]:
         return [e.get("kind") for e in history.entries(self.state, "sim")]
 
-    def state_file(self) -> dict:
+    def state_file(self) -> SupervisorState:
         return healfile.read(healfile.path_of(self.state, "sim"))
 
 
@@ -134,8 +135,8 @@ def test_a_node_lost_heals_onto_the_node_that_answers(tmp_path):
         # b silent for the grace (its rank and a's follower both down: b is blamed, a's rank only followed),
         # then torn down and relaunched on a at the next look
         assert p.grace_s <= healed <= p.grace_s + 2
-        [healing] = [e for e in bed.events if e["state"] == "healing"]
-        assert healing["leaving_out"] == [B] and healing["deployment"] == bed.original
+        [healing] = [e for e in bed.events if e.state == "healing"]
+        assert healing.leaving_out == [B] and healing.deployment == bed.original
         assert sup.book.lost == [B] and sup.current != bed.original and sup.book.heals == 1
         assert len(sup.book.changes) == 1  # one plan change spent from the budget
         assert sup.job.manifest.http_port == PORT  # the same URL
@@ -145,9 +146,9 @@ def test_a_node_lost_heals_onto_the_node_that_answers(tmp_path):
         assert sup.leftovers == [lost_job] and manifest_store(bed.state).path(lost_job).exists()
         assert bed.history() == ["heal"]
         doc = bed.state_file()
-        assert (doc["state"], doc["lost_nodes"], doc["deployment"], doc["original"], doc["job"], doc["heals"]) == (
+        assert (doc.state, doc.lost_nodes, doc.deployment, doc.original, doc.job, doc.heals) == (
             "serving", [B], sup.current, bed.original, sup.job.manifest.job_id, 1)
-        assert doc["leaving_out"] is None and doc["http_port"] == PORT
+        assert doc.leaving_out is None and doc.http_port == PORT
 
     asyncio.run(go())
 
@@ -174,8 +175,7 @@ def test_the_node_back_rejoins_the_original_plan_once_it_answered_long_enough(tm
         # the lost job's teardown, retried once b answered: confirmed, its manifest gone
         assert sup.leftovers == [] and not manifest_store(bed.state).path(lost_job).exists()
         doc = bed.state_file()
-        assert (doc["state"], doc["lost_nodes"], doc["deployment"], doc["http_port"]) == (
-            "serving", [], bed.original, PORT)
+        assert (doc.state, doc.lost_nodes, doc.deployment, doc.http_port) == ("serving", [], bed.original, PORT)
 
     asyncio.run(go())
 
@@ -206,7 +206,7 @@ def test_a_node_flapping_every_10_s_is_healed_around_once_and_never_rejoins(tmp_
         assert bed.nodes[B].ops().count("probe") > probes  # b was asked, and answered while up
         assert serving_on(sup, [A]) and sup.job.manifest.job_id == job
         assert sup.book.heals == 1 and len(sup.book.changes) == 1 and bed.history() == ["heal"]
-        assert [e["state"] for e in bed.events].count("healing") == 1
+        assert [e.state for e in bed.events].count("healing") == 1
 
     asyncio.run(go())
 
@@ -232,7 +232,7 @@ def test_an_eager_policy_on_a_flapping_node_is_held_to_its_budget(tmp_path):
         assert bed.history()[:3] == ["heal", "rejoin", "heal"]
         assert len(bed.history()) == len(changes)
         # the budget held a heal back: nothing served meanwhile, said in the state file
-        assert any(e["state"] == "degraded" and e["job"] is None and e["leaving_out"] == [B] for e in bed.events)
+        assert any(e.state == "degraded" and e.job is None and e.leaving_out == [B] for e in bed.events)
 
     asyncio.run(go())
 
@@ -257,8 +257,8 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         # the first supervisor's process dies: the kernel closes its lock file; its state file names it
         first_lock.release()
         doc = bed.state_file()
-        doc["supervisor"] = {**doc["supervisor"], "pid": DEAD_PID}
-        healfile.write(bed.state, "sim", doc)
+        dead = doc.supervisor.model_copy(update={"pid": DEAD_PID})
+        healfile.write(bed.state, doc.model_copy(update={"supervisor": dead}))
         [h] = (await status(bed.state, fake_ssh(bed.nodes)))["heal"]
         assert h["supervisor_alive"] is False and h["state"] == "serving"
         assert h["condition"] == f"supervisor dead; job {job} serving unsupervised"
@@ -268,9 +268,10 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         Lock(lock_path).acquire(what="supervision of cluster sim").release()
         assert (second.original, second.current, second.book.lost, second.book.heals) == (
             bed.original, healed, [B], 1)
-        assert second.opts.http_port == PORT
+        assert second.recorded.http_port == PORT
         spawned = bed.nodes[A].pids
         await second.take_over()
+        assert second.address.port == PORT
         assert second.job.manifest.job_id == job and bed.nodes[A].pids == spawned  # taken over, not relaunched
         bed.nodes[B].restore()
         assert await steps(second, bed, 60, until=lambda: serving_on(second, [A, B])) is not None
@@ -278,7 +279,7 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         assert second.job.manifest.http_port == PORT
         assert bed.running(job) == {A: 0, B: 0}
         doc = bed.state_file()
-        assert (doc["state"], doc["lost_nodes"], doc["supervisor"]["pid"]) == ("serving", [], second.me["pid"])
+        assert (doc.state, doc.lost_nodes, doc.supervisor.pid) == ("serving", [], second.me.pid)
 
     asyncio.run(go())
 
@@ -314,7 +315,7 @@ def test_a_heal_cut_short_in_its_relaunch_leaves_the_file_and_the_history_naming
         assert reached.is_set() and sup.book.phase == "healing", sup.book.reason
         step.cancel()  # the stop
         await asyncio.gather(step, return_exceptions=True)
-        await sup._close_looks()
+        await sup.seen.close()
         del bed.nodes[A].answers["spawn"]
         in_file = bed.state.load_deployment(bed.file)[1].deployment.deployment_id
         assert in_file != bed.original  # the heal's plan: what the file now names

@@ -95,15 +95,15 @@ async def _reap_locked(state: StateDir, ssh: SshOptions, pool, report: ReapRepor
     try:
         # a heal its supervisor died in is rolled back: the job it was tearing down (or, with none left, what
         # it was launching) is reaped, live or not
-        lost = {m.job_id for _, m in good for doc, _ in heals if m.job_id == doc.get("job") or (
-            doc.get("job") is None and m.deployment_id == doc.get("deployment"))}
+        lost = {m.job_id for _, m in good for doc, _ in heals if m.job_id == doc.job or (
+            doc.job is None and m.deployment_id == doc.deployment)}
         live = await asyncio.gather(*(job_is_live(m, ssh, pool) for _, m in good))
         await _reap_jobs(state, store, ssh, pool, report, [m for (_, m), is_live in zip(good, live)
                                                             if not is_live or m.job_id in lost],
                          grace=grace, dry_run=dry_run, log=log, held=held, healing=lost)
         for doc, _ in heals:
-            pid = (doc.get("supervisor") or {}).get("pid", "?")
-            log(f"cluster {doc['cluster']}: supervisor pid {pid} died during a heal: rolled back")
+            pid = doc.supervisor.pid if doc.supervisor else "?"
+            log(f"cluster {doc.cluster}: supervisor pid {pid} died during a heal: rolled back")
             say_stopped(state, doc, f"supervisor pid {pid} died during a heal; reap tore down what it left, "
                                     "nothing serving (run supervise to serve again)")
     finally:

@@ -131,5 +131,5 @@ def heal_condition(h: dict, jobs: list[dict], probed: bool) -> str | None:
 def _heal_states(state: StateDir, ref: str | None, deployments: set[str]) -> list[dict]:
     """Every supervisor's state file (or those of ``ref``'s deployments, current or original)."""
 
-    return [h for h in read_all(state) if ref is None or {h.get("deployment"), h.get("original"), h.get("job")}
-            & (deployments | {ref})]
+    return [{**h.model_dump(mode="json"), "supervisor_alive": h.supervisor_alive()} for h in read_all(state)
+            if ref is None or {h.deployment, h.original, h.job} & (deployments | {ref})]

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.statedir import healfile
-from clusterctl.statedir.manifest import Coordinator, manifest_store, now_iso
+from clusterctl.statedir.healfile import SupervisorState
+from clusterctl.statedir.manifest import manifest_store, now_iso
 from clusterctl.locks import Lock
 from clusterctl.node.procs import Identity, signal_process
 from clusterctl.statedir.state import StateDir
@@ -35,18 +36,14 @@ class Held:
     """A cluster's supervision, stopped (or found stopped) and held off while the teardown runs."""
 
     cluster: str
-    doc: dict  # its last state file
+    doc: SupervisorState  # its last state file
     lock: Lock
     pid: int | None  # the supervisor this teardown stopped (None: none was running)
 
     @property
     def targets(self) -> set[str]:
         """What the supervisor last ran: the teardown's targets too."""
-        return {x for x in (self.doc.get("deployment"), self.doc.get("job")) if isinstance(x, str)}
-
-
-def heal_lock_path(state: StateDir, cluster: str):
-    return state.locks / f"heal-{cluster}.lock"
+        return {x for x in (self.doc.deployment, self.doc.job) if x is not None}
 
 
 def _cluster_of(state: StateDir, ref: str) -> str | None:
@@ -60,9 +57,9 @@ def _cluster_of(state: StateDir, ref: str) -> str | None:
     return None
 
 
-def _matches(doc: dict, ref: str | None, cluster: str | None) -> bool:
-    return ref is None or ref in (doc.get("deployment"), doc.get("original"), doc.get("job")) \
-        or (cluster is not None and doc.get("cluster") == cluster)
+def _matches(doc: SupervisorState, ref: str | None, cluster: str | None) -> bool:
+    return ref is None or ref in (doc.deployment, doc.original, doc.job) \
+        or (cluster is not None and doc.cluster == cluster)
 
 
 async def hold_supervisors(state: StateDir, ref: str | None, *, log=lambda msg: None,
@@ -74,7 +71,7 @@ async def hold_supervisors(state: StateDir, ref: str | None, *, log=lambda msg: 
     held: list[Held] = []
     try:
         for doc in healfile.read_all(state):
-            if _matches(doc, ref, cluster) and isinstance(doc.get("cluster"), str):
+            if _matches(doc, ref, cluster) and doc.cluster is not None:
                 held.append(await _hold(state, doc, log, timeout))
         _refuse_starting(state, ref, cluster, {h.cluster for h in held})
     except BaseException:
@@ -83,16 +80,16 @@ async def hold_supervisors(state: StateDir, ref: str | None, *, log=lambda msg: 
     return held
 
 
-async def _hold(state: StateDir, doc: dict, log, timeout: float) -> Held:
-    c = doc["cluster"]
-    lock = Lock(heal_lock_path(state, c))
+async def _hold(state: StateDir, doc: SupervisorState, log, timeout: float) -> Held:
+    c = doc.cluster
+    lock = Lock(state.heal_lock(c))
     with contextlib.suppress(Busy):
         return Held(c, doc, lock.acquire(), None)  # nobody supervises it now
-    sup = _identity(doc)
+    sup = doc.supervisor
     pid = sup.pid if sup else "?"
     how = f"stop it (systemctl stop / launchctl bootout its unit, or kill {pid} on {sup.host if sup else '?'})" \
           " and run teardown again"
-    if sup is None or sup.host != socket.gethostname() or sup.pid == os.getpid() or not doc.get("supervisor_alive"):
+    if sup is None or sup.host != socket.gethostname() or sup.pid == os.getpid() or not doc.supervisor_alive():
         raise Busy(f"cluster {c} is supervised by pid {pid}" + (f" on {sup.host}" if sup else "")
                    + ", which teardown cannot stop from here", hint=how)
     ident = Identity(pid=sup.pid, start_time=sup.start_time, nonce=None, boot_id=sup.boot_id)
@@ -107,15 +104,6 @@ async def _hold(state: StateDir, doc: dict, log, timeout: float) -> Held:
             return Held(c, healfile.read(healfile.path_of(state, c)) or doc, lock, sup.pid)
         await asyncio.sleep(0.1)  # never time.sleep: the caller's node sessions run on this loop
     raise Busy(f"the supervisor of cluster {c} (pid {sup.pid}) did not stop within {timeout:g} s", hint=how)
-
-
-def _identity(doc: dict) -> Coordinator | None:
-    from pydantic import ValidationError
-
-    try:
-        return Coordinator.model_validate(doc.get("supervisor"))
-    except ValidationError:
-        return None
 
 
 def _refuse_starting(state: StateDir, ref: str | None, cluster: str | None, seen: set[str]) -> None:
@@ -138,31 +126,28 @@ def release(state: StateDir, held: list[Held], *, stopped: bool = True) -> None:
     its lock is let go."""
     for h in held:
         try:
-            if stopped and (h.pid or h.doc.get("state") != "degraded" or h.doc.get("job")):  # news to tell
+            if stopped and (h.pid or h.doc.state != "degraded" or h.doc.job):  # news to tell
                 say_stopped(state, h.doc, "supervision stopped by teardown"
                             + (f" (supervisor pid {h.pid})" if h.pid else ""))
         finally:
             h.lock.release()
 
 
-def say_stopped(state: StateDir, doc: dict, reason: str) -> None:
+def say_stopped(state: StateDir, doc: SupervisorState, reason: str) -> None:
     """The state file of a supervision that ended with nothing serving: ``degraded``, no job, ``reason``."""
-    out = {**doc, "state": "degraded", "since": now_iso(), "job": None, "leaving_out": None,
-           "updated_at": now_iso(), "reason": reason}
-    out.pop("supervisor_alive", None)
-    out.pop("condition", None)
+    out = doc.model_copy(update={"state": "degraded", "since": now_iso(), "job": None, "leaving_out": None,
+                                 "updated_at": now_iso(), "reason": reason})
     with contextlib.suppress(ClusterctlError, OSError):
-        healfile.write(state, doc["cluster"], out)
+        healfile.write(state, out)
 
 
-def dead_heals(state: StateDir) -> list[tuple[dict, Lock]]:
+def dead_heals(state: StateDir) -> list[tuple[SupervisorState, Lock]]:
     """The heals whose supervisor died in them (state ``healing``, its process gone here), each with its
     cluster's supervision lock, held: no successor starts while the caller (``reap``) rolls it back."""
     out = []
     for doc in healfile.read_all(state):
-        if doc.get("state") != "healing" or doc.get("supervisor_alive") is not False \
-                or not isinstance(doc.get("cluster"), str):
+        if doc.state != "healing" or doc.supervisor_alive() is not False or doc.cluster is None:
             continue
         with contextlib.suppress(Busy):
-            out.append((doc, Lock(heal_lock_path(state, doc["cluster"])).acquire()))
+            out.append((doc, Lock(state.heal_lock(doc.cluster)).acquire()))
     return out

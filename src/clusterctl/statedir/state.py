@@ -86,6 +86,11 @@ class StateDir:
         """The lock a launch holds while its job runs, and that teardown and reap take before they act on it."""
         return self.locks / f"deploy-{deployment_id}.lock"
 
+    def heal_lock(self, cluster: str) -> Path:
+        """The lock a cluster's supervisor holds while it runs (one per cluster), and that teardown and reap take
+        to hold supervision off while they act."""
+        return self.locks / f"heal-{cluster}.lock"
+
     @property
     def history(self) -> Path:
         """The replan histories, one per cluster (statedir/history.py)."""

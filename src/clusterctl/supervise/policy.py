@@ -1,6 +1,6 @@
 """Self-healing, the pure part: when to heal, when not to (flapping), when to go back. No I/O, no clock of its
 own: every call takes ``now`` (seconds of one monotonic clock), so the tests drive it through hours in
-microseconds. The loop that acts on these answers is supervise/loop.py (docs/heal.md).
+microseconds. The supervisor that acts on these answers: supervise/loop.py and its verbs (docs/heal.md).
 
     grace      something (a rank, a node) must stay down this long before it is a loss; a blip is not.
     budget     at most ``max_heals`` plan changes (heals and rejoins) in any ``window_s``, and after each one
@@ -156,16 +156,6 @@ class Book:
         return self.degraded_total + (max(0.0, now - self.phase_since) if self.phase == "degraded" else 0.0)
 
 
-def state_doc(book: Book, now: float, *, since_iso: str, deployment: str, job: str | None, cluster: str,
-              original: str, lost: list[str] | None = None) -> dict:
-    """The supervisor's state file (``<state>/heal/<cluster>.json``; the front door reads it): this exact
-    shape, fields only ever added."""
-    return {"schema_version": 1, "state": book.phase, "reason": book.reason, "since": since_iso,
-            "heals": book.heals, "degraded_seconds": round(book.degraded_seconds(now), 3),
-            "deployment": deployment, "job": job, "cluster": cluster, "original": original,
-            "lost_nodes": list(book.lost if lost is None else lost)}
-
-
 def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
     """The nodes to blame for a job's loss, from each rank's record ``{"node", "state", "follower"}`` (state
     ``up`` or why not): a rank that only followed a lost peer (exited 69, or its marker says a peer was lost)
@@ -182,7 +172,7 @@ def culprits(ranks: list[dict], *, insist: bool = True) -> list[str]:
 @dataclass(frozen=True)
 class HealNodes:
     """Whom a heal asks and whom it leaves out, decided once from the loss: the log line and the state file
-    (``leaving_out``) say this value and the relaunch plans on it (supervise/loop.py), so a node said to be left
+    (``leaving_out``) say this value and the relaunch plans on it (supervise/heal.py), so a node said to be left
     out is never planned."""
 
     ask: tuple[str, ...]  # probed; those that answer are the new plan's nodes, in this order

@@ -10,11 +10,13 @@ from clusterctl.statedir import healfile
 from clusterctl.supervise.policy import HealPolicy
 from clusterctl.supervise.loop import Supervisor
 from clusterctl.launch.foreground import start_unless_stopped, stop_on_signals
+from clusterctl.launch.jobplan import LaunchOptions
 from clusterctl.locks import Lock
 from clusterctl.statedir.state import StateDir
 
 
-async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy, *, take_over: bool) -> int:
+async def run_supervised(o, state: StateDir, ref: str, opts: LaunchOptions, policy: HealPolicy, *,
+                         take_over: bool) -> int:
     """``launch --heal`` (``take_over`` False: launched here in the foreground; a stop tears it down verified)
     and ``supervise`` (True: the running detached job, or a detached launch; relaunches detached; a stop leaves
     the job serving). One supervisor per cluster (``<state>/locks/heal-<cluster>.lock``). Returns the exit
@@ -22,8 +24,8 @@ async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy,
 
     stop = stop_on_signals()
     sup = Supervisor(state, ref, opts, policy, log=o.info, detach=take_over,
-                     event=(lambda doc: o.event("heal", doc)) if o.json else (lambda doc: None))
-    lock = Lock(state.locks / f"heal-{sup.cluster}.lock").acquire(what=f"supervision of cluster {sup.cluster}")
+                     event=(lambda s: o.event("heal", s.model_dump(mode="json"))) if o.json else (lambda s: None))
+    lock = Lock(state.heal_lock(sup.cluster)).acquire(what=f"supervision of cluster {sup.cluster}")
     try:
         if not await _started(o, sup, stop, take_over):
             return 130
@@ -31,10 +33,7 @@ async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy,
         if take_over:
             o.info(f"supervisor stopped; job {sup.job.manifest.job_id if sup.job else '-'} left as it is")
             return 0
-        ok = await sup.stop_job()
-        await sup.retry_leftovers()  # a lost job whose node did not answer, if it answers now
-        ok = ok and not sup.leftovers
-        sup.phase("degraded", "stopped: the supervisor ended (launch --heal)")
+        ok = await sup.stop()
         (o.info if ok else o.error)("every rank confirmed gone" if ok else "teardown could not confirm every rank "
                                     "gone (see the lines above)")
         return 0 if ok else 1
@@ -44,13 +43,7 @@ async def run_supervised(o, state: StateDir, ref: str, opts, policy: HealPolicy,
 
 async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> bool:
     """The first job (taken over or launched), or False when a stop came first (what started was stopped)."""
-    async def first() -> None:
-        if take_over:
-            await sup.take_over()
-        else:
-            sup.job = await sup.launch(sup.ref)
-
-    starting = await start_unless_stopped(first, stop)
+    starting = await start_unless_stopped(sup.take_over if take_over else sup.launch_first, stop)
     if starting is None:
         o.error("interrupted; everything it started was stopped")
         return False
@@ -62,7 +55,7 @@ async def _started(o, sup: Supervisor, stop: asyncio.Event, take_over: bool) -> 
     sup.save(force=True)
     if o.json:
         o.event("ready", {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint,
-                          "heal": sup.doc()})
+                          "heal": sup.snapshot().model_dump(mode="json")})
     elif not o.quiet:
         o.line(m.endpoint)
         o.info(f"job {m.job_id}: {len(m.ranks)} rank(s) ready at {m.endpoint}, supervised (heal state: "
