@@ -259,7 +259,7 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         doc = bed.state_file()
         doc["supervisor"] = {**doc["supervisor"], "pid": DEAD_PID}
         healfile.write(bed.state, "sim", doc)
-        [h] = (await status(bed.state, fake_ssh(bed.nodes)))["heal"]
+        [h] = (await status(bed.state, fake_ssh(bed.nodes))).heal
         assert h["supervisor_alive"] is False and h["state"] == "serving"
         assert h["condition"] == f"supervisor dead; job {job} serving unsupervised"
 

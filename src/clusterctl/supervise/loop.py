@@ -191,8 +191,8 @@ class Supervisor:
 
         m = self.job.manifest
         markers, procs = await self._markers_and_procs(m)
-        ranks = [rank_record(r, markers.get(r.rank, {}), procs.get(r.rank), self.job.running) for r in m.ranks]
-        self.idle = judge(m, markers)["state"] == "idle"
+        ranks = [rank_record(r, markers.get(r.rank), procs.get(r.rank), self.job.running) for r in m.ranks]
+        self.idle = judge(m, markers).state == "idle"
         down = [x for x in ranks if x["state"] != "up"]
         # down since the look began (a node that let it time out has not answered since then), or since its
         # last heartbeat (a frozen rank: its age on its node's clock), judged now

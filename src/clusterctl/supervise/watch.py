@@ -10,8 +10,8 @@ import contextlib
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.connect.nodes import close_all, handles
-from clusterctl.launch.look import look
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker
+from clusterctl.launch.look import RankView, look
+from clusterctl.launch.quiescence import STALE_AFTER
 from clusterctl.launch.status import rank_state
 from clusterctl.protocol.runtimefiles import followed_a_peer
 from clusterctl.protocol.nodeops import ProbeRequest
@@ -21,8 +21,8 @@ UP = ("loading", "ready", "serving")
 FOLLOWER_EXIT = 69  # a foreground rank's keeper: its rank left because a peer, its lease or its parent was lost
 
 
-async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
-    """Job ``m``'s markers (rank -> {"marker", "age"} or {"error"}) and processes (rank -> alive/dead/...) over
+async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict[int, RankView], dict[int, str]]:
+    """Job ``m``'s markers (rank -> what its node saw) and processes (rank -> alive/dead/...) over
     the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer both questions: then
     each of its ranks has the error and no process)."""
     seen = await look(m, hs, timeout=LOOK_TIMEOUT)
@@ -30,24 +30,24 @@ async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict
         why = seen.failed.get(r.node)
         unreachable[r.node] = why is not None
         if why is not None:
-            seen.markers[r.rank] = {"error": why}
+            seen.markers[r.rank] = RankView(error=why)
             seen.procs.pop(r.rank, None)
     return seen.markers, seen.procs
 
 
-def rank_record(r, info: dict, process: str | None, running=None) -> dict:
+def rank_record(r, seen: RankView | None, process: str | None, running=None) -> dict:
     """One rank as the policy takes it: ``state`` (``up`` or why not), ``follower`` (it only followed a lost
     peer: its marker's typed reason or its ladder's ``lost``, or its keeper's exit 69 in the foreground,
     whatever its process does now), ``silent_s`` (a frozen rank's heartbeat age)."""
-    mk = clean_marker(info.get("marker") or {})
-    age = info.get("age")
-    st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
-    follower = followed_a_peer(mk.get("state"), mk.get("reason"))
+    seen = seen or RankView()
+    mk, age = seen.marker, seen.age
+    st = rank_state(mk.state, process, age is not None and age > STALE_AFTER, seen.reachable)
+    follower = followed_a_peer(mk.state, mk.reason)
     if running is not None and running.exited(r.rank):
         st = "exited"
         follower = follower or running.procs[r.rank].returncode == FOLLOWER_EXIT
     return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
-            "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
+            "silent_s": age if st == "lost" and age is not None else None}
 
 
 async def probe_nodes(dep, names: list[str], ssh) -> dict[str, bool]:
