@@ -375,7 +375,7 @@ class Supervisor:
             self.phase("degraded", f"{kind} waits: {e.message}")
             return False
         try:
-            unchanged = p.diff["unchanged"] and not p.diff["records_changed"]
+            unchanged = p.diff.nothing_to_do
             if not unchanged:
                 await asyncio.to_thread(lambda: write_new(self.state, p).commit())
             ref = deployment_ref(p)
