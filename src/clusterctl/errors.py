@@ -7,6 +7,7 @@ one-line message; the CLI edge prints ``error: <message>`` (plus an optional hin
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import IntEnum
 
 
@@ -156,13 +157,32 @@ class RemoteCommandFailed(ClusterctlError):
         return out
 
 
+@dataclass(frozen=True)
+class FailedRank:
+    """A rank whose failure ended a launch: its marker said ``failed`` (``error``: why, None when it gave no
+    reason), or it exited before it was ready (``stderr_tail``: its last lines; a detached rank's come from
+    its log at ``log_path``)."""
+
+    rank: int
+    node: str
+    error: str | None = None
+    stderr_tail: str | None = None
+    log_path: str | None = None
+
+    def to_json(self) -> dict:
+        if self.stderr_tail is None:
+            return {"rank": self.rank, "node": self.node, "error": self.error}
+        log = {"log_path": self.log_path} if self.log_path is not None else {}
+        return {"rank": self.rank, "node": self.node, "stderr_tail": self.stderr_tail, **log}
+
+
 class LaunchFailed(ClusterctlError):
     """A launch that did not reach ready; carries the ranks that failed and the report of the teardown of what
     it had started (the launch error is reported, and so is a teardown that could not confirm)."""
 
     exit_code = Exit.FAILED
 
-    def __init__(self, message: str, *, ranks: list[dict] | None = None, teardown=None,
+    def __init__(self, message: str, *, ranks: list[FailedRank] | None = None, teardown=None,
                  hint: str | None = None, exit_code: Exit | None = None):
         super().__init__(message, hint=hint, exit_code=exit_code)
         self.ranks = ranks or []
@@ -170,7 +190,7 @@ class LaunchFailed(ClusterctlError):
 
     def to_json(self) -> dict:
         out = super().to_json()
-        out["ranks"] = self.ranks
+        out["ranks"] = [r.to_json() for r in self.ranks]
         if self.teardown is not None:
             out["teardown"] = self.teardown.to_json()
         return out

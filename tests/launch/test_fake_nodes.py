@@ -114,7 +114,7 @@ def test_status_shows_each_rank_as_its_node_sees_it(state):
 
     job(state)
     doc = asyncio.run(status(state, fake_ssh({"a": node(0, alive="alive"),
-                                               "b": node(1, active=["r1", "r2"], alive="alive")})))
+                                               "b": node(1, active=["r1", "r2"], alive="alive")}))).to_json()
     [j] = doc["jobs"]
     assert j["activity"] == "busy" and [r["active_requests"] for r in j["ranks"]] == [0, 2]
     assert [r["state"] for r in j["ranks"]] == ["serving", "serving"]

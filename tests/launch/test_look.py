@@ -6,7 +6,7 @@ import asyncio
 
 from clusterctl.connect.faketransport import NodeOpError, ScriptedOps, fake_ssh
 from clusterctl.connect.nodes import close_all, handles
-from clusterctl.launch.look import look_at_job
+from clusterctl.launch.look import RankView, look_at_job
 from clusterctl.launch.reaper import ranks_alive
 from clusterctl.statedir.state import StateDir
 from clusterctl.supervise.watch import look_at
@@ -36,8 +36,8 @@ def test_a_marker_counts_for_the_node_its_rank_runs_on(tmp_path):
     the marker a saw."""
     m = job(StateDir(tmp_path / "state"))
     seen = asyncio.run(look_at_job(m, fake_ssh({"a": fake(), "b": fake(markers=fails("disk gone"))})))
-    assert seen.markers[0]["marker"]["rank"] == 0 and seen.markers[0]["age"] == 0.1
-    assert set(seen.markers[1]) == {"error"} and "disk gone" in seen.markers[1]["error"]
+    assert seen.markers[0].marker.rank == 0 and seen.markers[0].age == 0.1
+    assert seen.markers[1] == RankView(error=seen.markers[1].error) and "disk gone" in seen.markers[1].error
     assert set(seen.failed) == {"b"} and seen.procs == {0: "alive", 1: "alive"}
 
 
@@ -45,7 +45,7 @@ def test_a_node_whose_alive_fails_keeps_its_markers_for_status_not_for_the_super
     m = job(StateDir(tmp_path / "state"))
     script = {"a": fake(), "b": fake(alive=fails("psutil missing"))}
     seen = asyncio.run(look_at_job(m, fake_ssh(script)))
-    assert seen.markers[1]["marker"]["state"] == "serving" and 1 not in seen.procs and set(seen.failed) == {"b"}
+    assert seen.markers[1].marker.state == "serving" and 1 not in seen.procs and set(seen.failed) == {"b"}
 
     async def supervisor_look():
         hs = handles(m.nodes, fake_ssh(script))
@@ -58,7 +58,7 @@ def test_a_node_whose_alive_fails_keeps_its_markers_for_status_not_for_the_super
 
     markers, procs, unreachable = asyncio.run(supervisor_look())
     assert unreachable == {"a": False, "b": True}
-    assert "error" in markers[1] and procs == {0: "alive"}
+    assert markers[1].error is not None and procs == {0: "alive"}
 
 
 def test_only_the_processes_asked_for_when_markers_are_not(tmp_path):

@@ -66,7 +66,7 @@ def node(rank: int, *, alive: str = "alive", age: float = 0.2, marker_state: str
 def test_a_dead_rank_under_a_ready_job_is_shown_dead(state):
     job(state)
     a, b = node(0), node(1, alive="dead")
-    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b})))
+    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b}))).to_json()
     [j] = doc["jobs"]
     assert j["state"] == "ready" and j["ranks_down"] == 1
     assert [(r["state"], r["marker_state"], r["process"]) for r in j["ranks"]] == [
@@ -82,7 +82,7 @@ def test_a_stale_heartbeat_is_lost_and_an_unanswered_alive_changes_nothing(state
     b = ScriptedOps({"markers": lambda req: {"markers": [{"marker": {"rank": 1, "state": "serving",
                                                                      "job_id": "dep-x-1"}, "age": 0.1}]},
                      "alive": lambda req: (_ for _ in ()).throw(NodeOpError("psutil missing"))})
-    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b})))
+    doc = asyncio.run(status(state, fake_ssh({"a": a, "b": b}))).to_json()
     [j] = doc["jobs"]
     assert [(r["state"], r["process"]) for r in j["ranks"]] == [("lost", "alive"), ("serving", None)]
     assert j["ranks_down"] == 1
@@ -100,7 +100,7 @@ def _render(renderable, width: int) -> list[str]:
 
 def _doc(state) -> dict:
     job(state)
-    doc = asyncio.run(status(state, fake_ssh({"a": node(0), "b": node(1, alive="dead")})))
+    doc = asyncio.run(status(state, fake_ssh({"a": node(0), "b": node(1, alive="dead")}))).to_json()
     for r in doc["jobs"][0]["ranks"]:
         r.update(tok_s=12.5 if r["rank"] == 0 else None, batch=3, queued=0, step_s=0.01, idle_share=0.5,
                  rss_bytes=1 << 27, prompt_cache=[1, 20, 300], ladder="-")

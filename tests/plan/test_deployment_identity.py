@@ -49,7 +49,7 @@ def test_every_field_that_changes_what_runs_changes_the_id(facts, change):
     c = cluster(**change.pop("cluster")) if "cluster" in change else None
     other = plan(facts, c, change.pop("path_map", None), **{"prompt_cache_gb": 0.25, **change})
     assert other.deployment_id != base.deployment_id and identity_changes(base, other)
-    assert placement_diff(base, other)["unchanged"] is False
+    assert placement_diff(base, other).unchanged is False
 
 
 def test_what_does_not_change_what_runs_keeps_the_id(facts):
@@ -62,7 +62,7 @@ def test_what_does_not_change_what_runs_keeps_the_id(facts):
     recorded = base.model_copy(update={"model": base.model.model_copy(update={"manifest_hash": "sha256:x"})})
     assert deployment_hash(recorded) == base.deployment_hash
     d = placement_diff(base, measured)
-    assert d["unchanged"] and d["records_changed"] == ["speeds"]
+    assert d.unchanged and d.records_changed == ["speeds"]
 
 
 def test_a_stale_deployment_hash_is_refused_on_load(facts, tmp_path):
@@ -97,12 +97,12 @@ def test_a_file_from_before_the_identity_hash_loads_keeps_its_id_and_replans(fac
     # nothing given: the same deployment (its identity computed from its fields), whatever its id
     ins = derive(old)
     same = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
-    assert not identity_changes(old, same) and placement_diff(old, same)["unchanged"]
+    assert not identity_changes(old, same) and placement_diff(old, same).unchanged
     # a schedule change: a new deployment, an id of the new kind
     ins = derive(old, options={"schedule": "lockstep"})
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     assert new.deployment_id == f"lab-{new.deployment_hash[:10]}" != old.deployment_id
-    assert {"options", "schedule"} <= set(placement_diff(old, new)["fields_changed"])
+    assert {"options", "schedule"} <= set(placement_diff(old, new).fields_changed)
 
 
 def test_replan_of_an_old_file_through_the_cli_and_back(tmp_path):

@@ -9,7 +9,7 @@ from clusterctl.protocol.deployment import PlanOptions
 from clusterctl.plan.inventory import parse_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.planner import make_deployment
-from clusterctl.plan.replan import derive, diff_lines, placement_diff
+from clusterctl.plan.replan import FieldChange, derive, placement_diff
 
 from modelfiles import make_model
 
@@ -41,8 +41,8 @@ def test_nothing_given_derives_everything_and_plans_the_same(facts):
     assert ins.given == {}
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     d = placement_diff(old, new)
-    assert d["unchanged"] and d["plan_hash_before"] == d["plan_hash_after"] and not d["records_changed"]
-    assert all(r["change"] == "same" for r in d["nodes"])
+    assert d.unchanged and d.plan_hash_before == d.plan_hash_after and not d.records_changed
+    assert all(r.change == "same" for r in d.nodes)
 
 
 def test_given_allocation_moves_layers_and_the_diff_says_how(facts):
@@ -51,13 +51,13 @@ def test_given_allocation_moves_layers_and_the_diff_says_how(facts):
     assert ins.given == {"allocation": "proportional"} and ins.derived["backend"] == "auto"
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     d = placement_diff(old, new)
-    assert not d["unchanged"]
-    by = {r["node"]: r for r in d["nodes"]}
+    assert not d.unchanged
+    by = {r.node: r for r in d.nodes}
     # the old plan's auto is work (the stages overlap): rank 0 gets one layer fewer for the head
-    assert by["a"]["layers_before"] == [22, 32] and by["a"]["layers_after"] == [27, 32]
-    assert by["a"]["change"] == "moves" and by["a"]["memory_after"] < by["a"]["memory_before"]
-    assert {"field": "allocation", "before": "work", "after": "proportional"} in d["other"]
-    assert any("a" in line and "moves" in line for line in diff_lines(d))
+    assert by["a"].layers_before == [22, 32] and by["a"].layers_after == [27, 32]
+    assert by["a"].change == "moves" and by["a"].memory_after < by["a"].memory_before
+    assert FieldChange(field="allocation", before="work", after="proportional") in d.other
+    assert any("a" in line and "moves" in line for line in d.lines())
 
 
 def test_an_auto_allocation_is_resolved_again(facts):
@@ -67,7 +67,7 @@ def test_an_auto_allocation_is_resolved_again(facts):
     assert ins.derived["allocation"] == "auto"
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     assert new.allocation == "balanced" and new.options.allocation == "auto"
-    assert {"field": "allocation", "before": "work", "after": "balanced"} in placement_diff(old, new)["other"]
+    assert FieldChange(field="allocation", before="work", after="balanced") in placement_diff(old, new).other
 
 
 def test_a_node_removed_leaves_and_speeds_travel_with_node_names(facts):
@@ -77,7 +77,7 @@ def test_a_node_removed_leaves_and_speeds_travel_with_node_names(facts):
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     assert new.speeds == {"c": 20, "a": 10} and [r.layers for r in new.ranks] == [21, 11]
     d = placement_diff(old, new)
-    assert {r["node"]: r["change"] for r in d["nodes"]}["b"] == "leaves"
+    assert {r.node: r.change for r in d.nodes}["b"] == "leaves"
     # a cluster file without speeds: the measured ones are carried by name
     bare = cluster()
     ins2 = derive(old, cluster=bare)
@@ -91,7 +91,7 @@ def test_a_node_can_only_join_from_a_cluster_file(facts):
     ins = derive(old, cluster=cluster())
     new = make_deployment(ins.cluster, facts, ins.model_path, ins.options, path_map=ins.path_map)
     d = placement_diff(old, new)
-    assert {r["node"]: r["change"] for r in d["nodes"]}["c"] == "joins"
+    assert {r.node: r.change for r in d.nodes}["c"] == "joins"
     with pytest.raises(UsageError, match="twice"):
         derive(old, nodes=["a", "a"])
 
@@ -107,9 +107,9 @@ def test_path_map_is_carried_and_an_explicit_empty_one_wins(facts):
     new = make_deployment(empty.cluster, facts, empty.model_path, empty.options, path_map=empty.path_map)
     d = placement_diff(old, new)
     # the same placement, but node a's ranks would load another folder: another deployment, another id
-    assert d["placement_unchanged"] and not d["unchanged"] and d["fields_changed"] == ["path_map"]
+    assert d.placement_unchanged and not d.unchanged and d.fields_changed == ["path_map"]
     assert new.deployment_id != old.deployment_id
-    assert {r["node"]: (r["path_before"], r["path_after"]) for r in d["nodes"]}["a"] == ("/fast/m", "/models/m")
+    assert {r.node: (r.path_before, r.path_after) for r in d.nodes}["a"] == ("/fast/m", "/models/m")
     with pytest.raises(ConfigError, match="not among"):
         derive(old, path_map={"z": "/m"})
     with pytest.raises(UsageError, match="not an absolute path"):
@@ -125,7 +125,7 @@ def test_replan_keeps_the_mode_and_can_change_it(facts):
     ins = derive(old, options={"parallel": "tensor"})
     new = make_deployment(ins.cluster, facts, "/models/m", ins.options, path_map=ins.path_map)
     assert ins.given["parallel"] == "tensor" and new.parallel == "tensor"
-    assert any("parallel" in line for line in diff_lines(placement_diff(old, new)))
+    assert any("parallel" in line for line in placement_diff(old, new).lines())
     back = derive(new, options={"parallel": "pipeline"})
     assert make_deployment(back.cluster, facts, "/models/m", back.options, path_map=back.path_map).placement \
         == old.placement

@@ -259,9 +259,9 @@ def test_a_lost_supervisor_is_succeeded_by_one_that_keeps_its_state_and_finishes
         doc = bed.state_file()
         dead = doc.supervisor.model_copy(update={"pid": DEAD_PID})
         healfile.write(bed.state, doc.model_copy(update={"supervisor": dead}))
-        [h] = (await status(bed.state, fake_ssh(bed.nodes)))["heal"]
-        assert h["supervisor_alive"] is False and h["state"] == "serving"
-        assert h["condition"] == f"supervisor dead; job {job} serving unsupervised"
+        [h] = (await status(bed.state, fake_ssh(bed.nodes))).heal
+        assert h.alive is False and h.file.state == "serving"
+        assert h.condition == f"supervisor dead; job {job} serving unsupervised"
 
         bed.events.clear()
         second = bed.supervisor(http_port=None, http_host="")

@@ -332,7 +332,8 @@ def status(
     if watch:
         _watch(o, state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), target, interval)
         return
-    doc = asyncio.run(do_status(state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys), ref=target))
+    doc = asyncio.run(do_status(state_of(state_dir), ssh_options(known_hosts, accept_new_host_keys),
+                                ref=target)).to_json()
     if o.json:
         o.data(doc)
         return

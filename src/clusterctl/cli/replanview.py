@@ -54,7 +54,7 @@ def replan_given(serving: dict, kv: dict | None = None, **options) -> dict:
 
 def unchanged(o, p, doc: dict) -> bool:
     """The proposal changes nothing: say so (and, with --json, the document with action "unchanged")."""
-    if not (p.diff["unchanged"] and not p.diff["records_changed"]):
+    if not p.diff.nothing_to_do:
         return False
     if o.json:
         o.data({**doc, "action": "unchanged"})
@@ -64,15 +64,13 @@ def unchanged(o, p, doc: dict) -> bool:
 
 def preview(o, p) -> None:
     """The replan preview: stderr, like plan's table (stdout is data)."""
-    from clusterctl.plan.replan import diff_lines
-
     for k, v in p.inputs.get("given", {}).items():
         o.info(f"given    {k}: {v}")
     for k, v in p.inputs.get("derived", {}).items():
         o.info(f"derived  {k}: {v}")
     o.info(f"deployment {p.old.deployment_id} -> {p.new.deployment_id}"
            + (f" (job {', '.join(m.job_id for m in p.jobs)} running)" if p.jobs else " (not running)"))
-    for line in diff_lines(p.diff):
+    for line in p.diff.lines():
         o.info(line)
 
 

@@ -298,14 +298,14 @@ def front_health(rec: FrontRecord, timeout: float = 1.0) -> str:
     return "serving" if st == "ok" else str(st or "unreachable")
 
 
-def annotate_jobs(state: StateDir, jobs: list[dict]) -> list[dict]:
-    """For ``status``: every running front (url, cluster, pid...), and on each job of a cluster with a front
-    ``front`` = its URL (None without one). Reads files only."""
+def annotate_jobs(state: StateDir, jobs: list) -> list[dict]:
+    """For ``status``: every running front (url, cluster, pid...), and on each job (launch/status.py's
+    JobStatus) of a cluster with a front ``front`` = its URL (None without one). Reads files only."""
     fronts = live_fronts(state)
     by_cluster: dict[str, str] = {}
     for r in fronts:
         by_cluster.setdefault(r.cluster, r.url)
     for j in jobs:
-        c = cluster_of_deployment(state, j["deployment_id"]) if by_cluster else None
-        j["front"] = by_cluster.get(c) if c else None
+        c = cluster_of_deployment(state, j.deployment_id) if by_cluster else None
+        j.front = by_cluster.get(c) if c else None
     return [summary(r) for r in fronts]

@@ -175,7 +175,7 @@ async def run_demo(state: StateDir, workdir: Path, *, prompt: str, max_tokens: i
                                  f"{res.one_process_answer!r}")
             out.info("   identical")
         out.info("6/7 status")
-        doc = await status(state, running.opts.ssh)
+        doc = (await status(state, running.opts.ssh)).to_json()
         job = next(j for j in doc["jobs"] if j["job_id"] == res.job_id)
         out.table(status_table(job))
         peaks = {}

@@ -56,7 +56,8 @@ class Running:
     def endpoint(self) -> str | None:
         return self.manifest.endpoint
 
-    def summary(self) -> dict:
+    def to_json(self) -> dict:
+        """What ``launch --json`` prints once every rank is ready (and its ``ready`` event)."""
         m = self.manifest
         return {"job_id": m.job_id, "deployment_id": m.deployment_id, "endpoint": m.endpoint, "state": m.state,
                 "manifest": str(self.store.path(m.job_id)),
@@ -191,7 +192,7 @@ async def run_foreground(o, start, detach: bool, *, ready_extra: dict | None = N
     except ClusterctlError as e:
         _say_rank_log(o, e)
         raise
-    doc = running.summary()
+    doc = running.to_json()
     _say_ready(o, running, doc, detach, ready_extra)
     if detach:
         return 0

@@ -10,21 +10,44 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.protocol.identity import Identity
 from clusterctl.protocol.nodeops import AliveAnswer, AliveRequest, MarkersAnswer, MarkersRequest
+from clusterctl.protocol.runtimefiles import MarkerView
 
 LOOK_OP_TIMEOUT = 30.0  # one node's answer to a look's op (the supervisor asks within less: supervise/watch.py)
+
+
+class RankView(BaseModel):
+    """One rank's marker as its node saw it: the marker (read tolerantly) and its age on that node's own clock,
+    or (``error``) why its node could not read it (then the marker is empty)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    marker: MarkerView = MarkerView()
+    age: Optional[float] = None
+    error: Optional[str] = None
+
+    @classmethod
+    def seen(cls, doc, age: float | None) -> RankView:
+        """A marker document ``doc`` as a node sent it, ``age`` seconds old."""
+        return cls(marker=MarkerView.read(doc), age=age)
+
+    @property
+    def reachable(self) -> bool:
+        return self.error is None
 
 
 @dataclass
 class JobLook:
     """What the nodes of a job said."""
 
-    markers: dict[int, dict] = field(default_factory=dict)  # rank -> {"marker": doc, "age": s} or {"error": why};
-    # a rank missing here has no marker
+    markers: dict[int, RankView] = field(default_factory=dict)  # a rank missing here has no marker
     procs: dict[int, str] = field(default_factory=dict)  # a started rank -> alive | dead | foreign | unverifiable
     failed: dict[str, str] = field(default_factory=dict)  # node -> why one of its ops got no answer
 
@@ -62,11 +85,11 @@ async def look(m, hs: dict, *, markers: bool = True, processes: bool = True,
         for a in answers[:len(dirs)]:
             for x in a.markers if isinstance(a, MarkersAnswer) else []:
                 if x.rank is not None and x.rank in ours:
-                    out.markers[x.rank] = {"marker": x.marker, "age": x.age}
+                    out.markers[x.rank] = RankView.seen(x.marker, x.age)
         for a in answers[:len(dirs)]:
             if isinstance(a, ClusterctlError):
                 out.failed.setdefault(node, a.message)
-                out.markers.update({r.rank: {"error": a.message} for r in recs})
+                out.markers.update({r.rank: RankView(error=a.message) for r in recs})
         if started:
             a = answers[-1]
             if isinstance(a, ClusterctlError):

@@ -11,92 +11,90 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from clusterctl.errors import Busy
 from clusterctl.connect.nodes import SshOptions
-from clusterctl.launch.look import look_at_job
+from clusterctl.launch.look import RankView, look_at_job
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
 
-async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
-    """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
-    a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
-    handles to reuse (left open); without, opened and closed here."""
+Activity = Literal["busy", "idle", "unknown"]
+
+
+class RankActivity(BaseModel):
+    """One rank's part of the answer: busy, idle or unknown, why it is not known, the requests it holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int
+    node: str
+    state: Activity
+    why: Optional[str] = None
+    active: list[str] = Field(default_factory=list)
+
+
+class Quiescence(BaseModel):
+    """Is job ``job_id`` of ``deployment_id`` idle: ``state``, from each of its ranks (``ranks``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: Activity
+    job_id: str
+    deployment_id: str
+    ranks: list[RankActivity]
+
+    def describe(self) -> str:
+        """One line: which ranks hold how many requests, or why it is not known."""
+        parts = []
+        for x in self.ranks:
+            if x.state == "busy":
+                parts.append(f"rank {x.rank} on {x.node}: {len(x.active)} active request(s)")
+            elif x.state == "unknown":
+                parts.append(f"rank {x.rank} on {x.node}: unknown ({x.why})")
+        return "; ".join(parts) or "every rank idle"
+
+
+async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, RankView]:
+    """Each rank's marker as its node sees it (a rank missing from the answer has no marker). Ages are judged
+    on each node's own clock. ``hs``: node handles to reuse (left open); without, opened and closed here."""
     return (await look_at_job(m, ssh, hs=hs, processes=False)).markers
 
 
-def clean_marker(mk: dict) -> dict:
-    """A marker as status shows it: fields of the wrong type are dropped (a garbled file never crashes status)."""
-    out = {}
-    for key, kind in (("state", str), ("endpoint", str), ("error", str), ("reason", str)):
-        v = mk.get(key)
-        out[key] = v[:500] if isinstance(v, kind) else None
-    ce = mk.get("cancel_epoch")
-    out["cancel_epoch"] = ce if isinstance(ce, int) and not isinstance(ce, bool) else None
-    ar = mk.get("active_requests")
-    out["active_requests"] = [str(x)[:200] for x in ar[:1000]] if isinstance(ar, list) else []
-    for key in ("batch", "queued", "tokens_out", "rss_bytes"):  # the step loop's load (status --watch)
-        v = mk.get(key)
-        out[key] = v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-    for key in ("step_s", "idle_share"):
-        v = mk.get(key)
-        out[key] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 else None
-    v = mk.get("ladder")
-    out["ladder"] = v[:200] if isinstance(v, str) else None
-    pc = mk.get("prompt_cache")
-    out["prompt_cache"] = pc if isinstance(pc, list) and len(pc) == 3 and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in pc) else None
-    return out
+def _activity(r, seen: RankView | None, stale_after: float) -> RankActivity:
+    if seen is None:
+        return RankActivity(rank=r.rank, node=r.node, state="unknown", why="no marker")
+    if seen.error is not None:
+        return RankActivity(rank=r.rank, node=r.node, state="unknown", why=seen.error)
+    active, age = seen.marker.active_requests, seen.age
+    if age is None or age > stale_after:
+        why = f"heartbeat {age:.1f} s old" if age is not None else "no heartbeat age"
+        return RankActivity(rank=r.rank, node=r.node, state="unknown", why=why, active=active)
+    return RankActivity(rank=r.rank, node=r.node, state="busy" if active else "idle", active=active)
 
 
-def judge(m, markers: dict[int, dict], *, stale_after: float = STALE_AFTER) -> dict:
-    """Pure: the quiescence of launch ``m`` from its ranks' markers (the shape ``read_rank_markers`` returns)."""
-    ranks = []
-    for r in m.ranks:
-        info = markers.get(r.rank)
-        if info is None:
-            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": "no marker", "active": []})
-            continue
-        if "error" in info:
-            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": info["error"], "active": []})
-            continue
-        mk = clean_marker(info.get("marker") or {})
-        age = info.get("age")
-        active = mk["active_requests"]
-        if not isinstance(age, (int, float)) or age > stale_after:
-            why = f"heartbeat {age:.1f} s old" if isinstance(age, (int, float)) else "no heartbeat age"
-            ranks.append({"rank": r.rank, "node": r.node, "state": "unknown", "why": why, "active": active})
-        else:
-            ranks.append({"rank": r.rank, "node": r.node, "state": "busy" if active else "idle", "why": None,
-                          "active": active})
-    states = {x["state"] for x in ranks}
+def judge(m, markers: dict[int, RankView], *, stale_after: float = STALE_AFTER) -> Quiescence:
+    """Pure: the quiescence of launch ``m`` from its ranks' markers (as ``read_rank_markers`` returns them)."""
+    ranks = [_activity(r, markers.get(r.rank), stale_after) for r in m.ranks]
+    states = {x.state for x in ranks}
     overall = "busy" if "busy" in states else "unknown" if "unknown" in states else "idle"
-    return {"state": overall, "job_id": m.job_id, "deployment_id": m.deployment_id, "ranks": ranks}
+    return Quiescence(state=overall, job_id=m.job_id, deployment_id=m.deployment_id, ranks=ranks)
 
 
-def describe(q: dict) -> str:
-    """One line: which ranks hold how many requests, or why it is not known."""
-    parts = []
-    for x in q["ranks"]:
-        if x["state"] == "busy":
-            parts.append(f"rank {x['rank']} on {x['node']}: {len(x['active'])} active request(s)")
-        elif x["state"] == "unknown":
-            parts.append(f"rank {x['rank']} on {x['node']}: unknown ({x['why']})")
-    return "; ".join(parts) or "every rank idle"
-
-
-async def quiescence(m, ssh: SshOptions, hs=None) -> dict:
+async def quiescence(m, ssh: SshOptions, hs=None) -> Quiescence:
     """``hs``: node handles to reuse (their sessions stay open); without, opened and closed here."""
     return judge(m, await read_rank_markers(m, ssh, hs))
 
 
-async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> dict:
+async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> Quiescence:
     """Poll until launch ``m`` is not busy or ``seconds`` have passed; the last answer."""
     deadline = time.monotonic() + seconds
     while True:
         q = await quiescence(m, ssh, hs)
-        if q["state"] != "busy" or time.monotonic() >= deadline:
+        if q.state != "busy" or time.monotonic() >= deadline:
             return q
         await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
@@ -115,6 +113,6 @@ async def refuse_activity(jobs, ssh: SshOptions, *, refuse: tuple[str, ...], hin
     else:
         answers = await asyncio.gather(*(quiescence(m, ssh, hs_of.get(m.job_id)) for m in jobs))
     for q in answers:
-        if q["state"] in refuse:
+        if q.state in refuse:
             waited = f" after draining {drain:g} s" if drain > 0 else ""
-            raise Busy(f"job {q['job_id']} is {q['state']}{waited}: {describe(q)}", hint=hints[q["state"]])
+            raise Busy(f"job {q.job_id} is {q.state}{waited}: {q.describe()}", hint=hints[q.state])

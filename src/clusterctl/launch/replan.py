@@ -40,7 +40,7 @@ from clusterctl.plan.inventory import load_cluster
 from clusterctl.plan.model import inspect_model
 from clusterctl.plan.adapter import carried
 from clusterctl.plan.planner import make_deployment
-from clusterctl.plan.replan import derive, placement_diff
+from clusterctl.plan.replan import PlanDiff, derive, placement_diff
 from clusterctl.statedir.state import StateDir
 
 
@@ -49,7 +49,7 @@ class Proposal:
     old_path: Path
     old: Deployment
     new: Deployment
-    diff: dict
+    diff: PlanDiff
     operator_file: Path | None  # the deployment FILE the operator named (swapped in place), if not in the state dir
     inputs: dict = field(default_factory=dict)  # {"given": {...}, "derived": {...}}
     jobs: list = field(default_factory=list)  # live launch manifests of the old deployment
@@ -57,8 +57,8 @@ class Proposal:
     new_bytes: bytes | None = None  # --to: the signed file of that deployment as kept, put back byte for byte
 
     def to_json(self) -> dict:
-        return {"current": self.old.deployment_id, "new": self.new.deployment_id, "unchanged": self.diff["unchanged"],
-                **self.inputs, "diff": self.diff, "jobs": [m.job_id for m in self.jobs],
+        return {"current": self.old.deployment_id, "new": self.new.deployment_id, "unchanged": self.diff.unchanged,
+                **self.inputs, "diff": self.diff.to_json(), "jobs": [m.job_id for m in self.jobs],
                 "deployment_file": str(self.operator_file or self.old_path), "rollback_to": self.rollback_to}
 
 
@@ -268,21 +268,19 @@ def record(state: StateDir, p: Proposal, *, changes: list[str], relaunched: str 
 
 def changes_of(p: Proposal) -> list[str]:
     out = []
-    for r in p.diff["nodes"]:
-        if r["change"] == "joins":
-            out.append(f"{r['node']} joins")
-        elif r["change"] == "leaves":
-            out.append(f"{r['node']} leaves")
-        elif r["change"] == "moves":
-            a, b = r["layers_before"], r["layers_after"]
-            out.append(f"{r['node']} [{a[0]},{a[1]})->[{b[0]},{b[1]})")
-        if r["path_before"] != r["path_after"] and r["change"] not in ("joins", "leaves"):
-            out.append(f"{r['node']} path {r['path_before']}->{r['path_after']}")
-    out += [f"{o['field']} {o['before']}->{o['after']}" for o in p.diff["other"]]
-    if not p.diff["unchanged"] and not out:  # e.g. a node's record (memory, python, links): name the fields
-        out += [f"{f} changed" for f in p.diff["fields_changed"]]
-    if p.diff["unchanged"]:
-        out += [f"{c} updated" for c in p.diff["records_changed"]] or ["nothing"]
+    for r in p.diff.nodes:
+        if r.change in ("joins", "leaves"):
+            out.append(f"{r.node} {r.change}")
+        elif r.change == "moves":
+            a, b = r.layers_before, r.layers_after
+            out.append(f"{r.node} [{a[0]},{a[1]})->[{b[0]},{b[1]})")
+        if r.path_moved:
+            out.append(f"{r.node} path {r.path_before}->{r.path_after}")
+    out += [f"{o.field} {o.before}->{o.after}" for o in p.diff.other]
+    if not p.diff.unchanged and not out:  # e.g. a node's record (memory, python, links): name the fields
+        out += [f"{f} changed" for f in p.diff.fields_changed]
+    if p.diff.unchanged:
+        out += [f"{c} updated" for c in p.diff.records_changed] or ["nothing"]
     return out
 
 
@@ -345,12 +343,12 @@ def apply(state: StateDir, p: Proposal, opts: LaunchOptions, *, drain: float, ou
 
     lock = lock_for(state, p)
     try:
-        if p.diff["unchanged"]:
+        if p.diff.unchanged:
             write_new(state, p).commit()
             record(state, p, changes=changes_of(p), relaunched=None)
             if out.json:
                 out.data({**doc, "action": "unchanged"})
-            out.info(f"unchanged plan: {', '.join(p.diff['records_changed'])} updated in {deployment_ref(p)}; "
+            out.info(f"unchanged plan: {', '.join(p.diff.records_changed)} updated in {deployment_ref(p)}; "
                      "no rank was restarted")
             return 0
         staged = write_new(state, p)  # before anything stops: a full disk ends the replan here

@@ -21,7 +21,7 @@ import shlex
 import time
 from pathlib import Path
 
-from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, LaunchFailed
+from clusterctl.errors import Busy, ClusterctlError, ConfigError, Exit, FailedRank, LaunchFailed
 from clusterctl.launch import hostfile
 from clusterctl.protocol import runtimefiles as rf
 from clusterctl.protocol.contract import deployment_proof, encode_contract
@@ -368,7 +368,7 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
                 tail = last_lines(p.stderr_tail)
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited with code {p.returncode} before it was ready"
                                    + (f": {tail[-1].strip()}" if tail else ""),
-                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail)}])
+                                   ranks=[FailedRank(r.rank, r.node, stderr_tail="\n".join(tail))])
         # one long poll per node (answers as soon as its markers are there, one failed, or a detached rank's
         # process is gone); a foreground rank that exits is noticed within one poll
         by_node: dict[str, list] = {}
@@ -390,14 +390,14 @@ async def _wait_markers(run: Running, dep: Deployment, states: set[str], timeout
             last[r.rank] = st
             if st == "failed":
                 raise LaunchFailed(f"rank {r.rank} on {r.node} failed: {printable(mk.error or 'no reason given')}",
-                                   ranks=[{"rank": r.rank, "node": r.node, "error": mk.error}])
+                                   ranks=[FailedRank(r.rank, r.node, error=mk.error)])
             if exited is not None:
                 tail = [printable(x) for x in exited.log_tail]
                 log_path = run.manifest.ranks[r.rank].log_path
                 raise LaunchFailed(f"rank {r.rank} on {r.node} exited before it was ready"
                                    + (f": {tail[-1]}" if tail else f" (nothing in {log_path})"),
-                                   ranks=[{"rank": r.rank, "node": r.node, "stderr_tail": "\n".join(tail[-20:]),
-                                           "log_path": log_path}])
+                                   ranks=[FailedRank(r.rank, r.node, stderr_tail="\n".join(tail[-20:]),
+                                                     log_path=log_path)])
             if st not in states:
                 pending.append(r)
         if not pending:

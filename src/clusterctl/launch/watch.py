@@ -35,7 +35,7 @@ async def _looks(state: StateDir, ssh, ref: str | None, interval: float, show: C
     try:
         while count is None or n < count:
             t0 = time.monotonic()
-            doc = await status(state, ssh, ref=ref, pool=pool)
+            doc = (await status(state, ssh, ref=ref, pool=pool)).to_json()
             show(with_rates(doc, prev, t0 - t_prev if t_prev is not None else 0.0))
             prev, t_prev, n = doc, t0, n + 1
             if count is None or n < count:

@@ -12,6 +12,9 @@ its own model_path).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel
 
 from clusterctl.errors import ConfigError, UsageError
 from clusterctl.protocol.deployment import Deployment, PlanOptions, identity_changes
@@ -140,14 +143,24 @@ def derive(old: Deployment, *, cluster: Cluster | None = None, nodes: list[str] 
                   derived=derived)
 
 
-def placement_diff(old: Deployment, new: Deployment) -> dict:
-    """Per node: layers and planned memory before -> after, and whether it joins, leaves, moves or stays."""
-    before = {r.node: r for r in old.ranks}
-    after = {r.node: r for r in new.ranks}
-    order = [r.node for r in new.ranks] + [n for n in before if n not in after]
-    rows = []
-    for node in order:
-        a, b = before.get(node), after.get(node)
+class NodeChange(BaseModel):
+    """One node of a replan: whether it joins, leaves, moves (its layers or rank), is resized (its planned
+    memory) or stays the same, with its rank, layers, planned memory and model path before -> after."""
+
+    node: str
+    change: Literal["joins", "leaves", "moves", "resized", "same"]
+    rank_before: Optional[int]
+    rank_after: Optional[int]
+    layers_before: Optional[list[int]]
+    layers_after: Optional[list[int]]
+    memory_before: Optional[int]
+    memory_after: Optional[int]
+    path_before: Optional[str]
+    path_after: Optional[str]
+
+    @classmethod
+    def of(cls, node: str, a, b, old: Deployment, new: Deployment) -> NodeChange:
+        """Node ``node`` of ranks ``a`` (in ``old``) and ``b`` (in ``new``); None where it has none."""
         if a is None:
             change = "joins"
         elif b is None:
@@ -158,14 +171,78 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
             change = "resized"
         else:
             change = "same"
-        rows.append({
-            "node": node, "change": change,
-            "rank_before": a.rank if a else None, "rank_after": b.rank if b else None,
-            "layers_before": [a.start_layer, a.end_layer] if a else None,
-            "layers_after": [b.start_layer, b.end_layer] if b else None,
-            "memory_before": a.planned.total if a else None, "memory_after": b.planned.total if b else None,
-            "path_before": old.path_map.get(node), "path_after": new.path_map.get(node),
-        })
+        return cls(node=node, change=change, rank_before=a.rank if a else None, rank_after=b.rank if b else None,
+                   layers_before=[a.start_layer, a.end_layer] if a else None,
+                   layers_after=[b.start_layer, b.end_layer] if b else None,
+                   memory_before=a.planned.total if a else None, memory_after=b.planned.total if b else None,
+                   path_before=old.path_map.get(node), path_after=new.path_map.get(node))
+
+    @property
+    def path_moved(self) -> bool:
+        """It stays with its model at another path."""
+        return self.path_before != self.path_after and self.change not in ("joins", "leaves")
+
+
+class FieldChange(BaseModel):
+    """A setting of the plan (or of its options, as given: ``options.<name>``) before -> after."""
+
+    field: str
+    before: Any
+    after: Any
+
+
+class PlanDiff(BaseModel):
+    """What a replan changes: the plan hashes and deployment ids before -> after; ``unchanged`` when the
+    deployment's identity is the same (nothing that runs changes), then ``records_changed`` names what an
+    unchanged replan writes back in place; else ``fields_changed`` names what differs. Per node and per
+    setting: ``nodes``, ``other``."""
+
+    plan_hash_before: str
+    plan_hash_after: str
+    deployment_before: str
+    deployment_after: str
+    unchanged: bool
+    placement_unchanged: bool
+    fields_changed: list[str]
+    nodes: list[NodeChange]
+    other: list[FieldChange]
+    records_changed: list[str]
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Unchanged, and no record to write back either."""
+        return self.unchanged and not self.records_changed
+
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def lines(self) -> list[str]:
+        """The diff as lines for a terminal."""
+        def mem(b):
+            return "-" if b is None else f"{b / (1 << 30):.2f} GiB"
+
+        def rng(x):
+            return "-" if x is None else f"[{x[0]}, {x[1]})"
+
+        lines = [f"plan_hash {self.plan_hash_before[:16]} -> {self.plan_hash_after[:16]}"
+                 + ("  (unchanged)" if self.unchanged else "  (same placement)" if self.placement_unchanged else "")]
+        if not self.unchanged:
+            lines.append(f"  a new deployment: {', '.join(self.fields_changed)} differ (running ranks restart with it)")
+        for r in self.nodes:
+            lines.append(f"  {r.node:<12} {r.change:<8} layers {rng(r.layers_before)} -> {rng(r.layers_after)}"
+                         f"   memory {mem(r.memory_before)} -> {mem(r.memory_after)}"
+                         + (f"   path {r.path_before} -> {r.path_after}" if r.path_moved else ""))
+        for o in self.other:
+            lines.append(f"  {o.field}: {o.before} -> {o.after}")
+        return lines
+
+
+def placement_diff(old: Deployment, new: Deployment) -> PlanDiff:
+    """Per node: layers and planned memory before -> after, and whether it joins, leaves, moves or stays."""
+    before = {r.node: r for r in old.ranks}
+    after = {r.node: r for r in new.ranks}
+    order = [r.node for r in new.ranks] + [n for n in before if n not in after]
+    rows = [NodeChange.of(node, before.get(node), after.get(node), old, new) for node in order]
     other = []
     for what, x, y in (("backend", old.backend, new.backend), ("parallel", old.parallel, new.parallel),
                        ("schedule", old.schedule or "overlap", new.schedule or "overlap"),
@@ -175,19 +252,18 @@ def placement_diff(old: Deployment, new: Deployment) -> dict:
                        ("embedding_offload", old.embedding_offload, new.embedding_offload),
                        ("model", old.model.facts_hash[:12], new.model.facts_hash[:12])):
         if x != y:
-            other.append({"field": what, "before": x, "after": y})
+            other.append(FieldChange(field=what, before=x, after=y))
     for k in ("allocation", "backend", "parallel", "batch", "headroom_gb", "embedding_offload", "schedule",
               "prompt_cache_gb", "serving", "kv_bits", "kv_group_size", "quantized_kv_start"):  # as given (what a later replan derives from); context is listed above
         x, y = getattr(old.options, k), getattr(new.options, k)
         if x != y:
-            other.append({"field": f"options.{k}", "before": _show_option(k, x), "after": _show_option(k, y)})
+            other.append(FieldChange(field=f"options.{k}", before=_show_option(k, x), after=_show_option(k, y)))
     # the same deployment (same identity, so the same id): nothing that runs changes
     fields = identity_changes(old, new)
-    return {"plan_hash_before": old.plan_hash, "plan_hash_after": new.plan_hash,
-            "deployment_before": old.deployment_id, "deployment_after": new.deployment_id,
-            "unchanged": not fields, "placement_unchanged": old.plan_hash == new.plan_hash,
-            "fields_changed": fields, "nodes": rows, "other": other,
-            "records_changed": records_changed(old, new)}
+    return PlanDiff(plan_hash_before=old.plan_hash, plan_hash_after=new.plan_hash,
+                    deployment_before=old.deployment_id, deployment_after=new.deployment_id,
+                    unchanged=not fields, placement_unchanged=old.plan_hash == new.plan_hash,
+                    fields_changed=fields, nodes=rows, other=other, records_changed=records_changed(old, new))
 
 
 def records_changed(old: Deployment, new: Deployment) -> list[str]:
@@ -199,25 +275,3 @@ def records_changed(old: Deployment, new: Deployment) -> list[str]:
     if old.model.manifest_hash != new.model.manifest_hash:
         out.append("model manifest")
     return out
-
-
-def diff_lines(diff: dict) -> list[str]:
-    """The diff as lines for a terminal."""
-    def mem(b):
-        return "-" if b is None else f"{b / (1 << 30):.2f} GiB"
-
-    def rng(x):
-        return "-" if x is None else f"[{x[0]}, {x[1]})"
-
-    lines = [f"plan_hash {diff['plan_hash_before'][:16]} -> {diff['plan_hash_after'][:16]}"
-             + ("  (unchanged)" if diff["unchanged"] else "  (same placement)" if diff["placement_unchanged"] else "")]
-    if not diff["unchanged"]:
-        lines.append(f"  a new deployment: {', '.join(diff['fields_changed'])} differ (running ranks restart with it)")
-    for r in diff["nodes"]:
-        lines.append(f"  {r['node']:<12} {r['change']:<8} layers {rng(r['layers_before'])} -> {rng(r['layers_after'])}"
-                     f"   memory {mem(r['memory_before'])} -> {mem(r['memory_after'])}"
-                     + (f"   path {r['path_before']} -> {r['path_after']}"
-                        if r["path_before"] != r["path_after"] and r["change"] not in ("joins", "leaves") else ""))
-    for o in diff["other"]:
-        lines.append(f"  {o['field']}: {o['before']} -> {o['after']}")
-    return lines

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints,
+                      ValidationError, WrapValidator)
 
 from clusterctl.atomic import atomic_write_bytes, atomic_write_json, dumps, read_json
 from clusterctl.errors import ClusterctlError, Exit, IntegrityError, MissingInput, pydantic_line
@@ -240,13 +241,85 @@ def read_lease(path: str | os.PathLike) -> Lease:
 
 
 def parse_marker(doc) -> Marker | None:
-    """A marker document a node sent (as JSON) -> the model, or None when there is none or it is not one."""
+    """A marker document a node sent (as JSON) -> the model, or None when there is none or it is not one: the
+    strict reader, for the launcher's decisions (a rank is ready only by a whole, valid marker). What a look
+    shows of a marker is read tolerantly instead: ``MarkerView.read``."""
     if not isinstance(doc, dict):
         return None
     try:
         return Marker.model_validate(doc)
     except ValidationError:
         return None
+
+
+def _or_none(value, handler):
+    try:
+        return handler(value)
+    except ValidationError:
+        return None
+
+
+def _count(v: int) -> int:
+    if v < 0:
+        raise ValueError("a count is not negative")
+    return v
+
+
+def _seconds(v: float) -> float:
+    if not 0 <= v < 1e9:  # NaN and infinities too
+        raise ValueError("out of range")
+    return v
+
+
+def _texts(v) -> list[str]:
+    return [str(x)[:200] for x in v[:1000]] if isinstance(v, list) else []
+
+
+def _triple(v: list[int]) -> list[int]:
+    if len(v) != 3:
+        raise ValueError("not three numbers")
+    return v
+
+
+def _tolerant(kind, *checks):
+    """A field of a marker as a look reads it: of the wrong type, or failing a check, it reads as None."""
+    inner = Annotated[kind, *map(AfterValidator, checks)] if checks else kind
+    return Annotated[Optional[inner], WrapValidator(_or_none)]
+
+
+_Text = _tolerant(StrictStr, lambda s: s[:500])
+_Int = _tolerant(StrictInt)
+_Count = _tolerant(StrictInt, _count)
+_Seconds = _tolerant(float, _seconds)
+
+
+class MarkerView(BaseModel):
+    """A marker as a look at a job shows it (status, quiescence, the supervisor): the one tolerant reader of
+    what a node sent. A field of the wrong type, out of range or missing is None (the request ids: none), the
+    texts are cut short, the rest of the document is ignored: a garbled or foreign file never crashes a look."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    rank: _Int = None
+    state: _Text = None
+    endpoint: _Text = None
+    error: _Text = None
+    reason: _Text = None
+    cancel_epoch: _Int = None
+    active_requests: Annotated[list[str], WrapValidator(lambda v, _: _texts(v))] = Field(default_factory=list)
+    batch: _Count = None  # the step loop's load (status --watch)
+    queued: _Count = None
+    tokens_out: _Count = None
+    rss_bytes: _Count = None
+    step_s: _Seconds = None
+    idle_share: _Seconds = None
+    ladder: _tolerant(StrictStr, lambda s: s[:200]) = None
+    prompt_cache: _tolerant(list[StrictInt], _triple) = None
+
+    @classmethod
+    def read(cls, doc) -> MarkerView:
+        """``doc`` as a node sent it (any JSON value: not an object reads as an empty marker)."""
+        return cls.model_validate(doc if isinstance(doc, dict) else {})
 
 
 # ---- cancel files and acks -------------------------------------------------------------------------------------

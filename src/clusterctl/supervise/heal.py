@@ -148,7 +148,7 @@ async def apply(s: Supervision, p: Proposal, kind: str) -> bool:
         s.phase("degraded", f"{kind} waits: {e.message}")
         return False
     try:
-        unchanged = p.diff["unchanged"] and not p.diff["records_changed"]
+        unchanged = p.diff.nothing_to_do
         if not unchanged:
             await asyncio.to_thread(lambda: write_new(s.state, p).commit())
         ref = deployment_ref(p)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from clusterctl.errors import ClusterctlError, Exit
 from clusterctl.connect.nodes import SshOptions, close_all, handles
 from clusterctl.launch.foreground import Running
-from clusterctl.launch.look import look
-from clusterctl.launch.quiescence import STALE_AFTER, clean_marker, judge
+from clusterctl.launch.look import RankView, look
+from clusterctl.launch.quiescence import STALE_AFTER, judge
 from clusterctl.launch.status import rank_state
 from clusterctl.protocol.runtimefiles import followed_a_peer
 from clusterctl.protocol.nodeops import ProbeRequest
@@ -25,8 +25,8 @@ LOOK_TIMEOUT = 5.0  # one node's answer to a look or a probe
 UP = ("loading", "ready", "serving")
 
 
-async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict]:
-    """Job ``m``'s markers (rank -> {"marker", "age"} or {"error"}) and processes (rank -> alive/dead/...) over
+async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict[int, RankView], dict[int, str]]:
+    """Job ``m``'s markers (rank -> what its node saw) and processes (rank -> alive/dead/...) over
     the sessions ``hs``; ``unreachable`` gets each node's answer (True: it did not answer both questions: then
     each of its ranks has the error and no process)."""
     seen = await look(m, hs, timeout=LOOK_TIMEOUT)
@@ -34,25 +34,24 @@ async def look_at(m, hs: dict, unreachable: dict[str, bool]) -> tuple[dict, dict
         why = seen.failed.get(r.node)
         unreachable[r.node] = why is not None
         if why is not None:
-            seen.markers[r.rank] = {"error": why}
+            seen.markers[r.rank] = RankView(error=why)
             seen.procs.pop(r.rank, None)
     return seen.markers, seen.procs
 
 
-def rank_record(r, info: dict, process: str | None, running=None) -> dict:
+def rank_record(r, seen: RankView | None, process: str | None, running=None) -> dict:
     """One rank as the policy takes it: ``state`` (``up`` or why not), ``follower`` (it only followed a lost
-    peer: its marker's typed reason or its ladder's ``lost``, or in the foreground its keeper's exit 69, the
-    rank's ``Exit.UNAVAILABLE`` for a peer, lease or parent lost, whatever its process does now), ``silent_s``
-    (a frozen rank's heartbeat age)."""
-    mk = clean_marker(info.get("marker") or {})
-    age = info.get("age")
-    st = rank_state(mk.get("state"), process, age is not None and age > STALE_AFTER, "error" not in info)
-    follower = followed_a_peer(mk.get("state"), mk.get("reason"))
+    peer: its marker's typed reason or its ladder's ``lost``, or in the foreground its keeper's exit 69,
+    the rank's ``Exit.UNAVAILABLE`` for a peer, lease or parent lost, whatever its process does now), ``silent_s`` (a frozen rank's heartbeat age)."""
+    seen = seen or RankView()
+    mk, age = seen.marker, seen.age
+    st = rank_state(mk.state, process, age is not None and age > STALE_AFTER, seen.reachable)
+    follower = followed_a_peer(mk.state, mk.reason)
     if running is not None and running.exited(r.rank):
         st = "exited"
         follower = follower or running.procs[r.rank].returncode == Exit.UNAVAILABLE
     return {"rank": r.rank, "node": r.node, "state": "up" if st in UP else st, "follower": follower,
-            "silent_s": age if st == "lost" and isinstance(age, (int, float)) else None}
+            "silent_s": age if st == "lost" and age is not None else None}
 
 
 async def probe_nodes(dep, names: list[str], ssh) -> dict[str, bool]:
@@ -102,8 +101,8 @@ class Watch:
         if not self.hs:
             self.hs = handles(m.nodes, self.ssh)
         markers, procs = await look_at(m, self.hs, self.unreachable)
-        ranks = [rank_record(r, markers.get(r.rank, {}), procs.get(r.rank), running) for r in m.ranks]
-        self.idle = judge(m, markers)["state"] == "idle"
+        ranks = [rank_record(r, markers.get(r.rank), procs.get(r.rank), running) for r in m.ranks]
+        self.idle = judge(m, markers).state == "idle"
         down = [x for x in ranks if x["state"] != "up"]
         # down since the look began (a node that let it time out has not answered since then), or since its
         # last heartbeat (a frozen rank: its age on its node's clock), judged now
