@@ -42,6 +42,17 @@ def test_bad_flag_values_are_usage_errors_with_a_json_document(argv, tmp_path, m
     assert doc["ok"] is False and doc["exit_code"] == 2
 
 
+def test_the_one_command_form_of_front_still_says_clusterctl_front(tmp_path, monkeypatch):
+    """`clusterctl front ...` without a subcommand is the command of before (cli/frontcmds.py): its usage errors
+    and help name `clusterctl front`, not the hidden command that runs it."""
+    monkeypatch.setenv("CLUSTERCTL_STATE_DIR", str(tmp_path / "state"))
+    r = run("front", "--no-such-option")
+    _one_error_line(r, 2)
+    assert "--no-such-option (see clusterctl front --help)" in r.stderr
+    r = run("front", "--json", "--help")
+    assert r.code == 0 and "Usage: clusterctl front [OPTIONS] [HOST:PORT] [target]" in " ".join(r.stdout.split())
+
+
 def test_a_bare_clusterctl_prints_its_help_and_no_empty_error():
     r = run()
     assert r.code == 2 and "Usage" in r.stdout + r.stderr and "error:" not in r.stderr

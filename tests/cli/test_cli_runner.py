@@ -61,3 +61,22 @@ def test_each_call_has_its_own_output(run):
     assert r.exit_code == 0 and mine.json is True
     r = run("history")
     assert r.exit_code == 0 and r.stdout == ""  # the --json of the call before does not leak into this one
+
+
+def test_front_subcommands_and_the_one_command_form_of_before(run):
+    """`front list|run|stop`, and what scripts typed before: `front` (the list), `front --json`, `front --stop`,
+    `front HOST:PORT CLUSTER [--detach]` (docs/front.md)."""
+    r = run("front", "--help")
+    assert r.exit_code == 0 and all(c in r.stdout for c in ("list", "run", "stop"))
+    for old, new in ((["front"], ["front", "list"]), (["front", "--json"], ["front", "list", "--json"]),
+                     (["front", "--stop", "--json"], ["front", "stop", "--json"]),
+                     (["front", "--stop", "127.0.0.1:9"], ["front", "stop", "127.0.0.1:9"])):
+        a, b = run(*old), run(*new)
+        assert (a.exit_code, a.stdout, a.stderr) == (b.exit_code, b.stdout, b.stderr) and a.exit_code == 0, old
+    assert json.loads(run("front", "list", "--json").stdout) == {"schema_version": 1, "fronts": []}
+    assert "no front serves 127.0.0.1:9" in run("front", "stop", "127.0.0.1:9").stderr
+    for argv in (["front", "bad", "c"], ["front", "run", "bad", "c"], ["front", "stop", "bad"]):
+        r = run(*argv)
+        assert r.exit_code == 2 and "HOST:PORT: 'bad' is not HOST:PORT" in r.stderr, argv
+    r = run("front", "127.0.0.1:9")
+    assert r.exit_code == 2 and "name the cluster to follow: clusterctl front HOST:PORT CLUSTER" in r.stderr

@@ -20,7 +20,9 @@ Properties, for every case (docs/cli.md):
   outside 0..65535 is a usage error (exit 2) before any work; so is a host that is neither an IP address nor a
   DNS name (options named ``host`` / ``*_host``);
 - ``--help`` of every command is exit 0; a group alone (``clusterctl``, ``clusterctl model``) shows its help and
-  no empty ``error:`` line; an unknown command or option is a usage error that names it.
+  no empty ``error:`` line, but a group with a default command (``clusterctl front``: its one-command form of
+  before, which lists the fronts) does what that command does; an unknown command or option is a usage error
+  that names it.
 """
 
 from __future__ import annotations
@@ -139,6 +141,13 @@ def commands() -> dict[tuple[str, ...], list[Param]]:
 
     walk(_click_root(), ())
     return out
+
+
+def command_at(path: tuple[str, ...]):
+    cmd = _click_root()
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
 
 
 def groups() -> list[tuple[str, ...]]:
@@ -311,6 +320,8 @@ def base_value(p: Param, w: World) -> str:
         return str(w.cluster)
     if p.name in ("model", "folder"):
         return str(w.model)
+    if p.name == "address":  # `front run HOST:PORT`: one that parses, so the run reaches its stubbed serve
+        return "127.0.0.1:9"
     if p.kind == "path":
         return str(w.root / f"no-such-{p.name}")
     if p.kind in ("int", "float"):
@@ -493,10 +504,18 @@ def test_help_of_every_command(world):
 
 def test_a_group_alone_or_an_unknown_name_says_what_is_missing(world):
     """`clusterctl` and `clusterctl model` alone show their help (exit 0, or exit 2 with the help and no empty
-    "error:" line); an unknown command or option is a usage error that names it."""
+    "error:" line), `clusterctl front` alone what its default command does; an unknown command or option is a
+    usage error that names it."""
     found = collections.defaultdict(list)
     for g in groups():
         r = run_cli(list(g))
+        default = getattr(command_at(g), "default_command", None)
+        if default is not None:
+            d = run_cli([*g, default])
+            if (r.code, r.stdout, r.stderr) != (d.code, d.stdout, d.stderr):
+                found[f"clusterctl {' '.join(g)}"].append(f"not what `{' '.join([*g, default])}` does")
+            count("refused" if r.code else "accepted")
+            continue
         bad = [b for b in check(r, list(g), [], []) if "printed on stdout" not in b and "without an 'error: '" not in b]
         if "Usage:" not in r.stdout + r.stderr:
             bad.append(f"exit {r.code} without the help")

@@ -2,7 +2,8 @@
 
 Exit codes are API (docs/cli.md). Every expected failure is a ClusterctlError, printed as one line. Each call gets
 its own ``render.Output`` (``ctx.obj``): ``main`` makes it, a test may pass one to ``typer.testing.CliRunner``.
-The commands live in ``plancmds``, ``jobcmds`` and ``modelcmds``; what they share in ``options``.
+The commands live in ``plancmds``, ``jobcmds``, ``modelcmds``, ``frontcmds`` and ``supervisecmds``; what they share
+in ``options``; flags taken as one typed value (``LaunchFlags``, ``HealFlags``, ``PlanFlags``) by ``flaggroups``.
 """
 
 from __future__ import annotations

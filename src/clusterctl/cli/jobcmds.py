@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt,
-                                    ChatTemplateArgsOpt, ChatTemplateOpt, CorsOpt, DrainOpt, FrontOpt, GraceOpt,
-                                    HostOpt, JsonOpt, KnownHostsOpt, MaxQueueOpt, MaxTokensOpt, MinPOpt, NoApiKeyOpt,
-                                    PortOpt, QuietOpt, SeedOpt, StateOpt, TemperatureOpt, TimeoutOpt, TopKOpt,
-                                    TopPOpt, app, complete_targets, number, output, ssh_options, state_of)
-from clusterctl.errors import Exit, UsageError
-from clusterctl.cli.options import (HealBackoffOpt, HealGraceOpt, HealMaxOpt, HealWindowOpt, RejoinAfterOpt,
-                                    RejoinDrainOpt, heal_policy)
-from clusterctl.cli.options import KvBitsOpt, KvGroupSizeOpt, QuantizedKvStartOpt
-from clusterctl.statedir import history as hist
+from clusterctl.cli.flaggroups import flag_groups
 from clusterctl.cli.frontcmds import front_for, stop_started
-from clusterctl.cli.launchflags import LaunchFlags
-from clusterctl.cli.replanview import (PlanFlags, ReplanHeadroomOpt, ReplanPromptCacheOpt, ReplanRequest,
-                                       run_replan)
+from clusterctl.cli.launchflags import LaunchFlags, RelaunchFlags
+from clusterctl.cli.options import (AcceptNewOpt, DrainOpt, FrontOpt, GraceOpt, HealFlags, JsonOpt, KnownHostsOpt,
+                                    QuietOpt, StateOpt, app, complete_targets, number, output, ssh_options, state_of)
+from clusterctl.cli.replanview import PlanFlags, ReplanRequest, run_replan
+from clusterctl.errors import Exit, UsageError
+from clusterctl.statedir import history as hist
 from clusterctl.render import heal_line, history_line, serving_line, status_table, watch_view
 
 if TYPE_CHECKING:
@@ -28,35 +21,16 @@ if TYPE_CHECKING:
 
 
 @app.command()
+@flag_groups
 def launch(
     ctx: typer.Context,
+    *,
     deployment: Annotated[str, typer.Argument(help="A deployment file or id.", autocompletion=complete_targets)],
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready; `clusterctl teardown` ends it.")] = False,
-    timeout: TimeoutOpt = 600,
-    grace: GraceOpt = 10.0,
-    lease: Annotated[Optional[float], typer.Option("--lease", envvar="CLUSTERCTL_LAUNCHER_LEASE",
-                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.",
-                                                   parser=number(1, 3600), metavar="SECONDS")] = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
-    api_key_env: ApiKeyEnvOpt = None,
-    api_keys_file: ApiKeysFileOpt = None,
-    no_api_key: NoApiKeyOpt = False,
-    cors_origin: CorsOpt = None,
-    model_alias: AliasOpt = None,
-    seed: SeedOpt = 0,
-    max_queue: MaxQueueOpt = 64,
+    serving: LaunchFlags,
     front: FrontOpt = None,
-    verify: Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")] = False,
     heal: Annotated[bool, typer.Option("--heal", help="Supervise: heal onto the nodes that answer when a rank or node is lost, go back when it is healthy (docs/heal.md).")] = False,
-    heal_grace: HealGraceOpt = None,
-    heal_max: HealMaxOpt = None,
-    heal_window: HealWindowOpt = None,
-    heal_backoff: HealBackoffOpt = None,
-    rejoin_after: RejoinAfterOpt = None,
-    rejoin_drain: RejoinDrainOpt = None,
-    known_hosts: KnownHostsOpt = None,
-    accept_new_host_keys: AcceptNewOpt = False,
+    healing: HealFlags,
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -65,18 +39,15 @@ def launch(
     o = output(ctx, json, quiet)
     import asyncio
 
-    opts = LaunchFlags(timeout=timeout, grace=grace, host=host, port=port, api_key_env=api_key_env,
-                       api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
-                       model_alias=model_alias, seed=seed, max_queue=max_queue, known_hosts=known_hosts,
-                       accept_new_host_keys=accept_new_host_keys, lease=lease, verify=verify).options(detach=detach)
+    opts = serving.options(detach=detach)
     if heal and detach:
         raise UsageError("--heal supervises in the foreground: leave out --detach, or launch detached and run "
                          "`clusterctl supervise` (docs/heal.md)")
-    policy = heal_policy(heal_grace, heal_max, heal_window, heal_backoff, rejoin_after, rejoin_drain) if heal else None
+    policy = healing.policy() if heal else None
 
     state = state_of(state_dir)
     started = front_for(o, state, front, lambda: state.load_deployment(deployment)[1].deployment.cluster,
-                         known_hosts, accept_new_host_keys)
+                         serving.known_hosts, serving.accept_new_host_keys)
     try:
         code = asyncio.run(_launched(o, state, deployment, opts, detach, policy))
     except BaseException:
@@ -144,48 +115,19 @@ async def _launched(o, state: StateDir, deployment: str, opts, detach: bool, pol
 
 
 @app.command()
+@flag_groups
 def replan(
     ctx: typer.Context,
+    *,
     target: Annotated[Optional[str], typer.Argument(help="The current deployment: file, deployment id or job id (default: the one running).",
                                                     autocompletion=complete_targets)] = None,
-    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="A cluster.toml whose nodes replace the current ones (needed to add a node).")] = None,
-    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None,
-    allocation: Annotated[Optional[str], typer.Option(help="auto | balanced | proportional | speed | work "
-                                                           "(default: the current deployment's).")] = None,
-    backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None,
-    parallel: Annotated[Optional[str], typer.Option(help="auto | pipeline | tensor (default: the current deployment's).")] = None,
-    schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None,
-    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None,
-    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None,
-    prompt_cache_gb: ReplanPromptCacheOpt = None,
-    headroom_gb: ReplanHeadroomOpt = None,
-    kv_bits: KvBitsOpt = None, kv_group_size: KvGroupSizeOpt = None, quantized_kv_start: QuantizedKvStartOpt = None,
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    top_k: TopKOpt = None,
-    min_p: MinPOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    chat_template_args: ChatTemplateArgsOpt = None,
-    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path); each new path is checked on its node first.')] = None,
-    to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None,
+    plan: PlanFlags,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")] = False,
     drain: DrainOpt = 0.0,
     detach: Annotated[bool, typer.Option("--detach", help="The new job runs detached (default: as the old one did).")] = False,
     foreground: Annotated[bool, typer.Option("--foreground", help="The new job runs in the foreground (default: as the old one did).")] = False,
-    timeout: TimeoutOpt = 600,
-    grace: GraceOpt = 10.0,
-    host: HostOpt = None,
-    api_key_env: ApiKeyEnvOpt = None,
-    api_keys_file: ApiKeysFileOpt = None,
-    no_api_key: NoApiKeyOpt = False,
-    cors_origin: CorsOpt = None,
-    model_alias: AliasOpt = None,
-    seed: SeedOpt = 0,
-    max_queue: MaxQueueOpt = 64,
+    serving: RelaunchFlags,
     front: FrontOpt = None,
-    known_hosts: KnownHostsOpt = None,
-    accept_new_host_keys: AcceptNewOpt = False,
     state_dir: StateOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -195,18 +137,8 @@ def replan(
     o = output(ctx, json, quiet)
     if detach and foreground:
         raise UsageError("--detach and --foreground contradict each other: give one")
-    req = ReplanRequest(
-        target=target, detach=True if detach else False if foreground else None, drain=drain, yes=yes, front=front,
-        plan=PlanFlags(cluster=cluster, nodes=nodes, allocation=allocation, backend=backend, parallel=parallel,
-                       schedule=schedule, context=context, batch=batch, prompt_cache_gb=prompt_cache_gb,
-                       headroom_gb=headroom_gb, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                       quantized_kv_start=quantized_kv_start, temperature=temperature, top_p=top_p, top_k=top_k,
-                       min_p=min_p, max_tokens=max_tokens, chat_template=chat_template,
-                       chat_template_args=chat_template_args, path_map=path_map, to=to),
-        launch=LaunchFlags(timeout=timeout, grace=grace, host=host, api_key_env=api_key_env,
-                           api_keys_file=api_keys_file, no_api_key=no_api_key, cors_origin=cors_origin,
-                           model_alias=model_alias, seed=seed, max_queue=max_queue, known_hosts=known_hosts,
-                           accept_new_host_keys=accept_new_host_keys))
+    req = ReplanRequest(target=target, detach=True if detach else False if foreground else None, drain=drain,
+                        yes=yes, front=front, plan=plan, launch=serving)
     raise typer.Exit(run_replan(o, state_of(state_dir), req))
 
 
@@ -365,6 +297,3 @@ def _watch(o, state: StateDir, ssh, target, interval: float) -> None:
 
     with Live(console=o.console, auto_refresh=False, transient=False) as live:
         watch(state, ssh, target, interval, lambda doc: live.update(watch_view(doc), refresh=True))
-
-
-from clusterctl.cli import frontcmds  # noqa: E402,F401  (registers `clusterctl front` after these)

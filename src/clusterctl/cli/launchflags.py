@@ -1,36 +1,48 @@
-"""The flags of how a started job serves, shared by launch, replan and supervise, as one typed model; and the one
-builder of the LaunchOptions those commands hand the core (launch/jobplan.py): the API key read from its
-environment variable, the keys file, the launcher lease from CLUSTERCTL_LAUNCHER_LEASE (or --lease), who may
-call rank 0, and the exposure checked (a key is needed off loopback)."""
+"""The flags of how a started job serves, shared by launch, replan and supervise, as one typed model defined once
+(cli/flaggroups.py: each command names it by one parameter); and the one builder of the LaunchOptions those
+commands hand the core (launch/jobplan.py): the API key read from its environment variable, the keys file, the
+launcher lease from CLUSTERCTL_LAUNCHER_LEASE (or --lease), who may call rank 0, and the exposure checked (a key
+is needed off loopback)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Annotated, Optional
 
-from clusterctl.cli.options import api_key_of, api_keys_of, lease_from_env, ssh_options
+import typer
+
+from clusterctl.cli.flaggroups import Without
+from clusterctl.cli.options import (ENV_LEASE, AcceptNewOpt, AliasOpt, ApiKeyEnvOpt, ApiKeysFileOpt, CorsOpt,
+                                    GraceOpt, HostOpt, KnownHostsOpt, MaxQueueOpt, NoApiKeyOpt, PortOpt, SeedOpt,
+                                    TimeoutOpt, api_key_of, api_keys_of, lease_from_env, number, ssh_options)
+
+# launch's own two (a relaunch by replan or the supervisor takes neither)
+LeaseOpt = Annotated[Optional[float], typer.Option("--lease", envvar=ENV_LEASE,
+                                                   help="Launcher lease in seconds: a rank whose lease goes stale exits.",
+                                                   parser=number(1, 3600), metavar="SECONDS")]
+VerifyOpt = Annotated[bool, typer.Option("--verify", help="Preflight re-hashes every node's model copy (default: sizes and cached hashes).")]
 
 
 @dataclass(frozen=True)
 class LaunchFlags:
     """The parsed flags (typer checked each one: no pydantic at the CLI's start); ``options()`` turns them into
-    LaunchOptions."""
+    LaunchOptions. The defaults are the commands' (their --help shows them)."""
 
-    timeout: float = 600.0
-    grace: float = 10.0
-    host: str | None = None  # --host (None: the command's default)
-    port: int | None = None  # --port (launch)
-    api_key_env: str | None = None
-    api_keys_file: Path | None = None
-    no_api_key: bool = False
-    cors_origin: list[str] | None = None
-    model_alias: list[str] | None = None
-    seed: int = 0
-    max_queue: int = 64
-    known_hosts: Path | None = None
-    accept_new_host_keys: bool = False
-    lease: float | None = None  # --lease (launch); None: CLUSTERCTL_LAUNCHER_LEASE or the default
-    verify: bool = False  # --verify (launch)
+    timeout: TimeoutOpt = 600
+    grace: GraceOpt = 10.0
+    lease: LeaseOpt = None  # --lease (launch); None: CLUSTERCTL_LAUNCHER_LEASE or the default
+    host: HostOpt = None  # --host (None: the command's default)
+    port: PortOpt = None  # --port (launch)
+    api_key_env: ApiKeyEnvOpt = None
+    api_keys_file: ApiKeysFileOpt = None
+    no_api_key: NoApiKeyOpt = False
+    cors_origin: CorsOpt = None
+    model_alias: AliasOpt = None
+    seed: SeedOpt = 0
+    max_queue: MaxQueueOpt = 64
+    verify: VerifyOpt = False  # --verify (launch)
+    known_hosts: KnownHostsOpt = None
+    accept_new_host_keys: AcceptNewOpt = False
 
     def ssh(self):
         return ssh_options(self.known_hosts, self.accept_new_host_keys)
@@ -55,3 +67,8 @@ class LaunchFlags:
             cors_origins=list(self.cors_origin or []), model_aliases=list(self.model_alias or []), seed=self.seed,
             max_queue=self.max_queue, ssh=ssh, verify_model=self.verify,
             lease_seconds=self.lease if self.lease is not None else lease_seconds)
+
+
+# replan and supervise relaunch a running job: on the old job's port, with the lease of CLUSTERCTL_LAUNCHER_LEASE,
+# without --verify
+RelaunchFlags = Annotated[LaunchFlags, Without("lease", "port", "verify")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -362,14 +363,25 @@ RejoinDrainOpt = Annotated[Optional[float], typer.Option(
                            "anyway (default 10).", parser=number(0, 86400), metavar="SECONDS")]
 
 
-def heal_policy(grace: float | None = None, max_heals: int | None = None, window: float | None = None,
-                backoff: float | None = None, rejoin_after: float | None = None, drain: float | None = None):
-    """The policy from the flags given (None: supervise/policy.py's default)."""
-    from clusterctl.supervise.policy import HealPolicy
+@dataclass(frozen=True)
+class HealFlags:
+    """The supervisor's policy flags (launch --heal, supervise), taken as one (cli/flaggroups.py)."""
 
-    given = {k: v for k, v in (("grace_s", grace), ("max_heals", max_heals), ("window_s", window),
-                               ("backoff_s", backoff), ("rejoin_after_s", rejoin_after), ("drain_s", drain))
-             if v is not None}
-    if backoff is not None:
-        given["backoff_max_s"] = max(HealPolicy.backoff_max_s, backoff)
-    return HealPolicy(**given)
+    heal_grace: HealGraceOpt = None
+    heal_max: HealMaxOpt = None
+    heal_window: HealWindowOpt = None
+    heal_backoff: HealBackoffOpt = None
+    rejoin_after: RejoinAfterOpt = None
+    rejoin_drain: RejoinDrainOpt = None
+
+    def policy(self):
+        """The policy from the flags given (None: supervise/policy.py's default)."""
+        from clusterctl.supervise.policy import HealPolicy
+
+        given = {k: v for k, v in (("grace_s", self.heal_grace), ("max_heals", self.heal_max),
+                                   ("window_s", self.heal_window), ("backoff_s", self.heal_backoff),
+                                   ("rejoin_after_s", self.rejoin_after), ("drain_s", self.rejoin_drain))
+                 if v is not None}
+        if self.heal_backoff is not None:
+            given["backoff_max_s"] = max(HealPolicy.backoff_max_s, self.heal_backoff)
+        return HealPolicy(**given)

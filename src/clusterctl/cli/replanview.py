@@ -1,5 +1,5 @@
-"""What `clusterctl replan` reads and shows around its core calls (launch/replan.py): its own flags, the request
-they make (ReplanRequest: the new plan's flags, how the new job serves, how to apply), the options it was given,
+"""What `clusterctl replan` reads and shows around its core calls (launch/replan.py): its own flags (PlanFlags: the
+new plan's), the request they make (ReplanRequest: the new plan's flags, how the new job serves, how to apply), the options it was given,
 the preview, the "unchanged" note, the confirmation, and the run from preview to relaunch."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import typer
 
 from clusterctl.cli.frontcmds import front_for
 from clusterctl.cli.launchflags import LaunchFlags
-from clusterctl.cli.options import kv_options, number, serving_of
+from clusterctl.cli.options import (MAX_BATCH, MAX_CONTEXT, ChatTemplateArgsOpt, ChatTemplateOpt, KvBitsOpt,
+                                    KvGroupSizeOpt, MaxTokensOpt, MinPOpt, QuantizedKvStartOpt, TemperatureOpt,
+                                    TopKOpt, TopPOpt, kv_options, number, serving_of)
 from clusterctl.errors import Exit, UsageError
 
 if TYPE_CHECKING:
@@ -90,30 +92,32 @@ def confirmed(o, doc: dict) -> bool:
 
 @dataclass(frozen=True)
 class PlanFlags:
-    """replan's flags for the new plan, as parsed (None: not given, the current deployment's)."""
+    """replan's flags for the new plan, as parsed (None: not given, the current deployment's), taken as one
+    (cli/flaggroups.py)."""
 
-    cluster: Path | None = None
-    nodes: str | None = None  # comma list, in rank order
-    allocation: str | None = None
-    backend: str | None = None
-    parallel: str | None = None
-    schedule: str | None = None
-    context: int | None = None
-    batch: int | None = None
-    prompt_cache_gb: float | None = None
-    headroom_gb: float | None = None
-    kv_bits: int | None = None
-    kv_group_size: int | None = None
-    quantized_kv_start: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
-    chat_template: Path | None = None
-    chat_template_args: str | None = None
-    path_map: str | None = None
-    to: str | None = None
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="A cluster.toml whose nodes replace the current ones (needed to add a node).")] = None
+    nodes: Annotated[Optional[str], typer.Option("--nodes", help="Comma list of the nodes to plan on, in rank order.")] = None
+    allocation: Annotated[Optional[str], typer.Option(help="auto | balanced | proportional | speed | work "
+                                                           "(default: the current deployment's).")] = None
+    backend: Annotated[Optional[str], typer.Option(help="auto | ring | jaccl | mpi.")] = None
+    parallel: Annotated[Optional[str], typer.Option(help="auto | pipeline | tensor (default: the current deployment's).")] = None
+    schedule: Annotated[Optional[str], typer.Option(help="auto | overlap | lockstep (default: the current deployment's).")] = None
+    context: Annotated[Optional[int], typer.Option(help="KV cache budget: tokens per sequence.", min=1, max=MAX_CONTEXT)] = None
+    batch: Annotated[Optional[int], typer.Option(help="Batch slots (default: the current deployment's).", min=1, max=MAX_BATCH)] = None
+    prompt_cache_gb: ReplanPromptCacheOpt = None
+    headroom_gb: ReplanHeadroomOpt = None
+    kv_bits: KvBitsOpt = None
+    kv_group_size: KvGroupSizeOpt = None
+    quantized_kv_start: QuantizedKvStartOpt = None
+    temperature: TemperatureOpt = None
+    top_p: TopPOpt = None
+    top_k: TopKOpt = None
+    min_p: MinPOpt = None
+    max_tokens: MaxTokensOpt = None
+    chat_template: ChatTemplateOpt = None
+    chat_template_args: ChatTemplateArgsOpt = None
+    path_map: Annotated[Optional[str], typer.Option("--path-map", help='Per-node model paths "a=/m,b=/m" ("" = none: every node uses its model_path); each new path is checked on its node first.')] = None
+    to: Annotated[Optional[str], typer.Option("--to", help="Go back to a previous deployment id (see `clusterctl history`).")] = None
 
     def change(self):
         """The plan change they ask for (launch/replan.PlanChange): the chat template read, every value checked."""
