@@ -25,7 +25,7 @@ from clusterctl.connect.transport import CommandTimedOut, Pipe, Transport
 from clusterctl.protocol.nodespec import Node
 from clusterctl.connect import fdlimit
 from clusterctl.connect.ssh_policy import SshTarget
-from clusterctl.node.nodeops import look_at_markers
+from clusterctl.node.markerops import look_at_markers
 from clusterctl.protocol.nodeops import (Answer, BadAnswer, ProbeAnswer, ProbeRequest, ReadRequest, Request, TailRequest,
                                         WaitMarkersAnswer, WaitMarkersRequest, WatchedRank, WriteRequest,
                                         parse_answer)
@@ -330,7 +330,7 @@ class NodeHandle:
     async def wait_markers(self, paths: list[str], states: set[str], timeout: float,
                            watch: list[WatchedRank | None] | None = None) -> WaitMarkersAnswer:
         """The markers at ``paths`` once all are in ``states``, one failed or a watched rank's process is gone
-        (nodeops.look_at_markers), or as they are after ``timeout``: one marker document (or None) and one
+        (node/markerops.look_at_markers), or as they are after ``timeout``: one marker document (or None) and one
         ``Exited`` (or None) per path."""
         if not self.transport.is_local:
             req = WaitMarkersRequest(paths=paths, states=sorted(states), timeout=timeout, watch=watch)
