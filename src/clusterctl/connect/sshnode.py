@@ -4,14 +4,15 @@ One connection per node, opened on first use (in waves when the open-file limit 
 fdlimit.py) and shared by its commands, started processes and pipes, each on its own SSH channel; at most
 SHORT_CHANNELS commands at once, so sshd's MaxSessions leaves room for the rest. Command lines are built by
 ``transport.shell_command_line`` only. A remote node's files are read and written by its node-op session (a pipe,
-nodes.py), not here; the one program this module runs itself is the identity-checked kill of a keeper's group
-that outlived its grace. ``close()`` ends the connection and with it every process started over it.
+nodes.py), not here; a keeper that outlived its grace is killed by the node operation ``kill_group`` on a channel
+of its own. ``close()`` ends the connection and with it every process started over it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import socket
@@ -29,15 +30,12 @@ from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.connect.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
                                          check_argv, keeper_argv, keeper_env, raise_for_status, shell_command_line,
                                          stop_all)
+from clusterctl.protocol.nodeops import KillGroupRequest
 
 # sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
 SHORT_CHANNELS = 4
 
 KILL_TIMEOUT = 15.0
-_KILL_PROGRAM = (
-    "import sys; from clusterctl.node.keeper import kill_group_if_same as k; "
-    "a = sys.argv[1:]; k(int(a[0]), int(a[1]), None if a[2] == 'None' else float(a[2]), "
-    "None if a[3] == 'None' else a[3])")
 
 class _PolicyClient(asyncssh.SSHClient):
     """Routes host keys missing from known_hosts to ssh_policy, remembering why one was refused."""
@@ -136,8 +134,11 @@ class _SshChannel(ProcStreams):
             self.proc.close()
 
     async def force_kill(self, info: ChildInfo) -> None:
-        await self.t.run([self.t.python, "-c", _KILL_PROGRAM, str(info.pid), str(info.pgid),
-                          repr(info.start_time), str(info.boot_id)], timeout=KILL_TIMEOUT)
+        # the one-shot entry of the node operations (a request on stdin), not the op session: this runs when
+        # something on the node did not stop, and must not wait behind whatever the session is doing
+        req = KillGroupRequest(pid=info.pid, pgid=info.pgid, start_time=info.start_time, boot_id=info.boot_id)
+        await self.t.run([self.t.python, "-m", "clusterctl.node.nodeops", req.op],
+                         input=json.dumps(req.wire()).encode(), timeout=KILL_TIMEOUT)
 
 
 class _SshPipe:

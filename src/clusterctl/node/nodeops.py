@@ -8,12 +8,13 @@ into its op's request model and answered with its answer model (protocol/nodeops
 so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
 ``python -m clusterctl.node.nodeops OP`` with one JSON request on stdin and one answer on stdout.
 
-OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
-markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers), warm (import what the next requests need), wait_markers (wait until markers
-reach a state), read / write (a small file; atomic write), tail (a log's end), model_status (is the model copy here
-the planned one), model_prepare (create the folder a sync writes into), fetch (download model files from an HTTP
-mirror); the marker ops live in markerops.py, the model ops in modelops.py.
+OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), kill_group (SIGKILL a keeper's
+group, its leader checked), sweep (stop what a job's markers recorded), spawn (start a detached rank), canary (a
+short greedy request to rank 0), clean (remove a job's files), markers (read a job's markers), warm (import what the
+next requests need), wait_markers (wait until markers reach a state), read / write (a small file; atomic write),
+tail (a log's end), model_status (is the model copy here the planned one), model_prepare (create the folder a sync
+writes into), fetch (download model files from an HTTP mirror); the marker ops live in markerops.py, the model ops
+in modelops.py.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, uns
 from clusterctl.errors import ClusterctlError, pydantic_line
 from clusterctl.protocol.identity import Identity
 from clusterctl.protocol.nodeops import (REQUESTS, AliveAnswer, AliveRequest, CanaryAnswer, CanaryRequest, CleanAnswer,
-                                        CleanRequest, ProbeAnswer, ProbeRequest, ReadAnswer, ReadRequest,
-                                        RuntimeDirCheck, SpawnAnswer, SpawnRequest, StopAnswer, StopRequest,
-                                        SweepRequest, TailAnswer, TailRequest, WarmAnswer, WarmRequest, WriteAnswer,
-                                        WriteRequest)
+                                        CleanRequest, KillGroupAnswer, KillGroupRequest, ProbeAnswer, ProbeRequest,
+                                        ReadAnswer, ReadRequest, RuntimeDirCheck, SpawnAnswer, SpawnRequest,
+                                        StopAnswer, StopRequest, SweepRequest, TailAnswer, TailRequest, WarmAnswer,
+                                        WarmRequest, WriteAnswer, WriteRequest)
 from clusterctl.protocol.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
 from clusterctl.protocol.versions import node_versions
+from clusterctl.node.keeper import kill_group_if_same
 from clusterctl.node.markerops import job_markers, op_markers, op_wait_markers, read_own_json
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import boot_id, status_of, stop
@@ -133,6 +135,13 @@ def op_sweep(req: SweepRequest) -> StopAnswer:
             seen.add(ident.pid)
             idents.append(ident)
     return StopAnswer(results=stop(idents, grace=req.grace))
+
+
+def op_kill_group(req: KillGroupRequest) -> KillGroupAnswer:
+    """SIGKILL a keeper's group now, only while its leader is still the process it reported (a keeper that
+    outlived its grace: connect/sshnode.py)."""
+
+    return KillGroupAnswer(killed=kill_group_if_same(req.pid, req.pgid, req.start_time, req.boot_id))
 
 
 def op_alive(req: AliveRequest) -> AliveAnswer:
@@ -262,7 +271,7 @@ def op_warm(req: WarmRequest) -> WarmAnswer:
     return WarmAnswer(imported=done, failed=failed)
 
 
-OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
+OPS = {"probe": op_probe, "stop": op_stop, "kill_group": op_kill_group, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
        "fetch": op_fetch, "read": op_read, "tail": op_tail, "write": op_write, "wait_markers": op_wait_markers,
        "warm": op_warm}

@@ -83,6 +83,22 @@ class StopRequest(Request):
     grace: float = 10.0
 
 
+class KillGroupAnswer(Answer):
+    killed: bool  # False: the leader is not the process reported (gone, or its pid reused), nothing signalled
+
+
+class KillGroupRequest(Request):
+    """SIGKILL the group a keeper leads now, only while its leader is the process the keeper reported (the
+    keeper's ``ChildInfo``): a keeper that outlived its grace."""
+
+    op: ClassVar[str] = "kill_group"
+    answer: ClassVar[type[Answer]] = KillGroupAnswer
+    pid: int
+    pgid: int
+    start_time: Optional[float]
+    boot_id: Optional[str]
+
+
 class SweepRequest(Request):
     """Stop what the job's markers recorded (pid, start time and the job's nonce checked) and ``extra``.
     ``ranks``: only the markers of these rank numbers (nodes that are one machine share a runtime dir)."""
@@ -414,6 +430,6 @@ class FetchRequest(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {r.op: r for r in (
-    ProbeRequest, StopRequest, AliveRequest, SweepRequest, CleanRequest, SpawnRequest, CanaryRequest,
+    ProbeRequest, StopRequest, KillGroupRequest, AliveRequest, SweepRequest, CleanRequest, SpawnRequest, CanaryRequest,
     MarkersRequest, ModelStatusRequest, ModelPrepareRequest, FetchRequest, ReadRequest, TailRequest, WriteRequest,
     WaitMarkersRequest, WarmRequest)}
