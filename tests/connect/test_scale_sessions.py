@@ -65,7 +65,7 @@ def test_status_watch_reopens_only_a_session_that_ended(tmp_path):
         try:
             await status(state, ssh, pool=pool)
             await status(state, ssh, pool=pool)
-            sess = pool.handles(nodes)["a"]._session
+            sess = pool.handles(nodes)["a"].transport._ops
             sess.pipe.kill()  # node a's session ends (its connection dropped)
             for _ in range(100):
                 if not sess.alive:

@@ -1,6 +1,6 @@
 """The wire of the node operations: one request model and one answer model per op, on both sides.
 
-The coordinator (connect/nodes.py: ``NodeHandle.ask``) sends a request model and gets its answer model back; the
+The coordinator (connect/opsession.py: a transport's ``ask``) sends a request model and gets its answer model back; the
 node (node/nodeops.py) parses each request into its model and answers with its answer model. On the wire each is a
 JSON line: ``{"id", "op", "req"}`` in, ``{"id", "answer"}`` or ``{"id", "error", "kind"}`` out, with the request
 and the answer as JSON objects (``Request.wire`` and ``Answer.wire``: only the fields an op sets, so the lines are
