@@ -1,4 +1,4 @@
-"""The fake transport as a parameter (connect/faketransport.py: ``FakeConnector``, carried by ``SshOptions``), and
+"""The fake transport as a parameter (connect/faketransport.py: ``FakeConnector``, a command's connector), and
 a fake node that goes away and comes back (``ScriptedOps.cut``/``restore``), through the real node handles and op
 sessions (connect/nodes.py, connect/opsession.py)."""
 
@@ -10,7 +10,8 @@ import pytest
 
 from clusterctl.connect.faketransport import FakeTransport, ScriptedOps, fake_ssh
 from clusterctl.connect.localnode import LocalTransport
-from clusterctl.connect.nodes import Connector, SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
+from clusterctl.connect.sshnode import SshTransport
 from clusterctl.errors import HostUnreachable, RemoteCommandFailed
 from clusterctl.plan.inventory import Node
 from clusterctl.protocol.nodeops import MarkersRequest, ProbeRequest
@@ -19,8 +20,9 @@ A = Node(name="a", host="10.0.0.1", runtime_dir="/run/c")
 
 
 def test_the_real_connector_is_the_default_and_the_fake_one_fakes_only_the_nodes_it_names():
-    assert type(SshOptions().connector) is Connector
     here = Node(name="here", host="localhost", runtime_dir="/run/c")
+    real = handles([A, here], Connector())
+    assert isinstance(real["a"].transport, SshTransport) and isinstance(real["here"].transport, LocalTransport)
     hs = handles([A, here], fake_ssh({"a": ScriptedOps()}))
     assert isinstance(hs["a"].transport, FakeTransport)
     assert isinstance(hs["here"].transport, LocalTransport) and here.is_local

@@ -13,7 +13,7 @@ import pytest
 
 from clusterctl.errors import ClusterctlError, HostUnreachable
 from clusterctl.connect import fdlimit
-from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
 from clusterctl.protocol.nodeops import AliveRequest
 from clusterctl.plan.inventory import Node
 
@@ -59,7 +59,7 @@ def test_more_nodes_than_connections_run_in_waves_and_say_so_once(sshd, monkeypa
     slots.acquire = acquire
 
     async def go():
-        hs = handles(sshd_nodes(sshd, 5), SshOptions(known_hosts=sshd.known_hosts))
+        hs = handles(sshd_nodes(sshd, 5), Connector(known_hosts=sshd.known_hosts))
         try:
             first = await asyncio.gather(*(h.ask(AliveRequest()) for h in hs.values()))
             again = await asyncio.gather(*(h.ask(AliveRequest()) for h in hs.values()))
@@ -115,7 +115,7 @@ def test_known_hosts_is_parsed_once_for_every_connection(sshd, monkeypatch):
                         lambda self, data: (loads.append(1), real(self, data))[1])
 
     async def go():
-        hs = handles(sshd_nodes(sshd, 4), SshOptions(known_hosts=sshd.known_hosts))
+        hs = handles(sshd_nodes(sshd, 4), Connector(known_hosts=sshd.known_hosts))
         try:
             return await asyncio.gather(*(h.transport.run(["true"]) for h in hs.values()))
         finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.errors import IntegrityError
 from clusterctl.atomic import dumps
 from clusterctl.protocol.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
@@ -121,7 +121,7 @@ def test_the_front_door_reads_rank_0s_contract_with_the_ranks_reader(setup):
 
     def rules_of(doc: dict):
         write(run, sign_payload(dumps(doc), contract_kind("a"), key))
-        return asyncio.run(read_rules(StateDir(root), m, SshOptions()))
+        return asyncio.run(read_rules(StateDir(root), m, Connector()))
 
     rules = rules_of(good)
     assert rules.authorized("Bearer " + "k" * 32) and not rules.authorized(None)

@@ -14,9 +14,8 @@ its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node th
     report = asyncio.run(teardown_command(state, job_id, ssh, grace=1))
     assert ops.ops() == ["sweep", "clean"]
 
-The fake is a parameter, never a patched global: ``FakeConnector`` is the ``nodes.Connector`` that
-``SshOptions.connector`` carries into every command (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a
-supervisor).
+The fake is a parameter, never a patched global: ``FakeConnector`` is a ``nodes.Connector``, what every command
+is handed as its ``ssh`` (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a supervisor).
 
 An op function may be ``async`` (to hold an answer back), may return the op's answer model (protocol/nodeops.py)
 or its JSON object, may raise ``NodeOpError`` (the node reports an error of that kind, as nodeops does), and an op
@@ -280,21 +279,21 @@ class FakeTransport(NodeOps):
             p.kill()
 
 
-@dataclass(frozen=True)
+@dataclass
 class FakeConnector(nodes.Connector):
     """Opens a ``FakeTransport`` for every node named in ``script`` (its ``ScriptedOps``), the real transport
-    for any other node."""
+    (with the SSH choices of ``nodes.Connector``) for any other node."""
 
-    script: dict[str, ScriptedOps]
+    script: dict[str, ScriptedOps] = field(default_factory=dict)
 
-    def transport(self, node, ssh, *, keeper_grace: float = 10.0):
+    def transport(self, node, *, keeper_grace: float = 10.0):
         ops = self.script.get(node.name)
         if ops is None:
-            return super().transport(node, ssh, keeper_grace=keeper_grace)
+            return super().transport(node, keeper_grace=keeper_grace)
         return FakeTransport(node.name, ops, keeper_grace=keeper_grace)
 
 
-def fake_ssh(script: dict[str, ScriptedOps], **options) -> nodes.SshOptions:
-    """``SshOptions`` (any of its fields in ``options``) whose connector is ``FakeConnector(script)``: hand it to
-    a command as its ``ssh``."""
-    return nodes.SshOptions(connector=FakeConnector(script), **options)
+def fake_ssh(script: dict[str, ScriptedOps], **options) -> FakeConnector:
+    """The ``FakeConnector`` of ``script`` (any SSH choice of ``nodes.Connector`` in ``options``): hand it to a
+    command as its ``ssh``."""
+    return FakeConnector(script=script, **options)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from clusterctl.errors import ClusterctlError, ConfigError, Exit, UsageError, pydantic_line
@@ -23,26 +23,20 @@ from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.protocol.nodeops import Answer, ProbeAnswer, ProbeRequest, Request, WaitMarkersAnswer, WatchedRank
 
 
-@dataclass(frozen=True)
-class Connector:
-    """What opens a node's transport: the real ones (LocalTransport for the coordinator's own node, SshTransport
-    for the others). Every command reaches its nodes through the ``SshOptions`` it is given, which carries its
-    connector; a test hands in a fake one instead (connect/faketransport.py: ``FakeConnector``)."""
-
-    def transport(self, node: Node, ssh: SshOptions, *, keeper_grace: float = 10.0) -> Transport:
-        return make_transport(node.name, local=node.is_local, target=ssh_target(node, ssh),
-                              python=node_python(node), keeper_grace=keeper_grace)
-
-
 @dataclass
-class SshOptions:
-    """Operator-level SSH choices (flags); everything else comes from cluster.toml via ssh_policy. ``connector``
-    opens each node's transport (the real one unless a test gives its fake)."""
+class Connector:
+    """How a command reaches its nodes, a parameter of its own (each command's ``ssh``): it opens each node's
+    transport. This one opens the real ones, LocalTransport for the coordinator's own node and SshTransport for
+    the others, with the operator's SSH choices (flags; everything else comes from cluster.toml via ssh_policy);
+    a test hands in a fake one instead (connect/faketransport.py: ``FakeConnector``)."""
 
     known_hosts: Path | None = None
     accept_new_host_keys: bool = False
     connect_timeout: float = 10.0
-    connector: Connector = field(default_factory=Connector)
+
+    def transport(self, node: Node, *, keeper_grace: float = 10.0) -> Transport:
+        return make_transport(node.name, local=node.is_local, target=ssh_target(node, self),
+                              python=node_python(node), keeper_grace=keeper_grace)
 
 
 def node_python(node: Node) -> str:
@@ -52,7 +46,7 @@ def node_python(node: Node) -> str:
     return node.python
 
 
-def ssh_target(node: Node, ssh: SshOptions):
+def ssh_target(node: Node, ssh: Connector):
     """The SshTarget of a remote node (None for a local one): the one source of its SSH options."""
     if node.is_local:
         return None
@@ -132,11 +126,11 @@ class NodeHandle:
             await self.transport.close()
 
 
-def handles(nodes: list[Node], ssh: SshOptions, *, keeper_grace: float = 10.0,
+def handles(nodes: list[Node], ssh: Connector, *, keeper_grace: float = 10.0,
             runtime_dirs: dict[str, str] | None = None) -> dict[str, NodeHandle]:
     out = {}
     for n in nodes:
-        out[n.name] = NodeHandle(n, ssh.connector.transport(n, ssh, keeper_grace=keeper_grace),
+        out[n.name] = NodeHandle(n, ssh.transport(n, keeper_grace=keeper_grace),
                                  runtime_dir=(runtime_dirs or {}).get(n.name) or n.runtime_dir)
     return out
 
@@ -149,7 +143,7 @@ class NodePool:
     """Node handles kept across the looks of one command (``status --watch``, ``reap`` over several jobs): one
     connection and one op session per node, reopened only when it dropped (opsession.NodeOps.session)."""
 
-    def __init__(self, ssh: SshOptions, *, keeper_grace: float = 10.0):
+    def __init__(self, ssh: Connector, *, keeper_grace: float = 10.0):
         self.ssh, self.keeper_grace = ssh, keeper_grace
         self.kept: dict[tuple, NodeHandle] = {}
 
@@ -174,11 +168,11 @@ def first_error_code(errors: list[BaseException]):
     return codes.pop() if len(codes) == 1 else Exit.FAILED
 
 
-__all__ = ["NodeHandle", "NodePool", "SshOptions", "handles", "close_all", "Connector", "make_transport", "node_python",
+__all__ = ["NodeHandle", "NodePool", "Connector", "handles", "close_all", "make_transport", "node_python",
            "NODEOP_TIMEOUT"]
 
 
-def probe_memory(nodes: list[Node], ssh: SshOptions) -> dict[str, float]:
+def probe_memory(nodes: list[Node], ssh: Connector) -> dict[str, float]:
     """Total RAM (GiB) of remote nodes, probed concurrently over SSH (for `plan --probe`)."""
     async def go() -> dict[str, float]:
         hs = handles(nodes, ssh)

@@ -13,13 +13,13 @@ import asyncio
 import time
 
 from clusterctl.errors import Busy
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.launch.look import look_at_job
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
 
 
-async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, dict]:
+async def read_rank_markers(m, ssh: Connector, hs=None) -> dict[int, dict]:
     """Each rank's marker as its node sees it: {rank: {"marker": doc, "age": s}} or {rank: {"error": why}};
     a rank missing from the answer has no marker. Ages are judged on each node's own clock. ``hs``: node
     handles to reuse (left open); without, opened and closed here."""
@@ -86,12 +86,12 @@ def describe(q: dict) -> str:
     return "; ".join(parts) or "every rank idle"
 
 
-async def quiescence(m, ssh: SshOptions, hs=None) -> dict:
+async def quiescence(m, ssh: Connector, hs=None) -> dict:
     """``hs``: node handles to reuse (their sessions stay open); without, opened and closed here."""
     return judge(m, await read_rank_markers(m, ssh, hs))
 
 
-async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> dict:
+async def wait_idle(m, ssh: Connector, seconds: float, *, poll: float = 0.5, hs=None) -> dict:
     """Poll until launch ``m`` is not busy or ``seconds`` have passed; the last answer."""
     deadline = time.monotonic() + seconds
     while True:
@@ -101,7 +101,7 @@ async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs
         await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
-async def refuse_activity(jobs, ssh: SshOptions, *, refuse: tuple[str, ...], hints: dict[str, str],
+async def refuse_activity(jobs, ssh: Connector, *, refuse: tuple[str, ...], hints: dict[str, str],
                           drain: float = 0.0, log=lambda msg: None, hs_of: dict | None = None) -> None:
     """Raise Busy (exit 75) for the first job whose activity is in ``refuse`` (after ``drain`` seconds of
     waiting for it to go idle), naming its ranks' requests or why they are unknown; ``hints`` by activity.
