@@ -35,13 +35,13 @@ KEY = "sk-bench-keyless-0123456789"
 SERVE = {
     "front": """
 import asyncio, sys, tempfile
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.front.follow import Follower
 from clusterctl.front.proxy import Front, make_server
 from clusterctl.protocol.httpedge import Access, Cors, Keys
 from clusterctl.statedir.state import StateDir
 async def main():
-    front = Front(Follower(StateDir(tempfile.mkdtemp()), "c", SshOptions(), log=lambda m: None))
+    front = Front(Follower(StateDir(tempfile.mkdtemp()), "c", Connector(), log=lambda m: None))
     front.follower.last_rules = Access(Keys.of({"default": sys.argv[1]}), Cors(()))
     server = front.server = make_server(front)
     await server.listen("127.0.0.1", 0)

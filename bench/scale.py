@@ -50,7 +50,7 @@ from clusterctl.connect import fdlimit  # noqa: E402
 from clusterctl.launch.fakecluster import SimulatedNode, simulated_contracts, simulated_deployment  # noqa: E402
 from clusterctl.connect.faketransport import fake_ssh  # noqa: E402
 from clusterctl.launch.jobplan import LaunchOptions  # noqa: E402
-from clusterctl.connect.nodes import SshOptions  # noqa: E402
+from clusterctl.connect.nodes import Connector  # noqa: E402
 from clusterctl.statedir.state import StateDir  # noqa: E402
 
 TICK = 0.005
@@ -188,7 +188,7 @@ async def connect_rows(count: int, nofile: int, folder: Path) -> list[dict]:
         for arm, slots in (("waves", fdlimit.ConnectionSlots(fds_per_connection=fdlimit.FDS_PER_CONNECTION + 1)),
                            ("all at once", fdlimit.ConnectionSlots(limit=1 << 20))):
             fdlimit.SLOTS = slots
-            hs = handles(nodes, SshOptions(known_hosts=folder / "known_hosts", connect_timeout=20))
+            hs = handles(nodes, Connector(known_hosts=folder / "known_hosts", connect_timeout=20))
             cpu0, t0 = time.process_time(), time.monotonic()
             got = await asyncio.gather(*(h.ask(AliveRequest(targets=[]), timeout=120) for h in hs.values()),
                                        return_exceptions=True)

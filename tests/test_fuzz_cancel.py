@@ -225,7 +225,7 @@ class CancelMachine(RuleBasedStateMachine):
         """Run `cancel_job` once per plan (name, requests, wait, rank 0 responsive) in one event loop; with
         ``order``, concurrently with the writes in that order."""
         import clusterctl.launch.cancel as cancel_mod
-        from clusterctl.connect.nodes import SshOptions
+        from clusterctl.connect.nodes import Connector
 
         co = Coordinators(self)
         co.order, co.places = order, len(self.rds)
@@ -236,7 +236,7 @@ class CancelMachine(RuleBasedStateMachine):
         async def one(name, requests, wait):
             _who.set(name)
             try:
-                return await cancel_mod.cancel_job(self.manifest, SshOptions(), requests, wait=WAIT if wait else 0)
+                return await cancel_mod.cancel_job(self.manifest, Connector(), requests, wait=WAIT if wait else 0)
             except ClusterctlError as e:
                 assert e.message and "\n" not in e.message, e.message
                 return e

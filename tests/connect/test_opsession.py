@@ -1,4 +1,4 @@
-"""The node-op session (nodeops ``session`` + nodes.OpSession): one process per node answers every request of a
+"""The node-op session (nodeops ``session`` + opsession.OpSession): one process per node answers every request of a
 command, concurrently, over a local pipe and over a real sshd."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -18,9 +19,24 @@ from clusterctl.connect.nodes import make_transport
 from clusterctl.connect.localnode import LocalTransport
 from clusterctl.connect.transport import CommandTimedOut
 from clusterctl.plan.inventory import Node
-from clusterctl.protocol.nodeops import ProbeRequest, WatchedRank
+from clusterctl.protocol.nodeops import (Answer, CleanAnswer, MarkersRequest, ProbeRequest, Request,
+                                        WaitMarkersRequest, WatchedRank)
 
 PY = sys.executable
+
+
+class NoSuchOp(Request):
+    """An op no node knows."""
+
+    op: ClassVar[str] = "no_such_op"
+    answer: ClassVar[type[Answer]] = Answer
+
+
+class CleanWithoutFields(Request):
+    """``clean`` as a coordinator that forgot its fields would send it."""
+
+    op: ClassVar[str] = "clean"
+    answer: ClassVar[type[Answer]] = CleanAnswer
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
@@ -95,13 +111,13 @@ def test_errors_keep_their_kind_and_the_session_survives_them(handle, tmp_path):
                 with pytest.raises(CannotWrite):
                     await h.write_file(str(tmp_path / "ro" / "x"), b"x")
             with pytest.raises(RemoteCommandFailed, match="unknown op"):
-                await h.op("no_such_op", {})
+                await h.ask(NoSuchOp())
             with pytest.raises(RemoteCommandFailed, match="clean failed"):
-                await h.op("clean", {})  # a request missing its fields: the op's own error, one line
+                await h.ask(CleanWithoutFields())  # a request missing its fields: the op's own error, one line
             with pytest.raises(CommandTimedOut):
-                await h.op("wait_markers", {"paths": [str(tmp_path / "m.json")], "states": ["serving"],
-                                            "timeout": 3}, timeout=0.3)
-            assert (await h.op("markers", {"runtime_dir": str(tmp_path), "job_id": "j"}))["markers"] == []
+                await h.ask(WaitMarkersRequest(paths=[str(tmp_path / "m.json")], states=["serving"], timeout=3),
+                            timeout=0.3)
+            assert (await h.ask(MarkersRequest(runtime_dir=str(tmp_path), job_id="j"))).markers == []
         finally:
             await h.close()
 
@@ -117,7 +133,7 @@ def test_a_node_without_a_working_python_fails_every_request_with_its_reason(tmp
         h = NodeHandle(Node(name="here", local=True), LocalTransport(node="here", python=str(fake)))
         try:
             with pytest.raises(RemoteCommandFailed, match="no module named clusterctl"):
-                await h.op("probe", {})
+                await h.ask(ProbeRequest())
         finally:
             await h.close()
 

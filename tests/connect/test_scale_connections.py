@@ -13,7 +13,8 @@ import pytest
 
 from clusterctl.errors import ClusterctlError, HostUnreachable
 from clusterctl.connect import fdlimit
-from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
+from clusterctl.protocol.nodeops import AliveRequest
 from clusterctl.plan.inventory import Node
 
 PY = sys.executable
@@ -58,16 +59,16 @@ def test_more_nodes_than_connections_run_in_waves_and_say_so_once(sshd, monkeypa
     slots.acquire = acquire
 
     async def go():
-        hs = handles(sshd_nodes(sshd, 5), SshOptions(known_hosts=sshd.known_hosts))
+        hs = handles(sshd_nodes(sshd, 5), Connector(known_hosts=sshd.known_hosts))
         try:
-            first = await asyncio.gather(*(h.op("alive", {"targets": []}) for h in hs.values()))
-            again = await asyncio.gather(*(h.op("alive", {"targets": []}) for h in hs.values()))
+            first = await asyncio.gather(*(h.ask(AliveRequest()) for h in hs.values()))
+            again = await asyncio.gather(*(h.ask(AliveRequest()) for h in hs.values()))
         finally:
             await close_all(hs)
         return first + again
 
     answers = asyncio.run(go())
-    assert answers == [{"status": []}] * 10
+    assert [a.status for a in answers] == [[]] * 10
     assert len(most) >= 5 and max(most) <= 2  # every node got its turn, never more than 2 at once
     assert capsys.readouterr().err.count("connecting in waves") == 1
 
@@ -114,7 +115,7 @@ def test_known_hosts_is_parsed_once_for_every_connection(sshd, monkeypatch):
                         lambda self, data: (loads.append(1), real(self, data))[1])
 
     async def go():
-        hs = handles(sshd_nodes(sshd, 4), SshOptions(known_hosts=sshd.known_hosts))
+        hs = handles(sshd_nodes(sshd, 4), Connector(known_hosts=sshd.known_hosts))
         try:
             return await asyncio.gather(*(h.transport.run(["true"]) for h in hs.values()))
         finally:

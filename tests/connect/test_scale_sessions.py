@@ -11,7 +11,7 @@ import pytest
 
 from clusterctl.connect.faketransport import ScriptedOps, fake_ssh
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, RankRecord, now_iso
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.plan.inventory import Node
 from clusterctl.statedir.state import StateDir
 
@@ -43,7 +43,7 @@ def test_status_watch_keeps_one_connection_per_node_between_refreshes(sshd, tmp_
     save_job(state, "dep-w", nodes)
     before = sshd.log_text().count("Accepted publickey")
     shown = []
-    watch(state, SshOptions(known_hosts=sshd.known_hosts), None, 0.0, shown.append, count=3)
+    watch(state, Connector(known_hosts=sshd.known_hosts), None, 0.0, shown.append, count=3)
     assert len(shown) == 3 and all(r["state"] != "unreachable" for d in shown for r in d["jobs"][0]["ranks"])
     assert sshd.log_text().count("Accepted publickey") - before == 2  # one per node, not one per node per refresh
 
@@ -65,7 +65,7 @@ def test_status_watch_reopens_only_a_session_that_ended(tmp_path):
         try:
             await status(state, ssh, pool=pool)
             await status(state, ssh, pool=pool)
-            sess = pool.handles(nodes)["a"]._session
+            sess = pool.handles(nodes)["a"].transport._ops
             sess.pipe.kill()  # node a's session ends (its connection dropped)
             for _ in range(100):
                 if not sess.alive:

@@ -12,7 +12,7 @@ import json
 import socket
 import time
 
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.front.follow import Follower
 from clusterctl.front.proxy import Front, make_server
 from clusterctl.protocol.httpedge import MAX_BODY, Access, Cors, Keys, body_too_large
@@ -48,7 +48,7 @@ def raw(port: int, data: bytes) -> tuple[bytes, float]:
 
 
 async def answers(tmp_path, origins: tuple[str, ...], requests: list, send=ask) -> list:
-    front = Front(Follower(StateDir(tmp_path), "c", SshOptions(), log=lambda msg: None))
+    front = Front(Follower(StateDir(tmp_path), "c", Connector(), log=lambda msg: None))
     front.follower.last_rules = Access(Keys.of({"default": KEY}), Cors(origins))  # as a contract would say
     server = front.server = make_server(front)
     await server.listen("127.0.0.1", 0)

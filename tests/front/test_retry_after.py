@@ -12,7 +12,7 @@ import http.client
 
 from testports import free_port
 
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.front.follow import Follower, Target
 from clusterctl.front.proxy import Front, make_server
 from clusterctl.protocol.httpedge import Access, Cors, Keys
@@ -55,7 +55,7 @@ def test_every_503_says_retry_after(tmp_path):
     rules = Access(Keys.of({"default": KEY}), Cors(()))
 
     async def go() -> dict[str, tuple[int, str | None]]:
-        front = Front(Follower(state, "c", SshOptions(), log=lambda msg: None))
+        front = Front(Follower(state, "c", Connector(), log=lambda msg: None))
         server = front.server = make_server(front)
         await server.listen("127.0.0.1", free_port())
         got = {}

@@ -21,7 +21,7 @@ import pytest
 from clusterctl.errors import UsageError
 from clusterctl.launch.cancel import CancelNotAcked, cancel_command, cancel_job
 from clusterctl.protocol.runtimefiles import ack_path, cancel_path, write_ack
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.statedir.state import StateDir
 from launchutil import (StreamReader, cli, launch_for_long_requests, make_job, manifests, next_event,
                         open_stream)
@@ -100,7 +100,7 @@ def ack(j: Job, rank: int, epoch: int, applied=(), **kw) -> None:
 
 
 def run_cancel(j: Job, requests, wait: float) -> dict:
-    return asyncio.run(cancel_job(j.m, SshOptions(), requests, wait=wait))
+    return asyncio.run(cancel_job(j.m, Connector(), requests, wait=wait))
 
 
 def test_the_new_epoch_is_above_every_readable_cancel_file_and_ack(job):
@@ -126,7 +126,7 @@ def test_the_new_epoch_is_above_every_readable_cancel_file_and_ack(job):
 def test_request_ids_a_cancel_file_cannot_carry_are_refused_in_one_line(job):
     for bad in (["r" * (70 << 10)], ["a b"], [f"cmpl-{i}" for i in range(257)]):
         with pytest.raises(UsageError) as err:
-            asyncio.run(cancel_command(StateDir(job.state), job.job_id, SshOptions(), requests=bad, wait=0))
+            asyncio.run(cancel_command(StateDir(job.state), job.job_id, Connector(), requests=bad, wait=0))
         assert err.value.exit_code == 2 and len(err.value.message) < 200, err.value.message
     assert not cancel_path(job.run, job.deployment_id).exists()  # nothing written
 
@@ -142,7 +142,7 @@ def test_acks_of_the_same_epoch_but_another_cancel_never_count(job, theirs):
 
     with Ranks(cancel_path(job.run, job.deployment_id), answer):
         with pytest.raises(CancelNotAcked) as err:
-            asyncio.run(cancel_command(StateDir(job.state), job.job_id, SshOptions(),
+            asyncio.run(cancel_command(StateDir(job.state), job.job_id, Connector(),
                                        requests=None, wait=1.5))
     assert err.value.exit_code == 1
     assert f"rank 0 of {job.job_id}, rank 1 of {job.job_id}" in err.value.message

@@ -128,7 +128,7 @@ def test_a_cancelled_readline_leaves_no_pending_task():
 def test_a_fan_out_starts_at_most_a_burst_of_operations_per_loop_turn():
     from collections import Counter
 
-    from clusterctl.connect.nodes import Pacer
+    from clusterctl.connect.opsession import Pacer
 
     async def go():
         pacer, turn, passed = Pacer(), [0], []

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterctl.connect.nodes import Connector
 from clusterctl.errors import IntegrityError
 from clusterctl.atomic import dumps
 from clusterctl.protocol.contract import contract_kind, deployment_proof, encode_contract, load_rank_contract
@@ -99,6 +100,41 @@ def test_signed_contract_that_disagrees_with_its_deployment_row_is_refused(setup
         edit(doc)
         with pytest.raises(IntegrityError, match=match):
             load_rank_contract(write(run, sign_payload(dumps(doc), contract_kind("b"), key)), "b")
+
+
+def test_the_front_door_reads_rank_0s_contract_with_the_ranks_reader(setup):
+    # one reader (read_contract): what the rank refuses of its contract the front refuses too, and it takes the
+    # keys and CORS origins of exactly the spec the rank runs
+    import asyncio
+    from types import SimpleNamespace
+
+    from clusterctl.front.follow import read_rules
+    from clusterctl.plan.inventory import Node
+    from clusterctl.statedir.state import StateDir
+
+    dep, dep_bytes, key, run, root = setup
+    spec = {**spec_for(dep, 0, run), "api_key": "k" * 32, "cors_origins": ["https://a.example"]}
+    good = json.loads(encode_contract(dep_bytes, spec, key).decode())
+    good.pop("signature")
+    m = SimpleNamespace(job_id="job1", ranks=[SimpleNamespace(node="a", contract_path=str(run / "c.contract"))],
+                        nodes=[Node(name="a", local=True)])
+
+    def rules_of(doc: dict):
+        write(run, sign_payload(dumps(doc), contract_kind("a"), key))
+        return asyncio.run(read_rules(StateDir(root), m, Connector()))
+
+    rules = rules_of(good)
+    assert rules.authorized("Bearer " + "k" * 32) and not rules.authorized(None)
+    assert rules.cors.headers("https://a.example")
+    for edit, match in ((lambda d: d["spec"].update(model_path="/elsewhere"), "path_map"),
+                        (lambda d: d["deployment"].update(world_size=3), "world"),
+                        (lambda d: d.update(rank=1), "header"),
+                        (lambda d: d.update(type="other"), "unknown type"),
+                        (lambda d: d.update(job_id="job2") or d["spec"].update(job_id="job2"), "another job")):
+        doc = json.loads(json.dumps(good))
+        edit(doc)
+        with pytest.raises(IntegrityError, match=match):
+            rules_of(doc)
 
 
 def test_contract_carries_the_deployment_proof_not_the_deployment(setup):

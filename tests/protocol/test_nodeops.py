@@ -35,6 +35,8 @@ SAMPLES: dict[str, tuple[wire.Request, wire.Answer]] = {
                                ports_busy=[5000], runtime_dir=wire.RuntimeDirCheck(path="/run/c", ok=True))),
     "stop": (wire.StopRequest(targets=[IDENT], grace=2.0),
              wire.StopAnswer(results=[wire.StopResult(pid=4242, status="gone", detail="")])),
+    "kill_group": (wire.KillGroupRequest(pid=4242, pgid=4242, start_time=1.5, boot_id="boot"),
+                   wire.KillGroupAnswer(killed=False)),
     "alive": (wire.AliveRequest(targets=[IDENT, Identity(pid=7)]), wire.AliveAnswer(status=["alive", "foreign"])),
     "sweep": (wire.SweepRequest(runtime_dir="/run/c", job_id="j", nonce="ab" * 8, grace=1.0, extra=[IDENT],
                                 ranks=[0, 2]),
@@ -114,6 +116,26 @@ def test_the_node_answers_real_requests_with_its_models(tmp_path):
     assert nodeops.serve("read", {"path": str(tmp_path / "f")}) == {"data": data}
     assert nodeops.serve("clean", {"runtime_dir": str(tmp_path), "job_id": "j"})["removed"] != []
     assert sorted(os.listdir(tmp_path)) == ["f", "other-rank0.json"]
+
+
+def test_kill_group_signals_a_group_only_while_its_leader_is_the_process_reported():
+    """The SSH transport's forced stop of a keeper that outlived its grace is this op (no program sent to the
+    node's Python): a pid reused since the report is never signalled."""
+    from clusterctl.protocol.identity import boot_id, start_time_of
+
+    p = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        born = start_time_of(p.pid)
+        req = {"pid": p.pid, "pgid": p.pid, "start_time": born, "boot_id": boot_id()}
+        assert nodeops.serve("kill_group", {**req, "start_time": born + 5}) == {"killed": False}
+        assert nodeops.serve("kill_group", {**req, "boot_id": "another-boot"}) == {"killed": False}
+        assert p.poll() is None
+        assert nodeops.serve("kill_group", req) == {"killed": True}
+        assert p.wait(timeout=10) == -9
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_the_tail_of_a_log_is_its_last_bytes_and_its_size_never_through_a_link_or_a_fifo(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.statedir.state import StateDir
 from clusterctl.sync.engine import SyncOptions, sync_deployment
 from clusterctl.modelfiles.manifest import build_manifest
@@ -97,7 +97,7 @@ runtime_dir = "{tmp}/run-b"
         return cli("sync", self.dep, "--json", "--known-hosts", str(self.sshd.known_hosts), *args, env=self.env)
 
     def run_engine(self, **kw):
-        opts = SyncOptions(ssh=SshOptions(known_hosts=self.sshd.known_hosts), **kw)
+        opts = SyncOptions(ssh=Connector(known_hosts=self.sshd.known_hosts), **kw)
         return asyncio.run(sync_deployment(StateDir(self.tmp / "state"), self.dep, opts))
 
     @property

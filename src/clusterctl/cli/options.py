@@ -319,9 +319,9 @@ AcceptNewOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
 
 
 def ssh_options(known_hosts: Path | None, accept_new: bool):
-    from clusterctl.connect.nodes import SshOptions
+    from clusterctl.connect.nodes import Connector
 
-    return SshOptions(known_hosts=known_hosts, accept_new_host_keys=accept_new)
+    return Connector(known_hosts=known_hosts, accept_new_host_keys=accept_new)
 
 
 

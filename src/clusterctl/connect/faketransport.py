@@ -1,9 +1,9 @@
 """A fake node for unit tests, beside the real transports (localnode.py: this machine, sshnode.py: SSH).
 
 ``FakeTransport`` is an in-memory ``Transport`` of a remote node; its ``open_pipe`` answers the node-op session
-protocol (nodes.OpSession: JSON lines ``{"id", "op", "req"}`` in, ``{"id", "answer"|"error"}`` out) from a
+protocol (opsession.OpSession: JSON lines ``{"id", "op", "req"}`` in, ``{"id", "answer"|"error"}`` out) from a
 ``ScriptedOps``: one function per op, each given the request and returning the answer. So the real
-``NodeHandle``/``OpSession`` code runs, and a teardown, reap, cancel or status decision is tested in
+``NodeOps``/``OpSession`` code runs, and a teardown, reap, cancel or status decision is tested in
 milliseconds without sshd or ranks. Files written through the handle (``read``/``write`` ops) live in
 ``ScriptedOps.files``. Every request is recorded in ``ScriptedOps.calls``. ``run`` and ``start`` (a foreground
 rank through its keeper) are answered by the ops ``run`` and ``start`` the same way; a started process runs until
@@ -14,14 +14,13 @@ its stdin closes. ``SimulatedNode`` (launch/fakecluster.py) is a healthy node th
     report = asyncio.run(teardown_command(state, job_id, ssh, grace=1))
     assert ops.ops() == ["sweep", "clean"]
 
-The fake is a parameter, never a patched global: ``FakeConnector`` is the ``nodes.Connector`` that
-``SshOptions.connector`` carries into every command (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a
-supervisor).
+The fake is a parameter, never a patched global: ``FakeConnector`` is a ``nodes.Connector``, what every command
+is handed as its ``ssh`` (``LaunchOptions(ssh=fake_ssh(...))`` for a launch or a supervisor).
 
 An op function may be ``async`` (to hold an answer back), may return the op's answer model (protocol/nodeops.py)
 or its JSON object, may raise ``NodeOpError`` (the node reports an error of that kind, as nodeops does), and an op
 without a function answers "unknown op"; answers are checked on the coordinator's side like a real node's
-(``NodeHandle.ask``). ``ScriptedOps.cut()`` takes
+(``NodeOps.ask``). ``ScriptedOps.cut()`` takes
 the whole node away (its open sessions end, a new connection is refused with ``HostUnreachable``, as a node
 that went down or whose link was cut); ``restore()`` brings it back.
 """
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clusterctl.errors import HostUnreachable
+from clusterctl.connect.opsession import NodeOps
 from clusterctl.connect.transport import (CommandResult, CommandTimedOut, StartedProcess, check_argv, keeper_argv,
                                          raise_for_status, shell_command_line, stop_all)
 from clusterctl.connect import nodes
@@ -226,11 +226,10 @@ class FakeChannel:
         self.exit(137)
 
 
-class FakeTransport:
-    """An in-memory remote node: node operations answered by ``ops``; ``run`` and ``start`` too (the ops
-    ``run`` and ``start``: the request is ``{"argv", "env", "input"}``), nothing real ever runs."""
-
-    is_local = False
+class FakeTransport(NodeOps):
+    """An in-memory remote node: node operations answered by ``ops`` (its files and markers too, as a remote
+    node's are: opsession.NodeOps); ``run`` and ``start`` too (the ops ``run`` and ``start``: the request is
+    ``{"argv", "env", "input"}``), nothing real ever runs."""
 
     def __init__(self, node: str, ops: ScriptedOps, python: str = "python3", keeper_grace: float = 10.0):
         self.node, self.ops, self.python, self.keeper_grace = node, ops, python, keeper_grace
@@ -273,27 +272,28 @@ class FakeTransport:
         return pipe
 
     async def close(self) -> None:
+        await self.close_session()
         started, self.started = self.started, []
         await stop_all(started)
         for p in self.pipes:
             p.kill()
 
 
-@dataclass(frozen=True)
+@dataclass
 class FakeConnector(nodes.Connector):
     """Opens a ``FakeTransport`` for every node named in ``script`` (its ``ScriptedOps``), the real transport
-    for any other node."""
+    (with the SSH choices of ``nodes.Connector``) for any other node."""
 
-    script: dict[str, ScriptedOps]
+    script: dict[str, ScriptedOps] = field(default_factory=dict)
 
-    def transport(self, node, ssh, *, keeper_grace: float = 10.0):
+    def transport(self, node, *, keeper_grace: float = 10.0):
         ops = self.script.get(node.name)
         if ops is None:
-            return super().transport(node, ssh, keeper_grace=keeper_grace)
+            return super().transport(node, keeper_grace=keeper_grace)
         return FakeTransport(node.name, ops, keeper_grace=keeper_grace)
 
 
-def fake_ssh(script: dict[str, ScriptedOps], **options) -> nodes.SshOptions:
-    """``SshOptions`` (any of its fields in ``options``) whose connector is ``FakeConnector(script)``: hand it to
-    a command as its ``ssh``."""
-    return nodes.SshOptions(connector=FakeConnector(script), **options)
+def fake_ssh(script: dict[str, ScriptedOps], **options) -> FakeConnector:
+    """The ``FakeConnector`` of ``script`` (any SSH choice of ``nodes.Connector`` in ``options``): hand it to a
+    command as its ``ssh``."""
+    return FakeConnector(script=script, **options)

@@ -1,7 +1,8 @@
 """LocalTransport: the Transport of the coordinator's own node, asyncio subprocesses on this machine, with the
 same semantics as SshTransport (sshnode.py) and no network in between. Started processes go through the keeper
 here too; commands and pipes run in their own session, so a Ctrl-C in the operator's terminal reaches only the
-coordinator; the node's small files are read and written directly."""
+coordinator; node operations go through an op session here too (opsession.NodeOps), but the node's small files
+and its ranks' markers are read and written directly, in this process."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ import os
 import shlex
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 from clusterctl.atomic import atomic_write_bytes, read_capped
 from clusterctl.errors import IntegrityError, MissingInput, RemoteCommandFailed
+from clusterctl.connect.opsession import NodeOps
 from clusterctl.connect.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
                                          check_argv, keeper_argv, keeper_env, raise_for_status, stop_all)
 from clusterctl.node.keeper import kill_group_if_same
+from clusterctl.node.markerops import look_at_markers
+from clusterctl.protocol.nodeops import WaitMarkersAnswer, WatchedRank
 
 PIPE_LINE_LIMIT = 256 << 20  # one answer line of a pipe (a node op's answer; REQUEST_LIMIT is 64 MiB)
+MARKER_POLL = 0.02  # the markers, read in-process
 
 
 class _LocalChannel(ProcStreams):
@@ -73,13 +79,12 @@ class _LocalPipe:
 
 
 @dataclass
-class LocalTransport:
+class LocalTransport(NodeOps):
     """Runs on this machine. Same semantics as SshTransport, without a network in between."""
 
     node: str = "local"
     python: str = field(default_factory=lambda: sys.executable)
     keeper_grace: float = 10.0
-    is_local: bool = field(default=True, init=False)
     _started: list[StartedProcess] = field(default_factory=list, init=False, repr=False)
 
     async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
@@ -123,8 +128,7 @@ class LocalTransport:
         self._started = [p for p in self._started if p.returncode is None] + [sp]
         return sp
 
-    # A local node's small files are read and written here directly; a remote node's through its op session
-    # (NodeHandle.read_file / write_file).
+    # The node's small files and markers, here directly (a remote node's through its op session: NodeOps)
     async def read_file(self, path: str, *, limit: int = 65536) -> bytes:
         try:
             return await asyncio.to_thread(read_capped, path, limit=limit, what="file")
@@ -133,6 +137,15 @@ class LocalTransport:
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         await asyncio.to_thread(atomic_write_bytes, path, bytes(data), mode=mode)
+
+    async def wait_markers(self, paths: list[str], states: set[str], timeout: float,
+                           watch: list[WatchedRank | None] | None = None) -> WaitMarkersAnswer:
+        deadline = time.monotonic() + timeout
+        while True:
+            look, settled = look_at_markers(paths, states, watch)
+            if settled or time.monotonic() >= deadline:
+                return look
+            await asyncio.sleep(MARKER_POLL)
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _LocalPipe:
         check_argv(argv, env)
@@ -148,5 +161,6 @@ class LocalTransport:
         return _LocalPipe(proc)
 
     async def close(self) -> None:
+        await self.close_session()
         started, self._started = self._started, []
         await stop_all(started)

@@ -3,15 +3,16 @@
 One connection per node, opened on first use (in waves when the open-file limit cannot cover every node:
 fdlimit.py) and shared by its commands, started processes and pipes, each on its own SSH channel; at most
 SHORT_CHANNELS commands at once, so sshd's MaxSessions leaves room for the rest. Command lines are built by
-``transport.shell_command_line`` only. A remote node's files are read and written by its node-op session (a pipe,
-nodes.py), not here; the one program this module runs itself is the identity-checked kill of a keeper's group
-that outlived its grace. ``close()`` ends the connection and with it every process started over it.
+``transport.shell_command_line`` only. Node operations, and with them the node's files and markers, go through
+its op session (a pipe: opsession.NodeOps); a keeper that outlived its grace is killed by the node operation
+``kill_group`` on a channel of its own. ``close()`` ends the connection and with it every process started over it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import socket
@@ -25,19 +26,17 @@ import asyncssh  # noqa: E402
 
 from clusterctl.errors import ClusterctlError, ConfigError, HostUnreachable
 from clusterctl.connect import fdlimit, ssh_policy
+from clusterctl.connect.opsession import NodeOps
 from clusterctl.connect.ssh_policy import SshTarget
 from clusterctl.connect.transport import (ChildInfo, CommandResult, CommandTimedOut, ProcStreams, StartedProcess,
                                          check_argv, keeper_argv, keeper_env, raise_for_status, shell_command_line,
                                          stop_all)
+from clusterctl.protocol.nodeops import KillGroupRequest
 
 # sshd allows 10 sessions per connection by default (MaxSessions); keep room for started processes.
 SHORT_CHANNELS = 4
 
 KILL_TIMEOUT = 15.0
-_KILL_PROGRAM = (
-    "import sys; from clusterctl.node.keeper import kill_group_if_same as k; "
-    "a = sys.argv[1:]; k(int(a[0]), int(a[1]), None if a[2] == 'None' else float(a[2]), "
-    "None if a[3] == 'None' else a[3])")
 
 class _PolicyClient(asyncssh.SSHClient):
     """Routes host keys missing from known_hosts to ssh_policy, remembering why one was refused."""
@@ -136,8 +135,11 @@ class _SshChannel(ProcStreams):
             self.proc.close()
 
     async def force_kill(self, info: ChildInfo) -> None:
-        await self.t.run([self.t.python, "-c", _KILL_PROGRAM, str(info.pid), str(info.pgid),
-                          repr(info.start_time), str(info.boot_id)], timeout=KILL_TIMEOUT)
+        # the one-shot entry of the node operations (a request on stdin), not the op session: this runs when
+        # something on the node did not stop, and must not wait behind whatever the session is doing
+        req = KillGroupRequest(pid=info.pid, pgid=info.pgid, start_time=info.start_time, boot_id=info.boot_id)
+        await self.t.run([self.t.python, "-m", "clusterctl.node.nodeops", req.op],
+                         input=json.dumps(req.wire()).encode(), timeout=KILL_TIMEOUT)
 
 
 class _SshPipe:
@@ -178,11 +180,9 @@ class _SshPipe:
         self.proc.close()
 
 
-class SshTransport:
+class SshTransport(NodeOps):
     """A node reached over SSH. Lazily connected; ``close()`` ends the connection and with it every process
     this transport started (their keepers see EOF and stop their groups)."""
-
-    is_local = False
 
     def __init__(self, node: str, target: SshTarget, *, python: str = "python3", keeper_grace: float = 10.0):
         self.node = node
@@ -193,9 +193,7 @@ class SshTransport:
         self._lock = asyncio.Lock()
         self._channels = asyncio.Semaphore(SHORT_CHANNELS)
         self._started: list[StartedProcess] = []
-        self.owner = None  # the NodeHandle using this transport: it says when the connection is idle
         self._busy = 0  # commands in flight
-        self._pipes = 0  # pipes opened on this connection (an owner-less transport is never idle with one)
 
     def __repr__(self) -> str:
         return f"SshTransport({self.node!r}, {ssh_policy.describe(self.target)})"
@@ -216,17 +214,16 @@ class SshTransport:
                 except BaseException:
                     fdlimit.SLOTS.release(self)
                     raise
-                self._pipes = 0
             return self._conn
 
     def idle(self) -> bool:
         """Nothing in flight and nothing started here: the connection may be closed and reopened later."""
-        if any(p.returncode is None for p in self._started) or self._busy:
-            return False
-        return self.owner.idle() if self.owner is not None else self._pipes == 0
+        return not (any(p.returncode is None for p in self._started) or self._busy) and self.ops_idle()
 
     async def evict(self) -> None:
-        await (self.owner.evict() if self.owner is not None else self.close())
+        """Close the connection to make room for another node's (fdlimit.SLOTS); the next verb reopens it."""
+        async with self._ops_guard():  # not while this node's op session is being opened
+            await self.close()
 
     async def _open(self, command: str) -> asyncssh.SSHClientProcess:
         conn = await self.connection()
@@ -292,11 +289,11 @@ class SshTransport:
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> _SshPipe:
         check_argv(argv, env)
-        self._pipes += 1
         return _SshPipe(self, await self._open(shell_command_line(argv, env, exec_=True)))
 
     async def close(self) -> None:
-        """Stop everything started here (stdin EOF, grace, kill), then end the connection."""
+        """End the op session, stop everything started here (stdin EOF, grace, kill), then end the connection."""
+        await self.close_session()
         started, self._started = self._started, []
         await stop_all(started)
         async with self._lock:

@@ -1,11 +1,14 @@
 """The transport seam: what the coordinator does on one node, whatever the way there.
 
-``Transport`` is the protocol: ``run`` a command (argv, never a shell line), ``start`` a long-lived process,
-``open_pipe`` a command whose stdin and stdout the caller keeps line by line (the node-op session,
-``nodes.OpSession``), ``close``. Its implementations are ``LocalTransport`` (localnode.py, this machine),
-``SshTransport`` (sshnode.py, one asyncssh connection per node) and ``FakeTransport`` (faketransport.py, unit
-tests); ``nodes.make_transport`` picks one. Everything above them (start, foreground, sync) talks to
-``Transport`` only, so it never builds a shell command or touches asyncssh itself.
+``Transport`` is the protocol, the same verbs for every kind of node (as pyinfra's connectors): ``run`` a command
+(argv, never a shell line), ``start`` a long-lived process, ``open_pipe`` a command whose stdin and stdout the
+caller keeps line by line, ``ask`` a node operation (its request model in, its answer model out: over the node's
+op session, opsession.py), the node's small files (``read_file``, ``write_file``, ``read_tail``) and its ranks'
+markers (``wait_markers``), ``close``. Its implementations are ``LocalTransport`` (localnode.py, this machine: its
+files and markers read and written directly), ``SshTransport`` (sshnode.py, one asyncssh connection per node) and
+``FakeTransport`` (faketransport.py, unit tests), the last two answering the file verbs by node operations; a
+``nodes.Connector`` picks one per node. Everything above them (start, foreground, sync) talks to ``Transport``
+only, so it never asks which kind of node it has, builds a shell command or touches asyncssh itself.
 
 This module holds what they share: results and errors, the one builder of a remote command line
 (``shell_command_line``), and ``StartedProcess``. Long-lived processes always go through the keeper
@@ -25,11 +28,13 @@ from typing import Protocol, runtime_checkable
 from clusterctl.atomic import strict_loads
 from clusterctl.errors import ClusterctlError, HostUnreachable, IntegrityError, RemoteCommandFailed, UsageError
 from clusterctl.protocol.identity import ChildInfo  # the keeper's one JSON line
+from clusterctl.protocol.nodeops import Answer, Request, WaitMarkersAnswer, WatchedRank
 
 TAIL_BYTES = 65536
 STDERR_TAIL_CHARS = 2000
 START_TIMEOUT = 30.0  # the keeper must report its child within this (python start + psutil import on a slow node)
 KILL_WAIT = 5.0
+NODEOP_TIMEOUT = 120.0
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -56,7 +61,6 @@ class CommandTimedOut(RemoteCommandFailed):
 @runtime_checkable
 class Transport(Protocol):
     node: str
-    is_local: bool
     python: str
 
     async def run(self, argv: list[str], *, input: bytes | None = None, env: dict[str, str] | None = None,
@@ -66,6 +70,17 @@ class Transport(Protocol):
                     grace: float | None = None) -> "StartedProcess": ...
 
     async def open_pipe(self, argv: list[str], *, env: dict[str, str] | None = None) -> "Pipe": ...
+
+    async def ask(self, req: Request, *, timeout: float = NODEOP_TIMEOUT, paced: bool = False) -> Answer: ...
+
+    async def read_file(self, path: str, *, limit: int = 65536) -> bytes: ...
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o600) -> None: ...
+
+    async def read_tail(self, path: str, limit: int, *, timeout: float = NODEOP_TIMEOUT) -> tuple[int, bytes]: ...
+
+    async def wait_markers(self, paths: list[str], states: set[str], timeout: float,
+                           watch: list[WatchedRank | None] | None = None) -> WaitMarkersAnswer: ...
 
     async def close(self) -> None: ...
 

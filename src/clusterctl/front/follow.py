@@ -15,14 +15,11 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import ClusterctlError, IntegrityError
 from clusterctl.statedir import history
-from clusterctl.atomic import strict_loads
 from clusterctl.front.records import cluster_of_deployment
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
 from clusterctl.connect.nodes import close_all, handles
-from clusterctl.protocol.contract import MAX_CONTRACT_BYTES, contract_kind
+from clusterctl.protocol.contract import MAX_CONTRACT_BYTES, read_contract
 from clusterctl.protocol.httpedge import Access
-from clusterctl.protocol.rankspec import parse_rank_spec
-from clusterctl.protocol.signing import verify_signed
 from clusterctl.statedir.state import StateDir
 
 
@@ -39,8 +36,8 @@ def rules_of_spec(spec) -> Access:
 
 
 async def read_rules(state: StateDir, m, ssh) -> Access:
-    """Rank 0's keys and CORS origins from its contract on its node, the signature checked with this state
-    dir's keys. ClusterctlError when the contract cannot be read or verified."""
+    """Rank 0's keys and CORS origins from its contract on its node, read as the rank reads it
+    (protocol/contract.read_contract) with this state dir's keys. ClusterctlError when it cannot be read or verified."""
 
     r0 = m.ranks[0]
     node = next(n for n in m.nodes if n.name == r0.node)
@@ -50,11 +47,10 @@ async def read_rules(state: StateDir, m, ssh) -> Access:
     finally:
         await close_all(hs)
     source = f"rank 0's contract of job {m.job_id}"
-    doc = strict_loads(verify_signed(data, contract_kind(r0.node), state.keyring.public_keys(), source=source),
-                       source=source)
-    if not isinstance(doc, dict) or doc.get("job_id") != m.job_id:
+    spec = read_contract(data, r0.node, state.keyring.public_keys(), source=source)
+    if spec.job_id != m.job_id:
         raise IntegrityError(f"{source} names another job")
-    return rules_of_spec(parse_rank_spec(doc.get("spec"), source=source))
+    return rules_of_spec(spec)
 
 
 def reachable(m) -> str:

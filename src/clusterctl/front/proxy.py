@@ -29,7 +29,7 @@ from clusterctl.front.records import FrontRecord, record_path, remove_record, ur
 from clusterctl.statedir.healfile import read_state as read_heal
 from clusterctl.front.listener import Body, Listener
 from clusterctl.statedir.manifest import now_iso, this_coordinator
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.front.upstream import Lost, NotSent, Pool, Response
 from clusterctl.statedir.state import StateDir
 from clusterctl.protocol.httpedge import (CHALLENGE, MAX_BODY, UNAUTHORIZED_CODE, UNAUTHORIZED_MESSAGE, Access,
@@ -386,7 +386,7 @@ async def serve(state: StateDir, cluster: str, host: str, port: int, *, ssh=None
     def log(msg: str) -> None:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
-    front = Front(Follower(state, cluster, ssh or SshOptions(), log=log), linger=linger,
+    front = Front(Follower(state, cluster, ssh or Connector(), log=log), linger=linger,
                   metrics_open=os.environ.get("CLUSTERCTL_METRICS_OPEN") == "1")
     server = front.server = make_server(front)
     try:
@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--known-hosts")
     ap.add_argument("--accept-new-host-keys", action="store_true")
     a = ap.parse_args(argv)
-    ssh = SshOptions(known_hosts=Path(a.known_hosts) if a.known_hosts else None,
-                     accept_new_host_keys=a.accept_new_host_keys)
+    ssh = Connector(known_hosts=Path(a.known_hosts) if a.known_hosts else None,
+                    accept_new_host_keys=a.accept_new_host_keys)
     return asyncio.run(serve(StateDir(a.state_dir), a.cluster, a.host, a.port, ssh=ssh, linger=a.linger,
                              auto=a.auto))
 

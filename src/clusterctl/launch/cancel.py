@@ -13,7 +13,7 @@ import time
 
 from clusterctl.errors import ClusterctlError, Exit, MissingInput, UsageError
 from clusterctl.statedir.manifest import job_ref, manifest_store
-from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
 from clusterctl.protocol.runtimefiles import (MAX_REQUEST_IDS, REQUEST_ID_PATTERN, CancelAck, CancelFile, EpochsUsedUp,
                                             ack_path, cancel_path, new_cancel_nonce as new_nonce, next_epoch)
 from clusterctl.statedir.state import StateDir
@@ -37,7 +37,7 @@ def resolve_jobs(state: StateDir, target: str) -> list:
     return jobs
 
 
-async def cancel_job(m, ssh: SshOptions, requests: list[str] | None, *, wait: float) -> dict:
+async def cancel_job(m, ssh: Connector, requests: list[str] | None, *, wait: float) -> dict:
     """Write the job's cancel file on each of its nodes, then (``wait``) read every rank's ack until each has
     applied THIS cancel. Reads and writes go through each node's handle: the transport on this machine, the
     node's op session (read, write) on a remote one.
@@ -127,7 +127,7 @@ def valid_cancel(doc: dict | None):
         return None
 
 
-async def cancel_command(state: StateDir, target: str, ssh: SshOptions, *, requests: list[str] | None,
+async def cancel_command(state: StateDir, target: str, ssh: Connector, *, requests: list[str] | None,
                          wait: float = 0.0) -> list[dict]:
     check_requests(requests)
     jobs = resolve_jobs(state, target)

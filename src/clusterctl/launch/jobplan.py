@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from clusterctl.launch import hostfile
 from clusterctl.protocol import runtimefiles as rf
 from clusterctl.statedir.manifest import RankRecord
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.protocol.rankspec import RankSpec, parse_rank_spec
 from clusterctl.launch.teardown import DEFAULT_GRACE
 from clusterctl.protocol.deployment import Deployment
@@ -47,7 +47,7 @@ class LaunchOptions(BaseModel):
     seed: int = 0
     max_queue: int = 64  # requests rank 0 holds beyond the batch before answering 429
     canary: bool = True
-    ssh: SshOptions = Field(default_factory=SshOptions)
+    ssh: Connector = Field(default_factory=Connector)
     check_model: bool = True
     verify_model: bool = False  # preflight re-hashes every byte of each node's model copy
     reap_first: bool = True

@@ -15,7 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from clusterctl.errors import ClusterctlError
-from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
 from clusterctl.protocol.identity import Identity
 from clusterctl.protocol.nodeops import AliveAnswer, AliveRequest, MarkersAnswer, MarkersRequest
 from clusterctl.protocol.runtimefiles import MarkerView
@@ -102,7 +102,7 @@ async def look(m, hs: dict, *, markers: bool = True, processes: bool = True,
     return out
 
 
-async def look_at_job(m, ssh: SshOptions, *, hs: dict | None = None, pool=None, **what) -> JobLook:
+async def look_at_job(m, ssh: Connector, *, hs: dict | None = None, pool=None, **what) -> JobLook:
     """``look`` over the sessions ``hs`` or ``pool``'s (nodes.NodePool; both left open), else over sessions to
     the nodes it asks, opened and closed here. ``what``: ``look``'s choices."""
     if hs is not None:

@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from clusterctl.errors import Busy
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.launch.look import RankView, look_at_job
 
 STALE_AFTER = 5.0  # heartbeats come every second; five missed ones make a marker stale
@@ -58,7 +58,7 @@ class Quiescence(BaseModel):
         return "; ".join(parts) or "every rank idle"
 
 
-async def read_rank_markers(m, ssh: SshOptions, hs=None) -> dict[int, RankView]:
+async def read_rank_markers(m, ssh: Connector, hs=None) -> dict[int, RankView]:
     """Each rank's marker as its node sees it (a rank missing from the answer has no marker). Ages are judged
     on each node's own clock. ``hs``: node handles to reuse (left open); without, opened and closed here."""
     return (await look_at_job(m, ssh, hs=hs, processes=False)).markers
@@ -84,12 +84,12 @@ def judge(m, markers: dict[int, RankView], *, stale_after: float = STALE_AFTER) 
     return Quiescence(state=overall, job_id=m.job_id, deployment_id=m.deployment_id, ranks=ranks)
 
 
-async def quiescence(m, ssh: SshOptions, hs=None) -> Quiescence:
+async def quiescence(m, ssh: Connector, hs=None) -> Quiescence:
     """``hs``: node handles to reuse (their sessions stay open); without, opened and closed here."""
     return judge(m, await read_rank_markers(m, ssh, hs))
 
 
-async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs=None) -> Quiescence:
+async def wait_idle(m, ssh: Connector, seconds: float, *, poll: float = 0.5, hs=None) -> Quiescence:
     """Poll until launch ``m`` is not busy or ``seconds`` have passed; the last answer."""
     deadline = time.monotonic() + seconds
     while True:
@@ -99,7 +99,7 @@ async def wait_idle(m, ssh: SshOptions, seconds: float, *, poll: float = 0.5, hs
         await asyncio.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
-async def refuse_activity(jobs, ssh: SshOptions, *, refuse: tuple[str, ...], hints: dict[str, str],
+async def refuse_activity(jobs, ssh: Connector, *, refuse: tuple[str, ...], hints: dict[str, str],
                           drain: float = 0.0, log=lambda msg: None, hs_of: dict | None = None) -> None:
     """Raise Busy (exit 75) for the first job whose activity is in ``refuse`` (after ``drain`` seconds of
     waiting for it to go idle), naming its ranks' requests or why they are unknown; ``hints`` by activity.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from clusterctl.errors import Busy, ClusterctlError
 from clusterctl.statedir.manifest import coordinator_alive, manifest_store
-from clusterctl.connect.nodes import NodePool, SshOptions
+from clusterctl.connect.nodes import Connector, NodePool
 from clusterctl.launch.look import look_at_job
 from clusterctl.launch.supervisors import dead_heals, say_stopped
 from clusterctl.launch.teardown import DEFAULT_GRACE, teardown_job
@@ -21,7 +21,7 @@ from clusterctl.locks import Lock, locked
 from clusterctl.statedir.state import StateDir
 
 
-async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
+async def ranks_alive(m, ssh: Connector, pool=None) -> bool:
     """Does any rank of the job still run? A process its node could not verify, or did not answer for, counts
     as yes (we cannot tell). ``pool`` (nodes.NodePool): the node sessions to ask over, left open."""
     started = [r for r in m.ranks if r.pid]
@@ -34,7 +34,7 @@ async def ranks_alive(m, ssh: SshOptions, pool=None) -> bool:
     return any(seen.procs.get(r.rank, "unverifiable") in ("alive", "unverifiable") for r in started)
 
 
-async def job_is_live(m, ssh: SshOptions, pool=None) -> bool:
+async def job_is_live(m, ssh: Connector, pool=None) -> bool:
     """A job is live while its coordinator is, or (detached) while any of its ranks still runs."""
     if not coordinator_alive(m.coordinator):
         return False
@@ -43,7 +43,7 @@ async def job_is_live(m, ssh: SshOptions, pool=None) -> bool:
     return True
 
 
-async def live_jobs(store, ssh: SshOptions, deployment_id: str | None = None) -> list:
+async def live_jobs(store, ssh: Connector, deployment_id: str | None = None) -> list:
     """The launch manifests in ``store`` (of ``deployment_id``, when given) whose job is live."""
     good, _ = store.all()
     return [m for _, m in good
@@ -67,7 +67,7 @@ class ReapReport:
                 "malformed": self.malformed, "skipped": self.skipped}
 
 
-async def reap(state: StateDir, ssh: SshOptions, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
+async def reap(state: StateDir, ssh: Connector, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
                log=lambda msg: None, held: frozenset[str] = frozenset()) -> ReapReport:
     """``held``: deployment ids whose lock the caller already holds (a launch reaping its own dead jobs).
     One connection and session per node for every job on it (nodes.NodePool); the jobs' checks concurrent."""
@@ -83,7 +83,7 @@ async def reap(state: StateDir, ssh: SshOptions, *, grace: float = DEFAULT_GRACE
     return report
 
 
-async def _reap_locked(state: StateDir, ssh: SshOptions, pool, report: ReapReport, *, grace: float, dry_run: bool, log,
+async def _reap_locked(state: StateDir, ssh: Connector, pool, report: ReapReport, *, grace: float, dry_run: bool, log,
                        held: frozenset[str]) -> None:
     import asyncio
 
@@ -111,7 +111,7 @@ async def _reap_locked(state: StateDir, ssh: SshOptions, pool, report: ReapRepor
             lock.release()
 
 
-async def _reap_jobs(state: StateDir, store, ssh: SshOptions, pool, report: ReapReport, jobs: list, *, grace: float,
+async def _reap_jobs(state: StateDir, store, ssh: Connector, pool, report: ReapReport, jobs: list, *, grace: float,
                      dry_run: bool, log, held: frozenset[str], healing: set[str]) -> None:
     for m in jobs:
         if dry_run:

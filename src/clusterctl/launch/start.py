@@ -29,7 +29,7 @@ from clusterctl.launch.foreground import Running, lease_loop, renew_leases
 from clusterctl.launch.jobplan import JobPlan, LaunchOptions, contract_payload, mlx_view, new_job_id, new_nonce, \
     plan_job, port_requests
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, manifest_store, now_iso, this_coordinator
-from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
+from clusterctl.connect.nodes import NodeHandle, close_all, handles
 from clusterctl.launch.preflight import PortsBusy, check_inputs_unchanged, preflight, warm
 from clusterctl.launch.ranklogs import explain, failing_rank, keep_logs, last_lines, printable, with_own_failure
 from clusterctl.locks import Lock

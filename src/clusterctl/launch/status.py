@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from clusterctl.errors import ClusterctlError
 from clusterctl.statedir.manifest import coordinator_alive, job_ref, manifest_store
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.launch.look import RankView, look_at_job
 from clusterctl.launch.quiescence import STALE_AFTER, judge
 from clusterctl.atomic import read_capped
@@ -138,7 +138,7 @@ class StatusReport:
                 "fronts": self.fronts}
 
 
-async def _look(m, ssh: SshOptions, pool=None) -> tuple[dict, dict]:
+async def _look(m, ssh: Connector, pool=None) -> tuple[dict, dict]:
     """A job's markers and its ranks' processes, over one session per node (``pool``'s, kept open after)."""
     seen = await look_at_job(m, ssh, pool=pool)
     return seen.markers, seen.procs
@@ -162,7 +162,7 @@ def _serving_defaults(state: StateDir, deployment_id: str) -> dict | None:
     return doc or None
 
 
-async def status(state: StateDir, ssh: SshOptions, *, probe_nodes: bool = True, ref: str | None = None,
+async def status(state: StateDir, ssh: Connector, *, probe_nodes: bool = True, ref: str | None = None,
                  pool=None) -> StatusReport:
     """Every launch (or those of ``ref``: a job id, deployment id or deployment file), each job's nodes asked
     concurrently. ``pool`` (nodes.NodePool): node sessions kept between calls (``status --watch``)."""

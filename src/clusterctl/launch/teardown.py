@@ -18,7 +18,7 @@ from pathlib import Path
 from clusterctl.errors import Busy, ClusterctlError, HostUnreachable, IntegrityError, MissingInput
 from clusterctl.statedir.manifest import LaunchManifest, ManifestStore, coordinator_alive, job_ref, manifest_store
 from clusterctl.statedir.state import StateDir
-from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, NodeHandle, close_all, handles
 from clusterctl.atomic import atomic_write_json, read_json
 from clusterctl.launch.quiescence import refuse_activity
 from clusterctl.launch.supervisors import hold_supervisors, release
@@ -144,7 +144,7 @@ async def clean_job(m: LaunchManifest, hs: dict[str, NodeHandle]) -> None:
                          return_exceptions=True)
 
 
-async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: SshOptions, *,
+async def teardown_job(m: LaunchManifest, store: ManifestStore, ssh: Connector, *,
                        grace: float = DEFAULT_GRACE, hs: dict[str, NodeHandle] | None = None,
                        before_clean=None) -> TeardownReport:
     """Stop every rank verified; only then remove the node files and the manifest. ``before_clean``: awaited
@@ -174,7 +174,7 @@ def malformed_line(bad) -> str:
     return "malformed launch manifest(s), kept and not acted on: " + "; ".join(f"{p}: {why}" for p, why in bad)
 
 
-async def teardown_command(state: StateDir, ref: str | None, ssh: SshOptions, *, grace: float = DEFAULT_GRACE,
+async def teardown_command(state: StateDir, ref: str | None, ssh: Connector, *, grace: float = DEFAULT_GRACE,
                            force: bool = False, drain: float = 0.0, log=lambda msg: None,
                            malformed: list | None = None, supervisors: bool = False) -> list[TeardownReport]:
     """Tear down the jobs of a deployment (or one job). A live foreground coordinator is asked to stop first
@@ -233,7 +233,7 @@ def _select(state: StateDir, store, ref: str | None, also: set[str] = frozenset(
             [(p, why) for p, why in bad if any(p.stem == n or p.stem.startswith(n + "-") for n in names)])
 
 
-async def _teardown_jobs(state: StateDir, store, jobs, ssh: SshOptions, hs_of: dict, *, grace: float, log) -> list:
+async def _teardown_jobs(state: StateDir, store, jobs, ssh: Connector, hs_of: dict, *, grace: float, log) -> list:
     import os
     import signal as _signal
     import time

@@ -8,11 +8,13 @@ into its op's request model and answered with its answer model (protocol/nodeops
 so one SSH channel and one Python start-up serve every step of a launch or a teardown), or
 ``python -m clusterctl.node.nodeops OP`` with one JSON request on stdin and one answer on stdout.
 
-OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), sweep (stop what a job's
-markers recorded), spawn (start a detached rank), canary (a short greedy request to rank 0), clean (remove a job's
-files), markers (read a job's markers), warm (import what the next requests need), wait_markers (wait until markers reach a state), read / write (a small
-file; atomic write), model_status (is the model copy here the planned one), model_prepare (create the folder a
-sync writes into), fetch (download model files from an HTTP mirror); the model ops live in modelops.py.
+OPs: probe (preflight facts), stop (identity-checked TERM/KILL of given processes), kill_group (SIGKILL a keeper's
+group, its leader checked), sweep (stop what a job's markers recorded), spawn (start a detached rank), canary (a
+short greedy request to rank 0), clean (remove a job's files), markers (read a job's markers), warm (import what the
+next requests need), wait_markers (wait until markers reach a state), read / write (a small file; atomic write),
+tail (a log's end), model_status (is the model copy here the planned one), model_prepare (create the folder a sync
+writes into), fetch (download model files from an HTTP mirror); the marker ops live in markerops.py, the model ops
+in modelops.py.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, read_json, unsafe_folder
+from clusterctl.atomic import atomic_write_bytes, private_dirs, read_capped, unsafe_folder
 from clusterctl.errors import ClusterctlError, pydantic_line
 from clusterctl.protocol.identity import Identity
 from clusterctl.protocol.nodeops import (REQUESTS, AliveAnswer, AliveRequest, CanaryAnswer, CanaryRequest, CleanAnswer,
-                                        CleanRequest, Exited, MarkerEntry, MarkersAnswer, MarkersRequest, ProbeAnswer,
-                                        ProbeRequest, ReadAnswer, ReadRequest, RuntimeDirCheck, SpawnAnswer,
-                                        SpawnRequest, StopAnswer, StopRequest, SweepRequest, TailAnswer, TailRequest,
-                                        WaitMarkersAnswer, WaitMarkersRequest, WarmAnswer, WarmRequest, WatchedRank,
-                                        WriteAnswer, WriteRequest)
-from clusterctl.protocol.runtimefiles import MARKER_LIMIT, belongs_to_job, is_cancel_or_ack, marker_rank
+                                        CleanRequest, KillGroupAnswer, KillGroupRequest, ProbeAnswer, ProbeRequest,
+                                        ReadAnswer, ReadRequest, RuntimeDirCheck, SpawnAnswer, SpawnRequest,
+                                        StopAnswer, StopRequest, SweepRequest, TailAnswer, TailRequest, WarmAnswer,
+                                        WarmRequest, WriteAnswer, WriteRequest)
+from clusterctl.protocol.runtimefiles import belongs_to_job, is_cancel_or_ack, marker_rank
 from clusterctl.protocol.versions import node_versions
+from clusterctl.node.keeper import kill_group_if_same
+from clusterctl.node.markerops import job_markers, op_markers, op_wait_markers, read_own_json
 from clusterctl.node.modelops import copy_state, model_check, op_fetch, op_model_prepare, op_model_status
 from clusterctl.node.procs import boot_id, status_of, stop
 
@@ -107,44 +110,6 @@ def op_stop(req: StopRequest) -> StopAnswer:
     return StopAnswer(results=stop(req.targets, grace=req.grace))
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        st = os.lstat(path)
-        if st.st_uid != os.getuid():
-            return None  # another user's file: never act on it
-        doc = read_json(path, limit=MARKER_LIMIT, what="marker")
-        return doc if isinstance(doc, dict) else None
-    except (ClusterctlError, OSError):
-        return None
-
-
-def job_markers(runtime_dir: str, job_id: str) -> list[tuple[Path, dict | None]]:
-    folder = Path(runtime_dir)
-    out = []
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return out
-    for n in names:
-        if marker_rank(n, job_id) is not None:
-            p = folder / n
-            out.append((p, _read_json(p)))
-    return out
-
-
-def op_markers(req: MarkersRequest) -> MarkersAnswer:
-    now = time.time()
-    out = []
-    for p, doc in job_markers(req.runtime_dir, req.job_id):
-        if doc is None:
-            out.append(MarkerEntry(path=str(p), error="unreadable or foreign marker"))
-            continue
-        st = os.stat(p)
-        # Ages on this node's own clock: the file's mtime against this node's now.
-        out.append(MarkerEntry(path=str(p), marker=doc, age=max(0.0, now - st.st_mtime)))
-    return MarkersAnswer(markers=out, time=now)
-
-
 def op_sweep(req: SweepRequest) -> StopAnswer:
     """Stop every process a job's markers recorded, after checking pid, start time AND the job's nonce.
 
@@ -172,6 +137,13 @@ def op_sweep(req: SweepRequest) -> StopAnswer:
     return StopAnswer(results=stop(idents, grace=req.grace))
 
 
+def op_kill_group(req: KillGroupRequest) -> KillGroupAnswer:
+    """SIGKILL a keeper's group now, only while its leader is still the process it reported (a keeper that
+    outlived its grace: connect/sshnode.py)."""
+
+    return KillGroupAnswer(killed=kill_group_if_same(req.pid, req.pgid, req.start_time, req.boot_id))
+
+
 def op_alive(req: AliveRequest) -> AliveAnswer:
     """Which of these processes are still ours and running (no signal sent)."""
 
@@ -191,7 +163,7 @@ def op_clean(req: CleanRequest) -> CleanAnswer:
     for n in names:
         mine = belongs_to_job(n, job)
         if not mine and is_cancel_or_ack(n):  # named by deployment: check whose it is
-            doc = _read_json(folder / n)
+            doc = read_own_json(folder / n)
             mine = doc is not None and doc.get("job_id") == job
         if mine:
             try:
@@ -299,74 +271,7 @@ def op_warm(req: WarmRequest) -> WarmAnswer:
     return WarmAnswer(imported=done, failed=failed)
 
 
-MARKER_WAIT_POLL = 0.02
-LOG_TAIL_LINES = 20
-LOG_TAIL_BYTES = 16384
-
-
-def op_wait_markers(req: WaitMarkersRequest) -> WaitMarkersAnswer:
-    """Wait (up to ``timeout`` s) until every marker in ``paths`` is in one of ``states``, one failed, or a
-    watched rank's process is gone (``watch``, see look_at_markers); return them all as they are then. The
-    coordinator long-polls with this instead of reading each marker every poll."""
-    states = set(req.states)
-    deadline = time.monotonic() + min(req.timeout, 30.0)
-    while True:
-        look, settled = look_at_markers(req.paths, states, req.watch)
-        if settled or time.monotonic() >= deadline:
-            return look
-        time.sleep(MARKER_WAIT_POLL)
-
-
-def look_at_markers(paths: list[str], states: set[str],
-                    watch: list[WatchedRank | None] | None = None) -> tuple[WaitMarkersAnswer, bool]:
-    """One look at the markers at ``paths``: the answer (``markers``, each a dict or None, and ``exited``) and
-    whether it is settled (every marker in ``states``, one failed, or a watched rank gone).
-
-    ``watch`` (one entry per path, or None) names a detached rank's process (pid, start_time, nonce, boot_id) and
-    its ``log_path``. Nobody waits on a detached rank's exit, so a rank that dies at start would otherwise keep
-    its launch waiting for the whole timeout: a watched process that is gone (identity-checked, a zombie counts
-    as gone) while its marker is short of ``states`` gets the last lines of its log in ``exited``."""
-
-    watch = list(watch or []) + [None] * (len(paths) - len(watch or []))
-    # the processes first, their markers after: a rank that wrote its last marker and exited is judged by it
-    gone = [w is not None and status_of(w) in ("dead", "foreign") for w in watch[:len(paths)]]
-    docs = [_read_json(Path(p)) for p in paths]
-    exited = [Exited(log_tail=_log_tail(w.log_path)) if g and (d or {}).get("state") not in states else None
-              for g, w, d in zip(gone, watch, docs)]
-    return (WaitMarkersAnswer(markers=docs, exited=exited),
-            markers_settled(docs, states) or any(e is not None for e in exited))
-
-
-def _log_tail(path: str | None) -> list[str]:
-    """The last LOG_TAIL_LINES non-empty lines of a rank's log (nothing when it cannot be read)."""
-    if not path:
-        return []
-    try:
-        # O_NONBLOCK: a FIFO planted at the path must not hang the wait
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return []
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return []
-        size = os.fstat(fd).st_size
-        os.lseek(fd, max(0, size - LOG_TAIL_BYTES), os.SEEK_SET)
-        data = os.read(fd, LOG_TAIL_BYTES)
-    except OSError:
-        return []
-    finally:
-        os.close(fd)
-    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
-    return [ln[:1000] for ln in lines[-LOG_TAIL_LINES:]]
-
-
-def markers_settled(docs: list[dict | None], states: set[str]) -> bool:
-    """Every marker is in one of ``states``, or one has failed (waiting longer would not help)."""
-    got = [(d or {}).get("state") for d in docs]
-    return all(g in states for g in got) or "failed" in got
-
-
-OPS = {"probe": op_probe, "stop": op_stop, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
+OPS = {"probe": op_probe, "stop": op_stop, "kill_group": op_kill_group, "alive": op_alive, "sweep": op_sweep, "clean": op_clean, "spawn": op_spawn,
        "canary": op_canary, "markers": op_markers, "model_status": op_model_status, "model_prepare": op_model_prepare,
        "fetch": op_fetch, "read": op_read, "tail": op_tail, "write": op_write, "wait_markers": op_wait_markers,
        "warm": op_warm}

@@ -115,36 +115,43 @@ def trusted_keys(folder: Path) -> list[PublicKey]:
     return keys
 
 
-def _v1_block(doc: dict, node: str, keys: list[PublicKey], path: Path) -> dict:
+def _v1_block(doc: dict, node: str, keys: list[PublicKey], source: str) -> dict:
     """A version-1 contract's deployment (embedded, signed) as the version-2 block of ``node``."""
     dep: Deployment = decode(str(doc.get("deployment", "")).encode(), keys,
-                             source=f"deployment inside {path}").deployment
+                             source=f"deployment inside {source}").deployment
     row = next(({"node": r.node, "rank": r.rank, "start_layer": r.start_layer, "end_layer": r.end_layer,
                  "model_path": dep.path_map.get(r.node)} for r in dep.ranks
                 if r.rank == doc.get("rank") or (doc.get("rank") is None and r.node == node)), None)
     if row is None:
-        raise IntegrityError(f"rank contract {path}: rank {doc.get('rank')} is not in deployment {dep.deployment_id}")
+        raise IntegrityError(f"{source}: rank {doc.get('rank')} is not in deployment {dep.deployment_id}")
     return {"id": dep.deployment_id, "backend": dep.backend, "world_size": len(dep.ranks), "assignment": row}
 
 
+def read_contract(data: bytes, node: str, keys: list[PublicKey], *, source: str):
+    """The one reader of a rank contract: verify ``data``'s signature for ``node`` with ``keys`` and return its
+    RankSpec, checked against the deployment's row it carries. The rank reads its own contract with it
+    (``load_rank_contract``), the front door rank 0's (front/follow.py). IntegrityError (exit 65) on anything off."""
+
+    payload = verify_signed(data, contract_kind(node), keys, source=source)
+    doc = strict_loads(payload, source=source)
+    if not isinstance(doc, dict) or doc.get("type") != "rank-contract" or doc.get("schema_version") not in (1, 2):
+        raise IntegrityError(f"{source} has an unknown type or version")
+    block = _v1_block(doc, node, keys, source) if doc["schema_version"] == 1 else doc.get("deployment")
+    if not isinstance(block, dict):
+        raise IntegrityError(f"{source} carries no deployment proof")
+    spec = parse_rank_spec(doc.get("spec"), source=source)
+    if spec.node != node or doc.get("node") != node:
+        raise IntegrityError(f"{source} is for node {spec.node}, not {node}")
+    if doc.get("rank") != spec.rank or doc.get("job_id") != spec.job_id \
+            or doc.get("deployment_id") != spec.deployment_id:
+        raise IntegrityError(f"{source}: its header and its spec name different ranks or jobs")
+    _check(spec, block, source)
+    return spec
+
+
 def load_rank_contract(path: str | Path, node: str):
-    """Verify and return the RankSpec of a contract for ``node``. IntegrityError (exit 65) on anything off."""
+    """The rank's own contract at ``path``, read with the trusted keys of its runtime dir (``read_contract``)."""
 
     path = Path(path)
     data = read_capped(path, limit=MAX_CONTRACT_BYTES, what="rank contract")
-    keys = trusted_keys(path.parent / TRUSTED_KEYS)
-    payload = verify_signed(data, contract_kind(node), keys, source=f"rank contract {path}")
-    doc = strict_loads(payload, source=f"rank contract {path}")
-    if not isinstance(doc, dict) or doc.get("type") != "rank-contract" or doc.get("schema_version") not in (1, 2):
-        raise IntegrityError(f"rank contract {path} has an unknown type or version")
-    block = _v1_block(doc, node, keys, path) if doc["schema_version"] == 1 else doc.get("deployment")
-    if not isinstance(block, dict):
-        raise IntegrityError(f"rank contract {path} carries no deployment proof")
-    spec = parse_rank_spec(doc.get("spec"), source=f"rank contract {path}")
-    if spec.node != node or doc.get("node") != node:
-        raise IntegrityError(f"rank contract {path} is for node {spec.node}, not {node}")
-    if doc.get("rank") != spec.rank or doc.get("job_id") != spec.job_id \
-            or doc.get("deployment_id") != spec.deployment_id:
-        raise IntegrityError(f"rank contract {path}: its header and its spec name different ranks or jobs")
-    _check(spec, block, f"rank contract {path}")
-    return spec
+    return read_contract(data, node, trusted_keys(path.parent / TRUSTED_KEYS), source=f"rank contract {path}")

@@ -1,6 +1,6 @@
 """The wire of the node operations: one request model and one answer model per op, on both sides.
 
-The coordinator (connect/nodes.py: ``NodeHandle.ask``) sends a request model and gets its answer model back; the
+The coordinator (connect/opsession.py: a transport's ``ask``) sends a request model and gets its answer model back; the
 node (node/nodeops.py) parses each request into its model and answers with its answer model. On the wire each is a
 JSON line: ``{"id", "op", "req"}`` in, ``{"id", "answer"}`` or ``{"id", "error", "kind"}`` out, with the request
 and the answer as JSON objects (``Request.wire`` and ``Answer.wire``: only the fields an op sets, so the lines are
@@ -81,6 +81,22 @@ class StopRequest(Request):
     answer: ClassVar[type[Answer]] = StopAnswer
     targets: list[Identity] = Field(default_factory=list)
     grace: float = 10.0
+
+
+class KillGroupAnswer(Answer):
+    killed: bool  # False: the leader is not the process reported (gone, or its pid reused), nothing signalled
+
+
+class KillGroupRequest(Request):
+    """SIGKILL the group a keeper leads now, only while its leader is the process the keeper reported (the
+    keeper's ``ChildInfo``): a keeper that outlived its grace."""
+
+    op: ClassVar[str] = "kill_group"
+    answer: ClassVar[type[Answer]] = KillGroupAnswer
+    pid: int
+    pgid: int
+    start_time: Optional[float]
+    boot_id: Optional[str]
 
 
 class SweepRequest(Request):
@@ -414,6 +430,6 @@ class FetchRequest(Request):
 
 
 REQUESTS: dict[str, type[Request]] = {r.op: r for r in (
-    ProbeRequest, StopRequest, AliveRequest, SweepRequest, CleanRequest, SpawnRequest, CanaryRequest,
+    ProbeRequest, StopRequest, KillGroupRequest, AliveRequest, SweepRequest, CleanRequest, SpawnRequest, CanaryRequest,
     MarkersRequest, ModelStatusRequest, ModelPrepareRequest, FetchRequest, ReadRequest, TailRequest, WriteRequest,
     WaitMarkersRequest, WarmRequest)}

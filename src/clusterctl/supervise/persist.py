@@ -12,7 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from clusterctl.connect.nodes import SshOptions
+from clusterctl.connect.nodes import Connector
 from clusterctl.errors import ClusterctlError
 from clusterctl.launch.foreground import Running
 from clusterctl.launch.jobplan import LaunchOptions
@@ -113,7 +113,7 @@ class Supervision:
         a = self.address
         return self.opts.model_copy(update={"detach": self.detach, "http_host": a.host, "http_port": a.port})
 
-    def ssh(self, within: float = LOOK_TIMEOUT) -> SshOptions:
+    def ssh(self, within: float = LOOK_TIMEOUT) -> Connector:
         """SSH options for a node that may not answer: connect within ``within`` seconds."""
         return dataclasses.replace(self.opts.ssh, connect_timeout=min(self.opts.ssh.connect_timeout, within))
 

@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass
 
 from clusterctl.errors import ClusterctlError, Exit
-from clusterctl.connect.nodes import SshOptions, close_all, handles
+from clusterctl.connect.nodes import Connector, close_all, handles
 from clusterctl.launch.foreground import Running
 from clusterctl.launch.look import RankView, look
 from clusterctl.launch.quiescence import STALE_AFTER, judge
@@ -89,7 +89,7 @@ class Watch:
     """The supervisor's look at its job: the sessions it looks over (opened per job, closed with it), each node's
     answer to the last look (``unreachable``: True, it gave none), and whether the job was idle then."""
 
-    def __init__(self, ssh: SshOptions, clock):
+    def __init__(self, ssh: Connector, clock):
         self.ssh, self.clock = ssh, clock
         self.hs: dict = {}
         self.unreachable: dict[str, bool] = {}

@@ -22,7 +22,7 @@ from typing import Callable
 from clusterctl.errors import (AuthRejected, CannotWrite, ClusterctlError, Exit, HostUnreachable, MissingInput,
                                UsageError)
 from clusterctl.render import human_bytes
-from clusterctl.connect.nodes import NodeHandle, SshOptions, close_all, handles, ssh_target
+from clusterctl.connect.nodes import Connector, NodeHandle, close_all, handles, ssh_target
 from clusterctl.modelfiles.copycheck import check_copy, needed_files
 from clusterctl.modelfiles.manifest import Manifest, build_manifest, HashCache
 from clusterctl.launch.plannedmodel import planned_adapter_manifest, planned_manifest
@@ -46,7 +46,7 @@ class SyncOptions:
     dry_run: bool = False
     verify: bool = False  # re-hash every file on every node first, instead of trusting the nodes' hash caches
     jobs: int = 4
-    ssh: SshOptions = field(default_factory=SshOptions)
+    ssh: Connector = field(default_factory=Connector)
     protect_args: bool | None = None  # None: rsync -s when both sides are GNU rsync
 
 
@@ -223,7 +223,7 @@ class _Progress:
             self.emit({"event": "progress", "node": self.node, "bytes": min(done, self.total), "total": self.total})
 
 
-async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state: StateDir, ssh: SshOptions,
+async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state: StateDir, ssh: Connector,
                           opts: SyncOptions, emit: Emit) -> str:
     """Pull the whole model from a node holding a verified copy into <state>/staging/<hash>/, verified here."""
 
@@ -244,7 +244,7 @@ async def stage_from_node(h: NodeHandle, ns: NodeSync, manifest: Manifest, state
     return str(folder)
 
 
-async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh: SshOptions, opts: SyncOptions,
+async def push(h: NodeHandle, ns: NodeSync, src: Source, manifest: Manifest, ssh: Connector, opts: SyncOptions,
                emit: Emit) -> None:
     progress = _Progress(emit, ns.node, ns.bytes_needed)
     prep = await h.ask(ModelPrepareRequest(path=ns.path))
